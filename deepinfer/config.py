@@ -1,0 +1,189 @@
+"""Configuration: frozen dataclasses, one per subsystem, loaded from ``config.toml``.
+
+Precedence (lowest first): dataclass defaults (documented in the repo's ``config.toml``) -> a TOML
+file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit overrides (CLI flags,
+``LLM(...)`` keyword arguments). Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how.
+
+    ``path`` None means the built-in tiny model (built once under the user cache dir).
+    """
+
+    path: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on accelerators, fp32 on CPU)
+    tiny_model_seed: int = 0
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check_choice("model.device", self.device, ("auto", "cpu", "cuda", "npu"))
+        _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV pools and per-request state slots (see deepinfer/kv_cache/pool.py)."""
+
+    block_size: int = 128  # tokens per block; a multiple of every compression ratio
+    num_blocks: int | None = None  # None: sized from memory_budget_gib
+    memory_budget_gib: float = 2.0  # CPU: memory for blocks + state slots when num_blocks is None
+    num_state_slots: int | None = None  # None: scheduler.max_num_seqs
+    ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
+
+    def __post_init__(self) -> None:
+        _check_positive("cache.block_size", self.block_size)
+        if self.num_blocks is not None:
+            _check_positive("cache.num_blocks", self.num_blocks)
+        if self.num_state_slots is not None:
+            _check_positive("cache.num_state_slots", self.num_state_slots)
+        if self.memory_budget_gib <= 0:
+            raise ValueError(f"cache.memory_budget_gib must be > 0, got {self.memory_budget_gib}")
+        if self.ring_margin < 0:
+            raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits."""
+
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 2048  # token budget per step (decode tokens + prefill chunks)
+    long_prefill_token_threshold: int = 0  # >0: cap one request's prefill chunk per step
+
+    def __post_init__(self) -> None:
+        _check_positive("scheduler.max_num_seqs", self.max_num_seqs)
+        _check_positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "scheduler.long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
+            )
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Backend per op family; "auto" picks the fastest available and logs why."""
+
+    attention: str = "auto"
+    moe: str = "auto"
+    sampling: str = "auto"
+    num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP front end (used by `deepinfer serve` / `coordinator` / `node`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"server.port must be in 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: dict[str, dict[str, Any]] | None = None,
+        environ: typing.Mapping[str, str] | None = None,
+    ) -> Config:
+        """Build a Config from a TOML file, the environment and explicit overrides.
+
+        ``overrides`` is ``{section: {key: value}}``; None values are ignored (a CLI flag not given).
+        """
+        data: dict[str, dict[str, Any]] = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        for section in data:
+            if section not in sections:
+                raise ValueError(f"{path}: unknown config section [{section}]")
+        env = os.environ if environ is None else environ
+        built = {}
+        for f in dataclasses.fields(cls):
+            section_cls = _SECTIONS[f.name]
+            values = dict(data.get(f.name, {}))
+            values.update(_from_env(f.name, section_cls, env))
+            values.update({k: v for k, v in (overrides or {}).get(f.name, {}).items() if v is not None})
+            built[f.name] = _build_section(f.name, section_cls, values)
+        return cls(**built)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "kernel": KernelConfig,
+    "server": ServerConfig,
+}
+
+
+def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    for key in values:
+        if key not in known:
+            raise ValueError(f"unknown config key [{name}].{key}; known keys: {sorted(known)}")
+    return section_cls(**values)
+
+
+def _from_env(section: str, section_cls: type, env: typing.Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(section_cls)
+    for f in dataclasses.fields(section_cls):
+        var = f"DEEPINFER_{section.upper()}_{f.name.upper()}"
+        if var in env:
+            out[f.name] = _parse_env(var, env[var], hints[f.name])
+    return out
+
+
+def _parse_env(var: str, raw: str, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if raw == "" and type(None) in args:
+        return None
+    try:
+        if base is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return base(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid {base}") from e
+
+
+def _check_positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{key} must be >= 1, got {value}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")

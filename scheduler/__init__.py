@@ -1,0 +1,1 @@
+"""Iteration-level scheduling: requests, blocks, state slots (pure Python, no torch)."""

@@ -1,0 +1,99 @@
+"""Boundary objects between the scheduler and the executor (CPU, torch-free).
+
+    Scheduler.schedule() -> SchedulerOutput -> executor (builds ForwardBatch) -> ModelRunnerOutput
+    -> Scheduler.update() -> list[RequestOutputDelta] -> engine / API
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.scheduler.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Producer: Scheduler.schedule(). Consumer: the executor. Device: none (CPU lists).
+    ``token_ids`` are fed at absolute positions ``start_pos .. start_pos + len(token_ids) - 1``.
+    ``block_table`` covers every block those positions need (entries of a block are written when
+    its compression windows close). ``state_slot`` holds the sliding-window rings and compressor
+    buffers; ``start_pos == 0`` means the slot must be treated as empty. ``do_sample`` is set when the
+    chunk reaches the end of the request's tokens, so the last position's logits are sampled.
+    ``num_prompt_logprob_positions`` counts the positions of this chunk (from its first) whose
+    prompt logprobs are wanted.
+    """
+
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    state_slot: int
+    do_sample: bool
+    num_prompt_logprob_positions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the executor needs for one step.
+
+    Producer: Scheduler.schedule(). Consumer: the executor. Device: none.
+    ``finished_request_ids`` lists requests freed since the previous step (finished, aborted or
+    preempted) so the executor can drop per-request state it keeps.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one executed step produced.
+
+    Producer: the executor. Consumer: Scheduler.update(). Device: none (host values).
+    ``sampled_token_ids`` has one token per request that had ``do_sample``. ``logprobs`` maps a
+    request to ``{token_id: logprob}`` for the sampled token plus the top-k asked for;
+    ``prompt_logprobs`` maps a request to one such dict per prompt position of the chunk
+    (position p holds the logprob of token p+1 given tokens <= p).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutputDelta:
+    """What changed for one request in one step.
+
+    Producer: Scheduler.update(). Consumer: the engine (offline API, node server stream).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    new_prompt_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

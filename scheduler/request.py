@@ -1,0 +1,100 @@
+"""Request: one generation request as the scheduler sees it (token ids only, torch-free).
+
+Counts are stored, phases are derived:
+
+    all_token_ids = prompt_token_ids + output_token_ids
+    |<------------- num_tokens ------------->|
+    |<-- num_computed_tokens -->|            |   tokens whose KV / state is on the device
+                                |<- to run ->|   scheduled in later steps (a prefill chunk, or 1 decode token)
+
+A running request in decode has ``num_computed_tokens == num_tokens - 1``: its newest sampled token
+is fed in the next step. Preemption by recompute sets ``num_computed_tokens`` back to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` of a finished status (None while unfinished)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from admission to finish. Identity-hashed so it can live in sets."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from a prefix cache at admission (0 until prefix caching exists).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    # The stop token id (or stop string) that ended the request, when one did.
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt must not be empty")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token remains to be computed (a prompt or a recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
