@@ -1,0 +1,54 @@
+"""ForwardBatch: one step's inputs as the model sees them.
+
+    Request -> ScheduledRequest (scheduler, CPU) -> ForwardBatch (executor -> model, device)
+
+The batch is flat: every request's tokens of this step are concatenated, in scheduling order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqSpan:
+    """One request's slice of the flat batch.
+
+    ``offset``: index of its first token in the flat batch; positions ``start_pos ..
+    start_pos + num_tokens - 1``; ``block_table``: [num_blocks] int64 on the device.
+    """
+
+    offset: int
+    num_tokens: int
+    start_pos: int
+    slot: int
+    block_table: torch.Tensor
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.num_tokens)
+
+
+@dataclass
+class ForwardBatch:
+    """Producer: the executor. Consumer: the model. Device: the model's device.
+
+    input_ids, positions: [T] int64. logits_indices: [N] int64 rows whose logits are computed.
+    ``rope``: cos/sin [T, rope_dim / 2] fp32 per rope kind ("main", "compress"), set by the model.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seqs: list[SeqSpan]
+    logits_indices: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

@@ -1,0 +1,450 @@
+"""DeepSeek-V4, as the paper and the upstream reference write it, on paged KV caches.
+
+Parameter names are the upstream checkpoint's (``layers.3.attn.wq_a.weight``), except that
+routed experts are stacked per layer (``ffn.experts.w1`` [E, I, D]); ``deepinfer.model.loader``
+maps every naming onto these. Shapes: T = tokens in the flat batch, D = hidden size,
+H = attention heads, hd = head dim, hc = hyper-connection streams.
+
+Per layer:  x [T, hc, D] --hc_pre--> attn_norm -> Attention --hc_post--> x
+                         --hc_pre--> ffn_norm  -> MoE       --hc_post--> x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.kv_cache.pool import CompressorState, KVCache
+from deepinfer.model.config import CSA, HASH_MOE, SLIDING, ModelArgs
+from deepinfer.ops.attention import indexer_topk, sink_attention
+from deepinfer.ops.moe import fused_moe, swiglu
+from deepinfer.ops.norm import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of every ``ratio`` tokens into one KV entry (CSA, HCA, indexer).
+
+    Overlapping (CSA, ratio 4): each token yields two series [Ca | Cb]; entry w pools window w-1's
+    Ca with window w's Cb over 2*ratio slots. Entries are normed, then roped at position w*ratio.
+    Windows are aligned to absolute position 0; only complete windows emit an entry.
+    """
+
+    def __init__(self, args: ModelArgs, dim: int, ratio: int) -> None:
+        super().__init__()
+        self.dim, self.ratio = dim, ratio
+        # Upstream decides the overlapping layout by the ratio alone (CSA's 4).
+        self.overlap = ratio == 4
+        width = 2 * dim if self.overlap else dim
+        self.wkv = _linear(args.hidden_size, width)
+        self.wgate = _linear(args.hidden_size, width)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(dim, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        state: CompressorState,
+        write: Callable[[SeqSpan, int, torch.Tensor], None],
+        inv_freq: torch.Tensor,
+    ) -> None:
+        """Pool the batch's complete windows and hand each request's new entries to ``write``."""
+        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        for seq in batch.seqs:
+            first, entries = self._compress_one(kv[seq.rows], gate[seq.rows], seq, state, inv_freq)
+            write(seq, first, entries)
+
+    def _compress_one(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        seq: SeqSpan,
+        state: CompressorState,
+        inv_freq: torch.Tensor,
+    ) -> tuple[int, torch.Tensor]:
+        m, dim, slot = self.ratio, self.dim, seq.slot
+        window_start = seq.start_pos - seq.start_pos % m
+        num_buffered = seq.start_pos - window_start
+        kv = torch.cat([state.buf_kv[slot, :num_buffered], kv])  # [n, width], from window_start
+        gate = torch.cat([state.buf_gate[slot, :num_buffered], gate])
+        num_windows = kv.shape[0] // m
+        first_window = window_start // m
+        done = num_windows * m
+        num_left = kv.shape[0] - done
+        if num_windows == 0:
+            state.buf_kv[slot, :num_left], state.buf_gate[slot, :num_left] = kv, gate
+            return first_window, kv.new_zeros(0, dim)
+        win_kv = kv[:done].view(num_windows, m, -1)  # [W, m, width]
+        raw_gate = gate[:done].view(num_windows, m, -1)
+        win_gate = raw_gate + self.ape
+        if self.overlap:
+            prev = (state.prev_kv[slot].clone(), state.prev_gate[slot] + self.ape[:, :dim])
+            # The last complete window's Ca half feeds the next call's first entry. Its gate is
+            # kept without the bias, which is added again (bit-identically) when it is used.
+            state.prev_kv[slot] = win_kv[-1, :, :dim]
+            state.prev_gate[slot] = raw_gate[-1, :, :dim]
+            win_kv, win_gate = self._overlap(win_kv, win_gate, prev if first_window else None)
+        weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
+        pooled = self.norm((win_kv * weights).sum(dim=1))  # [W, dim]
+        positions = (first_window + torch.arange(num_windows, device=kv.device)) * m
+        pooled = apply_rope(pooled, *rope_cos_sin(positions, inv_freq))
+        state.buf_kv[slot, :num_left], state.buf_gate[slot, :num_left] = kv[done:], gate[done:]
+        return first_window, pooled
+
+    def _overlap(
+        self,
+        win_kv: torch.Tensor,
+        win_gate: torch.Tensor,
+        prev: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W, m, 2dim] -> [W, 2m, dim]: slots [previous window's Ca | this window's Cb].
+
+        Window 0 of the sequence has no previous window: zero kv, -inf gate (weight 0).
+        ``prev`` (kv, biased gate) [m, dim] is the window before this call's first one.
+        """
+        m, dim = self.ratio, self.dim
+        num_windows = win_kv.shape[0]
+        new_kv = win_kv.new_zeros(num_windows, 2 * m, dim)
+        new_gate = win_gate.new_full((num_windows, 2 * m, dim), float("-inf"))
+        new_kv[:, m:], new_gate[:, m:] = win_kv[..., dim:], win_gate[..., dim:]
+        new_kv[1:, :m], new_gate[1:, :m] = win_kv[:-1, :, :dim], win_gate[:-1, :, :dim]
+        if prev is not None:
+            new_kv[0, :m], new_gate[0, :m] = prev
+        return new_kv, new_gate
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own compressor at index_head_dim, and per-query top-k entries."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.topk, self.ratio = args.index_topk, args.csa_ratio
+        self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = _linear(args.hidden_size, self.n_heads)
+        self.compressor = Compressor(args, self.head_dim, self.ratio)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer_id: int,
+        inv_freq: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Per request: [C, k] selected entry ids (-1 = none) for each of its query tokens."""
+        pool = cache.index_keys[layer_id]
+
+        def write(seq: SeqSpan, first: int, keys: torch.Tensor) -> None:
+            cache.write_entries(pool, seq.block_table, self.ratio, first, keys)
+
+        self.compressor(x, batch, cache.compressor_state[layer_id, "idx"], write, inv_freq)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
+        q = apply_rope(q, *batch.rope["compress"])
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]
+        picks = []
+        for seq in batch.seqs:
+            keys = cache.read_entries(pool, seq.block_table, self.ratio, seq.end_pos // self.ratio)
+            positions = batch.positions[seq.rows]
+            picks.append(
+                indexer_topk(q[seq.rows], keys, weights[seq.rows], positions, self.ratio, self.topk)
+            )
+        return picks
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA (one hd-wide head used as K and V) over a sliding window plus, on CSA/HCA
+    layers, compressed entries; per-head sinks; inverse RoPE on the output; grouped low-rank
+    output projection."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer_type = args.layer_types[layer_id]
+        self.ratio = args.compress_ratio(layer_id)
+        self.n_heads, self.head_dim = args.num_heads, args.head_dim
+        self.window, self.eps = args.sliding_window, args.rms_norm_eps
+        self.o_groups = args.o_groups
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        self.wq_a = _linear(args.hidden_size, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = _linear(args.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // self.o_groups
+        self.wo_a = _linear(group_in, self.o_groups * args.o_lora_rank)
+        self.wo_b = _linear(self.o_groups * args.o_lora_rank, args.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        if self.ratio:
+            self.compressor = Compressor(args, self.head_dim, self.ratio)
+        if self.layer_type == CSA:
+            self.indexer = Indexer(args)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
+        cos, sin = batch.rope[self.rope_kind]
+        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
+        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        picks = None
+        if self.ratio:
+            pool = cache.compressed_kv[self.layer_id]
+
+            def write(seq: SeqSpan, first: int, entries: torch.Tensor) -> None:
+                cache.write_entries(pool, seq.block_table, self.ratio, first, entries)
+
+            state = cache.compressor_state[self.layer_id, "comp"]
+            self.compressor(x, batch, state, write, inv_freq)
+            if self.layer_type == CSA:
+                picks = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq)
+        out = torch.empty_like(q)
+        for i, seq in enumerate(batch.seqs):
+            seq_picks = None if picks is None else picks[i]
+            keys, mask = self._visible(kv[seq.rows], seq, batch, cache, seq_picks)
+            out[seq.rows] = sink_attention(
+                q[seq.rows], keys, mask, self.attn_sink, self.head_dim**-0.5
+            )
+            cache.write_window(self.layer_id, seq.slot, seq.start_pos, kv[seq.rows])
+        out = apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
+        groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
+        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
+        low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
+        return self.wo_b(low_rank)
+
+    def _visible(
+        self,
+        kv: torch.Tensor,
+        seq: SeqSpan,
+        batch: ForwardBatch,
+        cache: KVCache,
+        picks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys one request's queries may see, [L, hd], and the mask [C, L].
+
+        Keys: window rows of positions [max(0, s-W+1), s) from the ring, this step's tokens,
+        then compressed entries 0..end//ratio-1. Query t sees window keys t-W+1..t; entry w of
+        an HCA layer iff w < (t+1)//ratio; on CSA layers only the indexer's picks.
+        """
+        s, e = seq.start_pos, seq.end_pos
+        first = max(0, s - self.window + 1)
+        keys = torch.cat([cache.read_window(self.layer_id, seq.slot, first, s), kv])
+        q_pos = batch.positions[seq.rows].unsqueeze(1)  # [C, 1]
+        k_pos = torch.arange(first, e, device=kv.device).unsqueeze(0)
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        if not self.ratio:
+            return keys, mask
+        num_entries = e // self.ratio
+        pool = cache.compressed_kv[self.layer_id]
+        entries = cache.read_entries(pool, seq.block_table, self.ratio, num_entries)
+        if picks is None:
+            entry_ids = torch.arange(num_entries, device=kv.device).unsqueeze(0)
+            visible = entry_ids < (q_pos + 1) // self.ratio
+        else:
+            picks = torch.where(picks >= 0, picks, num_entries)
+            visible = torch.zeros(
+                picks.shape[0], num_entries + 1, dtype=torch.bool, device=kv.device
+            )
+            visible = visible.scatter(1, picks, True)[:, :num_entries]
+        return torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
+
+
+class Gate(nn.Module):
+    """Router: sqrt(softplus) scores; top-k by scores + bias (selection only) or by the token
+    id's hash table; weights = the chosen scores renormalised and scaled."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.is_hash = args.mlp_layer_types[layer_id] == HASH_MOE
+        self.topk, self.route_scale = args.num_experts_per_tok, args.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(args.num_experts, args.hidden_size))
+        if self.is_hash:
+            self.register_buffer(
+                "tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64)
+            )
+        else:
+            self.bias = nn.Parameter(torch.zeros(args.num_experts, dtype=torch.float32))
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()  # [T, E]
+        if self.is_hash:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked: w1/w3 [E, I, D], w2 [E, D, I]."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        e, i, d = args.num_experts, args.moe_intermediate_size, args.hidden_size
+        self.w1 = nn.Parameter(torch.zeros(e, i, d))
+        self.w2 = nn.Parameter(torch.zeros(e, d, i))
+        self.w3 = nn.Parameter(torch.zeros(e, i, d))
+
+
+class MLP(nn.Module):
+    """The shared expert: clamped SwiGLU."""
+
+    def __init__(self, dim: int, inter_dim: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1, self.w2, self.w3 = (
+            _linear(dim, inter_dim),
+            _linear(inter_dim, dim),
+            _linear(dim, inter_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.limit = args.swiglu_limit
+        self.gate = Gate(args, layer_id)
+        self.experts = Experts(args)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        e = self.experts
+        routed = fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
+        return routed + self.shared_experts(x)
+
+
+def hc_pre(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Manifold-constrained hyper-connection, entry side.
+
+    x: [T, hc, D] -> (post [T, hc], comb [T, hc, hc] doubly stochastic by Sinkhorn, block
+    input [T, D] = sum_i pre[i] * x[i]). All mixing math in fp32.
+    """
+    hc, eps = args.hc_mult, args.hc_eps
+    flat = rms_norm(x.flatten(1).float(), None, args.rms_norm_eps)  # [T, hc*D]
+    mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc]
+    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # first pass normalises columns only
+    for _ in range(args.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(
+    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """new[k] = post[k] * out + sum_j comb[j, k] * x[j]  (comb applied transposed).
+
+    out: [T, D]; x: [T, hc, D] -> [T, hc, D].
+    """
+    dtype = x.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.args = args
+        mix = args.hc_mix_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(
+                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, args.hc_mult * args.hidden_size))
+            )
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn = MoE(args, layer_id)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, hc, D] -> [T, hc, D]."""
+        post, comb, h = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
+        x = hc_post(self.attn(self.attn_norm(h), batch, cache, inv_freq), x, post, comb)
+        post, comb, h = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.args)
+        return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
+
+
+class DeepseekV4(nn.Module):
+    """Embedding -> hc_mult residual streams -> blocks -> hyper-connection head -> norm -> head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = _linear(args.hidden_size, args.vocab_size)
+        hc = args.hc_mult
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.hidden_size))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.register_buffer(
+            "main_inv_freq", rope_inv_freq(args.main_rope, args.rope_head_dim), persistent=False
+        )
+        self.register_buffer(
+            "compress_inv_freq",
+            rope_inv_freq(args.compress_rope, args.rope_head_dim),
+            persistent=False,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
+        batch.rope = {
+            "main": rope_cos_sin(batch.positions, self.main_inv_freq),
+            "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),
+        }
+        h = self.embed(batch.input_ids)  # [T, D]
+        x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
+        for layer in self.layers:
+            x = layer(x, batch, cache, self.compress_inv_freq)
+        x = x[batch.logits_indices]  # [N, hc, D]
+        return self.head(self.norm(self.hc_head_collapse(x))).float()
+
+    def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn)."""
+        flat = rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
+        mix = F.linear(flat, self.hc_head_fn.float())  # [N, hc]
+        pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
+        pre = pre + self.args.hc_eps
+        return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
