@@ -78,12 +78,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Backend per op family; "auto" picks the fastest available and logs why."""
+    """Kernel execution settings (backend selection per op family arrives with the GPU kernels)."""
 
-    attention: str = "auto"
-    moe: str = "auto"
-    sampling: str = "auto"
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"kernel.num_threads must be >= 0, got {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,9 @@ class Config:
             section_cls = _SECTIONS[f.name]
             values = dict(data.get(f.name, {}))
             values.update(_from_env(f.name, section_cls, env))
-            values.update({k: v for k, v in (overrides or {}).get(f.name, {}).items() if v is not None})
+            values.update(
+                {k: v for k, v in (overrides or {}).get(f.name, {}).items() if v is not None}
+            )
             built[f.name] = _build_section(f.name, section_cls, values)
         return cls(**built)
 

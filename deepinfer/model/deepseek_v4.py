@@ -418,14 +418,16 @@ class DeepseekV4(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.hidden_size))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self.register_buffer(
-            "main_inv_freq", rope_inv_freq(args.main_rope, args.rope_head_dim), persistent=False
-        )
-        self.register_buffer(
-            "compress_inv_freq",
-            rope_inv_freq(args.compress_rope, args.rope_head_dim),
-            persistent=False,
-        )
+        self.init_rope(None)
+
+    def init_rope(self, device: torch.device | None) -> None:
+        """(Re)compute the RoPE inverse frequencies; needed after building on the meta device."""
+        a = self.args
+        for kind, rope in (("main", a.main_rope), ("compress", a.compress_rope)):
+            inv_freq = rope_inv_freq(rope, a.rope_head_dim)
+            if device is not None:
+                inv_freq = inv_freq.to(device)
+            self.register_buffer(f"{kind}_inv_freq", inv_freq, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

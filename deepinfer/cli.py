@@ -1,0 +1,174 @@
+"""`deepinfer <subcommand>`: the command-line entry point.
+
+Subcommands add themselves to ``_SUBCOMMANDS``; each has a parser builder and a runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deepinfer.config import Config
+from deepinfer.logger import init_logging
+
+_DEFAULT_CONFIG = Path("config.toml")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local checkpoint folder (default: built-in)")
+    p.add_argument("--config", default=None, help="config.toml (default: ./config.toml if present)")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+
+
+def _load_config(ns: argparse.Namespace) -> Config:
+    path = ns.config
+    if path is None and _DEFAULT_CONFIG.is_file():
+        path = _DEFAULT_CONFIG
+    return Config.load(
+        path,
+        overrides={
+            "model": {
+                "path": ns.model,
+                "device": ns.device,
+                "dtype": ns.dtype,
+                "max_model_len": ns.max_model_len,
+            },
+            "scheduler": {
+                "max_num_seqs": ns.max_num_seqs,
+                "max_num_batched_tokens": ns.max_num_batched_tokens,
+            },
+            "cache": {"num_blocks": ns.num_blocks},
+            "kernel": {"num_threads": ns.threads},
+        },
+    )
+
+
+# ---- generate ----------------------------------------------------------------------------
+
+
+def _generate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("message", help="the user message (or, with --raw, the exact prompt text)")
+    p.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    _add_engine_args(p)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    config = _load_config(ns)
+    llm = LLM(config=config)
+    if ns.raw:
+        prompt: str | list[int] = ns.message
+    else:
+        prompt = encode_chat(llm.get_tokenizer().path, ns.message)
+    params = SamplingParams(
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.seed,
+        max_tokens=ns.max_tokens,
+    )
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    print(completion.text)
+    print(
+        f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+        f"finish_reason={completion.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def encode_chat(tokenizer_json: Path, message: str) -> list[int]:
+    """A single user turn in DeepSeek's V4 encoding (deepseek-recipe), thinking off."""
+    import deepseek_recipe as recipe
+
+    encoding = recipe.DeepseekV4Encoding().with_tokenizer(
+        recipe.Tokenizer.from_file(str(tokenizer_json))
+    )
+    conversation = recipe.Conversation([recipe.UserMessage(message)], thinking_mode=False)
+    return encoding.encode(conversation)
+
+
+# ---- make-tiny-model ---------------------------------------------------------------------
+
+
+def _tiny_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="output folder (created; must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _make_tiny(ns: argparse.Namespace) -> int:
+    from deepinfer.model.tiny import make_tiny_model
+
+    path = make_tiny_model(Path(ns.dir), seed=ns.seed)
+    print(path)
+    return 0
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def _config_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="config.toml to resolve")
+
+
+def _show_config(ns: argparse.Namespace) -> int:
+    path = ns.config or (_DEFAULT_CONFIG if _DEFAULT_CONFIG.is_file() else None)
+    config = Config.load(path)
+    for section in dataclasses.fields(config):
+        print(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            print(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        print()
+    return 0
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
+    "generate": ("generate a reply to one message", _generate_parser, _generate),
+    "make-tiny-model": ("write a small random V4 checkpoint", _tiny_parser, _make_tiny),
+    "config": ("print the resolved configuration", _config_parser, _show_config),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, build, _) in _SUBCOMMANDS.items():
+        build(sub.add_parser(name, help=help_text))
+    ns = parser.parse_args(argv)
+    init_logging(ns.log_level)
+    try:
+        return _SUBCOMMANDS[ns.command][2](ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deepinfer {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Device and dtype resolution ("auto" -> what this machine has)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto": CUDA if present, then Ascend NPU, else CPU. An explicit device must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    if name == "npu" and not _npu_available():
+        raise ValueError("device 'npu' was asked for but torch_npu is not installed or sees no NPU")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on accelerators, float32 on the CPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())

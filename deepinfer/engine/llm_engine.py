@@ -1,0 +1,81 @@
+"""LLMEngine: the scheduler, the model runner and the tokenizer of one process.
+
+    add_request -> [ schedule -> execute -> update ] per step -> RequestOutputDelta
+
+The step is written as three calls so that an asynchronous executor can schedule step N+1 while
+step N runs: ``schedule()`` advances ``num_computed_tokens`` itself and blocks are reserved for
+the whole chunk before launch. On the CPU the three run in lock-step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from deepinfer.config import Config
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.model.config import ModelArgs
+from deepinfer.model.tiny import ensure_tiny_model
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler.output import RequestOutputDelta
+from deepinfer.scheduler.request import Request, RequestStatus
+from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model_dir = self._init_model_dir()
+        self.args = ModelArgs.from_file(self.model_dir)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, self.args)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(
+            config.scheduler,
+            block_size=config.cache.block_size,
+            num_blocks=self.runner.num_blocks,
+            num_state_slots=self.runner.num_slots,
+            max_model_len=self.max_model_len,
+        )
+
+    def _init_model_dir(self) -> Path:
+        if self.config.model.path is None:
+            return ensure_tiny_model(self.config.model.tiny_model_seed)
+        path = Path(self.config.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json")
+        return path
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> Request:
+        vocab = self.args.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside [0, {vocab})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_id=self.args.eos_token_id,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], stop_reason: int | str | None) -> None:
+        """End requests the text side decided are done (a stop string matched)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutputDelta]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update(scheduler_output, runner_output)

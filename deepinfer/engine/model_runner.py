@@ -1,0 +1,194 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass, logits, samples and logprobs.
+
+    SchedulerOutput (CPU) -> ForwardBatch (device) -> DeepseekV4 -> logits -> sampler
+    -> ModelRunnerOutput (host values) -> Scheduler.update()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer.config import Config
+from deepinfer.device import resolve_device, resolve_dtype
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.kv_cache.pool import KVCache, cache_layout
+from deepinfer.model.config import ModelArgs
+from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.loader import load_checkpoint
+from deepinfer.ops.sampling import SamplingMetadata, compute_logprobs, sample
+from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Parameters transformers and upstream keep in fp32 whatever the compute dtype.
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache of one device."""
+
+    def __init__(self, config: Config, model_dir: Path, args: ModelArgs) -> None:
+        self.config = config
+        self.args = args
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.max_model_len = config.model.max_model_len or args.max_position_embeddings
+        self._init_threads()
+        self._init_model(model_dir)
+        self._init_kv_cache()
+        self.generator = torch.Generator(device="cpu")
+        self.generator.seed()
+
+    def _init_threads(self) -> None:
+        if self.config.kernel.num_threads > 0:
+            torch.set_num_threads(self.config.kernel.num_threads)
+
+    def _init_model(self, model_dir: Path) -> None:
+        start = time.perf_counter()
+        weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
+        for name, tensor in weights.items():
+            if tensor.is_floating_point() and name.endswith(_FP32_SUFFIXES):
+                weights[name] = tensor.float()
+        with torch.device("meta"):
+            model = DeepseekV4(self.args)
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.init_rope(self.device)
+        self.model = model.eval()
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info(
+            "model: %s, %.1f M parameters, %s on %s, loaded in %.1f s",
+            model_dir,
+            num_params / 1e6,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - start,
+        )
+
+    def _init_kv_cache(self) -> None:
+        cfg = self.config
+        layout = cache_layout(self.args, cfg.cache.block_size, cfg.cache.ring_margin)
+        num_slots = cfg.cache.num_state_slots or cfg.scheduler.max_num_seqs
+        num_blocks = cfg.cache.num_blocks
+        if num_blocks is None:
+            budget = cfg.cache.memory_budget_gib * 2**30 - num_slots * layout.bytes_per_slot(
+                self.dtype
+            )
+            fit = int(budget // max(layout.bytes_per_block(self.dtype), 1))
+            # More blocks than max_num_seqs full-length requests can use would only waste memory.
+            useful = cfg.scheduler.max_num_seqs * math.ceil(self.max_model_len / layout.block_size)
+            num_blocks = min(fit, useful)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"cache.memory_budget_gib={cfg.cache.memory_budget_gib} leaves no room for a "
+                    f"block after {num_slots} state slots"
+                )
+        self.kv_cache = KVCache(
+            self.args,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            block_size=cfg.cache.block_size,
+            ring_margin=cfg.cache.ring_margin,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_cache.log_sizes()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv_cache.num_slots
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return host-side samples and logprobs."""
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
+        logits = self.model(batch, self.kv_cache)  # [N, V] fp32
+        output = ModelRunnerOutput()
+        self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
+        self._sample(scheduler_output, logits, sample_rows, output)
+        return output
+
+    def _prepare(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """Flatten the step. Returns the batch, (scheduled index, logits row) per sampled request,
+        and (scheduled index, first logits row, count) per request with prompt logprobs."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSpan] = []
+        logits_indices: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        prompt_rows: list[tuple[int, int, int]] = []
+        for i, sched in enumerate(scheduler_output.scheduled):
+            offset, n = len(input_ids), sched.num_tokens
+            input_ids.extend(sched.token_ids)
+            positions.extend(range(sched.start_pos, sched.start_pos + n))
+            block_table = torch.tensor(sched.block_table, dtype=torch.int64, device=self.device)
+            seqs.append(SeqSpan(offset, n, sched.start_pos, sched.state_slot, block_table))
+            if sched.num_prompt_logprob_positions:
+                count = sched.num_prompt_logprob_positions
+                prompt_rows.append((i, len(logits_indices), count))
+                logits_indices.extend(range(offset, offset + count))
+            if sched.do_sample:
+                sample_rows.append((i, len(logits_indices)))
+                logits_indices.append(offset + n - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            seqs=seqs,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+        )
+        return batch, sample_rows, prompt_rows
+
+    def _prompt_logprobs(
+        self,
+        scheduler_output: SchedulerOutput,
+        logits: torch.Tensor,
+        prompt_rows: list[tuple[int, int, int]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        for i, row, count in prompt_rows:
+            sched = scheduler_output.scheduled[i]
+            request = sched.request
+            start = sched.start_pos + 1
+            next_ids = request.prompt_token_ids[start : start + count]
+            targets = torch.tensor(next_ids, dtype=torch.int64, device=logits.device)
+            num_top = request.sampling_params.prompt_logprobs or 0
+            output.prompt_logprobs[request.request_id] = compute_logprobs(
+                logits[row : row + count], targets, num_top
+            )
+
+    def _sample(
+        self,
+        scheduler_output: SchedulerOutput,
+        logits: torch.Tensor,
+        sample_rows: list[tuple[int, int]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        if not sample_rows:
+            return
+        requests = [scheduler_output.scheduled[i].request for i, _ in sample_rows]
+        metadata = SamplingMetadata.build(
+            [r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            positions=[r.num_tokens for r in requests],
+            eos_token_id=self.args.eos_token_id,
+            device=logits.device,
+        )
+        rows = torch.tensor([row for _, row in sample_rows], device=logits.device)
+        result = sample(logits[rows], metadata, self.generator)
+        for j, request in enumerate(requests):
+            rid = request.request_id
+            output.sampled_token_ids[rid] = int(result.token_ids[j])
+            if result.logprobs[j] is not None:
+                output.logprobs[rid] = result.logprobs[j]
