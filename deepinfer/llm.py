@@ -153,12 +153,12 @@ class _Track:
             out.logprobs.extend(delta.new_logprobs)
         matched = None
         if delta.new_token_ids:
-            self.detokenizer.push(delta.new_token_ids)
+            new_text = self.detokenizer.push(delta.new_token_ids)
             text = self.detokenizer.text
             if self.matcher is not None:
-                match = self.matcher.check(text)
-                if match is not None:
-                    matched, text = match
+                check = self.matcher.check(text, len(new_text))
+                if check.is_stopped:
+                    matched, text = check.stop_str, check.text
             out.text = text
         if matched is not None:
             self.stopped = True

