@@ -117,7 +117,7 @@ class Config:
     ) -> Config:
         """Build a Config from a TOML file, the environment and explicit overrides.
 
-        ``overrides`` is ``{section: {key: value}}``; None values are ignored (a CLI flag not given).
+        ``overrides`` is ``{section: {key: value}}``; None values (a flag not given) are ignored.
         """
         data: dict[str, dict[str, Any]] = {}
         if path is not None:

@@ -175,7 +175,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
     for p in prompts:
-        if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+        is_ids = isinstance(p, list) and all(isinstance(t, int) for t in p)
+        if not isinstance(p, str) and not is_ids:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p)}")
     return prompts
 

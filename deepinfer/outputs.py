@@ -17,8 +17,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One request's result. ``prompt_logprobs[0]`` is None (nothing predicts the first token);
-    entry j holds ``{token_id: logprob}`` for prompt token j (and the top alternatives asked for)."""
+    """One request's result.
+
+    ``prompt_logprobs[0]`` is None (nothing predicts the first token); entry j holds
+    ``{token_id: logprob}`` for prompt token j and the top alternatives asked for.
+    """
 
     request_id: str
     prompt: str | None

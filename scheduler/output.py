@@ -1,7 +1,7 @@
 """Boundary objects between the scheduler and the executor (CPU, torch-free).
 
-    Scheduler.schedule() -> SchedulerOutput -> executor (builds ForwardBatch) -> ModelRunnerOutput
-    -> Scheduler.update() -> list[RequestOutputDelta] -> engine / API
+Scheduler.schedule() -> SchedulerOutput -> executor (builds ForwardBatch) -> ModelRunnerOutput
+-> Scheduler.update() -> list[RequestOutputDelta] -> engine / API
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ class ScheduledRequest:
     ``token_ids`` are fed at absolute positions ``start_pos .. start_pos + len(token_ids) - 1``.
     ``block_table`` covers every block those positions need (entries of a block are written when
     its compression windows close). ``state_slot`` holds the sliding-window rings and compressor
-    buffers; ``start_pos == 0`` means the slot must be treated as empty. ``do_sample`` is set when the
-    chunk reaches the end of the request's tokens, so the last position's logits are sampled.
+    buffers; ``start_pos == 0`` means the slot must be treated as empty. ``do_sample`` is set when
+    the chunk reaches the end of the request's tokens, so the last position's logits are sampled.
     ``num_prompt_logprob_positions`` counts the positions of this chunk (from its first) whose
     prompt logprobs are wanted.
     """

@@ -5,7 +5,7 @@ Counts are stored, phases are derived:
     all_token_ids = prompt_token_ids + output_token_ids
     |<------------- num_tokens ------------->|
     |<-- num_computed_tokens -->|            |   tokens whose KV / state is on the device
-                                |<- to run ->|   scheduled in later steps (a prefill chunk, or 1 decode token)
+                                |<- to run ->|   scheduled later (prefill chunks, or 1 decode token)
 
 A running request in decode has ``num_computed_tokens == num_tokens - 1``: its newest sampled token
 is fed in the next step. Preemption by recompute sets ``num_computed_tokens`` back to 0.
@@ -65,6 +65,13 @@ class Request:
     state_slot: int | None = None
     # The stop token id (or stop string) that ended the request, when one did.
     stop_reason: int | str | None = None
+    # One {token_id: logprob} per output token, when logprobs were asked for. Prompt logprobs are
+    # only streamed in RequestOutputDelta (they can be large).
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Prompt positions whose logprobs were asked of the executor. Advanced by schedule() together
+    # with num_computed_tokens but never reset by preemption, so a recompute does not deliver them
+    # twice.
+    num_prompt_logprob_positions_scheduled: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -85,6 +92,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole sequence (decode: 1 id)."""
+        num_prompt_tokens = len(self.prompt_token_ids)
+        if start >= num_prompt_tokens:
+            return self.output_token_ids[start - num_prompt_tokens : end - num_prompt_tokens]
+        if end <= num_prompt_tokens:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt_tokens]
 
     @property
     def is_finished(self) -> bool:

@@ -55,7 +55,9 @@ class LLMEngine:
         vocab = self.args.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside [0, {vocab})")
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside [0, {vocab})"
+            )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

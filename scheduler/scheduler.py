@@ -1,0 +1,451 @@
+"""Scheduler: decides each step which requests run and how many tokens each feeds (torch-free).
+
+    add_request() ─▶ waiting ─▶ schedule() ─▶ SchedulerOutput ─▶ executor ─▶ ModelRunnerOutput
+                                   ▲                                              │
+                                   └──── running ◀── update() ─▶ deltas ◀─────────┘
+
+Queues. An unfinished request sits in exactly one of them:
+
+    waiting (deque, FCFS)                     running (list, admission order)
+    front                          back       oldest                     newest
+    [B', C', W1, W2, ...]                     [A, ...]
+     ^ preempted requests go back to the       ^ scheduled first          ^ preempted first
+       front; preempting C then B leaves                                    when blocks run out
+       B' before C' (admission order kept)
+
+One step spends one token budget (``max_num_batched_tokens``) on decode tokens and prefill chunks
+alike: first every running request in admission order, each taking
+``min(tokens not yet computed, budget left, long_prefill_token_threshold if > 0)``, so a request in
+the middle of a chunked prefill just continues; then waiting requests, first come first served,
+while a state slot and the blocks for their first chunk are free. ``schedule()`` advances
+``num_computed_tokens`` at once (vLLM v1 style), so an asynchronous engine can schedule step N+1
+before step N's tokens are known. (Feeding a token that is still on the device needs output
+placeholders, which are not here yet: a request with nothing left to compute is skipped.)
+
+Preemption is by recompute: the victim drops its blocks and state slot and later runs again from
+position 0. A request never holds more than the whole KV pool, so a request finishes with
+"length" at ``min(max_model_len, num_blocks * block_size)`` tokens; beyond that a lone request
+would preempt itself forever.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.scheduler.block_manager import BlockManager
+from deepinfer.scheduler.output import (
+    ModelRunnerOutput,
+    RequestOutputDelta,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from deepinfer.scheduler.request import Request, RequestStatus
+from deepinfer.scheduler.state_slots import StateSlotManager
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Iteration-level scheduler with chunked prefill and preemption by recompute."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_state_slots: int,
+        max_model_len: int,
+    ) -> None:
+        self._init_limits(config, block_size, num_blocks, max_model_len)
+        self._init_managers(num_blocks, num_state_slots)
+        self._init_queues()
+
+    def _init_limits(
+        self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int
+    ) -> None:
+        assert block_size >= 1, f"block_size must be >= 1, got {block_size}"
+        assert max_model_len >= 2, f"max_model_len must be >= 2, got {max_model_len}"
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self._num_pool_tokens = num_blocks * block_size
+        # A request finishes with "length" at this many tokens (see the module docstring).
+        self._max_num_tokens = min(max_model_len, self._num_pool_tokens)
+
+    def _init_managers(self, num_blocks: int, num_state_slots: int) -> None:
+        self.block_manager = BlockManager(num_blocks)
+        self.state_slots = StateSlotManager(num_state_slots)
+
+    def _init_queues(self) -> None:
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED
+        self._running: list[Request] = []  # RUNNING, in admission order
+        # Ids freed since the previous schedule(), reported to the executor by the next one.
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id; None once it finished (or was never added)."""
+        return self._requests.get(request_id)
+
+    # -- requests in and out ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate a new request and queue it WAITING; ValueError names the limit it breaks."""
+        request_id = request.request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
+            f"request {request_id!r} is not new: {request.status.name}, "
+            f"{request.num_computed_tokens} computed tokens"
+        )
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {num_prompt_tokens} tokens but "
+                f"max_model_len is {self.max_model_len}; it must be shorter, to leave room for "
+                "one output token"
+            )
+        if num_prompt_tokens + 1 > self._num_pool_tokens:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {num_prompt_tokens} tokens; with one "
+                f"output token it needs {num_prompt_tokens + 1} KV positions but the KV pool "
+                f"holds {self.block_manager.num_blocks} blocks x {self.block_size} tokens "
+                f"= {self._num_pool_tokens}"
+            )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, stop_reason: str | None = None
+    ) -> list[str]:
+        """End requests wherever they are (waiting, running, preempted) and free all they hold.
+
+        For stops found on detokenized text (a stop string) and for aborts. Unknown or already
+        finished ids are ignored; returns the ids actually finished.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        assert not isinstance(request_ids, str), f"pass a list of ids, not the str {request_ids!r}"
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+            finished.append(request_id)
+        return finished
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort requests in any state (FINISHED_ABORTED); returns the ids actually aborted."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and chunks, allocating blocks and slots (may preempt).
+
+        ``finished_request_ids`` holds every id finished, aborted or preempted since the previous
+        call (this call's preemptions included); ``preempted_request_ids`` the preempted subset.
+        """
+        scheduled: list[ScheduledRequest] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
+        # Admitting right after a preemption would hand the freed blocks to a newcomer (or back
+        # to the victim) and preempt again next step. _preempted_ids is emptied below, so it is
+        # non-empty here only if this call preempted.
+        if not self._preempted_ids:
+            self._schedule_waiting(budget, scheduled)
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=self._preempted_ids,
+        )
+        self._finished_ids, self._preempted_ids = set(), set()
+        return output
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        index = 0
+        while index < len(self._running) and budget > 0:
+            request = self._running[index]
+            num_new_tokens = self._num_new_tokens(request, budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            end = request.num_computed_tokens + num_new_tokens
+            while not self._allocate_blocks(request, end):
+                # Victims come from the tail, so requests already scheduled this step (ahead of
+                # index) are never preempted; the tail may be this request itself.
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself, so it was the newest: nothing runs after it
+            scheduled.append(self._schedule_chunk(request, num_new_tokens))
+            budget -= num_new_tokens
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        # Strict FCFS: stop at the first request that does not fit, so a large request at the
+        # front is not starved by smaller ones behind it.
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            if not self.state_slots.can_allocate():
+                break
+            num_new_tokens = self._num_new_tokens(request, budget)
+            assert num_new_tokens > 0, (
+                f"waiting request {request.request_id!r} has {request.num_tokens} tokens, "
+                f"{request.num_computed_tokens} computed"
+            )
+            if not self._allocate_blocks(request, request.num_computed_tokens + num_new_tokens):
+                break
+            self._waiting.popleft()
+            request.state_slot = self.state_slots.allocate()
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            scheduled.append(self._schedule_chunk(request, num_new_tokens))
+            budget -= num_new_tokens
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new_tokens = min(num_new_tokens, threshold)
+        # A recompute stops its chunk where prompt logprobs were already delivered, so that the
+        # positions still wanted are always a prefix of a chunk (see _schedule_chunk).
+        num_logprobs_scheduled = request.num_prompt_logprob_positions_scheduled
+        if request.num_computed_tokens < num_logprobs_scheduled:
+            num_new_tokens = min(
+                num_new_tokens, num_logprobs_scheduled - request.num_computed_tokens
+            )
+        return max(num_new_tokens, 0)
+
+    def _allocate_blocks(self, request: Request, end: int) -> bool:
+        """Grow the block table to cover positions ``0 .. end - 1``; False if too few are free."""
+        num_needed = _cdiv(end, self.block_size) - len(request.block_table)
+        if num_needed <= 0:
+            return True
+        if not self.block_manager.can_allocate(num_needed):
+            return False
+        request.block_table.extend(self.block_manager.allocate(num_needed))
+        return True
+
+    def _schedule_chunk(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Build the chunk ``[start, start + num_new_tokens)`` and advance the counters.
+
+        Prompt logprobs exist for positions ``p <= num_prompt_tokens - 2`` (position p scores
+        token p + 1). Those not yet asked for are always a prefix of the chunk:
+
+            chunk     [start .............................. end)
+            wanted    [start ...... num_prompt_tokens - 1)            (or none)
+
+        because a chunk starting before the delivered count ends at or before it (_num_new_tokens),
+        and a chunk starting at or after it wants every prompt position it covers.
+        """
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        num_logprob_positions = 0
+        if request.sampling_params.prompt_logprobs is not None:
+            num_scheduled = request.num_prompt_logprob_positions_scheduled
+            if start >= num_scheduled:
+                num_logprob_positions = max(0, min(end, request.num_prompt_tokens - 1) - start)
+            assert num_logprob_positions == 0 or start == num_scheduled, (
+                f"request {request.request_id!r}: chunk [{start}, {end}) would skip or repeat "
+                f"prompt logprobs, {num_scheduled} already scheduled"
+            )
+            request.num_prompt_logprob_positions_scheduled += num_logprob_positions
+        request.num_computed_tokens = end
+        assert request.state_slot is not None, f"request {request.request_id!r} has no state slot"
+        return ScheduledRequest(
+            request=request,
+            token_ids=request.get_token_ids(start, end),
+            start_pos=start,
+            # A copy: the executor of an in-flight step must not see next step's blocks appear.
+            block_table=list(request.block_table),
+            state_slot=request.state_slot,
+            do_sample=end == request.num_tokens,
+            num_prompt_logprob_positions=num_logprob_positions,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        assert self._running[-1] is request, (
+            f"preempting {request.request_id!r}, which is not the newest of {self.num_running} "
+            "running requests"
+        )
+        self._running.pop()
+        self._free_resources(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._waiting.appendleft(request)
+        self._preempted_ids.add(request.request_id)
+        self._finished_ids.add(request.request_id)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutputDelta]:
+        """Apply one executed step: append sampled tokens, apply token-level stops, free finished.
+
+        Returns one delta per request that got a token or prompt logprobs this step, in schedule
+        order. Requests finished (aborted, stopped on text) since the schedule() are skipped.
+        """
+        deltas = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.is_finished:
+                continue
+            new_prompt_logprobs = self._take_prompt_logprobs(scheduled, runner_output)
+            new_token_ids: list[int] = []
+            new_logprobs = None
+            # A request preempted after this step was scheduled recomputes (and resamples) later.
+            if scheduled.do_sample and request.status == RequestStatus.RUNNING:
+                token_id = runner_output.sampled_token_ids.get(request.request_id)
+                assert token_id is not None, (
+                    f"request {request.request_id!r} had do_sample but no sampled token came back"
+                )
+                new_token_ids = [token_id]
+                request.output_token_ids.append(token_id)
+                logprobs = runner_output.logprobs.get(request.request_id)
+                if logprobs is not None:
+                    request.output_logprobs.append(logprobs)
+                    new_logprobs = [logprobs]
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+            if new_token_ids or new_prompt_logprobs is not None:
+                deltas.append(
+                    RequestOutputDelta(
+                        request_id=request.request_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        finish_reason=request.finish_reason,
+                        stop_reason=request.stop_reason,
+                    )
+                )
+        return deltas
+
+    def _take_prompt_logprobs(
+        self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> list[dict[int, float]] | None:
+        if scheduled.num_prompt_logprob_positions == 0:
+            return None
+        prompt_logprobs = runner_output.prompt_logprobs.get(scheduled.request_id)
+        num_returned = -1 if prompt_logprobs is None else len(prompt_logprobs)
+        assert num_returned == scheduled.num_prompt_logprob_positions, (
+            f"request {scheduled.request_id!r}: {scheduled.num_prompt_logprob_positions} prompt "
+            f"logprob positions scheduled, {num_returned} returned (-1: none)"
+        )
+        return prompt_logprobs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Token-level stops, in order: EOS, stop token ids (both after min_tokens), lengths.
+
+        EOS is checked first (as in vLLM), so an EOS id also listed in stop_token_ids reports
+        stop_reason None.
+        """
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self._max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self._running.remove(request)
+            self._free_resources(request)
+        else:
+            self._waiting.remove(request)
+        request.status = status
+        del self._requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _free_resources(self, request: Request) -> None:
+        self.block_manager.free(request.block_table)
+        request.block_table = []
+        if request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless every block and slot in use is held by a running request."""
+        self.block_manager.check_integrity()
+        self.state_slots.check_integrity()
+        _require(
+            len(self._running) <= self.config.max_num_seqs,
+            f"{len(self._running)} running > max_num_seqs {self.config.max_num_seqs}",
+        )
+        for r in self._running:
+            num_blocks = _cdiv(r.num_computed_tokens, self.block_size)
+            _require(
+                r.status == RequestStatus.RUNNING
+                and r.state_slot is not None
+                and len(r.block_table) == num_blocks,
+                f"running request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
+                f"{len(r.block_table)} blocks for {r.num_computed_tokens} computed tokens "
+                f"(expected {num_blocks})",
+            )
+        for r in self._waiting:
+            _require(
+                r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                and not r.block_table
+                and r.state_slot is None
+                and r.num_computed_tokens == 0,
+                f"waiting request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
+                f"{len(r.block_table)} blocks, {r.num_computed_tokens} computed tokens",
+            )
+        queued_ids = [r.request_id for r in self._running] + [r.request_id for r in self._waiting]
+        _require(
+            len(queued_ids) == len(self._requests) and set(queued_ids) == set(self._requests),
+            f"{len(self._running)} running + {len(self._waiting)} waiting do not match the "
+            f"{len(self._requests)} unfinished requests",
+        )
+        held = Counter(block_id for r in self._running for block_id in r.block_table)
+        ref_counts = {block_id: self.block_manager.ref_count(block_id) for block_id in held}
+        _require(
+            ref_counts == held and len(held) == self.block_manager.num_used_blocks,
+            f"{self.block_manager.num_used_blocks} blocks used, running requests hold "
+            f"{len(held)}; ref counts {ref_counts} vs holders {dict(held)}",
+        )
+        slots = [r.state_slot for r in self._running]
+        _require(
+            len(set(slots)) == len(slots) and set(slots) == self.state_slots.used_slots,
+            f"running requests hold state slots {slots}, "
+            f"in use: {sorted(self.state_slots.used_slots)}",
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)

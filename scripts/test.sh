@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (first time) and run the lint and the CPU test suite: bash scripts/test.sh [pytest args]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup.sh" test
+cd "$ROOT"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+ruff check .
+ruff format --check .
+exec python -m pytest -q "$@"
