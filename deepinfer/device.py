@@ -6,7 +6,7 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto": CUDA if present, then Ascend NPU, else CPU. An explicit device must exist."""
+    """ "auto": CUDA if present, then Ascend NPU, else CPU. An explicit device must exist."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -21,7 +21,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on accelerators, float32 on the CPU."""
+    """ "auto": bfloat16 on accelerators, float32 on the CPU."""
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]

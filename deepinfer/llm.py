@@ -1,8 +1,8 @@
 """LLM: the offline API, with the names users know from vLLM.
 
-    llm = LLM()                                   # the built-in tiny model
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
-    out[0].outputs[0].text
+llm = LLM()                                   # the built-in tiny model
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+out[0].outputs[0].text
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class LLM:
 
     ``model``: a local Hugging Face-style folder (None: the built-in tiny model). ``device``:
     "auto" | "cpu" | "cuda" | "npu". ``dtype``: "auto" (bf16 on accelerators, fp32 on CPU) |
-    "float32" | "bfloat16". ``config``: a config.toml path or a Config. Any other keyword names a
-    config key of any section (``max_num_batched_tokens=256``, ``num_blocks=64``, ...).
+    "float32" | "bfloat16". ``config``: a config.toml path or a Config; ``model``, ``device`` and
+    ``dtype`` override it only when given (not None / "auto"). Any other keyword names a config
+    key of any section (``max_num_batched_tokens=256``, ``num_blocks=64``, ...).
     """
 
     def __init__(
@@ -44,9 +45,12 @@ class LLM:
         **overrides: Any,
     ) -> None:
         sections = _split_overrides(overrides)
-        sections.setdefault("model", {}).update(
-            {"path": str(model) if model is not None else None, "device": device, "dtype": dtype}
-        )
+        # Only what the caller actually chose overrides ``config``.
+        chosen = {"path": None if model is None else str(model)}
+        chosen |= {"device": None if device == "auto" else device}
+        chosen |= {"dtype": None if dtype == "auto" else dtype}
+        model_section = sections.setdefault("model", {})
+        model_section.update({k: v for k, v in chosen.items() if v is not None})
         if isinstance(config, Config):
             config = _replace(config, sections)
         else:

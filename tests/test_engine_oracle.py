@@ -52,7 +52,9 @@ def _prompt_token_logprobs(out: RequestOutput) -> torch.Tensor:
 def _sampled_logprobs(out: RequestOutput) -> torch.Tensor:
     completion = out.outputs[0]
     assert completion.logprobs is not None
-    return torch.tensor([d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)])
+    return torch.tensor(
+        [d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+    )
 
 
 def test_prompts_cross_windows() -> None:

@@ -1,7 +1,7 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass, logits, samples and logprobs.
 
-    SchedulerOutput (CPU) -> ForwardBatch (device) -> DeepseekV4 -> logits -> sampler
-    -> ModelRunnerOutput (host values) -> Scheduler.update()
+SchedulerOutput (CPU) -> ForwardBatch (device) -> DeepseekV4 -> logits -> sampler
+-> ModelRunnerOutput (host values) -> Scheduler.update()
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from deepinfer.ops.sampling import SamplingMetadata, compute_logprobs, sample
 from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# Parameters transformers and upstream keep in fp32 whatever the compute dtype.
-_FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
 
 
 class ModelRunner:
@@ -51,9 +48,6 @@ class ModelRunner:
     def _init_model(self, model_dir: Path) -> None:
         start = time.perf_counter()
         weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
-        for name, tensor in weights.items():
-            if tensor.is_floating_point() and name.endswith(_FP32_SUFFIXES):
-                weights[name] = tensor.float()
         with torch.device("meta"):
             model = DeepseekV4(self.args)
         model.load_state_dict(weights, strict=True, assign=True)

@@ -145,6 +145,10 @@ class ModelArgs:
             rope_head_dim = int(cfg.get("qk_rope_head_dim", 64))
         main_rope, compress_rope = _rope_args(cfg)
 
+        quantization = cfg.get("quantization_config")
+        if isinstance(quantization, dict) and cfg.get("expert_dtype") is not None:
+            # V4 ships expert_dtype ("fp4") at the top level; transformers folds it in here.
+            quantization = {"expert_dtype": cfg["expert_dtype"], **quantization}
         eos = cfg.get("eos_token_id", 1)
         if isinstance(eos, list):
             eos = eos[0]
@@ -168,9 +172,15 @@ class ModelArgs:
             index_head_dim=int(cfg.get("index_head_dim", 128)),
             index_topk=int(cfg.get("index_topk", 512)),
             num_experts=int(cfg.get("num_local_experts", cfg.get("n_routed_experts", 256))),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok", cfg.get("n_activated_experts", 6))),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 2048))),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", cfg.get("route_scale", 1.5))),
+            num_experts_per_tok=int(
+                cfg.get("num_experts_per_tok", cfg.get("n_activated_experts", 6))
+            ),
+            moe_intermediate_size=int(
+                cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 2048))
+            ),
+            routed_scaling_factor=float(
+                cfg.get("routed_scaling_factor", cfg.get("route_scale", 1.5))
+            ),
             swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
             hc_mult=int(cfg.get("hc_mult", 4)),
             hc_sinkhorn_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
@@ -182,7 +192,7 @@ class ModelArgs:
             bos_token_id=int(cfg.get("bos_token_id", 0) or 0),
             eos_token_id=int(eos if eos is not None else 1),
             torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
-            quantization=cfg.get("quantization_config"),
+            quantization=quantization,
         )
 
     @classmethod

@@ -16,12 +16,12 @@ def sink_attention(
 
     q: [C, H, D]; kv: [L, D] (one head, used as key and value); mask: [C, L] bool (True = may
     attend); sinks: [H] fp32. Returns [C, H, D] in q's dtype. The sink adds exp(sink) to the
-    denominator and contributes no value.
+    denominator and contributes no value. The softmax runs in fp32 (the sinks are fp32).
     """
     num_q, num_heads = q.shape[0], q.shape[1]
-    logits = torch.einsum("chd,ld->hcl", q, kv) * scale  # [H, C, L]
+    logits = torch.einsum("chd,ld->hcl", q, kv).float() * scale  # [H, C, L]
     logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
-    sink = sinks.to(logits.dtype).view(num_heads, 1, 1).expand(num_heads, num_q, 1)
+    sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, num_q, 1)
     combined = torch.cat([logits, sink], dim=-1)  # [H, C, L + 1]
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]

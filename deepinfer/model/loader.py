@@ -1,0 +1,353 @@
+"""Checkpoint loading: a Hugging Face-style folder -> our state dict (names from ``weights.py``).
+
+Data flow, one shard at a time (safetensors ``safe_open``, memory-mapped on the CPU):
+
+    read tensor (+ its block scale, possibly from another shard) -> move to ``device``
+      -> dequantize FP8 / FP4 to fp32 -> map the name -> check dtype kind and shape
+      -> cast to ``dtype`` -> place: copy | one slot of a stacked expert tensor | split gate_up
+
+Everything comes back dequantized for now; keeping FP8/FP4 weights quantized on GPUs that can use
+them is a later step. ``mtp.*`` tensors are skipped (no MTP module yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from deepinfer.model.config import ModelArgs
+from deepinfer.model.weights import (
+    TensorTarget,
+    expected_shapes,
+    find_scales,
+    is_fp32_param,
+    is_integer_param,
+    map_checkpoint_name,
+)
+
+logger = logging.getLogger(__name__)
+
+FP8_BLOCK = (128, 128)
+FP4_BLOCK = 32
+# e2m1 code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa. Same table as DeepSeek-V4's
+# inference/convert.py (FP4_TABLE) and transformers' integrations/finegrained_fp8.py.
+_FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+_FP4_X2 = getattr(torch, "float4_e2m1fn_x2", torch.int8)
+_FP4_DTYPES = (torch.int8, torch.uint8, _FP4_X2)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Dtypes that only ever hold quantized weights (uint8 is not listed: it also holds ue8m0 scales).
+_QUANTIZED_DTYPES = (*_FP8_DTYPES, torch.int8, _FP4_X2)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
+
+
+def load_model_args(folder: str | Path) -> ModelArgs:
+    """The architecture from ``folder/config.json``."""
+    return ModelArgs.from_file(Path(folder) / "config.json")
+
+
+def load_checkpoint(
+    folder: str | Path,
+    args: ModelArgs,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    show_progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
+
+    Returns our names -> tensors on ``device``: floating ones in ``dtype`` (FP8 / FP4 weights
+    dequantized) except the few kept in fp32 (``is_fp32_param``), ``tid2eid`` in int64. Shapes
+    are ``expected_shapes(args)``. Raises ``CheckpointError`` on a missing, unexpected,
+    duplicated or mis-shaped tensor.
+    """
+    folder = Path(folder)
+    t0 = time.perf_counter()
+    files = _tensor_files(folder)
+    scales = find_scales(files)
+    scale_names = set(scales.values())
+    by_file: dict[Path, list[str]] = {}
+    for key in sorted(files):
+        if key not in scale_names:
+            by_file.setdefault(files[key], []).append(key)
+    logger.info(
+        "loading %s: %d tensors (%d block-quantized) in %d file(s)",
+        folder,
+        len(files) - len(scale_names),
+        len(scales),
+        len(by_file),
+    )
+    block = _fp8_block(args)
+    state = _StateBuilder(expected_shapes(args), device, dtype)
+    num_ignored = 0
+    with ExitStack() as stack:
+        reader = _ShardReader(files, stack)
+        progress = tqdm(
+            total=sum(map(len, by_file.values())),
+            desc="Loading weights",
+            unit="tensor",
+            disable=not show_progress,
+        )
+        with progress:
+            for keys in by_file.values():
+                for key in keys:
+                    progress.update()
+                    target = map_checkpoint_name(key)
+                    if target is None:
+                        num_ignored += 1
+                        continue
+                    tensor = reader.get(key).to(device)
+                    if key in scales:
+                        scale = reader.get(scales[key]).to(device)
+                        tensor = _dequantize(key, tensor, scale, block)
+                    elif tensor.dtype in _QUANTIZED_DTYPES:
+                        raise CheckpointError(
+                            f"tensor {key!r} is {tensor.dtype} but the checkpoint has no scale "
+                            f"for it ({key.removesuffix('.weight')}.scale or {key}_scale_inv)"
+                        )
+                    state.place(key, target, tensor)
+    out = state.finish(folder)
+    num_bytes = sum(t.numel() * t.element_size() for t in out.values())
+    logger.info(
+        "loaded %d tensors (%.3f GiB, %s on %s) from %s in %.2f s; dequantized %d, ignored %d",
+        len(out),
+        num_bytes / 2**30,
+        dtype,
+        device,
+        folder,
+        time.perf_counter() - t0,
+        len(scales),
+        num_ignored,
+    )
+    return out
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
+    """Block-scaled FP8 -> fp32.
+
+    ``weight`` [..., M, N] float8_e4m3fn, ``scale`` [..., ceil(M/bm), ceil(N/bn)] (fp32, or ue8m0
+    as float8_e8m0fnu / raw uint8 exponents). Block (r, c) covers rows r*bm.. and columns c*bn..;
+    the last block row/column is short when M or N is not a multiple (ceil division)::
+
+        cols:   0 ........ bn-1 | bn ...... 2bn-1 | .. N-1
+        rows 0..bm-1:  s[0,0]   |      s[0,1]     | s[0,2] (ragged)
+        rows bm..M-1:  s[1,0]   |      s[1,1]     | s[1,2]
+    """
+    *lead, m, n = weight.shape
+    bm, bn = block
+    grid = (*lead, -(-m // bm), -(-n // bn))
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match weight shape {tuple(weight.shape)} "
+            f"with {bm}x{bn} blocks (expected {grid})"
+        )
+    s = _scale_to_float(scale).repeat_interleave(bm, -2)[..., :m, :]
+    return weight.float() * s.repeat_interleave(bn, -1)[..., :n]
+
+
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK
+) -> torch.Tensor:
+    """Packed e2m1 FP4 with ue8m0 scales -> fp32.
+
+    ``packed`` [..., M, N/2] int8 / uint8 / float4_e2m1fn_x2, two values per byte, the LOW nibble
+    first (column 2j = low, 2j+1 = high); ``scale`` [..., M, ceil(N/32)], one per 32 inputs of a
+    row. Layout as in DeepSeek-V4's ``inference/convert.py`` (``cast_e2m1fn_to_e4m3fn``: int8
+    weight [out, in/2], ``low = x & 0x0F`` then ``high = x >> 4`` stacked on the last dim, scale
+    [out, in/32] float8_e8m0fnu); transformers' ``Fp8Dequantize._unpack_fp4`` agrees::
+
+        byte j of a row:  [ high nibble: col 2j+1 | low nibble: col 2j ]
+    """
+    *lead, m, half = packed.shape
+    n = 2 * half
+    grid = (*lead, m, -(-n // block))
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match packed FP4 weight shape "
+            f"{tuple(packed.shape)} (= {n} inputs, one scale per {block}; expected {grid})"
+        )
+    u8 = packed.view(torch.uint8)
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
+    values = torch.stack((lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]), dim=-1).flatten(-2)
+    return values * _scale_to_float(scale).repeat_interleave(block, -1)[..., :n]
+
+
+def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    # ue8m0 scales stored as raw bytes are biased exponents: 2 ** (byte - 127).
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def _dequantize(
+    key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    try:
+        if weight.dtype in _FP8_DTYPES:
+            return dequantize_fp8(weight, scale, block)
+        if weight.dtype in _FP4_DTYPES:
+            return dequantize_fp4(weight, scale)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {key!r}: {e}") from e
+    raise CheckpointError(f"tensor {key!r} has a block scale but dtype {weight.dtype}")
+
+
+def _fp8_block(args: ModelArgs) -> tuple[int, int]:
+    block = (args.quantization or {}).get("weight_block_size") or FP8_BLOCK
+    return int(block[0]), int(block[1])
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = {key: folder / name for key, name in weight_map.items()}
+        absent = sorted({str(p) for p in files.values() if not p.exists()})
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {absent}")
+        return files
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+class _ShardReader:
+    """Safetensors files opened on first use; a weight and its scale may sit in different shards."""
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
+        self.files = files
+        self.stack = stack
+        self.handles: dict[Path, Any] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        path = self.files[key]
+        if path not in self.handles:
+            handle = safe_open(path, framework="pt", device="cpu")
+            self.handles[path] = self.stack.enter_context(handle)
+        try:
+            return self.handles[path].get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for absent keys
+            raise CheckpointError(f"cannot read tensor {key!r} from {path}: {e}") from e
+
+
+class _StateBuilder:
+    """Collects checkpoint tensors into our state dict, checking each against the expected table."""
+
+    def __init__(
+        self, expected: dict[str, tuple[int, ...]], device: str | torch.device, dtype: torch.dtype
+    ) -> None:
+        self.expected = expected
+        self.device = device
+        self.dtype = dtype
+        self.out: dict[str, torch.Tensor] = {}
+        self.source: dict[str, str] = {}
+        self.filled: dict[str, set[int]] = {}  # stacked expert tensor -> expert slots written
+
+    def place(self, key: str, target: TensorTarget, tensor: torch.Tensor) -> None:
+        if target.kind == "copy":
+            name = target.names[0]
+            self._check(key, name, tensor, self._expected(key, name))
+            self._claim(key, name)
+            self.out[name] = self._cast(key, name, tensor)
+        elif target.kind == "expert":
+            name = target.names[0]
+            shape = self._expected(key, name)
+            if not 0 <= target.expert < shape[0]:
+                raise CheckpointError(
+                    f"unexpected tensor {key!r}: expert {target.expert} but the model has "
+                    f"{shape[0]} routed experts"
+                )
+            self._check(key, name, tensor, shape[1:])
+            slots = self.filled.setdefault(name, set())
+            if target.expert in slots or name in self.source:
+                raise CheckpointError(f"tensor {name!r} expert {target.expert} is given twice")
+            slots.add(target.expert)
+            self._stacked(name, shape)[target.expert] = self._cast(key, name, tensor)
+        else:
+            w1, w3 = target.names
+            e, i, d = self._expected(key, w1)
+            self._check(key, f"{w1} + {w3}", tensor, (e, 2 * i, d))
+            for name, part in ((w1, tensor[:, :i]), (w3, tensor[:, i:])):
+                self._claim(key, name)
+                self.out[name] = self._cast(key, name, part).contiguous()
+
+    def finish(self, folder: Path) -> dict[str, torch.Tensor]:
+        missing = [n for n in self.expected if n not in self.out and n not in self.filled]
+        for name, slots in self.filled.items():
+            base, proj = name.rsplit(".", 1)
+            missing += [
+                f"{base}.{e}.{proj}.weight" for e in range(self.expected[name][0]) if e not in slots
+            ]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" * (len(missing) > 8))
+            raise CheckpointError(f"checkpoint {folder} is missing tensor(s): {shown}")
+        return {name: self.out[name] for name in self.expected}
+
+    def _expected(self, key: str, name: str) -> tuple[int, ...]:
+        shape = self.expected.get(name)
+        if shape is None:
+            raise CheckpointError(f"unexpected tensor {key!r} (our name {name!r}) in checkpoint")
+        return shape
+
+    def _check(self, key: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {key!r} (our name {name!r}) has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(shape)}"
+            )
+
+    def _claim(self, key: str, name: str) -> None:
+        if name in self.source or name in self.filled:
+            raise CheckpointError(
+                f"tensor {name!r} is given twice: by {self.source[name]!r} and {key!r}"
+            )
+        self.source[name] = key
+
+    def _cast(self, key: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if is_integer_param(name):
+            if tensor.is_floating_point() or tensor.is_complex():
+                raise CheckpointError(
+                    f"tensor {key!r} must be an integer tensor, got {tensor.dtype}"
+                )
+            return tensor.to(torch.int64)
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"tensor {key!r} must be floating point, got {tensor.dtype}")
+        return tensor.to(torch.float32 if is_fp32_param(name) else self.dtype)
+
+    def _stacked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.out:
+            self.out[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.out[name]

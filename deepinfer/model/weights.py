@@ -1,0 +1,225 @@
+"""Parameter names: what our DeepSeek-V4 model holds, and how checkpoint names map onto it.
+
+Our names are DeepSeek's upstream checkpoint names, except that routed experts are stacked
+(``layers.{i}.ffn.experts.w1`` [E, I, D] instead of ``ffn.experts.{e}.w1.weight`` [I, D]).
+Three checkpoint namings reach the loader:
+
+- upstream (the DeepSeek release): ``layers.0.attn.wq_a.weight``,
+  ``layers.0.ffn.experts.3.w1.weight``, FP8/FP4 block scales as ``<module>.scale``;
+- transformers (``model.state_dict()``): ``model.layers.0.self_attn.q_a_proj.weight``,
+  ``model.layers.0.mlp.experts.gate_up_proj`` [E, 2I, D] = cat(w1, w3, dim=1), scales as
+  ``<weight>_scale_inv``;
+- hybrid (what transformers 5.23 ``save_pretrained`` writes: its reverse conversion mapping is
+  only partly applied): upstream layer names under ``model.``, per-expert tensors, plus
+  ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``model.norm.weight``, ``head.weight``,
+  and ``model.layers.{i}.attn.norm.weight`` for the attention kv_norm.
+
+The transformers table below is the inverse of ``conversion_mapping.py["deepseek_v4"]``
+(transformers 5.23.0). Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from deepinfer.model.config import CSA, HASH_MOE, HCA, ModelArgs
+
+# transformers name (after ``model.`` and ``layers.{i}.``) -> upstream name.
+_HF_LAYER_NAMES = {
+    "attn_hc.fn": "hc_attn_fn",
+    "attn_hc.base": "hc_attn_base",
+    "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn",
+    "ffn_hc.base": "hc_ffn_base",
+    "ffn_hc.scale": "hc_ffn_scale",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.sinks": "attn.attn_sink",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_norm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight",
+    "self_attn.kv_norm.weight": "attn.kv_norm.weight",
+    # save_pretrained quirk: reversing ``.norm.`` -> ``.kv_norm.`` (meant for the compressors)
+    # also hits the attention's own kv_norm.
+    "attn.norm.weight": "attn.kv_norm.weight",
+    "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+    "mlp.experts.down_proj": "ffn.experts.w2",
+}
+_HF_TOP_NAMES = {
+    "embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_scale": "hc_head_scale",
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(?:ffn|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
+_GATE_UP_NAMES = ("ffn.experts.gate_up_proj", "mlp.experts.gate_up_proj")
+# Same pattern transformers uses (``_keys_to_ignore_on_load_unexpected``): the MTP block.
+_IGNORED_RE = re.compile(r"(^|\.)mtp\.")
+
+
+@dataclass(frozen=True)
+class TensorTarget:
+    """Where one checkpoint tensor lands in our state dict (produced by ``map_checkpoint_name``).
+
+    - kind "copy": the tensor is ``names[0]`` as is.
+    - kind "expert": it is slot ``expert`` of the stacked ``names[0]`` ([E, ...]).
+    - kind "gate_up": transformers' fused [E, 2I, D]; rows [:, :I] are ``names[0]`` (w1) and
+      rows [:, I:] are ``names[1]`` (w3).
+    """
+
+    kind: str
+    names: tuple[str, ...]
+    expert: int = -1
+
+
+def map_checkpoint_name(name: str) -> TensorTarget | None:
+    """Our name for a checkpoint tensor in any of the three namings; None for ignored (``mtp.*``).
+
+    Names we do not know pass through unchanged, so that the loader reports them as unexpected.
+    Quantization scales are paired with their weights by ``find_scales`` before this is called.
+    """
+    if _IGNORED_RE.search(name):
+        return None
+    short = name.removeprefix("model.")
+    m = _LAYER_RE.match(short)
+    if m is None:
+        return TensorTarget("copy", (_HF_TOP_NAMES.get(short, short),))
+    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    if rest in _GATE_UP_NAMES:
+        return TensorTarget("gate_up", (prefix + "ffn.experts.w1", prefix + "ffn.experts.w3"))
+    e = _EXPERT_RE.match(rest)
+    if e is not None:
+        return TensorTarget("expert", (f"{prefix}ffn.experts.{e.group(2)}",), int(e.group(1)))
+    return TensorTarget("copy", (prefix + _HF_LAYER_NAMES.get(rest, rest),))
+
+
+def find_scales(names: Iterable[str]) -> dict[str, str]:
+    """Pair quantized weights with their block scales: {weight name: scale name}.
+
+    Upstream ships ``X.weight`` + ``X.scale``; transformers ``X.weight`` + ``X.weight_scale_inv``
+    (or ``gate_up_proj`` + ``gate_up_proj_scale_inv``). A ``.scale`` without a sibling
+    ``.weight`` is a parameter (``attn_hc.scale``), not a quantization scale.
+    """
+    present = set(names)
+    pairs = {}
+    for s in present:
+        if s.endswith("_scale_inv"):
+            w = s.removesuffix("_scale_inv")
+        elif s.endswith(".scale"):
+            w = s.removesuffix(".scale") + ".weight"
+        else:
+            continue
+        if w in present:
+            pairs[w] = s
+    return pairs
+
+
+# Parameters transformers and upstream keep in fp32 whatever the compute dtype: norm weights,
+# hyper-connection mixing, attention sinks, compressor position biases, router correction bias.
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
+
+
+def is_fp32_param(name: str) -> bool:
+    """True for (our) parameter names that stay fp32 when the model runs in bf16."""
+    return name.endswith(_FP32_SUFFIXES)
+
+
+def is_integer_param(name: str) -> bool:
+    """The dtype rule: ``tid2eid`` (hash routing table) is int64, every other tensor floating."""
+    return name.endswith(".tid2eid")
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model, in our names, with its shape (routed experts stacked).
+
+    Order: embed, then layer by layer, then the head; deterministic, so ``tiny.py`` draws
+    random weights in this order.
+    """
+    d, hc = args.hidden_size, args.hc_mult
+    e, i_moe = args.num_experts, args.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (args.vocab_size, d)}
+    for i, (attn_type, mlp_type) in enumerate(
+        zip(args.layer_types, args.mlp_layer_types, strict=True)
+    ):
+        p = f"layers.{i}."
+        for site in ("attn", "ffn"):
+            shapes[f"{p}hc_{site}_fn"] = (args.hc_mix_size, hc * d)
+            shapes[f"{p}hc_{site}_base"] = (args.hc_mix_size,)
+            shapes[f"{p}hc_{site}_scale"] = (3,)
+        shapes[f"{p}attn_norm.weight"] = (d,)
+        shapes[f"{p}ffn_norm.weight"] = (d,)
+        shapes.update(_attention_shapes(args, p + "attn.", attn_type))
+        shapes[f"{p}ffn.gate.weight"] = (e, d)
+        if mlp_type == HASH_MOE:
+            shapes[f"{p}ffn.gate.tid2eid"] = (args.vocab_size, args.num_experts_per_tok)
+        else:
+            shapes[f"{p}ffn.gate.bias"] = (e,)
+        shapes[f"{p}ffn.experts.w1"] = (e, i_moe, d)
+        shapes[f"{p}ffn.experts.w3"] = (e, i_moe, d)
+        shapes[f"{p}ffn.experts.w2"] = (e, d, i_moe)
+        shapes[f"{p}ffn.shared_experts.w1.weight"] = (i_moe, d)
+        shapes[f"{p}ffn.shared_experts.w3.weight"] = (i_moe, d)
+        shapes[f"{p}ffn.shared_experts.w2.weight"] = (d, i_moe)
+    shapes["hc_head_fn"] = (hc, hc * d)
+    shapes["hc_head_base"] = (hc,)
+    shapes["hc_head_scale"] = (1,)
+    shapes["norm.weight"] = (d,)
+    shapes["head.weight"] = (args.vocab_size, d)
+    return shapes
+
+
+def _attention_shapes(args: ModelArgs, p: str, attn_type: str) -> dict[str, tuple[int, ...]]:
+    d, hd, h, g = args.hidden_size, args.head_dim, args.num_heads, args.o_groups
+    shapes = {
+        f"{p}wq_a.weight": (args.q_lora_rank, d),
+        f"{p}q_norm.weight": (args.q_lora_rank,),
+        f"{p}wq_b.weight": (h * hd, args.q_lora_rank),
+        f"{p}wkv.weight": (hd, d),
+        f"{p}kv_norm.weight": (hd,),
+        f"{p}wo_a.weight": (g * args.o_lora_rank, h * hd // g),
+        f"{p}wo_b.weight": (d, g * args.o_lora_rank),
+        f"{p}attn_sink": (h,),
+    }
+    if attn_type == CSA:
+        # Overlapping windows: every token contributes a [Ca | Cb] pair, hence 2*hd.
+        shapes.update(_compressor_shapes(f"{p}compressor.", d, hd, args.csa_ratio, 2))
+        ihd = args.index_head_dim
+        shapes.update(_compressor_shapes(f"{p}indexer.compressor.", d, ihd, args.csa_ratio, 2))
+        shapes[f"{p}indexer.wq_b.weight"] = (args.index_n_heads * ihd, args.q_lora_rank)
+        shapes[f"{p}indexer.weights_proj.weight"] = (args.index_n_heads, d)
+    elif attn_type == HCA:
+        shapes.update(_compressor_shapes(f"{p}compressor.", d, hd, args.hca_ratio, 1))
+    return shapes
+
+
+def _compressor_shapes(
+    p: str, d: int, dim: int, ratio: int, overlap: int
+) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{p}wkv.weight": (overlap * dim, d),
+        f"{p}wgate.weight": (overlap * dim, d),
+        f"{p}ape": (ratio, overlap * dim),
+        f"{p}norm.weight": (dim,),
+    }
