@@ -34,16 +34,20 @@ def test_block_size_must_be_a_multiple_of_every_ratio(args: ModelArgs) -> None:
         cache_layout(args, block_size=24, ring_margin=0)
 
 
-def test_entries_follow_the_block_table(args: ModelArgs) -> None:
-    cache = KVCache(
+def _cache(args: ModelArgs, num_blocks: int, num_slots: int, ring_margin: int) -> KVCache:
+    return KVCache(
         args,
-        num_blocks=6,
-        num_slots=1,
+        num_blocks=num_blocks,
+        num_slots=num_slots,
         block_size=16,
-        ring_margin=0,
+        ring_margin=ring_margin,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+def test_entries_follow_the_block_table(args: ModelArgs) -> None:
+    cache = _cache(args, num_blocks=6, num_slots=1, ring_margin=0)
     pool = cache.compressed_kv[1]  # CSA: 16 / 4 = 4 entries per block
     assert pool.shape == (6, 4, 64)
     table = torch.tensor([5, 2, 0])
@@ -58,15 +62,7 @@ def test_entries_follow_the_block_table(args: ModelArgs) -> None:
 
 
 def test_window_ring_wraps(args: ModelArgs) -> None:
-    cache = KVCache(
-        args,
-        num_blocks=1,
-        num_slots=2,
-        block_size=16,
-        ring_margin=4,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    cache = _cache(args, num_blocks=1, num_slots=2, ring_margin=4)
     assert cache.ring_size == 12
     kv = torch.arange(30, dtype=torch.float32).unsqueeze(1).expand(30, 64)
     cache.write_window(0, 1, 0, kv[:5])
