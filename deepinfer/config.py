@@ -78,8 +78,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel execution settings (backend selection per op family arrives with the GPU kernels)."""
+    """Backend per op family ("auto": the first available, fastest first; the choice and the
+    reason are logged) and CPU threading. Backend names are checked by deepinfer.ops."""
 
+    attention: str = "auto"
+    moe: str = "auto"
+    sampling: str = "auto"
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from deepinfer.kv_cache.pool import KVCache, cache_layout
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.loader import load_checkpoint
-from deepinfer.ops.sampling import SamplingMetadata, compute_logprobs, sample
+from deepinfer.ops import select_kernels
 from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         self._init_threads()
+        self.kernels = select_kernels(config.kernel, self.device)
         self._init_model(model_dir)
         self._init_kv_cache()
         self.generator = torch.Generator(device="cpu")
@@ -49,7 +50,7 @@ class ModelRunner:
         start = time.perf_counter()
         weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
         with torch.device("meta"):
-            model = DeepseekV4(self.args)
+            model = DeepseekV4(self.args, self.kernels)
         model.load_state_dict(weights, strict=True, assign=True)
         model.init_rope(self.device)
         self.model = model.eval()
@@ -157,7 +158,7 @@ class ModelRunner:
             next_ids = request.prompt_token_ids[start : start + count]
             targets = torch.tensor(next_ids, dtype=torch.int64, device=logits.device)
             num_top = request.sampling_params.prompt_logprobs or 0
-            output.prompt_logprobs[request.request_id] = compute_logprobs(
+            output.prompt_logprobs[request.request_id] = self.kernels.sampling.compute_logprobs(
                 logits[row : row + count], targets, num_top
             )
 
@@ -171,7 +172,8 @@ class ModelRunner:
         if not sample_rows:
             return
         requests = [scheduler_output.scheduled[i].request for i, _ in sample_rows]
-        metadata = SamplingMetadata.build(
+        sampling = self.kernels.sampling
+        metadata = sampling.SamplingMetadata.build(
             [r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
@@ -180,7 +182,7 @@ class ModelRunner:
             device=logits.device,
         )
         rows = torch.tensor([row for _, row in sample_rows], device=logits.device)
-        result = sample(logits[rows], metadata, self.generator)
+        result = sampling.sample(logits[rows], metadata, self.generator)
         for j, request in enumerate(requests):
             rid = request.request_id
             output.sampled_token_ids[rid] = int(result.token_ids[j])

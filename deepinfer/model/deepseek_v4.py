@@ -20,8 +20,8 @@ from torch import nn
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import CompressorState, KVCache
 from deepinfer.model.config import CSA, HASH_MOE, SLIDING, ModelArgs
-from deepinfer.ops.attention import indexer_topk, sink_attention
-from deepinfer.ops.moe import fused_moe, swiglu
+from deepinfer.ops import Kernels, reference_kernels
+from deepinfer.ops.moe.torch_ref import swiglu
 from deepinfer.ops.norm import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
@@ -134,8 +134,9 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: its own compressor at index_head_dim, and per-query top-k entries."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
         self.topk, self.ratio = args.index_topk, args.csa_ratio
         self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.head_dim)
@@ -166,7 +167,9 @@ class Indexer(nn.Module):
             keys = cache.read_entries(pool, seq.block_table, self.ratio, seq.end_pos // self.ratio)
             positions = batch.positions[seq.rows]
             picks.append(
-                indexer_topk(q[seq.rows], keys, weights[seq.rows], positions, self.ratio, self.topk)
+                self.kernels.attention.indexer_topk(
+                    q[seq.rows], keys, weights[seq.rows], positions, self.ratio, self.topk
+                )
             )
         return picks
 
@@ -176,8 +179,9 @@ class Attention(nn.Module):
     layers, compressed entries; per-head sinks; inverse RoPE on the output; grouped low-rank
     output projection."""
 
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.layer_id = layer_id
         self.layer_type = args.layer_types[layer_id]
         self.ratio = args.compress_ratio(layer_id)
@@ -197,7 +201,7 @@ class Attention(nn.Module):
         if self.ratio:
             self.compressor = Compressor(args, self.head_dim, self.ratio)
         if self.layer_type == CSA:
-            self.indexer = Indexer(args)
+            self.indexer = Indexer(args, kernels)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
@@ -223,7 +227,7 @@ class Attention(nn.Module):
         for i, seq in enumerate(batch.seqs):
             seq_picks = None if picks is None else picks[i]
             keys, mask = self._visible(kv[seq.rows], seq, batch, cache, seq_picks)
-            out[seq.rows] = sink_attention(
+            out[seq.rows] = self.kernels.attention.sink_attention(
                 q[seq.rows], keys, mask, self.attn_sink, self.head_dim**-0.5
             )
             cache.write_window(self.layer_id, seq.slot, seq.start_pos, kv[seq.rows])
@@ -328,8 +332,9 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.limit = args.swiglu_limit
         self.gate = Gate(args, layer_id)
         self.experts = Experts(args)
@@ -338,7 +343,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
         e = self.experts
-        routed = fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
+        routed = self.kernels.moe.fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
         return routed + self.shared_experts(x)
 
 
@@ -379,7 +384,7 @@ def hc_post(
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.args = args
         mix = args.hc_mix_size
@@ -390,9 +395,9 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, layer_id)
+        self.attn = Attention(args, layer_id, kernels)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ffn = MoE(args, layer_id)
+        self.ffn = MoE(args, layer_id, kernels)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
@@ -407,11 +412,12 @@ class Block(nn.Module):
 class DeepseekV4(nn.Module):
     """Embedding -> hc_mult residual streams -> blocks -> hyper-connection head -> norm -> head."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.args = args
+        kernels = kernels or reference_kernels()
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(Block(args, i, kernels) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = _linear(args.hidden_size, args.vocab_size)
         hc = args.hc_mult

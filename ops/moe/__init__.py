@@ -1,3 +1,9 @@
-from deepinfer.ops.moe.torch_ref import fused_moe, swiglu
+"""MoE ops: routed experts with clamped SwiGLU. A backend provides ``fused_moe`` and ``swiglu``."""
 
-__all__ = ["fused_moe", "swiglu"]
+from deepinfer.ops.moe.torch_ref import fused_moe, swiglu
+from deepinfer.ops.registry import OpRegistry
+
+BACKENDS = OpRegistry("moe")
+BACKENDS.register("torch_ref", "deepinfer.ops.moe.torch_ref")
+
+__all__ = ["BACKENDS", "fused_moe", "swiglu"]

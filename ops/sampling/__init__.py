@@ -1,7 +1,11 @@
-"""Sampling ops: the torch reference sampler (the oracle) and, later, fast backends."""
+"""Sampling ops: the torch reference sampler (the oracle) and, later, fast backends.
+
+A backend module provides ``SamplingMetadata``, ``sample`` and ``compute_logprobs``.
+"""
 
 from __future__ import annotations
 
+from deepinfer.ops.registry import OpRegistry
 from deepinfer.ops.sampling.torch_ref import (
     SamplerOutput,
     SamplingMetadata,
@@ -11,7 +15,11 @@ from deepinfer.ops.sampling.torch_ref import (
     seeded_key,
 )
 
+BACKENDS = OpRegistry("sampling")
+BACKENDS.register("torch_ref", "deepinfer.ops.sampling.torch_ref")
+
 __all__ = [
+    "BACKENDS",
     "SamplerOutput",
     "SamplingMetadata",
     "apply_logits_processors",
