@@ -57,10 +57,12 @@ class LLM:
             config = Config.load(config, overrides=sections)
         self.config = config
         self.engine = LLMEngine(config)
+        assert self.engine.tokenizer is not None
+        self.tokenizer: Tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def generate(
         self,
@@ -95,7 +97,7 @@ class LLM:
         return [t.output for t in tracks.values()]
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> _Track:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         text = prompt if isinstance(prompt, str) else None
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = str(next(self._ids))

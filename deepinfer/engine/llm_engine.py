@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol
 
 from deepinfer.config import Config
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.output import RequestOutputDelta
+from deepinfer.scheduler.output import ModelRunnerOutput, RequestOutputDelta, SchedulerOutput
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.tokenizer import Tokenizer
@@ -25,19 +26,42 @@ from deepinfer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class Executor(Protocol):
+    """What the engine needs of whatever runs the model (ModelRunner, or a test double).
+
+    ``execute`` must return a token for every scheduled request with ``do_sample`` and
+    ``num_prompt_logprob_positions`` prompt-logprob dicts where asked.
+    """
+
+    num_blocks: int
+    num_slots: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
 class LLMEngine:
-    def __init__(self, config: Config) -> None:
+    """``executor`` None: load the configured checkpoint (or the built-in one) into a
+    ModelRunner. Tests and the serving layer may pass any Executor instead."""
+
+    def __init__(self, config: Config, executor: Executor | None = None) -> None:
         self.config = config
-        self.model_dir = self._init_model_dir()
-        self.args = ModelArgs.from_file(self.model_dir)
-        self.tokenizer = Tokenizer.from_folder(self.model_dir)
-        self.runner = ModelRunner(config, self.model_dir, self.args)
-        self.max_model_len = self.runner.max_model_len
+        if executor is None:
+            self.model_dir: Path | None = self._init_model_dir()
+            args = ModelArgs.from_file(self.model_dir)
+            self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.model_dir)
+            executor = ModelRunner(config, self.model_dir, args)
+        else:
+            self.model_dir, self.tokenizer = None, None
+        self.executor = executor
+        self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(
             config.scheduler,
             block_size=config.cache.block_size,
-            num_blocks=self.runner.num_blocks,
-            num_state_slots=self.runner.num_slots,
+            num_blocks=executor.num_blocks,
+            num_state_slots=executor.num_slots,
             max_model_len=self.max_model_len,
         )
 
@@ -52,7 +76,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
     ) -> Request:
-        vocab = self.args.vocab_size
+        vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(
@@ -62,7 +86,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
-            eos_token_id=self.args.eos_token_id,
+            eos_token_id=self.executor.eos_token_id,
         )
         self.scheduler.add_request(request)
         return request
@@ -79,5 +103,5 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutputDelta]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         return self.scheduler.update(scheduler_output, runner_output)

@@ -94,6 +94,14 @@ class ModelRunner:
         self.kv_cache.log_sizes()
 
     @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.args.eos_token_id
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
