@@ -1,0 +1,156 @@
+"""Internal messages between the coordinator and the nodes (msgspec structs, msgpack on the wire).
+
+    coordinator --GenerateRequest--> node  POST /internal/generate   (body: one msgpack message)
+    coordinator <--Frame stream---- node   response body: length-prefixed msgpack frames
+    coordinator --AbortRequest-----> node  POST /internal/abort
+    node --NodeRegistration / NodeHeartbeat--> coordinator
+                                           POST /internal/register, /internal/heartbeat
+
+Frames on the generate stream: 4-byte big-endian length, then one msgpack-encoded ``StreamFrame``
+(a tagged union of TokenDelta and StreamError). Token ids only: nodes never see text.
+Never pickle across a socket.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """SamplingParams on the wire (token-level options only; stop strings stay on the text side)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ValueError (naming the field) on out-of-range values."""
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+
+class OutputConstraint(msgspec.Struct, kw_only=True):
+    """deepseek-recipe's OutputConstraint: kind "json" | "regex" | "tool_call_required" |
+    "tool_call"; ``schema`` the JSON schema / regex / tool grammar source."""
+
+    kind: str
+    schema: str = ""
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    constraint: OutputConstraint | None = None
+    cache_salt: str | None = None
+
+
+class TokenDelta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
+    """New tokens of one request (one frame per engine step), and finish info on the last frame.
+
+    ``logprobs``: one ``{token_id: logprob}`` per new token when asked. ``prompt_logprobs``: one
+    dict per prompt position delivered in this step. Counts are filled on the first and last
+    frames: ``num_prompt_tokens``, ``num_cached_tokens`` (prompt tokens served from the cache).
+    """
+
+    request_id: str
+    token_ids: list[int] = []
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StreamError(msgspec.Struct, tag="error", kw_only=True):
+    """The request failed on the node; ``status`` is the HTTP status the API should answer."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+StreamFrame = TokenDelta | StreamError
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    request_ids: list[str]
+
+
+class NodeLoad(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class NodeRegistration(msgspec.Struct, kw_only=True):
+    node_id: str
+    url: str  # where the coordinator reaches the node's internal API
+    role: str  # "mixed" | "prefill" | "decode"
+    model: str  # the checkpoint's served name
+    max_model_len: int
+    load: NodeLoad = msgspec.field(default_factory=NodeLoad)
+
+
+class NodeHeartbeat(msgspec.Struct, kw_only=True):
+    node_id: str
+    load: NodeLoad
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_FRAME_DECODER = msgspec.msgpack.Decoder(StreamFrame)
+_LENGTH = struct.Struct(">I")
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    """Raises msgspec.ValidationError / DecodeError on a malformed or mistyped message."""
+    return msgspec.msgpack.decode(data, type=kind)
+
+
+def encode_frame(frame: StreamFrame) -> bytes:
+    payload = _ENCODER.encode(frame)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Splits a byte stream into StreamFrames; feed chunks as they arrive."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[StreamFrame]:
+        self._buffer += data
+        frames: list[StreamFrame] = []
+        while len(self._buffer) >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(self._buffer)
+            end = _LENGTH.size + size
+            if len(self._buffer) < end:
+                break
+            frames.append(_FRAME_DECODER.decode(bytes(self._buffer[_LENGTH.size : end])))
+            del self._buffer[:end]
+        return frames
+
+    @property
+    def has_partial_frame(self) -> bool:
+        return bool(self._buffer)
