@@ -93,7 +93,7 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP front end (used by `deepinfer serve` / `coordinator` / `node`)."""
+    """The public HTTP API (`deepinfer coordinator`, and `deepinfer serve`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -105,12 +105,27 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class NodeConfig:
+    """A node's internal API (`deepinfer node`): token ids in, token deltas out."""
+
+    host: str = "127.0.0.1"  # bind address; localhost unless the coordinator is elsewhere
+    port: int = 8100
+    role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"node.port must be in 1..65535, got {self.port}")
+        _check_choice("node.role", self.role, ("mixed", "prefill", "decode"))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
 
     @classmethod
     def load(
@@ -150,6 +165,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "kernel": KernelConfig,
     "server": ServerConfig,
+    "node": NodeConfig,
 }
 
 
