@@ -45,6 +45,12 @@ class CacheConfig:
     memory_budget_gib: float = 2.0  # CPU: memory for blocks + state slots when num_blocks is None
     num_state_slots: int | None = None  # None: scheduler.max_num_seqs
     ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
+    enable_prefix_caching: bool = True
+    num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
+    snapshot_interval_blocks: int = 16  # also snapshot every N blocks of a long prefill
+    # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
+    # num_layers * (window - 1). Shorter values give wrong results; tests show it.
+    replay_tokens_override: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("cache.block_size", self.block_size)
@@ -56,6 +62,12 @@ class CacheConfig:
             raise ValueError(f"cache.memory_budget_gib must be > 0, got {self.memory_budget_gib}")
         if self.ring_margin < 0:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
+        if self.num_snapshots is not None and self.num_snapshots < 0:
+            raise ValueError(f"cache.num_snapshots must be >= 0, got {self.num_snapshots}")
+        if self.snapshot_interval_blocks < 0:
+            raise ValueError(
+                f"cache.snapshot_interval_blocks must be >= 0, got {self.snapshot_interval_blocks}"
+            )
 
 
 @dataclass(frozen=True)
@@ -93,15 +105,48 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The public HTTP API (`deepinfer coordinator`, and `deepinfer serve`)."""
+    """The public HTTP API (`deepinfer coordinator`, and `deepinfer serve`).
+
+    List-valued keys (``api_keys``, ``image_url_allowlist``) also take one comma-separated string,
+    as environment variables give them.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    default_thinking_mode: bool = True  # requests without `thinking` reason first
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    node_token: str | None = None  # shared secret between the coordinator and its nodes
+    image_url_allowlist: tuple[str, ...] = ()  # hosts whose image URLs may be fetched
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_running_requests: int = 1024  # in flight to nodes, all nodes together
+    max_queued_requests: int = 1024  # waiting for a running slot; beyond: 429
+    max_queued_prompt_tokens: int = 4 * 1024 * 1024  # prompt tokens waiting; beyond: 429
+    retry_after_s: int = 1  # Retry-After of a 429
+    request_timeout_s: float = 1800.0  # whole request, queueing included
+    drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight requests may still run
+    heartbeat_timeout_s: float = 10.0  # a node silent this long leaves the rotation
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
+        for key in ("api_keys", "image_url_allowlist"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                value = [v for v in (part.strip() for part in value.split(",")) if v]
+            object.__setattr__(self, key, tuple(value))
+        for key in (
+            "max_body_bytes",
+            "max_running_requests",
+            "max_queued_requests",
+            "max_queued_prompt_tokens",
+        ):
+            _check_positive(f"server.{key}", getattr(self, key))
+        if self.retry_after_s < 0:
+            raise ValueError(f"server.retry_after_s must be >= 0, got {self.retry_after_s}")
+        for key in ("request_timeout_s", "drain_timeout_s", "heartbeat_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"server.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -111,11 +156,24 @@ class NodeConfig:
     host: str = "127.0.0.1"  # bind address; localhost unless the coordinator is elsewhere
     port: int = 8100
     role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
+    node_id: str | None = None  # None: "<hostname>:<port>"
+    advertise_url: str | None = None  # None: http://<host>:<port> (the hostname for 0.0.0.0)
+    # Shared secret for /internal/* ("Authorization: Bearer <token>"); None: no check.
+    auth_token: str | None = None
+    coordinator_url: str | None = None  # None: no registration or heartbeats
+    heartbeat_interval_s: float = 2.0
+    max_step_s: float = 30.0  # /ready answers 503 while one engine step runs longer than this
+    drain_timeout_s: float = 30.0  # SIGTERM: time in-flight requests get before they are aborted
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"node.port must be in 1..65535, got {self.port}")
         _check_choice("node.role", self.role, ("mixed", "prefill", "decode"))
+        for key in ("heartbeat_interval_s", "max_step_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"node.{key} must be > 0, got {getattr(self, key)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"node.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ class _Track:
     def push(self, delta: RequestOutputDelta) -> str | None:
         """Add a delta; returns the stop string when one matched in this delta's text."""
         out, done = self.completion, self.stopped
+        self.output.num_cached_tokens = delta.num_cached_tokens
         if delta.new_prompt_logprobs and self.output.prompt_logprobs is not None:
             self.output.prompt_logprobs.extend(delta.new_prompt_logprobs)
         if done:

@@ -12,15 +12,20 @@ Free list order is deterministic so that tests (and replays) can assert exact bl
     free([7, 8, 9])  # a request's block_table, head first
     appends 9, 8, 7: the table's tail goes to the free list first and is reused first.
 
-Why tail first (vLLM v1 does the same): once prefix caching keeps the contents of freed blocks
-until they are reused, a request's head blocks hold the prefix most likely to be shared (a system
+Why tail first (vLLM v1 does the same): prefix caching keeps the contents of freed blocks until
+they are reused, and a request's head blocks hold the prefix most likely to be shared (a system
 prompt), so they should be reused last, while its tail (its own generated tokens) is reused first.
+
+Cached blocks: a block whose content is in the prefix cache carries its hash. At ref count 0 it
+stays on the free list (it counts as free) until ``allocate`` takes it, which evicts it from the
+cache through ``on_evict``; ``reuse`` takes a cached block back off the free list on a hit. So the
+free list is also the cache's LRU eviction order: front = evicted first.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 
 class BlockManager:
@@ -33,8 +38,11 @@ class BlockManager:
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"
         self.num_blocks = num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # An ordered set: O(1) pop from the front, append at the back, removal on a cache hit.
+        self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
+        self._block_hashes: dict[int, bytes] = {}
+        self.on_evict: Callable[[int, bytes], None] | None = None
         # Kept apart from the free list (not derived) so check_integrity() can catch drift.
         self._num_used_blocks = 0
 
@@ -57,14 +65,38 @@ class BlockManager:
         assert self.can_allocate(num_blocks), (
             f"allocate({num_blocks}) with only {self.num_free_blocks} of {self.num_blocks} free"
         )
-        block_ids = [self._free_block_ids.popleft() for _ in range(num_blocks)]
+        block_ids = [self._free_block_ids.popitem(last=False)[0] for _ in range(num_blocks)]
         for block_id in block_ids:
             assert self._ref_counts[block_id] == 0, (
                 f"block {block_id} on the free list has ref count {self._ref_counts[block_id]}"
             )
             self._ref_counts[block_id] = 1
+            block_hash = self._block_hashes.pop(block_id, None)
+            if block_hash is not None and self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
         self._num_used_blocks += num_blocks
         return block_ids
+
+    def reuse(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to cached blocks found by a prefix hit (free ones leave the list)."""
+        for block_id in block_ids:
+            assert block_id in self._block_hashes, f"reuse of uncached block {block_id}"
+            if self._ref_counts[block_id] == 0:
+                del self._free_block_ids[block_id]
+                self._num_used_blocks += 1
+            self._ref_counts[block_id] += 1
+
+    def set_hash(self, block_id: int, block_hash: bytes) -> None:
+        """Mark a used block's content as cached under ``block_hash``."""
+        assert self._ref_counts[block_id] > 0, f"set_hash on free block {block_id}"
+        self._block_hashes[block_id] = block_hash
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._block_hashes.get(block_id)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_hashes)
 
     def incref(self, block_ids: Sequence[int]) -> None:
         """Add one reference to used blocks (another request now shares them)."""
@@ -83,7 +115,7 @@ class BlockManager:
             assert ref_count > 0, f"free of block {block_id} with ref count 0 (double free)"
             self._ref_counts[block_id] = ref_count - 1
             if ref_count == 1:
-                self._free_block_ids.append(block_id)
+                self._free_block_ids[block_id] = None
                 self._num_used_blocks -= 1
 
     def check_integrity(self) -> None:
@@ -94,11 +126,7 @@ class BlockManager:
                 f"block accounting: {num_free} free + {self._num_used_blocks} used "
                 f"!= {self.num_blocks} total"
             )
-        free_set = set(self._free_block_ids)
-        if len(free_set) != num_free:
-            raise RuntimeError(
-                f"free list holds duplicates: {num_free} entries, {len(free_set)} ids"
-            )
+        free_set = self._free_block_ids.keys()
         num_referenced = 0
         for block_id, ref_count in enumerate(self._ref_counts):
             is_free = block_id in free_set

@@ -32,6 +32,13 @@ class ScheduledRequest:
     state_slot: int
     do_sample: bool
     num_prompt_logprob_positions: int = 0
+    # Prefix reuse (scheduler/prefix_reuse.py): copy snapshot -> slot before the chunk runs,
+    # slot -> snapshot after it; keys before ``window_floor`` are not attended; entries of
+    # positions below ``num_protected_tokens`` (reused blocks) are not written.
+    restore_snapshot: int | None = None
+    save_snapshot: int | None = None
+    window_floor: int = 0
+    num_protected_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -93,6 +100,8 @@ class RequestOutputDelta:
     new_prompt_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Prompt tokens served from the prefix cache (fixed at the first admission).
+    num_cached_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:

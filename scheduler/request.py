@@ -73,6 +73,21 @@ class Request:
     # twice.
     num_prompt_logprob_positions_scheduled: int = 0
 
+    # Prefix caching (see scheduler/prefix_reuse.py). ``cache_salt`` isolates tenants.
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks so far
+    num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # A replay without a snapshot starts from an empty state at this position: keys before it
+    # are not attended (they are not in the ring). 0 = no floor.
+    window_floor: int = 0
+    # Positions below this hold reused blocks: their entries are never written again.
+    num_protected_tokens: int = 0
+    num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
+    restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
+    # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
+    snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
+
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt must not be empty")

@@ -41,6 +41,7 @@ from deepinfer.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from deepinfer.scheduler.prefix_reuse import PrefixCachingOptions, PrefixReuse
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.state_slots import StateSlotManager
 
@@ -60,9 +61,10 @@ class Scheduler:
         num_blocks: int,
         num_state_slots: int,
         max_model_len: int,
+        prefix_caching: PrefixCachingOptions | None = None,
     ) -> None:
         self._init_limits(config, block_size, num_blocks, max_model_len)
-        self._init_managers(num_blocks, num_state_slots)
+        self._init_managers(num_blocks, num_state_slots, prefix_caching)
         self._init_queues()
 
     def _init_limits(
@@ -77,9 +79,14 @@ class Scheduler:
         # A request finishes with "length" at this many tokens (see the module docstring).
         self._max_num_tokens = min(max_model_len, self._num_pool_tokens)
 
-    def _init_managers(self, num_blocks: int, num_state_slots: int) -> None:
+    def _init_managers(
+        self, num_blocks: int, num_state_slots: int, prefix_caching: PrefixCachingOptions | None
+    ) -> None:
         self.block_manager = BlockManager(num_blocks)
         self.state_slots = StateSlotManager(num_state_slots)
+        self.prefix: PrefixReuse | None = None
+        if prefix_caching is not None:
+            self.prefix = PrefixReuse(prefix_caching, self.block_manager, self.block_size)
 
     def _init_queues(self) -> None:
         self._requests: dict[str, Request] = {}  # every unfinished request
@@ -212,13 +219,20 @@ class Scheduler:
             request = self._waiting[0]
             if not self.state_slots.can_allocate():
                 break
+            is_fresh = request.num_computed_tokens == 0 and not request.block_table
+            if self.prefix is not None and is_fresh:
+                self.prefix.admit(request)
             num_new_tokens = self._num_new_tokens(request, budget)
             assert num_new_tokens > 0, (
                 f"waiting request {request.request_id!r} has {request.num_tokens} tokens, "
                 f"{request.num_computed_tokens} computed"
             )
             if not self._allocate_blocks(request, request.num_computed_tokens + num_new_tokens):
+                if self.prefix is not None:
+                    self.prefix.undo_admit(request)
                 break
+            if self.prefix is not None:
+                self.prefix.on_admitted(request)
             self._waiting.popleft()
             request.state_slot = self.state_slots.allocate()
             request.status = RequestStatus.RUNNING
@@ -238,6 +252,9 @@ class Scheduler:
             num_new_tokens = min(
                 num_new_tokens, num_logprobs_scheduled - request.num_computed_tokens
             )
+        if self.prefix is not None:
+            start = request.num_computed_tokens
+            num_new_tokens = self.prefix.clip_chunk(request, start, start + num_new_tokens) - start
         return max(num_new_tokens, 0)
 
     def _allocate_blocks(self, request: Request, end: int) -> bool:
@@ -274,6 +291,10 @@ class Scheduler:
                 f"prompt logprobs, {num_scheduled} already scheduled"
             )
             request.num_prompt_logprob_positions_scheduled += num_logprob_positions
+        save_snapshot = None
+        if self.prefix is not None:
+            save_snapshot = self.prefix.snapshot_after(request, start, end)
+        restore_snapshot, request.restore_snapshot = request.restore_snapshot, None
         request.num_computed_tokens = end
         assert request.state_slot is not None, f"request {request.request_id!r} has no state slot"
         return ScheduledRequest(
@@ -285,6 +306,10 @@ class Scheduler:
             state_slot=request.state_slot,
             do_sample=end == request.num_tokens,
             num_prompt_logprob_positions=num_logprob_positions,
+            restore_snapshot=restore_snapshot,
+            save_snapshot=save_snapshot,
+            window_floor=request.window_floor,
+            num_protected_tokens=request.num_protected_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -293,7 +318,7 @@ class Scheduler:
             "running requests"
         )
         self._running.pop()
-        self._free_resources(request)
+        self._free_resources(request, RequestStatus.PREEMPTED)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -316,6 +341,8 @@ class Scheduler:
             request = scheduled.request
             if request.is_finished:
                 continue
+            if self.prefix is not None and request.status == RequestStatus.RUNNING:
+                self.prefix.on_step_done(request)
             new_prompt_logprobs = self._take_prompt_logprobs(scheduled, runner_output)
             new_token_ids: list[int] = []
             new_logprobs = None
@@ -343,6 +370,7 @@ class Scheduler:
                         new_prompt_logprobs=new_prompt_logprobs,
                         finish_reason=request.finish_reason,
                         stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
                     )
                 )
         return deltas
@@ -382,14 +410,17 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self._running.remove(request)
-            self._free_resources(request)
+            self._free_resources(request, status)
         else:
             self._waiting.remove(request)
         request.status = status
         del self._requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
-    def _free_resources(self, request: Request) -> None:
+    def _free_resources(self, request: Request, status: RequestStatus) -> None:
+        if self.prefix is not None:
+            self.prefix.on_release(request, status)
+        request.num_protected_tokens = 0
         self.block_manager.free(request.block_table)
         request.block_table = []
         if request.state_slot is not None:
@@ -402,6 +433,8 @@ class Scheduler:
         """Raise RuntimeError unless every block and slot in use is held by a running request."""
         self.block_manager.check_integrity()
         self.state_slots.check_integrity()
+        if self.prefix is not None:
+            self.prefix.snapshots.check_integrity()
         _require(
             len(self._running) <= self.config.max_num_seqs,
             f"{len(self._running)} running > max_num_seqs {self.config.max_num_seqs}",

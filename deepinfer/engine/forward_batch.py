@@ -25,6 +25,10 @@ class SeqSpan:
     start_pos: int
     slot: int
     block_table: torch.Tensor
+    # Prefix reuse: keys before ``window_floor`` are not attended (a replay from an empty slot);
+    # compressed entries of positions below ``num_protected`` (shared blocks) are not written.
+    window_floor: int = 0
+    num_protected: int = 0
 
     @property
     def end_pos(self) -> int:

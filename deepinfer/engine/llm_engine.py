@@ -19,6 +19,7 @@ from deepinfer.model.config import ModelArgs
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import ModelRunnerOutput, RequestOutputDelta, SchedulerOutput
+from deepinfer.scheduler.prefix_reuse import PrefixCachingOptions
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.tokenizer import Tokenizer
@@ -35,9 +36,14 @@ class Executor(Protocol):
 
     num_blocks: int
     num_slots: int
+    num_snapshots: int
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
+    # Prefix caching: the hash chain's salt (model, weights fingerprint, cache format) and the
+    # replay bound num_layers * (window - 1).
+    cache_salt: bytes
+    replay_tokens: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -63,6 +69,21 @@ class LLMEngine:
             num_blocks=executor.num_blocks,
             num_state_slots=executor.num_slots,
             max_model_len=self.max_model_len,
+            prefix_caching=self._prefix_caching_options(),
+        )
+
+    def _prefix_caching_options(self) -> PrefixCachingOptions | None:
+        cache = self.config.cache
+        if not cache.enable_prefix_caching:
+            return None
+        replay = self.executor.replay_tokens
+        if cache.replay_tokens_override is not None:
+            replay = cache.replay_tokens_override
+        return PrefixCachingOptions(
+            salt=self.executor.cache_salt,
+            num_snapshots=self.executor.num_snapshots,
+            snapshot_interval_blocks=cache.snapshot_interval_blocks,
+            replay_tokens=replay,
         )
 
     def _init_model_dir(self) -> Path:
@@ -74,7 +95,11 @@ class LLMEngine:
         return path
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> Request:
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -87,6 +112,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
             eos_token_id=self.executor.eos_token_id,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         return request

@@ -19,7 +19,7 @@ from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache, cache_layout
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.loader import load_checkpoint
+from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
 from deepinfer.ops import select_kernels
 from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -39,6 +39,7 @@ class ModelRunner:
         self.kernels = select_kernels(config.kernel, self.device)
         self._init_model(model_dir)
         self._init_kv_cache()
+        self.cache_salt = self._cache_salt(model_dir)
         self.generator = torch.Generator(device="cpu")
         self.generator.seed()
 
@@ -68,6 +69,11 @@ class ModelRunner:
         cfg = self.config
         layout = cache_layout(self.args, cfg.cache.block_size, cfg.cache.ring_margin)
         num_slots = cfg.cache.num_state_slots or cfg.scheduler.max_num_seqs
+        num_snapshots = 0
+        if cfg.cache.enable_prefix_caching:
+            num_snapshots = cfg.cache.num_snapshots
+            if num_snapshots is None:
+                num_snapshots = 2 * num_slots
         num_blocks = cfg.cache.num_blocks
         if num_blocks is None:
             budget = cfg.cache.memory_budget_gib * 2**30 - num_slots * layout.bytes_per_slot(
@@ -86,12 +92,24 @@ class ModelRunner:
             self.args,
             num_blocks=num_blocks,
             num_slots=num_slots,
+            num_snapshots=num_snapshots,
             block_size=cfg.cache.block_size,
             ring_margin=cfg.cache.ring_margin,
             dtype=self.dtype,
             device=self.device,
         )
         self.kv_cache.log_sizes()
+
+    def _cache_salt(self, model_dir: Path) -> bytes:
+        """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
+        layout = f"kv-v1:{self.dtype}:{self.config.cache.block_size}:{self.kv_cache.ring_size}"
+        return checkpoint_fingerprint(model_dir) + layout.encode()
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens to replay on a prefix hit with no snapshot: the sliding-window receptive field
+        of the whole stack, num_layers * (window - 1)."""
+        return self.args.num_layers * (self.args.sliding_window - 1)
 
     @property
     def vocab_size(self) -> int:
@@ -100,6 +118,10 @@ class ModelRunner:
     @property
     def eos_token_id(self) -> int | None:
         return self.args.eos_token_id
+
+    @property
+    def num_snapshots(self) -> int:
+        return self.kv_cache.num_snapshots
 
     @property
     def num_blocks(self) -> int:
@@ -114,7 +136,15 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
+        for sched in scheduler_output.scheduled:
+            if sched.restore_snapshot is not None:
+                self.kv_cache.restore_snapshot(sched.restore_snapshot, sched.state_slot)
+            elif sched.window_floor and sched.start_pos == sched.window_floor:
+                self.kv_cache.clear_slot(sched.state_slot)
         logits = self.model(batch, self.kv_cache)  # [N, V] fp32
+        for sched in scheduler_output.scheduled:
+            if sched.save_snapshot is not None:
+                self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
         output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
         self._sample(scheduler_output, logits, sample_rows, output)
@@ -136,7 +166,17 @@ class ModelRunner:
             input_ids.extend(sched.token_ids)
             positions.extend(range(sched.start_pos, sched.start_pos + n))
             block_table = torch.tensor(sched.block_table, dtype=torch.int64, device=self.device)
-            seqs.append(SeqSpan(offset, n, sched.start_pos, sched.state_slot, block_table))
+            seqs.append(
+                SeqSpan(
+                    offset,
+                    n,
+                    sched.start_pos,
+                    sched.state_slot,
+                    block_table,
+                    window_floor=sched.window_floor,
+                    num_protected=sched.num_protected_tokens,
+                )
+            )
             if sched.num_prompt_logprob_positions:
                 count = sched.num_prompt_logprob_positions
                 prompt_rows.append((i, len(logits_indices), count))

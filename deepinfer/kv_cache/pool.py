@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.engine.forward_batch import SeqSpan
 from deepinfer.model.config import CSA, HCA, ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class KVCache:
         num_blocks: int,
         num_slots: int,
         block_size: int,
+        num_snapshots: int = 0,
         ring_margin: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -107,12 +109,14 @@ class KVCache:
         self.layout = cache_layout(args, block_size, ring_margin)
         self.num_blocks = num_blocks
         self.num_slots = num_slots
+        self.num_snapshots = num_snapshots
         self.block_size = block_size
         self.ring_size = self.layout.ring_size
         self.dtype = dtype
         self.device = device
         self._init_pools()
         self._init_state_slots()
+        self._init_snapshots()
 
     def _init_pools(self) -> None:
         a, nb = self.args, self.num_blocks
@@ -139,6 +143,42 @@ class KVCache:
                 buf = self._zeros(ns, ratio - 1, a.head_dim)
                 self.compressor_state[i, "comp"] = CompressorState(buf, buf.clone(), None, None)
 
+    def _snapshot_parts(self) -> list[torch.Tensor]:
+        """The state-slot tensors a block boundary needs: rings and CSA overlap state. The open
+        window buffers are empty at a boundary (block_size is a multiple of every ratio)."""
+        parts = list(self.window_ring)
+        for state in self.compressor_state.values():
+            if state.prev_kv is not None and state.prev_gate is not None:
+                parts += [state.prev_kv, state.prev_gate]
+        return parts
+
+    def _init_snapshots(self) -> None:
+        # Snapshot pool: one [num_snapshots, ...] twin per snapshot part, apart from the slots.
+        self._snapshot_pool = [
+            torch.zeros((self.num_snapshots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            for t in self._snapshot_parts()
+        ]
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self._snapshot_parts())
+
+    def save_snapshot(self, slot: int, snapshot_id: int) -> None:
+        for part, pool in zip(self._snapshot_parts(), self._snapshot_pool, strict=True):
+            pool[snapshot_id].copy_(part[slot])
+
+    def restore_snapshot(self, snapshot_id: int, slot: int) -> None:
+        for part, pool in zip(self._snapshot_parts(), self._snapshot_pool, strict=True):
+            part[slot].copy_(pool[snapshot_id])
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot before a replay that starts from an empty state."""
+        for part in self._snapshot_parts():
+            part[slot].zero_()
+        for state in self.compressor_state.values():
+            state.buf_kv[slot].zero_()
+            state.buf_gate[slot].zero_()
+
     def _csa_state(self, ratio: int, dim: int) -> CompressorState:
         ns = self.num_slots
         buf = self._zeros(ns, ratio - 1, 2 * dim)
@@ -152,7 +192,8 @@ class KVCache:
         lay = self.layout
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f KiB/block, %.1f B/token), %d state slots "
-            "(%.1f KiB/slot, ring %d), total %.1f MiB",
+            "(%.1f KiB/slot, ring %d), %d snapshots (%.1f KiB/snapshot = %.2f blocks), "
+            "total %.1f MiB",
             self.num_blocks,
             self.block_size,
             lay.bytes_per_block(self.dtype) / 1024,
@@ -160,9 +201,13 @@ class KVCache:
             self.num_slots,
             lay.bytes_per_slot(self.dtype) / 1024,
             self.ring_size,
+            self.num_snapshots,
+            self.bytes_per_snapshot / 1024,
+            self.bytes_per_snapshot / lay.bytes_per_block(self.dtype),
             (
                 self.num_blocks * lay.bytes_per_block(self.dtype)
                 + self.num_slots * lay.bytes_per_slot(self.dtype)
+                + self.num_snapshots * self.bytes_per_snapshot
             )
             / 2**20,
         )
@@ -178,9 +223,22 @@ class KVCache:
         return block_table[entries // per_block], entries % per_block
 
     def write_entries(
-        self, pool: torch.Tensor, block_table: torch.Tensor, ratio: int, first: int, x: torch.Tensor
+        self,
+        pool: torch.Tensor,
+        block_table: torch.Tensor,
+        ratio: int,
+        first: int,
+        x: torch.Tensor,
+        seq: SeqSpan | None = None,
     ) -> None:
-        """Store entries x [n, d] as entries first..first+n-1 of one request."""
+        """Store entries x [n, d] as entries first..first+n-1 of one request.
+
+        Entries of positions below ``seq.num_protected`` live in blocks shared through the prefix
+        cache and are skipped: a replay recomputes them only to rebuild the state slot.
+        """
+        if seq is not None and seq.num_protected > first * ratio:
+            skip = min(x.shape[0], -(-seq.num_protected // ratio) - first)
+            first, x = first + skip, x[skip:]
         if x.shape[0]:
             blocks, rows = self._entry_rows(block_table, ratio, first, x.shape[0])
             pool[blocks, rows] = x.to(pool.dtype)

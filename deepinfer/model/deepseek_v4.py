@@ -156,7 +156,7 @@ class Indexer(nn.Module):
         pool = cache.index_keys[layer_id]
 
         def write(seq: SeqSpan, first: int, keys: torch.Tensor) -> None:
-            cache.write_entries(pool, seq.block_table, self.ratio, first, keys)
+            cache.write_entries(pool, seq.block_table, self.ratio, first, keys, seq)
 
         self.compressor(x, batch, cache.compressor_state[layer_id, "idx"], write, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
@@ -217,7 +217,7 @@ class Attention(nn.Module):
             pool = cache.compressed_kv[self.layer_id]
 
             def write(seq: SeqSpan, first: int, entries: torch.Tensor) -> None:
-                cache.write_entries(pool, seq.block_table, self.ratio, first, entries)
+                cache.write_entries(pool, seq.block_table, self.ratio, first, entries, seq)
 
             state = cache.compressor_state[self.layer_id, "comp"]
             self.compressor(x, batch, state, write, inv_freq)
@@ -247,12 +247,12 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys one request's queries may see, [L, hd], and the mask [C, L].
 
-        Keys: window rows of positions [max(0, s-W+1), s) from the ring, this step's tokens,
+        Keys: window rows of positions [max(floor, s-W+1), s) from the ring, this step's tokens,
         then compressed entries 0..end//ratio-1. Query t sees window keys t-W+1..t; entry w of
         an HCA layer iff w < (t+1)//ratio; on CSA layers only the indexer's picks.
         """
         s, e = seq.start_pos, seq.end_pos
-        first = max(0, s - self.window + 1)
+        first = max(seq.window_floor, s - self.window + 1)
         keys = torch.cat([cache.read_window(self.layer_id, seq.slot, first, s), kv])
         q_pos = batch.positions[seq.rows].unsqueeze(1)  # [C, 1]
         k_pos = torch.arange(first, e, device=kv.device).unsqueeze(0)

@@ -1,0 +1,191 @@
+"""Prefix reuse: what the scheduler does for prefix caching (torch-free).
+
+On admission a request looks up the longest cached prefix of its full blocks (at most
+``(num_tokens - 1) // block_size`` of them: its last token is always computed, for the logits).
+The hit's paged blocks (compressed KV, indexer keys) are reused as they are. Its state slot
+cannot be rebuilt from the blocks: a token's sliding-window KV at layer l depends on the previous
+``window - 1`` tokens at layer l-1, so the receptive field grows by ``window - 1`` per layer.
+
+    hit boundary b = k * block_size
+    ───────────────────────────────┬──────────────┬─────────────────────▶ positions
+     blocks reused as they are     s              b      computed as usual
+                                   └── replay ────┘
+    s = the nearest snapshot boundary <= b           (restore the slot, replay s..b-1), else
+    s = max(0, b - num_layers * (window - 1)) from an empty slot (keys before s masked)
+
+Replayed tokens rebuild the rings and compressor state; the entries they would write belong to
+the shared blocks and are not written again (``num_protected_tokens``). At a block boundary every
+compressor's open window is empty (block_size is a multiple of every ratio), so the state at b
+is exactly rings + CSA overlap state, all within the last ``window - 1`` tokens; a replay start
+inside a compression window only disturbs entries that are protected anyway.
+
+Snapshots are taken when a chunk ends at a block boundary: the last full block of the prompt,
+the reused boundary after a replay, every ``snapshot_interval_blocks`` blocks of a long prefill
+(prefill chunks are cut there), and, while decoding, the newest boundary, kept pending and
+committed when the request finishes.
+Requests asking for prompt logprobs skip the lookup (every prompt position must be computed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.scheduler.block_manager import BlockManager
+from deepinfer.scheduler.prefix_cache import PrefixCache
+from deepinfer.scheduler.request import Request, RequestStatus
+from deepinfer.scheduler.snapshots import SnapshotIndex
+
+
+@dataclass(frozen=True)
+class PrefixCachingOptions:
+    """``salt`` names the model, its weights and the cache format; ``replay_tokens`` is
+    ``num_layers * (window - 1)`` (tests may force it shorter to show the bound is real)."""
+
+    salt: bytes
+    num_snapshots: int
+    snapshot_interval_blocks: int
+    replay_tokens: int
+
+
+@dataclass
+class ReuseStats:
+    num_replayed_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class PrefixReuse:
+    def __init__(
+        self, options: PrefixCachingOptions, block_manager: BlockManager, block_size: int
+    ) -> None:
+        self.options = options
+        self.block_size = block_size
+        self.block_manager = block_manager
+        self.cache = PrefixCache(block_manager, block_size, options.salt)
+        self.snapshots = SnapshotIndex(options.num_snapshots)
+        self.stats = ReuseStats()
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def admit(self, request: Request) -> None:
+        """Reuse the cached prefix of a request about to be admitted (no blocks held yet)."""
+        assert not request.block_table and request.num_computed_tokens == 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return
+        bs = self.block_size
+        hashes = self.cache.block_hashes(request, request.num_tokens - 1)
+        block_ids = self.cache.lookup(hashes)
+        if not block_ids:
+            return
+        boundary = len(block_ids) * bs
+        start, snapshot_id = 0, None
+        for k in range(len(block_ids), 0, -1):
+            snapshot_id = self.snapshots.get(hashes[k - 1])
+            if snapshot_id is not None:
+                start = k * bs
+                break
+        if snapshot_id is None:
+            start = max(0, boundary - self.options.replay_tokens)
+            request.window_floor = start
+        self.block_manager.reuse(block_ids)
+        request.block_table = list(block_ids)
+        request.num_computed_tokens = start
+        request.num_protected_tokens = boundary
+        if request.num_preemptions == 0:  # usage reports what the prompt found in the cache
+            request.num_cached_tokens = boundary
+        request.num_replayed_tokens = boundary - start
+        request.restore_snapshot = snapshot_id
+
+    def undo_admit(self, request: Request) -> None:
+        """The admission failed after ``admit`` (too few free blocks): give the hit back."""
+        if request.block_table:
+            self.block_manager.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = request.num_protected_tokens = 0
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = 0
+        request.num_replayed_tokens = request.window_floor = 0
+        request.restore_snapshot = None
+
+    def on_admitted(self, request: Request) -> None:
+        if request.restore_snapshot is not None:
+            self.snapshots.stats.num_restored += 1
+        self.stats.num_replayed_tokens += request.num_replayed_tokens
+        self.stats.num_cached_tokens += request.num_protected_tokens
+
+    # -- chunks -------------------------------------------------------------------------------
+
+    def clip_chunk(self, request: Request, start: int, end: int) -> int:
+        """Cut a prefill chunk at the next boundary worth a snapshot, so the state exists there."""
+        boundary = self._next_prefill_snapshot(request, start)
+        return min(end, boundary) if boundary is not None else end
+
+    def _next_prefill_snapshot(self, request: Request, start: int) -> int | None:
+        bs, interval = self.block_size, self.options.snapshot_interval_blocks
+        last_prompt = request.num_prompt_tokens // bs * bs
+        protected = request.num_protected_tokens
+        # The reused boundary itself: after a replay the state there is exact, and a snapshot
+        # spares the next hit the replay.
+        candidates = [last_prompt, protected]
+        if interval > 0:
+            candidates.append((start // (bs * interval) + 1) * bs * interval)
+        for boundary in sorted(candidates):
+            # Below the reused boundary a replay may run from an empty slot: not exact there.
+            if start < boundary <= last_prompt and boundary >= protected:
+                if not self._has_snapshot(request, boundary):
+                    return boundary
+        return None
+
+    def _has_snapshot(self, request: Request, boundary: int) -> bool:
+        hashes = self.cache.block_hashes(request, boundary)
+        return hashes[-1] in self.snapshots
+
+    def snapshot_after(self, request: Request, start: int, end: int) -> int | None:
+        """A snapshot id for the state after the chunk [start, end), when one is wanted there."""
+        bs = self.block_size
+        if end % bs or end < request.num_protected_tokens or self.options.num_snapshots == 0:
+            return None
+        boundary_hash = self.cache.block_hashes(request, end)[-1]
+        if boundary_hash in self.snapshots:
+            return None
+        is_prompt = end <= request.num_prompt_tokens
+        if is_prompt and end != self._next_prefill_snapshot(request, start):
+            return None
+        if not is_prompt and request.pending_snapshot is not None:
+            # Overwrite the request's own pending snapshot: only its newest boundary is kept.
+            snapshot_id, _ = request.pending_snapshot
+            request.pending_snapshot = None
+        else:
+            snapshot_id = self.snapshots.allocate()
+        if snapshot_id is not None:
+            request.snapshot_saves.append((snapshot_id, boundary_hash, not is_prompt))
+        return snapshot_id
+
+    # -- after a step -------------------------------------------------------------------------
+
+    def on_step_done(self, request: Request) -> None:
+        """The step that computed the request's latest chunk ran: cache its full blocks and
+        settle the snapshots it wrote."""
+        self.cache.insert(request)
+        for snapshot_id, boundary_hash, keep_pending in request.snapshot_saves:
+            if not keep_pending:
+                self.snapshots.commit(snapshot_id, boundary_hash)
+                continue
+            if request.pending_snapshot is not None:
+                self.snapshots.drop(request.pending_snapshot[0])
+            request.pending_snapshot = (snapshot_id, boundary_hash)
+        request.snapshot_saves = []
+
+    def on_release(self, request: Request, status: RequestStatus) -> None:
+        """The request gives up its slot: keep its newest decode boundary if it completed."""
+        for snapshot_id, _, _ in request.snapshot_saves:  # written by a step that was cut short
+            self.snapshots.drop(snapshot_id)
+        request.snapshot_saves = []
+        if request.pending_snapshot is not None:
+            snapshot_id, boundary_hash = request.pending_snapshot
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.snapshots.commit(snapshot_id, boundary_hash)
+            else:
+                self.snapshots.drop(snapshot_id)
+            request.pending_snapshot = None
+        request.window_floor = 0
+        request.restore_snapshot = None
