@@ -94,6 +94,8 @@ class PrefixReuse:
             request.num_cached_tokens = boundary
         request.num_replayed_tokens = boundary - start
         request.restore_snapshot = snapshot_id
+        if snapshot_id is not None:
+            self.snapshots.pin(snapshot_id)
 
     def undo_admit(self, request: Request) -> None:
         """The admission failed after ``admit`` (too few free blocks): give the hit back."""
@@ -104,11 +106,14 @@ class PrefixReuse:
         if request.num_preemptions == 0:
             request.num_cached_tokens = 0
         request.num_replayed_tokens = request.window_floor = 0
+        if request.restore_snapshot is not None:
+            self.snapshots.unpin(request.restore_snapshot)
         request.restore_snapshot = None
 
     def on_admitted(self, request: Request) -> None:
         if request.restore_snapshot is not None:
             self.snapshots.stats.num_restored += 1
+            request.pinned_snapshot = request.restore_snapshot
         self.stats.num_replayed_tokens += request.num_replayed_tokens
         self.stats.num_cached_tokens += request.num_protected_tokens
 
@@ -116,6 +121,8 @@ class PrefixReuse:
 
     def clip_chunk(self, request: Request, start: int, end: int) -> int:
         """Cut a prefill chunk at the next boundary worth a snapshot, so the state exists there."""
+        if self.options.num_snapshots == 0:
+            return end
         boundary = self._next_prefill_snapshot(request, start)
         return min(end, boundary) if boundary is not None else end
 
@@ -130,9 +137,9 @@ class PrefixReuse:
             candidates.append((start // (bs * interval) + 1) * bs * interval)
         for boundary in sorted(candidates):
             # Below the reused boundary a replay may run from an empty slot: not exact there.
-            if start < boundary <= last_prompt and boundary >= protected:
-                if not self._has_snapshot(request, boundary):
-                    return boundary
+            wanted = start < boundary <= last_prompt and boundary >= protected
+            if wanted and not self._has_snapshot(request, boundary):
+                return boundary
         return None
 
     def _has_snapshot(self, request: Request, boundary: int) -> bool:
@@ -166,6 +173,7 @@ class PrefixReuse:
         """The step that computed the request's latest chunk ran: cache its full blocks and
         settle the snapshots it wrote."""
         self.cache.insert(request)
+        self._unpin(request)
         for snapshot_id, boundary_hash, keep_pending in request.snapshot_saves:
             if not keep_pending:
                 self.snapshots.commit(snapshot_id, boundary_hash)
@@ -177,6 +185,7 @@ class PrefixReuse:
 
     def on_release(self, request: Request, status: RequestStatus) -> None:
         """The request gives up its slot: keep its newest decode boundary if it completed."""
+        self._unpin(request)
         for snapshot_id, _, _ in request.snapshot_saves:  # written by a step that was cut short
             self.snapshots.drop(snapshot_id)
         request.snapshot_saves = []
@@ -189,3 +198,8 @@ class PrefixReuse:
             request.pending_snapshot = None
         request.window_floor = 0
         request.restore_snapshot = None
+
+    def _unpin(self, request: Request) -> None:
+        if request.pinned_snapshot is not None:
+            self.snapshots.unpin(request.pinned_snapshot)
+            request.pinned_snapshot = None

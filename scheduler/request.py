@@ -84,6 +84,7 @@ class Request:
     num_protected_tokens: int = 0
     num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
     restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
+    pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
     # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
     snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
     pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary

@@ -14,7 +14,7 @@ committed when it finishes, or dropped.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 
@@ -31,6 +31,8 @@ class SnapshotIndex:
         self._free: list[int] = list(range(num_snapshots - 1, -1, -1))  # pop() = lowest id
         self._committed: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._num_pending = 0
+        # Committed snapshots a scheduled step will restore: not evictable until it ran.
+        self._pinned: Counter[int] = Counter()
         self.stats = SnapshotStats()
 
     def __len__(self) -> int:
@@ -46,13 +48,23 @@ class SnapshotIndex:
             self._committed.move_to_end(block_hash)
         return snapshot_id
 
+    def pin(self, snapshot_id: int) -> None:
+        self._pinned[snapshot_id] += 1
+
+    def unpin(self, snapshot_id: int) -> None:
+        assert self._pinned[snapshot_id] > 0, f"unpin of unpinned snapshot {snapshot_id}"
+        self._pinned[snapshot_id] -= 1
+        if not self._pinned[snapshot_id]:
+            del self._pinned[snapshot_id]
+
     def allocate(self) -> int | None:
-        """A pending snapshot id (evicting the least recently used committed one if needed)."""
+        """A pending snapshot id, evicting the least recently used unpinned committed one if
+        none is free; None when every snapshot is pending or pinned."""
         if not self._free:
-            if not self._committed:
+            victim = next((h for h, i in self._committed.items() if i not in self._pinned), None)
+            if victim is None:
                 return None
-            _, evicted = self._committed.popitem(last=False)
-            self._free.append(evicted)
+            self._free.append(self._committed.pop(victim))
             self.stats.num_evicted += 1
         self._num_pending += 1
         return self._free.pop()
