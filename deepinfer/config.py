@@ -48,6 +48,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
     snapshot_interval_blocks: int = 16  # also snapshot every N blocks of a long prefill
+    host_tier_gib: float = 4.0  # host-memory tier for evicted blocks/snapshots; 0 disables
+    disk_tier_dir: str | None = None  # disk tier directory (may be a shared mount); None: off
+    disk_tier_gib: float = 64.0
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
@@ -64,6 +67,11 @@ class CacheConfig:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.num_snapshots is not None and self.num_snapshots < 0:
             raise ValueError(f"cache.num_snapshots must be >= 0, got {self.num_snapshots}")
+        if self.host_tier_gib < 0 or self.disk_tier_gib <= 0:
+            raise ValueError(
+                f"cache.host_tier_gib must be >= 0 and cache.disk_tier_gib > 0, got "
+                f"{self.host_tier_gib} and {self.disk_tier_gib}"
+            )
         if self.snapshot_interval_blocks < 0:
             raise ValueError(
                 f"cache.snapshot_interval_blocks must be >= 0, got {self.snapshot_interval_blocks}"

@@ -91,6 +91,9 @@ class BlockManager:
         assert self._ref_counts[block_id] > 0, f"set_hash on free block {block_id}"
         self._block_hashes[block_id] = block_hash
 
+    def clear_hash(self, block_id: int) -> bytes | None:
+        return self._block_hashes.pop(block_id, None)
+
     def block_hash(self, block_id: int) -> bytes | None:
         return self._block_hashes.get(block_id)
 

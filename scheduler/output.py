@@ -39,6 +39,10 @@ class ScheduledRequest:
     save_snapshot: int | None = None
     window_floor: int = 0
     num_protected_tokens: int = 0
+    # Lower-tier hits: a snapshot staged under this key is restored instead of a device one;
+    # these (block id, hash) get their content from the tiers before the forward.
+    restore_snapshot_key: bytes | None = None
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -61,6 +65,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Cached blocks / snapshots evicted from the device by this schedule: their content must be
+    # copied to the lower tiers before the step overwrites it. (id, hash) pairs.
+    block_offloads: list[tuple[int, bytes]] = field(default_factory=list)
+    snapshot_offloads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -56,6 +56,7 @@ class PrefixCache:
         self.block_size = block_size
         self.salt = salt
         self._blocks: dict[bytes, int] = {}
+        self.evicted: list[tuple[int, bytes]] = []  # since the last drain, for offloading
         self.stats = PrefixCacheStats()
         block_manager.on_evict = self._evict
 
@@ -105,9 +106,21 @@ class PrefixCache:
                 self.stats.num_inserted_blocks += 1
         request.num_inserted_blocks = num_full
 
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Cache a block whose content the executor loads from a lower tier before it is read."""
+        assert block_hash not in self._blocks, "a lower-tier hit for a block already on device"
+        self._blocks[block_hash] = block_id
+        self.block_manager.set_hash(block_id, block_hash)
+
+    def unregister(self, block_id: int) -> None:
+        block_hash = self.block_manager.clear_hash(block_id)
+        if block_hash is not None:
+            del self._blocks[block_hash]
+
     def _evict(self, block_id: int, block_hash: bytes) -> None:
         assert self._blocks.get(block_hash) == block_id, (
             f"evicting block {block_id}, but its hash maps to {self._blocks.get(block_hash)}"
         )
         del self._blocks[block_hash]
+        self.evicted.append((block_id, block_hash))
         self.stats.num_evicted_blocks += 1

@@ -28,12 +28,27 @@ Requests asking for prompt logprobs skip the lookup (every prompt position must 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.scheduler.prefix_cache import PrefixCache
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.snapshots import SnapshotIndex
+
+
+class LowerTiers(Protocol):
+    """The host and disk tiers as the scheduler sees them (deepinfer.kv_cache.tiered.KVTiers).
+
+    ``stage`` makes an entry ready for the executor (read from disk and checked, or taken from
+    host memory) and names its tier, or returns None; a staged entry is held until the executor
+    takes it or ``unstage`` drops it.
+    """
+
+    def stage(self, kind: str, key: bytes) -> str | None: ...
+
+    def unstage(self, kind: str, key: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -51,13 +66,19 @@ class PrefixCachingOptions:
 class ReuseStats:
     num_replayed_tokens: int = 0
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: Counter[str] = field(default_factory=Counter)
 
 
 class PrefixReuse:
     def __init__(
-        self, options: PrefixCachingOptions, block_manager: BlockManager, block_size: int
+        self,
+        options: PrefixCachingOptions,
+        block_manager: BlockManager,
+        block_size: int,
+        tiers: LowerTiers | None = None,
     ) -> None:
         self.options = options
+        self.tiers = tiers
         self.block_size = block_size
         self.block_manager = block_manager
         self.cache = PrefixCache(block_manager, block_size, options.salt)
@@ -67,55 +88,93 @@ class PrefixReuse:
     # -- admission ----------------------------------------------------------------------------
 
     def admit(self, request: Request) -> None:
-        """Reuse the cached prefix of a request about to be admitted (no blocks held yet)."""
+        """Reuse the cached prefix of a request about to be admitted (no blocks held yet).
+
+        Device blocks first; the chain then continues in the lower tiers, whose blocks get fresh
+        device blocks and are loaded by the executor before this step's forward.
+        """
         assert not request.block_table and request.num_computed_tokens == 0
         if request.sampling_params.prompt_logprobs is not None:
             return
-        bs = self.block_size
         hashes = self.cache.block_hashes(request, request.num_tokens - 1)
         block_ids = self.cache.lookup(hashes)
-        if not block_ids:
-            return
-        boundary = len(block_ids) * bs
-        start, snapshot_id = 0, None
-        for k in range(len(block_ids), 0, -1):
-            snapshot_id = self.snapshots.get(hashes[k - 1])
-            if snapshot_id is not None:
-                start = k * bs
-                break
-        if snapshot_id is None:
-            start = max(0, boundary - self.options.replay_tokens)
-            request.window_floor = start
         self.block_manager.reuse(block_ids)
         request.block_table = list(block_ids)
+        request.cached_tokens_by_tier = {"device": len(block_ids) * self.block_size}
+        self._load_from_lower_tiers(request, hashes)
+        if not request.block_table:
+            return
+        boundary = len(request.block_table) * self.block_size
+        start = self._restore_point(request, hashes[: len(request.block_table)])
+        if start is None:
+            start = max(0, boundary - self.options.replay_tokens)
+            request.window_floor = start
         request.num_computed_tokens = start
         request.num_protected_tokens = boundary
         if request.num_preemptions == 0:  # usage reports what the prompt found in the cache
             request.num_cached_tokens = boundary
         request.num_replayed_tokens = boundary - start
-        request.restore_snapshot = snapshot_id
-        if snapshot_id is not None:
-            self.snapshots.pin(snapshot_id)
+
+    def _load_from_lower_tiers(self, request: Request, hashes: list[bytes]) -> None:
+        if self.tiers is None:
+            return
+        for block_hash in hashes[len(request.block_table) :]:
+            if not self.block_manager.can_allocate(1):
+                break
+            tier = self.tiers.stage("block", block_hash)
+            if tier is None:
+                break
+            (block_id,) = self.block_manager.allocate(1)
+            self.cache.register(block_id, block_hash)
+            request.block_table.append(block_id)
+            request.block_loads.append((block_id, block_hash))
+            counts = request.cached_tokens_by_tier
+            counts[tier] = counts.get(tier, 0) + self.block_size
+
+    def _restore_point(self, request: Request, hashes: list[bytes]) -> int | None:
+        """The nearest snapshot at or before the hit boundary (device, then lower tiers), set up
+        for restoring; None if there is none."""
+        for k in range(len(hashes), 0, -1):
+            snapshot_id = self.snapshots.get(hashes[k - 1])
+            if snapshot_id is not None:
+                request.restore_snapshot = snapshot_id
+                self.snapshots.pin(snapshot_id)
+                return k * self.block_size
+            if self.tiers is not None and self.tiers.stage("snapshot", hashes[k - 1]):
+                request.restore_snapshot_key = hashes[k - 1]
+                return k * self.block_size
+        return None
 
     def undo_admit(self, request: Request) -> None:
         """The admission failed after ``admit`` (too few free blocks): give the hit back."""
+        for block_id, block_hash in request.block_loads:
+            # Never loaded: drop them from the cache before they return to the free list.
+            self.cache.unregister(block_id)
+            if self.tiers is not None:
+                self.tiers.unstage("block", block_hash)
+        request.block_loads = []
         if request.block_table:
             self.block_manager.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = request.num_protected_tokens = 0
         if request.num_preemptions == 0:
             request.num_cached_tokens = 0
+        request.cached_tokens_by_tier = {}
         request.num_replayed_tokens = request.window_floor = 0
         if request.restore_snapshot is not None:
             self.snapshots.unpin(request.restore_snapshot)
         request.restore_snapshot = None
+        if request.restore_snapshot_key is not None and self.tiers is not None:
+            self.tiers.unstage("snapshot", request.restore_snapshot_key)
+        request.restore_snapshot_key = None
 
     def on_admitted(self, request: Request) -> None:
-        if request.restore_snapshot is not None:
+        if request.restore_snapshot is not None or request.restore_snapshot_key is not None:
             self.snapshots.stats.num_restored += 1
-            request.pinned_snapshot = request.restore_snapshot
+        request.pinned_snapshot = request.restore_snapshot
         self.stats.num_replayed_tokens += request.num_replayed_tokens
         self.stats.num_cached_tokens += request.num_protected_tokens
+        self.stats.cached_tokens_by_tier.update(request.cached_tokens_by_tier)
 
     # -- chunks -------------------------------------------------------------------------------
 

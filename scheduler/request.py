@@ -84,6 +84,10 @@ class Request:
     num_protected_tokens: int = 0
     num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
     restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
+    restore_snapshot_key: bytes | None = None  # ... or this snapshot staged from a lower tier
+    # Blocks of the hit found in a lower tier: (device block id, hash), loaded before the step.
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
     # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
     snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)

@@ -41,7 +41,7 @@ from deepinfer.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from deepinfer.scheduler.prefix_reuse import PrefixCachingOptions, PrefixReuse
+from deepinfer.scheduler.prefix_reuse import LowerTiers, PrefixCachingOptions, PrefixReuse
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.state_slots import StateSlotManager
 
@@ -62,9 +62,10 @@ class Scheduler:
         num_state_slots: int,
         max_model_len: int,
         prefix_caching: PrefixCachingOptions | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
         self._init_limits(config, block_size, num_blocks, max_model_len)
-        self._init_managers(num_blocks, num_state_slots, prefix_caching)
+        self._init_managers(num_blocks, num_state_slots, prefix_caching, tiers)
         self._init_queues()
 
     def _init_limits(
@@ -80,13 +81,17 @@ class Scheduler:
         self._max_num_tokens = min(max_model_len, self._num_pool_tokens)
 
     def _init_managers(
-        self, num_blocks: int, num_state_slots: int, prefix_caching: PrefixCachingOptions | None
+        self,
+        num_blocks: int,
+        num_state_slots: int,
+        prefix_caching: PrefixCachingOptions | None,
+        tiers: LowerTiers | None,
     ) -> None:
         self.block_manager = BlockManager(num_blocks)
         self.state_slots = StateSlotManager(num_state_slots)
         self.prefix: PrefixReuse | None = None
         if prefix_caching is not None:
-            self.prefix = PrefixReuse(prefix_caching, self.block_manager, self.block_size)
+            self.prefix = PrefixReuse(prefix_caching, self.block_manager, self.block_size, tiers)
 
     def _init_queues(self) -> None:
         self._requests: dict[str, Request] = {}  # every unfinished request
@@ -186,6 +191,12 @@ class Scheduler:
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids,
         )
+        if self.prefix is not None:
+            output.block_offloads, self.prefix.cache.evicted = self.prefix.cache.evicted, []
+            output.snapshot_offloads, self.prefix.snapshots.evicted = (
+                self.prefix.snapshots.evicted,
+                [],
+            )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
 
@@ -295,6 +306,8 @@ class Scheduler:
         if self.prefix is not None:
             save_snapshot = self.prefix.snapshot_after(request, start, end)
         restore_snapshot, request.restore_snapshot = request.restore_snapshot, None
+        restore_key, request.restore_snapshot_key = request.restore_snapshot_key, None
+        block_loads, request.block_loads = request.block_loads, []
         request.num_computed_tokens = end
         assert request.state_slot is not None, f"request {request.request_id!r} has no state slot"
         return ScheduledRequest(
@@ -307,6 +320,8 @@ class Scheduler:
             do_sample=end == request.num_tokens,
             num_prompt_logprob_positions=num_logprob_positions,
             restore_snapshot=restore_snapshot,
+            restore_snapshot_key=restore_key,
+            block_loads=block_loads,
             save_snapshot=save_snapshot,
             window_floor=request.window_floor,
             num_protected_tokens=request.num_protected_tokens,

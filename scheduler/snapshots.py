@@ -33,6 +33,7 @@ class SnapshotIndex:
         self._num_pending = 0
         # Committed snapshots a scheduled step will restore: not evictable until it ran.
         self._pinned: Counter[int] = Counter()
+        self.evicted: list[tuple[int, bytes]] = []  # since the last drain, for offloading
         self.stats = SnapshotStats()
 
     def __len__(self) -> int:
@@ -64,7 +65,9 @@ class SnapshotIndex:
             victim = next((h for h, i in self._committed.items() if i not in self._pinned), None)
             if victim is None:
                 return None
-            self._free.append(self._committed.pop(victim))
+            evicted_id = self._committed.pop(victim)
+            self._free.append(evicted_id)
+            self.evicted.append((evicted_id, victim))
             self.stats.num_evicted += 1
         self._num_pending += 1
         return self._free.pop()

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from deepinfer.config import Config
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class LLMEngine:
             self.model_dir, self.tokenizer = None, None
         self.executor = executor
         self.max_model_len = executor.max_model_len
+        self.tiers = self._init_tiers()
         self.scheduler = Scheduler(
             config.scheduler,
             block_size=config.cache.block_size,
@@ -70,7 +72,20 @@ class LLMEngine:
             num_state_slots=executor.num_slots,
             max_model_len=self.max_model_len,
             prefix_caching=self._prefix_caching_options(),
+            tiers=self.tiers,
         )
+
+    def _init_tiers(self) -> KVTiers | None:
+        """Host/disk tiers for a real model runner with prefix caching on."""
+        if not self.config.cache.enable_prefix_caching or not isinstance(
+            self.executor, ModelRunner
+        ):
+            return None
+        tiers = KVTiers.from_config(
+            self.config.cache, self.executor.cache_salt, self.executor.device
+        )
+        self.executor.tiers = tiers
+        return tiers
 
     def _prefix_caching_options(self) -> PrefixCachingOptions | None:
         cache = self.config.cache

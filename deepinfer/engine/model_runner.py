@@ -17,6 +17,7 @@ from deepinfer.config import Config
 from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache, cache_layout
+from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
@@ -42,6 +43,8 @@ class ModelRunner:
         self.cache_salt = self._cache_salt(model_dir)
         self.generator = torch.Generator(device="cpu")
         self.generator.seed()
+        # The host/disk tiers of the KV cache (set by the engine when configured).
+        self.tiers: KVTiers | None = None
 
     def _init_threads(self) -> None:
         if self.config.kernel.num_threads > 0:
@@ -136,11 +139,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
-        for sched in scheduler_output.scheduled:
-            if sched.restore_snapshot is not None:
-                self.kv_cache.restore_snapshot(sched.restore_snapshot, sched.state_slot)
-            elif sched.window_floor and sched.start_pos == sched.window_floor:
-                self.kv_cache.clear_slot(sched.state_slot)
+        self._move_between_tiers(scheduler_output)
         logits = self.model(batch, self.kv_cache)  # [N, V] fp32
         for sched in scheduler_output.scheduled:
             if sched.save_snapshot is not None:
@@ -149,6 +148,32 @@ class ModelRunner:
         self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
         self._sample(scheduler_output, logits, sample_rows, output)
         return output
+
+    def _move_between_tiers(self, scheduler_output: SchedulerOutput) -> None:
+        """Before the forward: evicted blocks/snapshots down to the lower tiers (before anything
+        overwrites them), lower-tier hits up into their new blocks, snapshots into slots."""
+        kv, tiers = self.kv_cache, self.tiers
+        if tiers is not None:
+            for block_id, key in scheduler_output.block_offloads:
+                tiers.put("block", key, kv.block_payload(block_id))
+            for snapshot_id, key in scheduler_output.snapshot_offloads:
+                tiers.put("snapshot", key, kv.snapshot_payload(snapshot_id))
+        for sched in scheduler_output.scheduled:
+            for block_id, key in sched.block_loads:
+                kv.write_block(block_id, self._take(key, "block"))
+            if sched.restore_snapshot is not None:
+                kv.restore_snapshot(sched.restore_snapshot, sched.state_slot)
+            elif sched.restore_snapshot_key is not None:
+                payload = self._take(sched.restore_snapshot_key, "snapshot")
+                kv.restore_slot_from_payload(sched.state_slot, payload)
+            elif sched.window_floor and sched.start_pos == sched.window_floor:
+                kv.clear_slot(sched.state_slot)
+
+    def _take(self, key: bytes, kind: str) -> list[torch.Tensor]:
+        assert self.tiers is not None, f"a {kind} load was scheduled without lower tiers"
+        payload = self.tiers.take(kind, key)
+        assert payload is not None, f"staged {kind} {key.hex()[:16]} is gone"
+        return [t.to(self.device, non_blocking=True) for t in payload]
 
     def _prepare(
         self, scheduler_output: SchedulerOutput

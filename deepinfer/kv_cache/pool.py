@@ -171,6 +171,31 @@ class KVCache:
         for part, pool in zip(self._snapshot_parts(), self._snapshot_pool, strict=True):
             part[slot].copy_(pool[snapshot_id])
 
+    def block_payload(self, block_id: int) -> list[torch.Tensor]:
+        """One block's rows of every paged pool (copies): compressed entries, then indexer keys,
+        each in layer order. [block_size / ratio, d] per tensor."""
+        return [pool[block_id].clone() for pool in self._paged_pools()]
+
+    def write_block(self, block_id: int, payload: list[torch.Tensor]) -> None:
+        pools = self._paged_pools()
+        assert len(payload) == len(pools), f"block payload of {len(payload)} != {len(pools)}"
+        for pool, rows in zip(pools, payload, strict=True):
+            pool[block_id].copy_(rows)
+
+    def _paged_pools(self) -> list[torch.Tensor]:
+        return [self.compressed_kv[i] for i in sorted(self.compressed_kv)] + [
+            self.index_keys[i] for i in sorted(self.index_keys)
+        ]
+
+    def snapshot_payload(self, snapshot_id: int) -> list[torch.Tensor]:
+        return [pool[snapshot_id].clone() for pool in self._snapshot_pool]
+
+    def restore_slot_from_payload(self, slot: int, payload: list[torch.Tensor]) -> None:
+        parts = self._snapshot_parts()
+        assert len(payload) == len(parts), f"snapshot payload of {len(payload)} != {len(parts)}"
+        for part, rows in zip(parts, payload, strict=True):
+            part[slot].copy_(rows)
+
     def clear_slot(self, slot: int) -> None:
         """Zero a slot before a replay that starts from an empty state."""
         for part in self._snapshot_parts():
