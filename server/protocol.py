@@ -3,17 +3,24 @@
     coordinator --GenerateRequest--> node  POST /internal/generate   (body: one msgpack message)
     coordinator <--Frame stream---- node   response body: length-prefixed msgpack frames
     coordinator --AbortRequest-----> node  POST /internal/abort
+    coordinator --FinishRequest----> node  POST /internal/finish    (a stop string matched on text)
     node --NodeRegistration / NodeHeartbeat--> coordinator
                                            POST /internal/register, /internal/heartbeat
 
 Frames on the generate stream: 4-byte big-endian length, then one msgpack-encoded ``StreamFrame``
 (a tagged union of TokenDelta and StreamError). Token ids only: nodes never see text.
 Never pickle across a socket.
+
+Content types: request bodies and non-stream replies are ``MESSAGE_CONTENT_TYPE`` (one msgpack
+message); the generate stream is ``FRAME_CONTENT_TYPE``. A request the node refuses before
+streaming (bad body, bad sampling options, unsupported constraint, prompt too long) gets an HTTP
+4xx/5xx whose body is one msgpack StreamError; errors after streaming began are a StreamError frame.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import TypeVar
 
 import msgspec
 
@@ -94,10 +101,14 @@ class AbortRequest(msgspec.Struct, kw_only=True):
 
 
 class NodeLoad(msgspec.Struct, kw_only=True):
+    """Producer: AsyncEngine.load() on the node. Consumer: the coordinator's router.
+    ``is_draining``: the node got SIGTERM and takes no new requests."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    is_draining: bool = False
 
 
 class NodeRegistration(msgspec.Struct, kw_only=True):
@@ -114,6 +125,22 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
     load: NodeLoad
 
 
+class FinishRequest(msgspec.Struct, kw_only=True):
+    """End a request with finish_reason "stop": the text side matched a stop string.
+
+    Producer: the coordinator's StreamProcessor. Consumer: the node (AsyncEngine.finish).
+    ``stop_reason`` is reported back on the request's last TokenDelta.
+    """
+
+    request_id: str
+    stop_reason: int | str | None = None
+
+
+MESSAGE_CONTENT_TYPE = "application/x-msgpack"
+FRAME_CONTENT_TYPE = "application/x-msgpack-stream"
+
+MessageT = TypeVar("MessageT", bound=msgspec.Struct)
+
 _ENCODER = msgspec.msgpack.Encoder()
 _FRAME_DECODER = msgspec.msgpack.Decoder(StreamFrame)
 _LENGTH = struct.Struct(">I")
@@ -123,7 +150,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _ENCODER.encode(message)
 
 
-def decode(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
+def decode(data: bytes, kind: type[MessageT]) -> MessageT:
     """Raises msgspec.ValidationError / DecodeError on a malformed or mistyped message."""
     return msgspec.msgpack.decode(data, type=kind)
 

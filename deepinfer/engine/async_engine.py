@@ -1,0 +1,394 @@
+"""AsyncEngine: the asyncio face of one LLMEngine, for one event loop.
+
+    generate() / abort() / finish()         the loop task               the step thread
+    ───────────────────────────────         ─────────────               ───────────────
+    command ─▶ applied now when no step ─▶  apply queued commands
+               is in flight, else queued    engine.step() ───────────▶  schedule → execute → update
+                                            deltas ◀──────────────────  (blocking CPU/device work)
+    per-request asyncio.Queue ◀──────────── dispatch
+
+Only one thread touches the scheduler at a time: the step thread while a step runs, the event
+loop thread otherwise. Commands (add, abort, finish) therefore run on the loop thread either at
+once (no step in flight and nothing queued ahead of them, so order is kept) or between steps.
+When there is no work the loop task waits on an event; it never polls.
+
+A request's stream is owned by its ``generate()`` consumer: it is registered when the consumer
+starts iterating and removed when the consumer stops, and a consumer that stops before the
+request finished (a client disconnect, a cancelled task) aborts it, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler.output import RequestOutputDelta
+from deepinfer.scheduler.request import Request, RequestStatus
+from deepinfer.server.protocol import NodeLoad
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is draining or stopped and takes no new requests (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in it; the request was aborted (HTTP 500)."""
+
+
+class EngineObserver(Protocol):
+    """Hooks for metrics, called on the event loop thread (producer: AsyncEngine)."""
+
+    def on_scheduled(self, request: Request, queue_time_s: float) -> None:
+        """The request was admitted for the first time, ``queue_time_s`` after it arrived."""
+
+    def on_step(self, step_time_s: float, deltas: list[RequestOutputDelta]) -> None:
+        """One step ran (in the step thread) for ``step_time_s`` and produced ``deltas``."""
+
+    def on_finished(self, request: Request, finish_reason: str) -> None:
+        """The request ended: "stop" | "length" | "abort" | "error". Called once per request."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One generate() consumer. ``queue`` holds deltas, then an exception if the request fails."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestOutputDelta | Exception] = field(default_factory=asyncio.Queue)
+    request: Request | None = None  # set once the engine accepted the request
+    is_finished: bool = False  # the final delta (or error) is queued, or the consumer left
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a dedicated thread and streams deltas to asyncio consumers.
+
+    Start with ``await start()`` (or ``cleanup_ctx``), stop with ``await stop()``. Every method
+    must be called on the event loop thread the engine was started on.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        observer: EngineObserver | None = None,
+        max_step_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.max_step_s = max_step_s
+        self._streams: dict[str, _Stream] = {}
+        self._commands: deque[Callable[[], None]] = deque()
+        # Streams whose first admission is not seen yet, in add order (admission is FCFS).
+        self._unscheduled: deque[_Stream] = deque()
+        self._step_thread: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+        self._step_started: float | None = None  # monotonic start of the step in flight
+        self._is_stopping = False
+        self._is_draining = False
+        self._is_broken = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        assert self._task is None, "AsyncEngine.start() called twice"
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step")
+        self._task = asyncio.create_task(self._run(), name="deepinfer-engine-loop")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new requests; wait up to ``timeout_s`` for the open streams to finish."""
+        self._is_draining = True
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "drain: %d requests still open after %.1f s; aborting them",
+                len(self._streams),
+                timeout_s,
+            )
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort every request (their streams end with finish_reason "abort"), let the step in
+        flight end (up to ``timeout_s``), then stop the loop task and the step thread."""
+        self._is_draining = True
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._is_stopping = True
+        self._wakeup.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except TimeoutError:
+                logger.error("engine loop did not stop within %.1f s; cancelling it", timeout_s)
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        if self._step_thread is not None:
+            # wait=False: a step stuck on the device must not hang the process's exit.
+            self._step_thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def is_turning(self) -> bool:
+        """The loop task is alive and not stuck in a step longer than ``max_step_s`` (/ready)."""
+        if self._task is None or self._task.done() or self._is_broken:
+            return False
+        return self._step_started is None or time.monotonic() - self._step_started < self.max_step_s
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def load(self) -> NodeLoad:
+        scheduler = self.engine.scheduler
+        return NodeLoad(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_free_blocks=scheduler.block_manager.num_free_blocks,
+            num_total_blocks=scheduler.block_manager.num_blocks,
+            is_draining=self._is_draining,
+        )
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutputDelta]:
+        """Stream a request's deltas; the last one has ``finish_reason`` set.
+
+        ``cache_salt`` isolates the request's prefix-cache entries (per tenant).
+
+        Raises ValueError (bad input, id in use) or EngineClosedError before the first yield, and
+        EngineStepError if a step fails with the request in it. Stopping the iteration early
+        (break + aclose, cancellation) aborts the request.
+        """
+        if self._is_broken:
+            raise EngineClosedError("the engine failed and takes no new requests (see its log)")
+        if self._is_draining:
+            raise EngineClosedError("the engine is shutting down and takes no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(request_id)
+        self._streams[request_id] = stream
+        self._no_streams.clear()
+        try:
+            added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._submit(
+                lambda: self._add(stream, prompt_token_ids, sampling_params, cache_salt, added)
+            )
+            await added
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.is_finished:
+                    return
+        finally:
+            self._close_stream(stream)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request anywhere (waiting, running); its stream ends with "abort"."""
+        self._submit(lambda: self._end(request_id, None))
+
+    def finish(self, request_id: str, stop_reason: int | str | None = None) -> None:
+        """End a request with "stop" (a stop string matched on the text side)."""
+        self._submit(lambda: self._end(request_id, stop_reason, is_stop=True))
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The engine's Request while its generate() stream is open (counts for the wire)."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.request
+
+    # -- commands (loop thread, never during a step) -----------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._step_started is None and not self._commands:
+            command()
+        else:
+            self._commands.append(command)
+        self._wakeup.set()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            self._commands.popleft()()
+
+    def _add(
+        self,
+        stream: _Stream,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None,
+        added: asyncio.Future[None],
+    ) -> None:
+        if stream.is_finished:  # the consumer left before the add was applied
+            added.cancel()
+            return
+        try:
+            stream.request = self.engine.add_request(
+                stream.request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt
+            )
+        except ValueError as e:
+            added.set_exception(e)
+            return
+        self._unscheduled.append(stream)
+        added.set_result(None)
+
+    def _end(self, request_id: str, stop_reason: int | str | None, is_stop: bool = False) -> None:
+        stream = self._streams.get(request_id)
+        if is_stop:
+            self.engine.finish_requests([request_id], stop_reason)
+        else:
+            self.engine.abort_requests([request_id])
+        if stream is None or stream.is_finished or stream.request is None:
+            return
+        finish_reason = stream.request.finish_reason
+        assert finish_reason is not None, f"request {request_id!r} is unfinished after _end"
+        self._finish_stream(stream, finish_reason)
+        stream.queue.put_nowait(
+            RequestOutputDelta(
+                request_id=request_id,
+                new_token_ids=[],
+                finish_reason=finish_reason,
+                stop_reason=stream.request.stop_reason,
+            )
+        )
+
+    def _close_stream(self, stream: _Stream) -> None:
+        """The consumer stopped iterating: forget the stream, abort the request if it runs."""
+        del self._streams[stream.request_id]
+        if not self._streams:
+            self._no_streams.set()
+        if stream.is_finished:
+            return
+        stream.is_finished = True
+        request = stream.request
+        if request is None:
+            return  # never added (or the add is still queued: _add sees is_finished)
+
+        def abort_orphan() -> None:
+            if not request.is_finished:
+                self.engine.abort_requests([request.request_id])
+            self._notify_finished(request, request.finish_reason or "abort")
+
+        self._submit(abort_orphan)
+
+    def _finish_stream(self, stream: _Stream, finish_reason: str) -> None:
+        stream.is_finished = True
+        assert stream.request is not None, f"stream {stream.request_id!r} finished unadded"
+        self._notify_finished(stream.request, finish_reason)
+
+    def _notify_finished(self, request: Request, finish_reason: str) -> None:
+        if self.observer is not None:
+            self.observer.on_finished(request, finish_reason)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:
+            logger.exception("engine loop crashed; the node is no longer ready")
+            self._is_broken = True
+            unfinished = [s for s in self._streams.values() if not s.is_finished]
+            self._fail_streams(unfinished, f"engine loop crashed: {type(e).__name__}: {e}")
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_commands()
+            if self._is_stopping:
+                return
+            if not self.engine.has_unfinished_requests():
+                # No await since _apply_commands(), so no command can have been missed.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._step_started = time.monotonic()
+            try:
+                deltas, step_time_s = await loop.run_in_executor(self._step_thread, self._step)
+            except Exception as e:
+                self._step_started = None
+                self._fail_step(e)
+                continue
+            step_started, self._step_started = self._step_started, None
+            self._observe_admissions(step_started)
+            if self.observer is not None:
+                self.observer.on_step(step_time_s, deltas)
+            self._dispatch(deltas)
+
+    def _step(self) -> tuple[list[RequestOutputDelta], float]:
+        """Runs in the step thread."""
+        start = time.perf_counter()
+        deltas = self.engine.step()
+        return deltas, time.perf_counter() - start
+
+    def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None or stream.is_finished:
+                continue  # the consumer left; its abort is queued
+            stream.queue.put_nowait(delta)
+            if delta.finish_reason is not None:
+                self._finish_stream(stream, delta.finish_reason)
+
+    def _observe_admissions(self, step_started: float) -> None:
+        # Admission is FCFS in add order, so the streams admitted by this step are a prefix.
+        while self._unscheduled:
+            request = self._unscheduled[0].request
+            assert request is not None, "an unscheduled stream has no request"
+            if request.status == RequestStatus.WAITING:
+                break
+            self._unscheduled.popleft()
+            was_admitted = not (request.is_finished and request.num_computed_tokens == 0)
+            if was_admitted and self.observer is not None:
+                self.observer.on_scheduled(request, max(0.0, step_started - request.arrival_time))
+
+    def _fail_step(self, error: Exception) -> None:
+        """Fail the requests the step touched (running, or finished inside the partial update);
+        waiting requests were not scheduled and keep their place."""
+        logger.error("engine step failed; failing the requests in it", exc_info=error)
+        failed = [
+            s
+            for s in self._streams.values()
+            if s.request is not None
+            and not s.is_finished
+            and (s.request.status == RequestStatus.RUNNING or s.request.is_finished)
+        ]
+        try:
+            self.engine.abort_requests([s.request_id for s in failed])
+            self.engine.scheduler.check_integrity()
+        except Exception:
+            # The scheduler's books no longer add up: serving on would corrupt other requests.
+            logger.exception("engine state is inconsistent after a failed step; giving up")
+            self._is_broken = True
+            self._is_stopping = True
+            failed = [s for s in self._streams.values() if not s.is_finished]
+        self._fail_streams(failed, f"engine step failed: {type(error).__name__}: {error}")
+        self._unscheduled = deque(s for s in self._unscheduled if not s.is_finished)
+
+    def _fail_streams(self, streams: list[_Stream], message: str) -> None:
+        for stream in streams:
+            stream.is_finished = True
+            if stream.request is not None:
+                self._notify_finished(stream.request, "error")
+            stream.queue.put_nowait(EngineStepError(message))

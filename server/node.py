@@ -1,0 +1,377 @@
+"""The node's internal HTTP API (`deepinfer node`): token ids in, token deltas out.
+
+    POST /internal/generate   msgpack GenerateRequest -> stream of length-prefixed msgpack frames
+                              (one TokenDelta per engine step; a StreamError if the request fails)
+    POST /internal/abort      msgpack AbortRequest  -> 204
+    POST /internal/finish     msgpack FinishRequest -> 204 (a stop string matched on the text side)
+    GET  /health              200 while the process runs
+    GET  /ready               200 while the engine loop turns and the node is not draining, else 503
+    GET  /metrics             Prometheus text format (server/node_metrics.py)
+
+Errors before streaming (bad body, bad sampling options, unsupported output constraint, prompt too
+long, id in use) are an HTTP 400 (413: body too large; 503: draining) whose body is one msgpack
+StreamError; once the stream began, a failure is a StreamError frame and the stream ends. A client
+that disconnects aborts its request (the handler is cancelled, or its next write fails), which
+frees the request's blocks. With ``node.auth_token`` set, every /internal/* call must carry
+``Authorization: Bearer <token>`` (else 401), and the node sends it to the coordinator too.
+
+Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from aiohttp import hdrs, web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from deepinfer.config import Config, NodeConfig
+from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.scheduler.output import RequestOutputDelta
+from deepinfer.scheduler.request import Request
+from deepinfer.server.node_metrics import NodeMetrics
+from deepinfer.server.protocol import (
+    FRAME_CONTENT_TYPE,
+    MESSAGE_CONTENT_TYPE,
+    AbortRequest,
+    FinishRequest,
+    GenerateRequest,
+    NodeHeartbeat,
+    NodeRegistration,
+    OutputConstraint,
+    StreamError,
+    TokenDelta,
+    decode,
+    encode,
+    encode_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+NODE_CONFIG = web.AppKey("node_config", NodeConfig)
+METRICS = web.AppKey("metrics", NodeMetrics)
+REGISTRATION = web.AppKey("registration", NodeRegistration)
+
+UNSUPPORTED_CONSTRAINTS = ("json", "regex", "tool_call_required")
+_MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of msgpack
+_MAX_RETRY_S = 30.0
+
+
+def create_node_app(
+    engine: AsyncEngine, config: Config, *, model_name: str | None = None
+) -> web.Application:
+    """The node app. Its cleanup_ctx starts and stops ``engine`` (and registration when
+    ``node.coordinator_url`` is set); its NodeMetrics becomes the engine's observer."""
+    node_id, url = node_identity(config.node)
+    metrics = NodeMetrics(node_id)
+    engine.observer = metrics
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
+    app[ENGINE] = engine
+    app[NODE_CONFIG] = config.node
+    app[METRICS] = metrics
+    app[REGISTRATION] = NodeRegistration(
+        node_id=node_id,
+        url=url,
+        role=config.node.role,
+        model=model_name or served_model_name(config),
+        max_model_len=engine.max_model_len,
+    )
+    app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_registration_ctx)
+    app.add_routes(
+        [
+            web.post("/internal/generate", generate),
+            web.post("/internal/abort", abort),
+            web.post("/internal/finish", finish),
+            web.get("/health", health),
+            web.get("/ready", ready),
+            web.get("/metrics", metrics_text),
+        ]
+    )
+    return app
+
+
+def node_identity(node: NodeConfig) -> tuple[str, str]:
+    """(node_id, the URL the coordinator reaches the node at), defaults filled in."""
+    hostname = socket.gethostname()
+    host = hostname if node.host in ("0.0.0.0", "::", "") else node.host
+    if ":" in host:
+        host = f"[{host}]"
+    node_id = node.node_id or f"{hostname}:{node.port}"
+    return node_id, node.advertise_url or f"http://{host}:{node.port}"
+
+
+def served_model_name(config: Config) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    return Path(config.model.path).name if config.model.path else "deepinfer-tiny"
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    try:
+        message = decode(await request.read(), GenerateRequest)
+        _check_constraint(message.constraint)
+        params = message.sampling.to_sampling_params()
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error_response(413, "", e.text or "request body too large")
+    except (msgspec.DecodeError, ValueError) as e:
+        return _error_response(400, "", str(e))
+    request_id = message.request_id
+    engine = request.app[ENGINE]
+    async with contextlib.aclosing(
+        engine.generate(request_id, message.prompt_token_ids, params, message.cache_salt)
+    ) as deltas:
+        try:
+            first = await anext(deltas)
+        except ValueError as e:
+            return _error_response(400, request_id, str(e))
+        except EngineClosedError as e:
+            return _error_response(503, request_id, str(e))
+        except EngineStepError as e:
+            return _error_response(500, request_id, str(e))
+        engine_request = engine.get_request(request_id)
+        assert engine_request is not None, f"request {request_id!r} has no engine request"
+        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: FRAME_CONTENT_TYPE})
+        await response.prepare(request)
+        try:
+            await response.write(encode_frame(_token_delta(first, engine_request, True)))
+            try:
+                async for delta in deltas:
+                    frame = _token_delta(delta, engine_request, delta.is_finished)
+                    await response.write(encode_frame(frame))
+            except EngineStepError as e:
+                error = StreamError(request_id=request_id, status=500, message=str(e))
+                await response.write(encode_frame(error))
+            await response.write_eof()
+        except ConnectionResetError:
+            # Without handler cancellation the disconnect shows here; aclosing() aborts.
+            logger.info("request %r: the client disconnected", request_id)
+        return response
+
+
+async def abort(request: web.Request) -> web.Response:
+    try:
+        message = decode(await request.read(), AbortRequest)
+    except msgspec.DecodeError as e:
+        return _error_response(400, "", str(e))
+    for request_id in message.request_ids:
+        request.app[ENGINE].abort(request_id)
+    return web.Response(status=204)
+
+
+async def finish(request: web.Request) -> web.Response:
+    try:
+        message = decode(await request.read(), FinishRequest)
+    except msgspec.DecodeError as e:
+        return _error_response(400, "", str(e))
+    request.app[ENGINE].finish(message.request_id, message.stop_reason)
+    return web.Response(status=204)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine.is_draining:
+        return web.Response(status=503, text="draining\n")
+    if not engine.is_turning:
+        return web.Response(status=503, text="engine loop not turning\n")
+    return web.Response(text="ready\n")
+
+
+async def metrics_text(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render(request.app[ENGINE].load())
+    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+
+
+def _check_constraint(constraint: OutputConstraint | None) -> None:
+    if constraint is None or constraint.kind == "tool_call":
+        return  # tool calls are parsed on the text side, not enforced here
+    if constraint.kind in UNSUPPORTED_CONSTRAINTS:
+        raise ValueError("output constraints (json/regex/tool_call_required) are not supported yet")
+    raise ValueError(f"unknown output constraint kind {constraint.kind!r}")
+
+
+def _token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) -> TokenDelta:
+    """Counts ride on the first and the last frame only (TokenDelta's contract)."""
+    return TokenDelta(
+        request_id=delta.request_id,
+        token_ids=delta.new_token_ids,
+        logprobs=delta.new_logprobs,
+        prompt_logprobs=delta.new_prompt_logprobs,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+        num_prompt_tokens=request.num_prompt_tokens if with_counts else 0,
+        num_cached_tokens=request.num_cached_tokens if with_counts else 0,
+    )
+
+
+def _error_response(status: int, request_id: str, message: str) -> web.Response:
+    if status >= 500:
+        logger.error("request %r failed: %s", request_id, message)
+    body = encode(StreamError(request_id=request_id, status=status, message=message))
+    return web.Response(status=status, body=body, content_type=MESSAGE_CONTENT_TYPE)
+
+
+@web.middleware
+async def _check_token(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    token = request.app[NODE_CONFIG].auth_token
+    if token is not None and request.path.startswith("/internal/"):
+        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
+        if not hmac.compare_digest(supplied, f"Bearer {token}".encode()):
+            response = _error_response(401, "", "missing or wrong bearer token")
+            response.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
+            return response
+    return await handler(request)
+
+
+# -- background work ---------------------------------------------------------------------------
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    await app[ENGINE].start()
+    yield
+    await app[ENGINE].stop()
+
+
+async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
+    if app[NODE_CONFIG].coordinator_url is None:
+        yield
+        return
+    task = asyncio.create_task(_register_and_heartbeat(app), name="deepinfer-node-heartbeat")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _register_and_heartbeat(app: web.Application) -> None:
+    """Register, then heartbeat every ``heartbeat_interval_s``; on failure retry with
+    exponential backoff (logged). A heartbeat answered 404 (the coordinator forgot us, e.g. it
+    restarted) registers again. Never raises: the node serves whether or not this works."""
+    node, engine, registration = app[NODE_CONFIG], app[ENGINE], app[REGISTRATION]
+    assert node.coordinator_url is not None
+    base = node.coordinator_url.rstrip("/")
+    headers = {hdrs.CONTENT_TYPE: MESSAGE_CONTENT_TYPE}
+    if node.auth_token is not None:
+        headers[hdrs.AUTHORIZATION] = f"Bearer {node.auth_token}"
+    timeout = aiohttp.ClientTimeout(total=max(5.0, node.heartbeat_interval_s))
+    is_registered = False
+    backoff_s = node.heartbeat_interval_s
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        while True:
+            try:
+                if is_registered:
+                    beat = NodeHeartbeat(node_id=registration.node_id, load=engine.load())
+                    async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
+                        if r.status == 404:
+                            logger.warning("coordinator %s forgot this node; registering", base)
+                            is_registered = False
+                            continue
+                        r.raise_for_status()
+                else:
+                    message = msgspec.structs.replace(registration, load=engine.load())
+                    async with session.post(f"{base}/internal/register", data=encode(message)) as r:
+                        r.raise_for_status()
+                    is_registered = True
+                    logger.info("registered as %r with coordinator %s", registration.node_id, base)
+                backoff_s = node.heartbeat_interval_s
+                await asyncio.sleep(node.heartbeat_interval_s)
+            except Exception as e:
+                # Any failure (network, coordinator, a bug here) is retried, never fatal.
+                action = "heartbeat to" if is_registered else "registration with"
+                logger.warning(
+                    "%s coordinator %s failed (%r); retrying in %.1f s",
+                    action,
+                    base,
+                    e,
+                    backoff_s,
+                    exc_info=not isinstance(e, aiohttp.ClientError | TimeoutError),
+                )
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, _MAX_RETRY_S)
+
+
+# -- `deepinfer node` --------------------------------------------------------------------------
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (as `generate` has) plus the node's; each overrides [node] in config.toml."""
+    from deepinfer.cli import _add_engine_args
+
+    _add_engine_args(parser)
+    parser.add_argument("--host", default=None, help="bind address (node.host)")
+    parser.add_argument("--port", type=int, default=None, help="node.port")
+    parser.add_argument("--role", default=None, choices=["mixed", "prefill", "decode"])
+    parser.add_argument("--node-id", default=None, help="node.node_id")
+    parser.add_argument("--advertise-url", default=None, help="node.advertise_url")
+    parser.add_argument("--coordinator-url", default=None, help="node.coordinator_url")
+
+
+def run_node(ns: argparse.Namespace) -> int:
+    """Load the engine, serve on node.host:node.port (uvloop) until SIGTERM/SIGINT, drain."""
+    import uvloop
+
+    from deepinfer.cli import _load_config
+
+    config = _load_config(ns)
+    flags = {
+        "host": ns.host,
+        "port": ns.port,
+        "role": ns.role,
+        "node_id": ns.node_id,
+        "advertise_url": ns.advertise_url,
+        "coordinator_url": ns.coordinator_url,
+    }
+    node = dataclasses.replace(config.node, **{k: v for k, v in flags.items() if v is not None})
+    return uvloop.run(_serve_node(dataclasses.replace(config, node=node)))
+
+
+async def _serve_node(config: Config) -> int:
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    loop = asyncio.get_running_loop()
+    # Loading takes seconds to minutes; off the loop, so that a signal still ends the process.
+    llm_engine = await loop.run_in_executor(None, LLMEngine, config)
+    engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
+    app = create_node_app(engine, config)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.node.host, config.node.port)
+    await site.start()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    logger.info("node %r serving on %s", app[REGISTRATION].node_id, app[REGISTRATION].url)
+    try:
+        await stop.wait()
+        logger.info(
+            "stopping: no new connections; in-flight requests get %.0f s",
+            config.node.drain_timeout_s,
+        )
+        await site.stop()
+        await engine.drain(config.node.drain_timeout_s)
+        await engine.stop()  # aborts what is left, so the handlers end before the runner waits
+    finally:
+        await runner.cleanup()
+    logger.info("node %r stopped", app[REGISTRATION].node_id)
+    return 0

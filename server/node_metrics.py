@@ -1,0 +1,119 @@
+"""NodeMetrics: a node's Prometheus metrics (``deepinfer_*``, every one labelled ``node``).
+
+Producer: AsyncEngine's observer hooks (counters, histograms; event loop thread) and the /metrics
+handler (gauges, read from AsyncEngine.load() at scrape time). Consumer: Prometheus, through
+``GET /metrics``. Each app owns its CollectorRegistry, so several nodes (and tests) can share a
+process without name clashes in the global registry.
+
+    deepinfer_requests_running / _waiting            gauge
+    deepinfer_kv_blocks_used, deepinfer_kv_cache_usage_ratio   gauge
+    deepinfer_prompt_tokens_total                    counter (at first admission)
+    deepinfer_generation_tokens_total                counter
+    deepinfer_cached_prompt_tokens_total{tier}       counter: device | host | disk
+    deepinfer_preemptions_total                      counter (counted when the request ends)
+    deepinfer_aborted_requests_total                 counter
+    deepinfer_finished_requests_total{finish_reason} counter: stop | length | abort | error
+    deepinfer_request_queue_time_seconds             histogram: arrival -> first admission
+    deepinfer_step_time_seconds                      histogram: one engine step
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deepinfer.scheduler.output import RequestOutputDelta
+from deepinfer.scheduler.request import Request
+from deepinfer.server.protocol import NodeLoad
+
+_QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+
+
+class NodeMetrics:
+    """Implements deepinfer.engine.async_engine.EngineObserver."""
+
+    def __init__(self, node_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._node_id = node_id
+        self._init_gauges(node_id)
+        self._init_counters(node_id)
+        self._init_histograms(node_id)
+
+    def _init_gauges(self, node_id: str) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["node"], registry=self.registry).labels(node_id)
+
+        self.num_running = gauge("deepinfer_requests_running", "Requests running on the node")
+        self.num_waiting = gauge("deepinfer_requests_waiting", "Requests waiting for admission")
+        self.kv_blocks_used = gauge("deepinfer_kv_blocks_used", "KV cache blocks in use")
+        self.kv_usage = gauge("deepinfer_kv_cache_usage_ratio", "Fraction of KV blocks in use")
+
+    def _init_counters(self, node_id: str) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["node"], registry=self.registry).labels(node_id)
+
+        self.prompt_tokens = counter("deepinfer_prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("deepinfer_generation_tokens", "Tokens generated")
+        self.preemptions = counter("deepinfer_preemptions", "Preemptions of ended requests")
+        self.aborts = counter("deepinfer_aborted_requests", "Requests aborted")
+        self._cached_prompt_tokens = Counter(
+            "deepinfer_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache, by tier",
+            ["node", "tier"],
+            registry=self.registry,
+        )
+        self._cached_prompt_tokens.labels(node_id, "device")  # shown (at 0) from the start
+        self._finished = Counter(
+            "deepinfer_finished_requests",
+            "Requests finished, by finish reason (stop | length | abort | error)",
+            ["node", "finish_reason"],
+            registry=self.registry,
+        )
+
+    def _init_histograms(self, node_id: str) -> None:
+        self.queue_time = Histogram(
+            "deepinfer_request_queue_time_seconds",
+            "Time from arrival to first admission",
+            ["node"],
+            buckets=_QUEUE_TIME_BUCKETS,
+            registry=self.registry,
+        ).labels(node_id)
+        self.step_time = Histogram(
+            "deepinfer_step_time_seconds",
+            "Time of one engine step (schedule, execute, update)",
+            ["node"],
+            buckets=_STEP_TIME_BUCKETS,
+            registry=self.registry,
+        ).labels(node_id)
+
+    # -- EngineObserver ------------------------------------------------------------------------
+
+    def on_scheduled(self, request: Request, queue_time_s: float) -> None:
+        self.queue_time.observe(queue_time_s)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        for tier, num_tokens in request.cached_tokens_by_tier.items():
+            self._cached_prompt_tokens.labels(self._node_id, tier).inc(num_tokens)
+
+    def on_step(self, step_time_s: float, deltas: list[RequestOutputDelta]) -> None:
+        self.step_time.observe(step_time_s)
+        num_generated = sum(len(delta.new_token_ids) for delta in deltas)
+        if num_generated:
+            self.generation_tokens.inc(num_generated)
+
+    def on_finished(self, request: Request, finish_reason: str) -> None:
+        self._finished.labels(self._node_id, finish_reason).inc()
+        if finish_reason == "abort":
+            self.aborts.inc()
+        if request.num_preemptions:
+            self.preemptions.inc(request.num_preemptions)
+
+    # -- scrape --------------------------------------------------------------------------------
+
+    def render(self, load: NodeLoad) -> bytes:
+        """The text exposition format, gauges refreshed from ``load``."""
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        num_used = load.num_total_blocks - load.num_free_blocks
+        self.kv_blocks_used.set(num_used)
+        self.kv_usage.set(num_used / load.num_total_blocks if load.num_total_blocks else 0.0)
+        return generate_latest(self.registry)

@@ -1,0 +1,76 @@
+"""How the coordinator talks to nodes, and which node gets a request.
+
+    coordinator ──NodeBackend.generate(GenerateRequest)──▶ node   (TokenDelta per engine step)
+                ──NodeBackend.abort([request_id])───────▶ node   (client gone, timeout, drain)
+                ──NodeBackend.finish(request_id, stop)──▶ node   (a stop string matched on text)
+
+``NodeBackend`` is what the coordinator needs from a node: ``server/node_client.py``'s
+``NodeClient`` implements it over HTTP, the in-process ``serve`` implements it directly, and tests
+use scripted fakes. ``RoutingPolicy`` picks one of the ready nodes; ``LeastLoadedPolicy`` is the
+default and is meant to be replaced (cache-aware, P/D pairing) without touching the registry or
+the handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from deepinfer.server.protocol import GenerateRequest, TokenDelta
+
+if TYPE_CHECKING:
+    from deepinfer.server.registry import NodeEntry
+
+
+class NodeError(Exception):
+    """A node refused or failed a request; ``status`` is the HTTP status the API should answer
+    (e.g. 400 for an unsupported output constraint, 503 for a node shutting down)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@runtime_checkable
+class NodeBackend(Protocol):
+    """One node, as the coordinator sees it."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's token deltas, one per engine step; the last one has
+        ``finish_reason`` set. Raises ``NodeError`` when the node refuses or fails the request
+        (before the first delta or mid-stream). Closing the iterator early does not end the
+        request on the node: call ``abort`` or ``finish``."""
+        ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """End these requests now and free their KV blocks; unknown ids are ignored."""
+        ...
+
+    async def finish(self, request_id: str, stop_reason: int | str | None) -> None:
+        """End a request as finished with reason "stop" (a stop string matched on the
+        coordinator's text side); ``stop_reason`` is the matched string when known."""
+        ...
+
+
+class RoutingPolicy(Protocol):
+    def select(self, candidates: Sequence[NodeEntry], num_prompt_tokens: int) -> NodeEntry:
+        """Pick one of ``candidates`` (non-empty, all ready) for a new request."""
+        ...
+
+
+class LeastLoadedPolicy:
+    """The node with the fewest requests in flight.
+
+    A node's load is the larger of the requests this coordinator has in flight there (exact,
+    immediate) and what the node last reported (running + waiting; it includes other
+    coordinators' requests but is one heartbeat old). Ties go to the node with more free KV
+    blocks, then to the lower node id, so that the choice is deterministic.
+    """
+
+    def select(self, candidates: Sequence[NodeEntry], num_prompt_tokens: int) -> NodeEntry:
+        assert candidates, "select() needs at least one ready node"
+        return min(
+            candidates,
+            key=lambda node: (node.load_score, -node.load.num_free_blocks, node.node_id),
+        )
