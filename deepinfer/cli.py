@@ -18,7 +18,7 @@ from deepinfer.logger import init_logging
 _DEFAULT_CONFIG = Path("config.toml")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local checkpoint folder (default: built-in)")
     p.add_argument("--config", default=None, help="config.toml (default: ./config.toml if present)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "npu"])
@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
 
 
-def _load_config(ns: argparse.Namespace) -> Config:
+def load_config(ns: argparse.Namespace) -> Config:
     path = ns.config
     if path is None and _DEFAULT_CONFIG.is_file():
         path = _DEFAULT_CONFIG
@@ -64,14 +64,14 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    _add_engine_args(p)
+    add_engine_args(p)
 
 
 def _generate(ns: argparse.Namespace) -> int:
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
-    config = _load_config(ns)
+    config = load_config(ns)
     llm = LLM(config=config)
     if ns.raw:
         prompt: str | list[int] = ns.message
@@ -148,8 +148,21 @@ def _toml_value(value: Any) -> str:
     return str(value)
 
 
+def _node_parser(p: argparse.ArgumentParser) -> None:
+    from deepinfer.server.node import add_node_arguments
+
+    add_node_arguments(p)
+
+
+def _node(ns: argparse.Namespace) -> int:
+    from deepinfer.server.node import run_node
+
+    return run_node(ns)
+
+
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
     "generate": ("generate a reply to one message", _generate_parser, _generate),
+    "node": ("run one node: token ids in, token deltas out (internal API)", _node_parser, _node),
     "make-tiny-model": ("write a small random V4 checkpoint", _tiny_parser, _make_tiny),
     "config": ("print the resolved configuration", _config_parser, _show_config),
 }

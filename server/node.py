@@ -316,9 +316,9 @@ async def _register_and_heartbeat(app: web.Application) -> None:
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags (as `generate` has) plus the node's; each overrides [node] in config.toml."""
-    from deepinfer.cli import _add_engine_args
+    from deepinfer.cli import add_engine_args
 
-    _add_engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--host", default=None, help="bind address (node.host)")
     parser.add_argument("--port", type=int, default=None, help="node.port")
     parser.add_argument("--role", default=None, choices=["mixed", "prefill", "decode"])
@@ -331,9 +331,9 @@ def run_node(ns: argparse.Namespace) -> int:
     """Load the engine, serve on node.host:node.port (uvloop) until SIGTERM/SIGINT, drain."""
     import uvloop
 
-    from deepinfer.cli import _load_config
+    from deepinfer.cli import load_config
 
-    config = _load_config(ns)
+    config = load_config(ns)
     flags = {
         "host": ns.host,
         "port": ns.port,
