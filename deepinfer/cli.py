@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -129,13 +130,21 @@ def _config_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="config.toml to resolve")
 
 
+_SECRETS = {"api_keys", "node_token", "auth_token"}
+
+
 def _show_config(ns: argparse.Namespace) -> int:
     path = ns.config or (_DEFAULT_CONFIG if _DEFAULT_CONFIG.is_file() else None)
     config = Config.load(path)
     for section in dataclasses.fields(config):
         print(f"[{section.name}]")
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            print(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+            if value is None:
+                print(f"# {key} = (unset)")
+            elif key in _SECRETS and value:
+                print(f"# {key} = (set, not shown)")
+            else:
+                print(f"{key} = {_toml_value(value)}")
         print()
     return 0
 
@@ -144,7 +153,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, str):
-        return f'"{value}"'
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return str(value)
 
 

@@ -1,0 +1,237 @@
+"""One public request's life on the coordinator, from admission to its last token delta.
+
+    handler --ApiRequest--> CoordinatorService.generate
+        admission (bounded queue) -> registry.select (routing policy) -> NodeBackend.generate
+        <-- TokenDelta per engine step (metrics observed here) -- handler turns them into text
+
+The handler consumes ``generate`` inside ``contextlib.aclosing``. Leaving early for any reason
+but a matched stop string (client gone, timeout, error, drain) aborts the request on its node,
+so that its KV blocks are freed at once; a stop string ends it with ``finish_stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
+from deepinfer.server.errors import ApiError
+from deepinfer.server.metrics import CoordinatorMetrics
+from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
+from deepinfer.server.registry import NodeEntry, NodeRegistry, NoReadyNodeError
+from deepinfer.server.routing import NodeError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # parsed; waiting for an admission slot
+    RUNNING = "running"  # sent to a node
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"  # client gone, timeout, drain, or the node aborted it
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+_NODE_FINISH = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class ApiRequest:
+    """One public request. Producer: a handler (from ``Frontend.prepare``); consumer:
+    ``CoordinatorService``. Times are ``time.monotonic()`` seconds."""
+
+    request_id: str
+    endpoint: str  # metrics label: chat_completions | responses | messages | completions
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    constraint: OutputConstraint | None = None
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    node: NodeEntry | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class CoordinatorService:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        admission: AdmissionController,
+        metrics: CoordinatorMetrics,
+    ) -> None:
+        self.registry = registry
+        self.admission = admission
+        self.metrics = metrics
+        self._tasks: dict[str, asyncio.Task] = {}  # request id -> its handler's task
+        self._background: set[asyncio.Task] = set()
+
+    def context_limit(self) -> int:
+        """Raises ApiError(503) when no node is ready (checked before any CPU work)."""
+        if self.admission.is_draining:
+            self.metrics.rejected("draining")
+            raise ApiError(503, "The server is shutting down", retry_after=5)
+        try:
+            return self.registry.max_model_len()
+        except NoReadyNodeError:
+            self.metrics.rejected("no_node")
+            raise ApiError(
+                503, "No inference node is ready; retry shortly", retry_after=5
+            ) from None
+
+    async def generate(self, req: ApiRequest) -> AsyncIterator[TokenDelta]:
+        """The request's token deltas; the last one has ``finish_reason``.
+
+        Raises ApiError: 429/503 from admission or routing, the node's status on NodeError.
+        """
+        task = asyncio.current_task()
+        if task is not None:  # so that a drain that times out can cancel it, queued or running
+            self._tasks[req.request_id] = task
+        try:
+            async with self.admission.admit(req.num_prompt_tokens) as admission:
+                self.metrics.queue_time.observe(admission.queue_time)
+                with self.registry.select(req.num_prompt_tokens) as node:
+                    req.node = node
+                    req.status = RequestStatus.RUNNING
+                    async for delta in node.backend.generate(self._generate_request(req)):
+                        self._observe(req, delta)
+                        if delta.finish_reason is not None:
+                            req.status = _NODE_FINISH.get(
+                                delta.finish_reason, RequestStatus.FINISHED_ERROR
+                            )
+                        yield delta
+                        if req.status.is_finished:
+                            return
+                    raise NodeError(502, "The node's stream ended before the request finished")
+        except AdmissionError as e:
+            self.metrics.rejected("draining" if isinstance(e, DrainingError) else "queue_full")
+            raise ApiError(
+                503 if isinstance(e, DrainingError) else 429, e.message, retry_after=e.retry_after
+            ) from None
+        except NoReadyNodeError:
+            self.metrics.rejected("no_node")
+            raise ApiError(
+                503, "No inference node is ready; retry shortly", retry_after=5
+            ) from None
+        except NodeError as e:
+            logger.info("request %s failed on its node: %d %s", req.request_id, e.status, e.message)
+            if req.status is RequestStatus.RUNNING and req.node is not None:
+                # Usually already gone there; the abort makes sure its blocks are freed.
+                self._send_abort_task(req.node, req.request_id)
+            req.status = RequestStatus.FINISHED_ERROR
+            raise ApiError(e.status, e.message) from None
+        finally:
+            self._tasks.pop(req.request_id, None)
+            if req.status is RequestStatus.RUNNING:  # left early: client gone, timeout, drain
+                self._abort(req)
+            if req.node is not None:
+                self._record_finish(req)
+
+    async def finish_stopped(self, req: ApiRequest, stop_reason: int | str | None) -> None:
+        """A stop string matched on the text side: end the request on its node as stopped."""
+        if req.status is not RequestStatus.RUNNING or req.node is None:
+            return
+        req.status = RequestStatus.FINISHED_STOPPED
+        try:
+            await req.node.backend.finish(req.request_id, stop_reason)
+        except (NodeError, OSError, TimeoutError) as e:
+            # The client's answer is complete; the node ends the request on its own anyway.
+            logger.warning("finish(%s) on node %s failed: %s", req.request_id, req.node.node_id, e)
+
+    def _generate_request(self, req: ApiRequest) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            constraint=req.constraint,
+            cache_salt=req.cache_salt,
+        )
+
+    def _observe(self, req: ApiRequest, delta: TokenDelta) -> None:
+        now = time.monotonic()
+        if delta.num_cached_tokens:
+            req.num_cached_tokens = delta.num_cached_tokens
+        if not delta.token_ids:
+            return
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - (req.last_token_time or now))
+        req.last_token_time = now
+        req.num_output_tokens += len(delta.token_ids)
+
+    def _abort(self, req: ApiRequest) -> None:
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.metrics.aborts.inc()
+        node = req.node
+        if node is None:
+            return
+        logger.info("aborting request %s on node %s", req.request_id, node.node_id)
+        self._send_abort_task(node, req.request_id)
+
+    def _send_abort_task(self, node: NodeEntry, request_id: str) -> None:
+        # A task of its own: this runs while the handler is being cancelled or closed.
+        task = asyncio.get_running_loop().create_task(self._send_abort(node, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _send_abort(node: NodeEntry, request_id: str) -> None:
+        try:
+            await node.backend.abort([request_id])
+        except (NodeError, OSError, TimeoutError) as e:
+            logger.warning("abort(%s) on node %s failed: %s", request_id, node.node_id, e)
+
+    def _record_finish(self, req: ApiRequest) -> None:
+        m = self.metrics
+        if req.last_token_time is not None:
+            m.e2e.observe(req.last_token_time - req.arrival_time)
+        m.prompt_tokens.inc(req.num_prompt_tokens)
+        m.cached_prompt_tokens.inc(req.num_cached_tokens)
+        m.generation_tokens.inc(req.num_output_tokens)
+        m.finished(req.endpoint, req.status.value if req.status.is_finished else "abort")
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting; let in-flight requests finish for up to ``timeout`` seconds, then
+        cancel their handlers (which aborts them on the nodes). True when all finished."""
+        self.admission.start_draining()
+        logger.info(
+            "draining: %d running, %d waiting (up to %.0f s)",
+            self.admission.num_running,
+            self.admission.num_waiting,
+            timeout,
+        )
+        if await self.admission.wait_idle(timeout):
+            return True
+        logger.warning("drain timeout: aborting %d in-flight requests", len(self._tasks))
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await self.admission.wait_idle(5.0)
+        await self.wait_background()
+        return False
+
+    async def wait_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
