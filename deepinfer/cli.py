@@ -171,9 +171,38 @@ def _node(ns: argparse.Namespace) -> int:
     return run_node(ns)
 
 
+def _coordinator_parser(p: argparse.ArgumentParser) -> None:
+    from deepinfer.server.coordinator import add_coordinator_arguments
+
+    add_coordinator_arguments(p)
+
+
+def _coordinator(ns: argparse.Namespace) -> int:
+    from deepinfer.server.coordinator import run_coordinator
+
+    return run_coordinator(ns)
+
+
+def _bench_parser(p: argparse.ArgumentParser) -> None:
+    from deepinfer.bench.serve import add_bench_serve_arguments
+
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_arguments(
+        sub.add_parser("serve", help="benchmark an OpenAI-compatible server (vLLM's flags)")
+    )
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from deepinfer.bench.serve import main as bench_serve
+
+    return bench_serve(ns)
+
+
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
     "generate": ("generate a reply to one message", _generate_parser, _generate),
+    "coordinator": ("run the public API in front of nodes", _coordinator_parser, _coordinator),
     "node": ("run one node: token ids in, token deltas out (internal API)", _node_parser, _node),
+    "bench": ("benchmarks: `bench serve` measures a running server", _bench_parser, _bench),
     "make-tiny-model": ("write a small random V4 checkpoint", _tiny_parser, _make_tiny),
     "config": ("print the resolved configuration", _config_parser, _show_config),
 }
