@@ -171,6 +171,18 @@ def _node(ns: argparse.Namespace) -> int:
     return run_node(ns)
 
 
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    from deepinfer.server.serve import add_serve_arguments
+
+    add_serve_arguments(p)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from deepinfer.server.serve import run_serve
+
+    return run_serve(ns)
+
+
 def _coordinator_parser(p: argparse.ArgumentParser) -> None:
     from deepinfer.server.coordinator import add_coordinator_arguments
 
@@ -199,6 +211,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
+    "serve": ("the API server with one in-process node (the default)", _serve_parser, _serve),
     "generate": ("generate a reply to one message", _generate_parser, _generate),
     "coordinator": ("run the public API in front of nodes", _coordinator_parser, _coordinator),
     "node": ("run one node: token ids in, token deltas out (internal API)", _node_parser, _node),

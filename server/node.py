@@ -76,6 +76,7 @@ def create_node_app(
     ``node.coordinator_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
     metrics = NodeMetrics(node_id)
+    metrics.watch_cache(engine.engine.cache_stats)
     engine.observer = metrics
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
     app[ENGINE] = engine
@@ -125,7 +126,7 @@ def served_model_name(config: Config) -> str:
 async def generate(request: web.Request) -> web.StreamResponse:
     try:
         message = decode(await request.read(), GenerateRequest)
-        _check_constraint(message.constraint)
+        check_constraint(message.constraint)
         params = message.sampling.to_sampling_params()
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(413, "", e.text or "request body too large")
@@ -149,10 +150,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: FRAME_CONTENT_TYPE})
         await response.prepare(request)
         try:
-            await response.write(encode_frame(_token_delta(first, engine_request, True)))
+            await response.write(encode_frame(token_delta(first, engine_request, True)))
             try:
                 async for delta in deltas:
-                    frame = _token_delta(delta, engine_request, delta.is_finished)
+                    frame = token_delta(delta, engine_request, delta.is_finished)
                     await response.write(encode_frame(frame))
             except EngineStepError as e:
                 error = StreamError(request_id=request_id, status=500, message=str(e))
@@ -201,7 +202,7 @@ async def metrics_text(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
-def _check_constraint(constraint: OutputConstraint | None) -> None:
+def check_constraint(constraint: OutputConstraint | None) -> None:
     if constraint is None or constraint.kind == "tool_call":
         return  # tool calls are parsed on the text side, not enforced here
     if constraint.kind in UNSUPPORTED_CONSTRAINTS:
@@ -209,7 +210,7 @@ def _check_constraint(constraint: OutputConstraint | None) -> None:
     raise ValueError(f"unknown output constraint kind {constraint.kind!r}")
 
 
-def _token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) -> TokenDelta:
+def token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) -> TokenDelta:
     """Counts ride on the first and the last frame only (TokenDelta's contract)."""
     return TokenDelta(
         request_id=delta.request_id,

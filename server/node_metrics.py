@@ -19,7 +19,10 @@ process without name clashes in the global registry.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -38,6 +41,10 @@ class NodeMetrics:
         self._init_gauges(node_id)
         self._init_counters(node_id)
         self._init_histograms(node_id)
+
+    def watch_cache(self, stats: Callable[[], dict]) -> None:
+        """Export prefix-cache and tier counters (LLMEngine.cache_stats) at every scrape."""
+        self.registry.register(CacheStatsCollector(self._node_id, stats))
 
     def _init_gauges(self, node_id: str) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -117,3 +124,51 @@ class NodeMetrics:
         self.kv_blocks_used.set(num_used)
         self.kv_usage.set(num_used / load.num_total_blocks if load.num_total_blocks else 0.0)
         return generate_latest(self.registry)
+
+
+class CacheStatsCollector:
+    """Prefix-cache and KV-tier counters, read from the engine at scrape time.
+
+    ``stats`` returns LLMEngine.cache_stats(): flat counters plus ``cached_tokens_by_tier``
+    and ``tiers`` ({tier: TierStats}). Plain reads of ints the engine thread increments.
+    """
+
+    def __init__(self, node_id: str, stats: Callable[[], dict]) -> None:
+        self._node_id = node_id
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s, node = self._stats(), self._node_id
+        if not s:
+            return
+
+        def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=["node", *labels])
+
+        queries = family("deepinfer_prefix_cache_queries", "Prompt tokens looked up (tokens)", [])
+        queries.add_metric([node], s["prefix_query_tokens"])
+        hits = family("deepinfer_prefix_cache_hits", "Prompt tokens found, by tier", ["tier"])
+        for tier, value in s["cached_tokens_by_tier"].items():
+            hits.add_metric([node, tier], value)
+        evicted = family("deepinfer_prefix_cache_evicted_blocks", "Blocks evicted from device", [])
+        evicted.add_metric([node], s["evicted_blocks"])
+        replayed = family("deepinfer_prefix_replayed_tokens", "Tokens replayed on hits", [])
+        replayed.add_metric([node], s["replayed_tokens"])
+        snapshots = family("deepinfer_kv_snapshots", "State snapshots by event", ["event"])
+        for event in ("stored", "restored", "evicted"):
+            snapshots.add_metric([node, event], s[f"snapshots_{event}"])
+        tier_bytes = family("deepinfer_kv_tier_bytes", "Bytes moved by tier", ["tier", "direction"])
+        tier_time = family(
+            "deepinfer_kv_tier_seconds", "Seconds spent moving bytes", ["tier", "direction"]
+        )
+        tier_bad = family("deepinfer_kv_tier_corrupt_files", "Unreadable files ignored", ["tier"])
+        tier_drop = family("deepinfer_kv_tier_dropped_writes", "Writes dropped", ["tier"])
+        for tier, st in s["tiers"].items():
+            tier_bytes.add_metric([node, tier, "read"], st.bytes_read)
+            tier_bytes.add_metric([node, tier, "write"], st.bytes_written)
+            tier_time.add_metric([node, tier, "read"], st.read_seconds)
+            tier_time.add_metric([node, tier, "write"], st.write_seconds)
+            tier_bad.add_metric([node, tier], st.corrupt_files)
+            tier_drop.add_metric([node, tier], st.dropped_writes)
+        yield from (queries, hits, evicted, replayed, snapshots, tier_bytes, tier_time)
+        yield from (tier_bad, tier_drop)

@@ -139,6 +139,23 @@ class LLMEngine:
         """End requests the text side decided are done (a stop string matched)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED, stop_reason)
 
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters for metrics (empty when prefix caching is off)."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return {}
+        cache, snapshots = prefix.cache.stats, prefix.snapshots.stats
+        return {
+            "prefix_query_tokens": cache.num_query_tokens,
+            "evicted_blocks": cache.num_evicted_blocks,
+            "replayed_tokens": prefix.stats.num_replayed_tokens,
+            "cached_tokens_by_tier": dict(prefix.stats.cached_tokens_by_tier),
+            "snapshots_stored": snapshots.num_stored,
+            "snapshots_restored": snapshots.num_restored,
+            "snapshots_evicted": snapshots.num_evicted,
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
+        }
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

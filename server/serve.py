@@ -1,0 +1,153 @@
+"""`deepinfer serve`: the coordinator and one mixed node in one process (the embedded default).
+
+    HTTP client ──▶ coordinator app (public API, recipe, SSE) ──▶ LocalNode ──▶ AsyncEngine
+                                                                  (no HTTP hop)   (engine thread)
+
+LocalNode implements the coordinator's NodeBackend directly on the AsyncEngine, with the same
+validation and frames as the HTTP node (server/node.py). The node's metrics are served at
+``/node/metrics`` beside the coordinator's ``/metrics`` (same names, other labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+from aiohttp import hdrs, web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from deepinfer.config import Config
+from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.server.node import check_constraint, node_identity, served_model_name, token_delta
+from deepinfer.server.node_metrics import NodeMetrics
+from deepinfer.server.protocol import GenerateRequest, TokenDelta
+from deepinfer.server.routing import NodeError
+
+logger = logging.getLogger(__name__)
+
+LOCAL_NODE = web.AppKey("local_node", "LocalNode")
+
+
+class LocalNode:
+    """A NodeBackend over an AsyncEngine in this process."""
+
+    def __init__(self, engine: AsyncEngine, metrics: NodeMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        try:
+            check_constraint(request.constraint)
+            params = request.sampling.to_sampling_params()
+        except (ValueError, msgspec.ValidationError) as e:
+            raise NodeError(400, str(e)) from e
+        rid = request.request_id
+        deltas = self.engine.generate(rid, request.prompt_token_ids, params, request.cache_salt)
+        async with contextlib.aclosing(deltas):
+            try:
+                first = await anext(deltas)
+            except ValueError as e:
+                raise NodeError(400, str(e)) from e
+            except EngineClosedError as e:
+                raise NodeError(503, str(e)) from e
+            except EngineStepError as e:
+                raise NodeError(500, str(e)) from e
+            engine_request = self.engine.get_request(rid)
+            assert engine_request is not None, f"request {rid!r} has no engine request"
+            yield token_delta(first, engine_request, True)
+            try:
+                async for delta in deltas:
+                    yield token_delta(delta, engine_request, delta.is_finished)
+            except EngineStepError as e:
+                raise NodeError(500, str(e)) from e
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+
+    async def finish(self, request_id: str, stop_reason: int | str | None) -> None:
+        self.engine.finish(request_id, stop_reason)
+
+
+async def _node_metrics(request: web.Request) -> web.Response:
+    node = request.app[LOCAL_NODE]
+    body = node.metrics.render(node.engine.load())
+    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+
+
+def create_serve_app(engine: AsyncEngine, config: Config) -> web.Application:
+    """The coordinator app with this process's engine as its only node."""
+    from deepinfer.server.coordinator import create_coordinator_app
+
+    node_id, _ = node_identity(config.node)
+    metrics = NodeMetrics(node_id)
+    metrics.watch_cache(engine.engine.cache_stats)
+    engine.observer = metrics
+    local = LocalNode(engine, metrics)
+    tokenizer = engine.engine.tokenizer
+    assert tokenizer is not None, "serve needs a model with a tokenizer"
+    model_dir = engine.engine.model_dir
+    model_type = "deepseek_v4"
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        model_type = msgspec.json.decode((model_dir / "config.json").read_bytes())["model_type"]
+    app = create_coordinator_app(
+        config.server,
+        tokenizer_path=tokenizer.path,
+        served_model_name=served_model_name(config),
+        model_type=model_type,
+        backends=[local],
+        max_model_len=engine.max_model_len,
+    )
+    app[LOCAL_NODE] = local
+    app.router.add_get("/node/metrics", _node_metrics)
+
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app.cleanup_ctx.append(engine_ctx)
+    return app
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.cli import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--host", default=None, help="server.host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="server.port (default 8000)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", action="append", default=None, help="repeatable")
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvloop
+
+    from deepinfer.cli import load_config
+
+    config = load_config(ns)
+    flags = {
+        "host": ns.host,
+        "port": ns.port,
+        "served_model_name": ns.served_model_name,
+        "api_keys": tuple(ns.api_key) if ns.api_key else None,
+    }
+    server = dataclasses.replace(config.server, **{k: v for k, v in flags.items() if v is not None})
+    return uvloop.run(_serve(dataclasses.replace(config, server=server)))
+
+
+async def _serve(config: Config) -> int:
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.server.coordinator import serve_coordinator
+
+    loop = asyncio.get_running_loop()
+    # Loading takes seconds to minutes: off the loop, so the process still answers signals.
+    llm_engine = await loop.run_in_executor(None, LLMEngine, config)
+    engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
+    app = create_serve_app(engine, config)
+    return await serve_coordinator(app, config.server.host, config.server.port)
