@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import msgspec
 from aiohttp import hdrs, web
@@ -80,8 +81,11 @@ async def _node_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
-def create_serve_app(engine: AsyncEngine, config: Config) -> web.Application:
-    """The coordinator app with this process's engine as its only node."""
+def create_serve_app(
+    engine: AsyncEngine, config: Config, *, tokenizer_path: Path | None = None
+) -> web.Application:
+    """The coordinator app with this process's engine as its only node. ``tokenizer_path``
+    defaults to the model's (an engine built on a test double has none: pass one)."""
     from deepinfer.server.coordinator import create_coordinator_app
 
     node_id, _ = node_identity(config.node)
@@ -89,15 +93,17 @@ def create_serve_app(engine: AsyncEngine, config: Config) -> web.Application:
     metrics.watch_cache(engine.engine.cache_stats)
     engine.observer = metrics
     local = LocalNode(engine, metrics)
-    tokenizer = engine.engine.tokenizer
-    assert tokenizer is not None, "serve needs a model with a tokenizer"
+    if tokenizer_path is None:
+        tokenizer = engine.engine.tokenizer
+        assert tokenizer is not None, "serve needs a model with a tokenizer"
+        tokenizer_path = tokenizer.path
     model_dir = engine.engine.model_dir
     model_type = "deepseek_v4"
     if model_dir is not None and (model_dir / "config.json").is_file():
         model_type = msgspec.json.decode((model_dir / "config.json").read_bytes())["model_type"]
     app = create_coordinator_app(
         config.server,
-        tokenizer_path=tokenizer.path,
+        tokenizer_path=tokenizer_path,
         served_model_name=served_model_name(config),
         model_type=model_type,
         backends=[local],

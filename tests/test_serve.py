@@ -1,0 +1,128 @@
+"""`deepinfer serve` end to end through the official openai client: the coordinator, the recipe,
+the in-process node and the scheduler are real; the model is a scripted test double (exact
+reasoning/content/usage, disconnect accounting) or the built-in tiny model (prefix-cache usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+from coordinator_fakes import EOS, THINK_END, TOKENIZER_PATH, ids
+from scripted_executor import ScriptedExecutor
+
+from deepinfer.config import Config
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.model.tiny import make_tiny_model
+from deepinfer.server.serve import create_serve_app
+
+pytestmark = pytest.mark.asyncio
+
+MARKER = ids(" zebra")[-1]  # a user message ending in " zebra" selects SCRIPT
+SCRIPT = [*ids("Let me think."), THINK_END, *ids("Hello there."), EOS]
+LONG_SCRIPT = ids(" word") * 200
+
+
+def _config(**cache) -> Config:
+    return Config.load(
+        overrides={"model": {"device": "cpu"}, "cache": {"block_size": 16, **cache}}, environ={}
+    )
+
+
+async def _server(engine: LLMEngine, config: Config, **kw) -> TestServer:
+    app = create_serve_app(AsyncEngine(engine), config, **kw)
+    server = TestServer(app)
+    await server.start_server()
+    return server
+
+
+@pytest_asyncio.fixture
+async def scripted() -> AsyncIterator[tuple[openai.AsyncOpenAI, LLMEngine]]:
+    executor = ScriptedExecutor({MARKER: SCRIPT}, default_script=LONG_SCRIPT, step_delay_s=0.01)
+    engine = LLMEngine(_config(), executor=executor)
+    server = await _server(engine, _config(), tokenizer_path=TOKENIZER_PATH)
+    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k", max_retries=0)
+    yield client, engine
+    await server.close()
+
+
+async def test_reasoning_content_and_usage(scripted) -> None:
+    client, _ = scripted
+    messages = [{"role": "user", "content": "Say hi, zebra"}]
+    out = await client.chat.completions.create(model="deepinfer-tiny", messages=messages)
+    message = out.choices[0].message
+    assert message.reasoning_content == "Let me think."
+    assert message.content == "Hello there."
+    assert out.choices[0].finish_reason == "stop"
+    # EOS ends the request and is not counted; </think> counts as a completion token but, as
+    # deepseek-recipe counts them, not as a reasoning token.
+    assert out.usage.completion_tokens == len(SCRIPT) - 1
+    assert out.usage.completion_tokens_details.reasoning_tokens == len(ids("Let me think."))
+    stream = await client.chat.completions.create(
+        model="deepinfer-tiny", messages=messages, stream=True
+    )
+    reasoning, content = "", ""
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+    assert (reasoning, content) == ("Let me think.", "Hello there.")
+
+
+async def test_disconnect_mid_stream_frees_every_block(scripted) -> None:
+    client, engine = scripted
+    stream = await client.chat.completions.create(
+        model="deepinfer-tiny",
+        messages=[{"role": "user", "content": "talk forever"}],
+        max_tokens=150,
+        stream=True,
+    )
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == 5:
+            break
+    await stream.close()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    engine.scheduler.check_integrity()
+
+
+async def test_prefix_cache_hits_show_in_usage(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "tiny", seed=0)
+    config = Config.load(
+        overrides={"model": {"device": "cpu", "path": str(folder)}, "cache": {"block_size": 16}},
+        environ={},
+    )
+    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+    server = await _server(engine, config)
+    try:
+        client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k")
+        messages = [{"role": "user", "content": "A long shared question. " * 20}]
+        model = (await client.models.list()).data[0].id
+        assert model == "tiny"  # the checkpoint folder's name
+        kw = dict(model=model, messages=messages, max_tokens=2)
+        first = await client.chat.completions.create(**kw)
+        second = await client.chat.completions.create(**kw)
+        prompt = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = (prompt - 1) // 16 * 16
+        assert second.usage.prompt_tokens_details.cached_tokens == cached
+        extra = second.usage.model_extra
+        assert (extra["prompt_cache_hit_tokens"], extra["prompt_cache_miss_tokens"]) == (
+            cached,
+            prompt - cached,
+        )
+    finally:
+        await server.close()
