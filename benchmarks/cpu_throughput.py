@@ -43,7 +43,14 @@ def main() -> None:
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
     folder = ensure_tiny_model(0)
-    llm = LLM(model=folder, device="cpu", dtype="float32", max_num_batched_tokens=4096)
+    # Prefix caching off: the same prompt is timed repeatedly, and this measures computing it.
+    llm = LLM(
+        model=folder,
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=ns.new, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = _prompt(ns.prompt_len, 0)
