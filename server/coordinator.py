@@ -21,7 +21,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from deepinfer.config import Config, ServerConfig
+from deepinfer.server import systemd
 from deepinfer.server.admission import AdmissionController
 from deepinfer.server.anthropic_api import AnthropicApi
 from deepinfer.server.completions import CompletionsApi
@@ -281,8 +282,13 @@ async def _heartbeat_reaper_ctx(app: web.Application) -> AsyncIterator[None]:
 # ---- running: `deepinfer coordinator` -----------------------------------------------------------
 
 
-async def serve_coordinator(app: web.Application, host: str, port: int) -> int:
-    """Serve ``app`` until SIGTERM or SIGINT, then drain it; returns the exit code (0)."""
+async def serve_coordinator(
+    app: web.Application, host: str, port: int, *, is_healthy: Callable[[], bool] = lambda: True
+) -> int:
+    """Serve ``app`` until SIGTERM or SIGINT, then drain it; returns the exit code (0).
+
+    Under systemd it reports readiness, stopping and status, and pings the watchdog while
+    ``is_healthy()`` (the event loop turning is health enough for a coordinator alone)."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on its node even while it waits for its first token.
     runner = web.AppRunner(app, handler_cancellation=True)
@@ -296,11 +302,16 @@ async def serve_coordinator(app: web.Application, host: str, port: int) -> int:
     logger.info(
         "coordinator serving %s on http://%s:%d", app[FRONTEND].served_model_name, host, port
     )
+    systemd.ready()
+    systemd.status(f"serving {app[FRONTEND].served_model_name} on http://{host}:{port}")
     try:
-        await stop.wait()
-        logger.info("shutting down: draining")
-        drained = await app[SERVICE].drain(app[CONFIG].drain_timeout_s)
-        logger.info("drain %s", "complete" if drained else "timed out; the rest was aborted")
+        async with systemd.watchdog(is_healthy):
+            await stop.wait()
+            systemd.stopping()
+            systemd.status(f"draining: in-flight requests get {app[CONFIG].drain_timeout_s:.0f} s")
+            logger.info("shutting down: draining")
+            drained = await app[SERVICE].drain(app[CONFIG].drain_timeout_s)
+            logger.info("drain %s", "complete" if drained else "timed out; the rest was aborted")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -40,6 +40,7 @@ from deepinfer.config import Config, NodeConfig
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
+from deepinfer.server import systemd
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
@@ -351,6 +352,7 @@ async def _serve_node(config: Config) -> int:
     from deepinfer.engine.llm_engine import LLMEngine
 
     loop = asyncio.get_running_loop()
+    systemd.status("loading the model")
     # Loading takes seconds to minutes; off the loop, so that a signal still ends the process.
     llm_engine = await loop.run_in_executor(None, LLMEngine, config)
     engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
@@ -363,15 +365,21 @@ async def _serve_node(config: Config) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     logger.info("node %r serving on %s", app[REGISTRATION].node_id, app[REGISTRATION].url)
+    systemd.ready()
+    systemd.status(f"serving on {app[REGISTRATION].url}")
     try:
-        await stop.wait()
-        logger.info(
-            "stopping: no new connections; in-flight requests get %.0f s",
-            config.node.drain_timeout_s,
-        )
-        await site.stop()
-        await engine.drain(config.node.drain_timeout_s)
-        await engine.stop()  # aborts what is left, so the handlers end before the runner waits
+        # A stuck engine step stops the pings, and systemd restarts the node.
+        async with systemd.watchdog(lambda: engine.is_turning):
+            await stop.wait()
+            systemd.stopping()
+            systemd.status(f"draining: in-flight requests get {config.node.drain_timeout_s:.0f} s")
+            logger.info(
+                "stopping: no new connections; in-flight requests get %.0f s",
+                config.node.drain_timeout_s,
+            )
+            await site.stop()
+            await engine.drain(config.node.drain_timeout_s)
+            await engine.stop()  # aborts what is left, so the handlers end before the runner waits
     finally:
         await runner.cleanup()
     logger.info("node %r stopped", app[REGISTRATION].node_id)

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.server import systemd
 from deepinfer.server.node import check_constraint, node_identity, served_model_name, token_delta
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import GenerateRequest, TokenDelta
@@ -152,8 +153,12 @@ async def _serve(config: Config) -> int:
     from deepinfer.server.coordinator import serve_coordinator
 
     loop = asyncio.get_running_loop()
+    systemd.status("loading the model")
     # Loading takes seconds to minutes: off the loop, so the process still answers signals.
     llm_engine = await loop.run_in_executor(None, LLMEngine, config)
     engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
     app = create_serve_app(engine, config)
-    return await serve_coordinator(app, config.server.host, config.server.port)
+    # The watchdog follows the in-process engine: a stuck step gets the unit restarted.
+    return await serve_coordinator(
+        app, config.server.host, config.server.port, is_healthy=lambda: engine.is_turning
+    )
