@@ -41,8 +41,11 @@ class CacheConfig:
     """Paged KV pools and per-request state slots (see deepinfer/kv_cache/pool.py)."""
 
     block_size: int = 128  # tokens per block; a multiple of every compression ratio
-    num_blocks: int | None = None  # None: sized from memory_budget_gib
-    memory_budget_gib: float = 2.0  # CPU: memory for blocks + state slots when num_blocks is None
+    num_blocks: int | None = None  # None: sized from device memory (below)
+    memory_budget_gib: float = 2.0  # CPU: blocks + state slots + snapshots when num_blocks is None
+    # CUDA: the share of the device's memory this engine may use (weights + the profiled peak
+    # activations + KV pools, state slots and snapshots) when num_blocks is None.
+    gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # None: scheduler.max_num_seqs
     ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
     enable_prefix_caching: bool = True
@@ -63,6 +66,10 @@ class CacheConfig:
             _check_positive("cache.num_state_slots", self.num_state_slots)
         if self.memory_budget_gib <= 0:
             raise ValueError(f"cache.memory_budget_gib must be > 0, got {self.memory_budget_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.ring_margin < 0:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.num_snapshots is not None and self.num_snapshots < 0:

@@ -1,4 +1,4 @@
-"""Session fixtures shared by the test suite.
+"""Session fixtures shared by the test suite, and the skip of ``gpu`` tests without CUDA.
 
 The oracle checkpoints are built once per test session (transformers imported lazily, so that
 torch-free tests do not pay for it).
@@ -9,6 +9,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` (tests/gpu) are skipped, with the reason, where torch sees no CUDA."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    reason = (
+        f"needs a CUDA device: torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
+        "sees none"
+    )
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

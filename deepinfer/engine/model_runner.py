@@ -2,6 +2,8 @@
 
 SchedulerOutput (CPU) -> ForwardBatch (device) -> DeepseekV4 -> logits -> sampler
 -> ModelRunnerOutput (host values) -> Scheduler.update()
+
+Device memory is sized in ``deepinfer.engine.memory`` (CUDA) or by cache.memory_budget_gib (CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from deepinfer.config import Config
 from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
-from deepinfer.kv_cache.pool import KVCache, cache_layout
+from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
+from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -37,11 +40,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         self._init_threads()
+        self._init_precision()
         self.kernels = select_kernels(config.kernel, self.device)
         self._init_model(model_dir)
+        self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
+        self._init_staging()
         self.cache_salt = self._cache_salt(model_dir)
-        self.generator = torch.Generator(device="cpu")
+        # The sampler draws unseeded rows from this generator on the logits' device.
+        self.generator = torch.Generator(device=self.device)
         self.generator.seed()
         # The host/disk tiers of the KV cache (set by the engine when configured).
         self.tiers: KVTiers | None = None
@@ -49,6 +56,13 @@ class ModelRunner:
     def _init_threads(self) -> None:
         if self.config.kernel.num_threads > 0:
             torch.set_num_threads(self.config.kernel.num_threads)
+
+    def _init_precision(self) -> None:
+        """float32 on CUDA means IEEE float32: TF32 matmuls would move logits by ~1e-3."""
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            logger.info("float32 on CUDA: TF32 off for matmuls and cuDNN (IEEE float32)")
 
     def _init_model(self, model_dir: Path) -> None:
         start = time.perf_counter()
@@ -69,39 +83,102 @@ class ModelRunner:
         )
 
     def _init_kv_cache(self) -> None:
-        cfg = self.config
-        layout = cache_layout(self.args, cfg.cache.block_size, cfg.cache.ring_margin)
-        num_slots = cfg.cache.num_state_slots or cfg.scheduler.max_num_seqs
+        cache = self.config.cache
+        num_slots = cache.num_state_slots or self.config.scheduler.max_num_seqs
         num_snapshots = 0
-        if cfg.cache.enable_prefix_caching:
-            num_snapshots = cfg.cache.num_snapshots
+        if cache.enable_prefix_caching:
+            num_snapshots = cache.num_snapshots
             if num_snapshots is None:
                 num_snapshots = 2 * num_slots
-        num_blocks = cfg.cache.num_blocks
+        num_blocks = cache.num_blocks
         if num_blocks is None:
-            budget = cfg.cache.memory_budget_gib * 2**30 - num_slots * layout.bytes_per_slot(
-                self.dtype
-            )
-            fit = int(budget // max(layout.bytes_per_block(self.dtype), 1))
-            # More blocks than max_num_seqs full-length requests can use would only waste memory.
-            useful = cfg.scheduler.max_num_seqs * math.ceil(self.max_model_len / layout.block_size)
-            num_blocks = min(fit, useful)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"cache.memory_budget_gib={cfg.cache.memory_budget_gib} leaves no room for a "
-                    f"block after {num_slots} state slots"
-                )
-        self.kv_cache = KVCache(
+            num_blocks = self._size_num_blocks(num_slots, num_snapshots)
+        self.kv_cache = self._new_kv_cache(num_blocks, num_slots, num_snapshots)
+        self.kv_cache.log_sizes()
+        blocks_per_request = self._blocks_per_request
+        logger.info(
+            "KV capacity: %d blocks = %d tokens of KV, %d state slots, %d snapshots; "
+            "%d requests of max_model_len=%d at once",
+            num_blocks,
+            num_blocks * cache.block_size,
+            num_slots,
+            num_snapshots,
+            min(num_slots, num_blocks // blocks_per_request),
+            self.max_model_len,
+        )
+
+    def _new_kv_cache(self, num_blocks: int, num_slots: int, num_snapshots: int) -> KVCache:
+        cache = self.config.cache
+        return KVCache(
             self.args,
             num_blocks=num_blocks,
             num_slots=num_slots,
             num_snapshots=num_snapshots,
-            block_size=cfg.cache.block_size,
-            ring_margin=cfg.cache.ring_margin,
+            block_size=cache.block_size,
+            ring_margin=cache.ring_margin,
             dtype=self.dtype,
             device=self.device,
         )
-        self.kv_cache.log_sizes()
+
+    @property
+    def _blocks_per_request(self) -> int:
+        return math.ceil(self.max_model_len / self.config.cache.block_size)
+
+    def _size_num_blocks(self, num_slots: int, num_snapshots: int) -> int:
+        """As many blocks as the memory budget holds after the state slots and snapshots (CPU:
+        cache.memory_budget_gib; CUDA: what the profile leaves of gpu_memory_utilization), at
+        most what max_num_seqs requests of max_model_len can use: more would only waste memory.
+        """
+        cache = self.config.cache
+        # A minimal cache: its sizes per slot/snapshot/block, and the profile step's scratch.
+        scratch = self._new_kv_cache(num_blocks=1, num_slots=1, num_snapshots=0)
+        if self.device.type == "cuda":
+            self.memory_profile = profile_memory(
+                self.model,
+                self.kernels,
+                scratch,
+                utilization=cache.gpu_memory_utilization,
+                num_tokens=min(self.config.scheduler.max_num_batched_tokens, self.max_model_len),
+                context=self.max_model_len,
+            )
+            budget = self.memory_profile.kv_budget
+            source = f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
+        else:
+            budget = int(cache.memory_budget_gib * 2**30)
+            source = f"cache.memory_budget_gib={cache.memory_budget_gib}"
+        layout = scratch.layout
+        fixed = num_slots * layout.bytes_per_slot(self.dtype)
+        fixed += num_snapshots * scratch.bytes_per_snapshot
+        max_useful = self.config.scheduler.max_num_seqs * self._blocks_per_request
+        num_blocks = fit_num_blocks(
+            budget,
+            bytes_per_block=layout.bytes_per_block(self.dtype),
+            fixed_bytes=fixed,
+            max_useful=max_useful,
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"{source} leaves {budget / 2**30:.3f} GiB for the KV cache: no room for a block "
+                f"after {num_slots} state slots and {num_snapshots} snapshots "
+                f"({fixed / 2**30:.3f} GiB)"
+            )
+        if num_blocks == max_useful:
+            logger.info(
+                "KV cache: %d blocks, capped at what %d requests of max_model_len=%d can use",
+                num_blocks,
+                self.config.scheduler.max_num_seqs,
+                self.max_model_len,
+            )
+        return num_blocks
+
+    def _init_staging(self) -> None:
+        """CUDA: a copy stream and a pinned host buffer for each step's index tensors."""
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None  # [capacity] int64, pinned
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # Recorded after each copy out of the staging buffer; waited on before refilling it.
+            self._staging_read = torch.cuda.Event()
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
@@ -180,28 +257,20 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[int, int, int]]]:
         """Flatten the step. Returns the batch, (scheduled index, logits row) per sampled request,
         and (scheduled index, first logits row, count) per request with prompt logprobs."""
+        scheduled = scheduler_output.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
-        seqs: list[SeqSpan] = []
+        block_ids: list[int] = []
+        offsets: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[tuple[int, int]] = []
         prompt_rows: list[tuple[int, int, int]] = []
-        for i, sched in enumerate(scheduler_output.scheduled):
+        for i, sched in enumerate(scheduled):
             offset, n = len(input_ids), sched.num_tokens
+            offsets.append(offset)
             input_ids.extend(sched.token_ids)
             positions.extend(range(sched.start_pos, sched.start_pos + n))
-            block_table = torch.tensor(sched.block_table, dtype=torch.int64, device=self.device)
-            seqs.append(
-                SeqSpan(
-                    offset,
-                    n,
-                    sched.start_pos,
-                    sched.state_slot,
-                    block_table,
-                    window_floor=sched.window_floor,
-                    num_protected=sched.num_protected_tokens,
-                )
-            )
+            block_ids.extend(sched.block_table)
             if sched.num_prompt_logprob_positions:
                 count = sched.num_prompt_logprob_positions
                 prompt_rows.append((i, len(logits_indices), count))
@@ -209,13 +278,49 @@ class ModelRunner:
             if sched.do_sample:
                 sample_rows.append((i, len(logits_indices)))
                 logits_indices.append(offset + n - 1)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            seqs=seqs,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+        # One copy to the device: [input_ids | positions | logits_indices | block tables].
+        flat = self._upload(input_ids + positions + logits_indices + block_ids)
+        ids, pos, rows, tables = flat.split(
+            [len(input_ids), len(positions), len(logits_indices), len(block_ids)]
         )
+        block_tables = tables.split([len(sched.block_table) for sched in scheduled])
+        seqs = [
+            SeqSpan(
+                offset,
+                sched.num_tokens,
+                sched.start_pos,
+                sched.state_slot,
+                block_table,
+                window_floor=sched.window_floor,
+                num_protected=sched.num_protected_tokens,
+            )
+            for offset, sched, block_table in zip(offsets, scheduled, block_tables, strict=True)
+        ]
+        batch = ForwardBatch(input_ids=ids, positions=pos, seqs=seqs, logits_indices=rows)
         return batch, sample_rows, prompt_rows
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """Host ints -> [len(values)] int64 on the device.
+
+        CUDA: through the pinned staging buffer, copied on the copy stream; the compute (current)
+        stream waits for the copy, and the buffer is refilled only after the copy has read it.
+        """
+        if self._copy_stream is None:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        n = len(values)
+        self._staging_read.synchronize()
+        if self._staging is None or self._staging.numel() < n:
+            capacity = max(n, 2 * (0 if self._staging is None else self._staging.numel()))
+            self._staging = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        host = self._staging[:n]
+        host.numpy()[:] = values
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = host.to(self.device, non_blocking=True)
+            self._staging_read.record()
+        compute.wait_stream(self._copy_stream)
+        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+        return out
 
     def _prompt_logprobs(
         self,

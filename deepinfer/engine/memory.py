@@ -1,0 +1,163 @@
+"""Device memory sizing: a profile step measures peak activations; the KV cache gets the rest.
+
+    ModelRunner (start, cache.num_blocks unset, CUDA) -> profile_memory() -> MemoryProfile
+    -> fit_num_blocks() -> KVCache(num_blocks)
+
+    total x gpu_memory_utilization
+    +----------+---------------------+--------+--------------------------------------------+
+    | weights  | peak activations    | margin | KV cache: state slots + snapshots + blocks |
+    |          | (the profile step)  |        | (blocks take what the others leave)        |
+    +----------+---------------------+--------+--------------------------------------------+
+
+The budget is per engine (two engines at 0.45 can share a device); it is also capped by what is
+free on the device after the profile, less the activations the steps will need again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.ops import Kernels
+
+logger = logging.getLogger(__name__)
+
+# Device memory kept out of the KV cache beyond the profiled peak: the caching allocator's
+# fragmentation and what libraries allocate outside it after start (cuBLAS/cuDNN handles). The
+# CUDA context itself sits in the (1 - utilization) rest, or under the free-memory cap.
+MEMORY_MARGIN_BYTES = 512 * 2**20
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """How the KV cache was sized on CUDA, in bytes. Producer: ``profile_memory`` at start.
+    Consumers: the model runner (``kv_budget``), the start-up log and tests.
+
+    kv_budget = min(total * utilization - weights - activations - margin,
+                    free - activations - margin)     (free: after the profile, all processes)
+    """
+
+    total: int
+    utilization: float
+    weights: int
+    activations: int  # peak of the profile step above what was allocated before it
+    margin: int
+    free: int
+    kv_budget: int
+    num_tokens: int  # the profile step: one request of num_tokens tokens ending at context
+    context: int
+
+
+def fit_num_blocks(budget: int, *, bytes_per_block: int, fixed_bytes: int, max_useful: int) -> int:
+    """Blocks that ``budget`` holds after ``fixed_bytes`` (state slots + snapshots), at most
+    ``max_useful``; 0 when not even one fits."""
+    fit = (budget - fixed_bytes) // max(bytes_per_block, 1)
+    return max(0, min(fit, max_useful))
+
+
+def profile_memory(
+    model: DeepseekV4,
+    kernels: Kernels,
+    scratch: KVCache,
+    *,
+    utilization: float,
+    num_tokens: int,
+    context: int,
+) -> MemoryProfile:
+    """Run the worst step on ``scratch`` (a cache of one block and one slot), measure its peak
+    allocation, and return the KV budget that ``utilization`` x total memory leaves.
+
+    The worst step for the torch reference backends is one request that holds the whole token
+    budget (``num_tokens``) at the end of the longest context (``context``), with logits for
+    every token (prompt logprobs): the attention and indexer intermediates grow as chunk x context
+    per request, and the requests of a step run one after another inside each layer.
+    """
+    device = scratch.device
+    total = torch.cuda.get_device_properties(device).total_memory
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    start_pos = context - num_tokens
+    logger.info(
+        "memory: profiling a step of %d tokens at positions %d..%d (logits for every token)",
+        num_tokens,
+        start_pos,
+        context - 1,
+    )
+    began = time.perf_counter()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _run_profile_step(model, kernels, scratch, start_pos, num_tokens)
+        torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"the profile step ({num_tokens} tokens at context {context}) does not fit in device "
+            "memory; lower model.max_model_len or scheduler.max_num_batched_tokens"
+        ) from e
+    activations = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    margin = MEMORY_MARGIN_BYTES
+    budget = int(utilization * total) - weights - activations - margin
+    # Other processes (or other engines of this one) may hold memory: what is free now must
+    # also hold the activations at run time.
+    if free - activations - margin < budget:
+        logger.warning(
+            "memory: only %.2f GiB free on %s; the KV cache gets %.3f GiB instead of %.3f GiB",
+            free / GIB,
+            device,
+            (free - activations - margin) / GIB,
+            budget / GIB,
+        )
+        budget = free - activations - margin
+    logger.info(
+        "memory: %.2f GiB total x %.2f - %.3f GiB weights - %.3f GiB peak activations "
+        "(profile step %.1f s) - %.2f GiB margin -> %.3f GiB for the KV cache",
+        total / GIB,
+        utilization,
+        weights / GIB,
+        activations / GIB,
+        time.perf_counter() - began,
+        margin / GIB,
+        budget / GIB,
+    )
+    return MemoryProfile(
+        total=total,
+        utilization=utilization,
+        weights=weights,
+        activations=activations,
+        margin=margin,
+        free=free,
+        kv_budget=budget,
+        num_tokens=num_tokens,
+        context=context,
+    )
+
+
+def _run_profile_step(
+    model: DeepseekV4, kernels: Kernels, scratch: KVCache, start_pos: int, num_tokens: int
+) -> None:
+    """One request of ``num_tokens`` tokens at ``start_pos``: logits and logprobs for all."""
+    device = scratch.device
+    end_pos = start_pos + num_tokens
+    # Every logical block maps to scratch block 0: the compressed entries are gathered and written
+    # at full length; their values do not matter.
+    block_table = torch.zeros(-(-end_pos // scratch.block_size), dtype=torch.int64, device=device)
+    token_ids = torch.arange(num_tokens, device=device) % model.args.vocab_size
+    batch = ForwardBatch(
+        input_ids=token_ids,
+        positions=torch.arange(start_pos, end_pos, device=device),
+        seqs=[SeqSpan(0, num_tokens, start_pos, 0, block_table)],
+        logits_indices=torch.arange(num_tokens, device=device),
+    )
+    logits = model(batch, scratch)  # [num_tokens, V] fp32
+    kernels.sampling.compute_logprobs(logits, token_ids, 0)

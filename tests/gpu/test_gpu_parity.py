@@ -1,0 +1,221 @@
+"""The CUDA path computes what the CPU path computes, on the oracle checkpoint.
+
+float32 on CUDA (TF32 off): greedy tokens identical to our CPU run, prompt logprobs within
+ORACLE_ATOL of transformers (CPU, fp32), sampled-token logprobs within SELF_ATOL of our CPU run.
+bfloat16 on CUDA: the top-1 agreement with the fp32 logits over every prompt position is
+reported as a figure (gpu_results.txt) and must stay above BF16_TOP1_FLOOR. Prefix hits on CUDA
+(snapshot restore, bounded replay, host-tier load) give the tokens of a cold run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import hf_prompt_logprobs, oracle_prompts
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.outputs import RequestOutput
+
+pytestmark = pytest.mark.gpu
+
+# fp32 against transformers on the CPU: the CPU oracle test's bound (other op order; cuBLAS
+# GEMMs reduce in another order than the CPU's).
+ORACLE_ATOL = 1e-4
+# fp32 CUDA against fp32 CPU, our own engine: same ops, other reduction order.
+SELF_ATOL = 1e-4
+# Prefix hit vs cold run, both on CUDA fp32: the hit computes the suffix in other GEMM shapes,
+# for which cuBLAS may pick kernels that reduce in another order.
+PREFIX_ATOL = 1e-4
+# bf16 vs fp32 top-1 over the ~400 prompt positions. The random tiny model's logits are nearly
+# flat over 129,280 tokens (top-1 margins of a few hundredths of a nat), so bf16 rounding (2^-8
+# relative), which also flips the learned gates' expert choice and the indexer's top-k, changes
+# the argmax often: bf16 on the CPU agrees on 0.908 of these positions. 0.8 is ~6 standard
+# deviations under that; a broken bf16 path (a wrong cast, a stale cache) lands near 0.
+BF16_TOP1_FLOOR = 0.8
+NUM_NEW = 32
+MAX_MODEL_LEN = 1024  # the prompts need < 400; also bounds the profile step at start
+UTILIZATION = 0.1  # several engines live in this process; each takes a tenth of the device
+
+
+def _llm(folder: Path, device: str, dtype: str = "float32", **kw) -> LLM:
+    torch.set_num_threads(2)
+    return LLM(
+        model=folder,
+        device=device,
+        dtype=dtype,
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=UTILIZATION,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def cpu_fp32(oracle_hf_dir: Path) -> LLM:
+    return _llm(oracle_hf_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_fp32(oracle_hf_dir: Path) -> LLM:
+    return _llm(oracle_hf_dir, "cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_bf16(oracle_hf_dir: Path) -> LLM:
+    return _llm(oracle_hf_dir, "cuda", "bfloat16")
+
+
+def _greedy(max_tokens: int = NUM_NEW, prompt_logprobs: int = 0) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, prompt_logprobs=prompt_logprobs
+    )
+
+
+def _prompt_token_logprobs(out: RequestOutput) -> torch.Tensor:
+    """Logprob of each actual prompt token j >= 1: [T-1]."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    assert entries is not None and entries[0] is None and len(entries) == len(ids)
+    return torch.tensor([entries[j][ids[j]] for j in range(1, len(ids))])
+
+
+def _sampled_logprobs(out: RequestOutput) -> torch.Tensor:
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    return torch.tensor(
+        [d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+    )
+
+
+def _top1(out: RequestOutput) -> list[int]:
+    """The most likely next token at every prompt position (needs prompt_logprobs >= 1)."""
+    assert out.prompt_logprobs is not None
+    return [max(entry, key=entry.__getitem__) for entry in out.prompt_logprobs[1:]]
+
+
+def test_cuda_runs_on_cuda(cuda_fp32: LLM) -> None:
+    runner = cuda_fp32.engine.executor
+    assert runner.device.type == "cuda" and runner.kv_cache.window_ring[0].is_cuda
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_fp32_matches_cpu_and_transformers(
+    index: int,
+    cpu_fp32: LLM,
+    cuda_fp32: LLM,
+    oracle_hf_dir: Path,
+    record_figure: Callable[[str], None],
+) -> None:
+    prompt = oracle_prompts()[index]
+    cpu = cpu_fp32.generate([prompt], _greedy(), use_tqdm=False)[0]
+    cuda = cuda_fp32.generate([prompt], _greedy(), use_tqdm=False)[0]
+    assert cuda.outputs[0].token_ids == cpu.outputs[0].token_ids
+    oracle_diff = (_prompt_token_logprobs(cuda) - hf_prompt_logprobs(oracle_hf_dir, prompt)).abs()
+    self_diff = (_sampled_logprobs(cuda) - _sampled_logprobs(cpu)).abs()
+    record_figure(
+        f"fp32 CUDA, prompt of {len(prompt)} tokens: max |prompt logprob - transformers| "
+        f"{oracle_diff.max().item():.2e}, max |sampled logprob - CPU| {self_diff.max().item():.2e}"
+    )
+    assert oracle_diff.max().item() < ORACLE_ATOL
+    assert self_diff.max().item() < SELF_ATOL
+
+
+def test_bf16_top1_agreement(
+    cuda_fp32: LLM, cuda_bf16: LLM, record_figure: Callable[[str], None]
+) -> None:
+    params = _greedy(max_tokens=1, prompt_logprobs=1)
+    agree = total = 0
+    max_diff = 0.0
+    for prompt in oracle_prompts():
+        fp32 = cuda_fp32.generate([prompt], params, use_tqdm=False)[0]
+        bf16 = cuda_bf16.generate([prompt], params, use_tqdm=False)[0]
+        pairs = list(zip(_top1(fp32), _top1(bf16), strict=True))
+        agree += sum(a == b for a, b in pairs)
+        total += len(pairs)
+        diff = (_prompt_token_logprobs(fp32) - _prompt_token_logprobs(bf16)).abs().max().item()
+        max_diff = max(max_diff, diff)
+    agreement = agree / total
+    record_figure(
+        f"bf16 vs fp32 on CUDA: top-1 agreement {agreement:.4f} ({agree}/{total} prompt "
+        f"positions), max |prompt logprob diff| {max_diff:.3f}"
+    )
+    assert agreement > BF16_TOP1_FLOOR
+
+
+def test_sampling_on_cuda(cpu_fp32: LLM, cuda_fp32: LLM) -> None:
+    """Unseeded rows draw from the runner's generator on the device. Seeded rows draw their
+    uniforms on the CPU, so with the fp32 logits this close a seeded request gives the CPU's
+    tokens."""
+    prompts = oracle_prompts()
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=NUM_NEW)
+    free = SamplingParams(temperature=1.0, top_k=50, max_tokens=NUM_NEW, ignore_eos=True)
+    cpu = cpu_fp32.generate([prompts[1]], seeded, use_tqdm=False)[0]
+    cuda = cuda_fp32.generate([prompts[0], prompts[1]], [free, seeded], use_tqdm=False)
+    assert cuda[1].outputs[0].token_ids == cpu.outputs[0].token_ids
+    unseeded = cuda[0].outputs[0].token_ids
+    assert len(unseeded) == NUM_NEW and all(0 <= t < 129280 for t in unseeded)
+
+
+# ---- prefix caching on CUDA ------------------------------------------------------------------
+
+BLOCK = 16  # a multiple of the oracle's ratios (CSA 4, HCA 16)
+BASE = 160  # the diverging prompts share the first prompt's first 160 tokens (10 blocks)
+PREFIX_PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+
+
+def _first() -> list[int]:
+    return oracle_prompts()[2]
+
+
+def _diverging(offset: int) -> list[int]:
+    return _first()[: BASE + offset] + oracle_prompts()[1][1:41]
+
+
+@pytest.fixture(scope="module")
+def cold(oracle_hf_dir: Path) -> LLM:
+    return _llm(oracle_hf_dir, "cuda", block_size=BLOCK, enable_prefix_caching=False)
+
+
+def _assert_same(warm: RequestOutput, cold: RequestOutput) -> None:
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    diff = (_sampled_logprobs(warm) - _sampled_logprobs(cold)).abs().max().item()
+    assert diff < PREFIX_ATOL, f"logprobs differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("interval", [0, 2], ids=["replay", "snapshot"])
+def test_prefix_hit_matches_cold(oracle_hf_dir: Path, cold: LLM, interval: int) -> None:
+    """interval 0: the first hit finds no snapshot at BASE and replays from an empty slot;
+    interval 2: a snapshot every 2 blocks sits at BASE and is restored on the device."""
+    warm = _llm(oracle_hf_dir, "cuda", block_size=BLOCK, snapshot_interval_blocks=interval)
+    prefix = warm.engine.scheduler.prefix
+    warm.generate([_first()], PREFIX_PARAMS, use_tqdm=False)
+    for offset in (0, 3, 8, 15):
+        prompt = _diverging(offset)
+        out = warm.generate([prompt], PREFIX_PARAMS, use_tqdm=False)[0]
+        assert out.num_cached_tokens == BASE, offset
+        _assert_same(out, cold.generate([prompt], PREFIX_PARAMS, use_tqdm=False)[0])
+    # As on the CPU: with interval 0 the first hit replays num_layers * (window - 1) = 35 tokens
+    # and leaves a snapshot at BASE that the later three restore; with interval 2 all four do.
+    restored, replayed = prefix.snapshots.stats.num_restored, prefix.stats.num_replayed_tokens
+    assert (restored, replayed) == ((4, 0) if interval else (3, 35))
+    warm.engine.scheduler.check_integrity()
+
+
+def test_prefix_hit_from_the_pinned_host_tier(oracle_hf_dir: Path, cold: LLM) -> None:
+    """Blocks evicted to the host tier (pinned memory on CUDA) and loaded back give the same
+    tokens as a cold run."""
+    num_blocks = 22  # the first prompt and its reply need 20
+    warm = _llm(oracle_hf_dir, "cuda", block_size=BLOCK, num_blocks=num_blocks, host_tier_gib=0.01)
+    warm.generate([_first()], PREFIX_PARAMS, use_tqdm=False)
+    other = (oracle_prompts()[1] * 4)[: num_blocks * BLOCK - PREFIX_PARAMS.max_tokens]
+    warm.generate([other], PREFIX_PARAMS, use_tqdm=False)  # evicts every block of the first
+    assert warm.engine.tiers is not None and warm.engine.tiers.host is not None
+    warm.engine.tiers.flush()
+    assert warm.engine.tiers.host.pin_memory
+    prompt = _diverging(8)
+    out = warm.generate([prompt], PREFIX_PARAMS, use_tqdm=False)[0]
+    hits = warm.engine.scheduler.prefix.stats.cached_tokens_by_tier
+    assert hits.get("host", 0) == BASE and out.num_cached_tokens == BASE
+    _assert_same(out, cold.generate([prompt], PREFIX_PARAMS, use_tqdm=False)[0])
