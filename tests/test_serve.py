@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import pytest_asyncio
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.asyncio
 
 MARKER = ids(" zebra")[-1]  # a user message ending in " zebra" selects SCRIPT
 SCRIPT = [*ids("Let me think."), THINK_END, *ids("Hello there."), EOS]
+STOP_MARKER = ids(" giraffe")[-1]  # selects STOP_SCRIPT: text with "STOP" inside, then more
+STOP_SCRIPT = [*ids("Hi"), THINK_END, *ids("Hello STOP there and more"), EOS]
 LONG_SCRIPT = ids(" word") * 200
 
 
@@ -44,7 +47,8 @@ async def _server(engine: LLMEngine, config: Config, **kw) -> TestServer:
 
 @pytest_asyncio.fixture
 async def scripted() -> AsyncIterator[tuple[openai.AsyncOpenAI, LLMEngine]]:
-    executor = ScriptedExecutor({MARKER: SCRIPT}, default_script=LONG_SCRIPT, step_delay_s=0.01)
+    scripts = {MARKER: SCRIPT, STOP_MARKER: STOP_SCRIPT}
+    executor = ScriptedExecutor(scripts, default_script=LONG_SCRIPT, step_delay_s=0.01)
     engine = LLMEngine(_config(), executor=executor)
     server = await _server(engine, _config(), tokenizer_path=TOKENIZER_PATH)
     client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k", max_retries=0)
@@ -74,6 +78,44 @@ async def test_reasoning_content_and_usage(scripted) -> None:
             reasoning += getattr(delta, "reasoning_content", None) or ""
             content += delta.content or ""
     assert (reasoning, content) == ("Let me think.", "Hello there.")
+
+
+async def test_stop_string_ends_the_request_on_the_node(scripted) -> None:
+    client, engine = scripted
+    messages = [{"role": "user", "content": "Say it, giraffe"}]
+    out = await client.chat.completions.create(
+        model="deepinfer-tiny", messages=messages, stop=["STOP"]
+    )
+    assert out.choices[0].message.content == "Hello "
+    assert out.choices[0].finish_reason == "stop"
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+async def test_messages_responses_and_completions(scripted) -> None:
+    client, _ = scripted
+    base = str(client.base_url).removesuffix("/v1/")
+    claude = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+    messages = [{"role": "user", "content": "Say hi, zebra"}]
+    message = await claude.messages.create(model="deepinfer-tiny", max_tokens=64, messages=messages)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[1].text) == (
+        "Let me think.",
+        "Hello there.",
+    )
+    assert message.stop_reason == "end_turn"
+    response = await client.responses.create(model="deepinfer-tiny", input="Say hi, zebra")
+    assert response.status == "completed" and response.output_text == "Hello there."
+    completion = await client.completions.create(
+        model="deepinfer-tiny", prompt="Once upon a time, zebra", max_tokens=40
+    )
+    # Raw completions: no chat template, so the script's reasoning marker is plain text.
+    assert completion.choices[0].text == "Let me think.</think>Hello there."
+    assert completion.choices[0].finish_reason == "stop"
 
 
 async def test_disconnect_mid_stream_frees_every_block(scripted) -> None:
