@@ -27,6 +27,9 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on accelerators, fp32 on CPU)
     tiny_model_seed: int = 0
+    # Benchmarks only: random weights (seeded by tiny_model_seed) in the shapes of the folder's
+    # config.json instead of loading safetensors, for real-shape models that no file here holds.
+    random_weights: bool = False
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
 
     def __post_init__(self) -> None:

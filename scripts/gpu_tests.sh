@@ -14,47 +14,7 @@
 #      go to $OUT/gpu_results.txt;
 #   4. a short summary. Exit status: non-zero if either pytest run failed.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-ROOT="$PWD"
-OUT="${OUT:-/tmp/gpu_out}"
-export OUT
-mkdir -p "$OUT"
-LOG="$OUT/gpu_tests.log"
-SITE=/tmp/site
-TREE=/tmp/deepinfer-src
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl || exit 1
-else
-  echo "gpu_tests: no .whl/ (run scripts/fetch_gpu_wheels.sh here and carry .whl)" >&2
-fi
-
-python3 - "$ROOT" "$TREE" <<'EOF' || exit 1
-"""Link the package tree that pyproject's package-dir describes."""
-import shutil
-import sys
-import tomllib
-from pathlib import Path
-
-root, tree = Path(sys.argv[1]), Path(sys.argv[2])
-package_dir = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
-    "package-dir"
-]
-shutil.rmtree(tree, ignore_errors=True)
-top = tree / "deepinfer"
-top.mkdir(parents=True)
-for entry in (root / package_dir["deepinfer"]).iterdir():
-    (top / entry.name).symlink_to(entry)
-for name, folder in package_dir.items():
-    if name != "deepinfer":
-        link = tree / name.replace(".", "/")
-        assert not link.exists(), f"{name} is both in deepinfer/ and package-dir"
-        link.symlink_to(root / folder)
-EOF
-export PYTHONPATH="$SITE:$TREE"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 {
   echo "== $(date -u '+%Y-%m-%d %H:%M:%S') UTC, commit $(git rev-parse --short HEAD 2>/dev/null)"

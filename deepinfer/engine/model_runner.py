@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.config import Config
+from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
@@ -24,6 +25,7 @@ from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
+from deepinfer.model.tiny import random_weights
 from deepinfer.ops import select_kernels
 from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -66,7 +68,12 @@ class ModelRunner:
 
     def _init_model(self, model_dir: Path) -> None:
         start = time.perf_counter()
-        weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
+        if self.config.model.random_weights:
+            seed = self.config.model.tiny_model_seed
+            logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
+            weights = random_weights(self.args, seed, self.device, self.dtype)
+        else:
+            weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
         with torch.device("meta"):
             model = DeepseekV4(self.args, self.kernels)
         model.load_state_dict(weights, strict=True, assign=True)
@@ -183,6 +190,8 @@ class ModelRunner:
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
         layout = f"kv-v1:{self.dtype}:{self.config.cache.block_size}:{self.kv_cache.ring_size}"
+        if self.config.model.random_weights:
+            layout += f":random-{self.config.model.tiny_model_seed}"
         return checkpoint_fingerprint(model_dir) + layout.encode()
 
     @property
@@ -358,6 +367,9 @@ class ModelRunner:
             positions=[r.num_tokens for r in requests],
             eos_token_id=self.args.eos_token_id,
             device=logits.device,
+            allowed_token_mask=allowed_token_mask(
+                [r.matcher for r in requests], logits.shape[-1], logits.device
+            ),
         )
         rows = torch.tensor([row for _, row in sample_rows], device=logits.device)
         result = sampling.sample(logits[rows], metadata, self.generator)

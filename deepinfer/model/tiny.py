@@ -174,17 +174,42 @@ def ensure_tiny_model(seed: int = 0) -> Path:
     return target
 
 
+def random_weights(
+    args: ModelArgs, seed: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts),
+    initialised as ``make_tiny_model`` documents; the parameters kept in fp32 are fp32.
+
+    For benchmarks in real shapes (V4-Flash layers do not fit a checkpoint written here): the
+    values depend on the device's generator, so they are not those of ``make_tiny_model``.
+    """
+    from deepinfer.model.weights import is_fp32_param
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(args).items():
+        wanted = torch.float32 if is_fp32_param(name) else dtype
+        out[name] = _init_tensor(name, shape, args, gen, device=device, dtype=wanted)
+    return out
+
+
 def _init_tensor(
-    name: str, shape: tuple[int, ...], args: ModelArgs, gen: torch.Generator
+    name: str,
+    shape: tuple[int, ...],
+    args: ModelArgs,
+    gen: torch.Generator,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std + mean
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std + mean
 
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "tid2eid":
         vocab, k = shape
         # argsort of uniform noise = a random permutation per row; its first k are distinct.
-        return torch.rand(vocab, args.num_experts, generator=gen).argsort(-1)[:, :k].contiguous()
+        noise = torch.rand(vocab, args.num_experts, generator=gen, device=device)
+        return noise.argsort(-1)[:, :k].contiguous()
     if name == "head.weight":
         return normal(args.hidden_size**-0.5)
     if leaf == "attn_sink":
