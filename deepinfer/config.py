@@ -245,6 +245,11 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+def replace_given(section: Any, **values: Any) -> Any:
+    """A copy of a config section with the values that were given (not None), e.g. CLI flags."""
+    return dataclasses.replace(section, **{k: v for k, v in values.items() if v is not None})
+
+
 def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(section_cls)}
     for key in values:

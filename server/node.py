@@ -36,7 +36,7 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config, NodeConfig
+from deepinfer.config import Config, NodeConfig, replace_given
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -344,18 +344,23 @@ def run_node(ns: argparse.Namespace) -> int:
         "advertise_url": ns.advertise_url,
         "coordinator_url": ns.coordinator_url,
     }
-    node = dataclasses.replace(config.node, **{k: v for k, v in flags.items() if v is not None})
+    node = replace_given(config.node, **flags)
     return uvloop.run(_serve_node(dataclasses.replace(config, node=node)))
 
 
-async def _serve_node(config: Config) -> int:
+async def load_engine(config: Config) -> AsyncEngine:
+    """Load the model (seconds to minutes) off the event loop, so that a signal still ends the
+    process meanwhile, and wrap it for the loop (used by `node` and `serve`)."""
     from deepinfer.engine.llm_engine import LLMEngine
 
-    loop = asyncio.get_running_loop()
     systemd.status("loading the model")
-    # Loading takes seconds to minutes; off the loop, so that a signal still ends the process.
-    llm_engine = await loop.run_in_executor(None, LLMEngine, config)
-    engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
+    llm_engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+    return AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
+
+
+async def _serve_node(config: Config) -> int:
+    loop = asyncio.get_running_loop()
+    engine = await load_engine(config)
     app = create_node_app(engine, config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()

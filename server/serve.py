@@ -11,7 +11,6 @@ validation and frames as the HTTP node (server/node.py). The node's metrics are 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -22,10 +21,15 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config
+from deepinfer.config import Config, replace_given
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
-from deepinfer.server import systemd
-from deepinfer.server.node import check_constraint, node_identity, served_model_name, token_delta
+from deepinfer.server.node import (
+    check_constraint,
+    load_engine,
+    node_identity,
+    served_model_name,
+    token_delta,
+)
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import GenerateRequest, TokenDelta
 from deepinfer.server.routing import NodeError
@@ -144,19 +148,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         "served_model_name": ns.served_model_name,
         "api_keys": tuple(ns.api_key) if ns.api_key else None,
     }
-    server = dataclasses.replace(config.server, **{k: v for k, v in flags.items() if v is not None})
+    server = replace_given(config.server, **flags)
     return uvloop.run(_serve(dataclasses.replace(config, server=server)))
 
 
 async def _serve(config: Config) -> int:
-    from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.server.coordinator import serve_coordinator
 
-    loop = asyncio.get_running_loop()
-    systemd.status("loading the model")
-    # Loading takes seconds to minutes: off the loop, so the process still answers signals.
-    llm_engine = await loop.run_in_executor(None, LLMEngine, config)
-    engine = AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)
+    engine = await load_engine(config)
     app = create_serve_app(engine, config)
     # The watchdog follows the in-process engine: a stuck step gets the unit restarted.
     return await serve_coordinator(
