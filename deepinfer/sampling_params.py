@@ -20,6 +20,10 @@ class SamplingParams:
     ``logprobs``/``prompt_logprobs`` ask for that many top alternatives (plus the chosen token).
     ``stop`` strings are matched on detokenized text by the offline API (and by the service's text
     side); ``stop_token_ids``, EOS, ``max_tokens`` and the context length are token-level stops.
+    ``constraint`` ``(kind, schema)`` constrains the output to a grammar (deepinfer.constraints:
+    json, json_object, regex, ebnf, tool_call_required; tool_call is accepted and not enforced).
+    It cannot be combined with ``min_tokens`` or ``ignore_eos``: both can forbid EOS where the
+    grammar allows nothing else.
     """
 
     n: int = 1
@@ -41,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    constraint: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +88,23 @@ class SamplingParams:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.constraint is not None:
+            self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        from deepinfer.constraints import check_constraint_kind
+
+        if not isinstance(self.constraint, tuple | list) or len(self.constraint) != 2:
+            raise ValueError(f"constraint must be a (kind, schema) pair, got {self.constraint!r}")
+        self.constraint = (kind, schema) = tuple(self.constraint)
+        check_constraint_kind(kind)
+        if not isinstance(schema, str):
+            raise ValueError(f"constraint schema must be a string, got {type(schema).__name__}")
+        if self.min_tokens or self.ignore_eos:
+            raise ValueError(
+                f"an output constraint ({kind}) cannot be combined with min_tokens "
+                f"({self.min_tokens}) or ignore_eos ({self.ignore_eos})"
+            )
 
     @property
     def is_greedy(self) -> bool:

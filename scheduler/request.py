@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -43,6 +44,12 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+class TokenMatcher(Protocol):
+    """What the scheduler needs of a grammar matcher (deepinfer.constraints.matcher.Matcher)."""
+
+    def accept(self, token_id: int) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -92,6 +99,9 @@ class Request:
     # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
     snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
     pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
+    # Structured output: the grammar state after output_token_ids (None = unconstrained). Kept
+    # across preemption: recompute replays the accepted tokens, it does not resample them.
+    matcher: TokenMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -30,6 +30,7 @@ would preempt itself forever.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 
@@ -44,6 +45,8 @@ from deepinfer.scheduler.output import (
 from deepinfer.scheduler.prefix_reuse import LowerTiers, PrefixCachingOptions, PrefixReuse
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.state_slots import StateSlotManager
+
+logger = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -369,11 +372,20 @@ class Scheduler:
                 )
                 new_token_ids = [token_id]
                 request.output_token_ids.append(token_id)
+                is_rejected = request.matcher is not None and not request.matcher.accept(token_id)
                 logprobs = runner_output.logprobs.get(request.request_id)
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
                     new_logprobs = [logprobs]
                 status = self._check_stop(request, token_id)
+                if is_rejected:
+                    # The sampler only draws allowed tokens: a rejection is a masking bug.
+                    logger.error(
+                        "request %r: token %d broke its output constraint; aborting it",
+                        request.request_id,
+                        token_id,
+                    )
+                    status = RequestStatus.FINISHED_ABORTED
                 if status is not None:
                     self._finish(request, status)
             if new_token_ids or new_prompt_logprobs is not None:

@@ -8,7 +8,7 @@
     GET  /ready               200 while the engine loop turns and the node is not draining, else 503
     GET  /metrics             Prometheus text format (server/node_metrics.py)
 
-Errors before streaming (bad body, bad sampling options, unsupported output constraint, prompt too
+Errors before streaming (bad body, bad sampling options, invalid output constraint, prompt too
 long, id in use) are an HTTP 400 (413: body too large; 503: draining) whose body is one msgpack
 StreamError; once the stream began, a failure is a StreamError frame and the stream ends. A client
 that disconnects aborts its request (the handler is cancelled, or its next write fails), which
@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer.config import Config, NodeConfig, replace_given
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
 from deepinfer.server import systemd
@@ -65,7 +66,6 @@ NODE_CONFIG = web.AppKey("node_config", NodeConfig)
 METRICS = web.AppKey("metrics", NodeMetrics)
 REGISTRATION = web.AppKey("registration", NodeRegistration)
 
-UNSUPPORTED_CONSTRAINTS = ("json", "regex", "tool_call_required")
 _MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of msgpack
 _MAX_RETRY_S = 30.0
 
@@ -127,8 +127,7 @@ def served_model_name(config: Config) -> str:
 async def generate(request: web.Request) -> web.StreamResponse:
     try:
         message = decode(await request.read(), GenerateRequest)
-        check_constraint(message.constraint)
-        params = message.sampling.to_sampling_params()
+        params = sampling_params_of(message)
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(413, "", e.text or "request body too large")
     except (msgspec.DecodeError, ValueError) as e:
@@ -203,12 +202,15 @@ async def metrics_text(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
-def check_constraint(constraint: OutputConstraint | None) -> None:
+def sampling_params_of(message: GenerateRequest) -> SamplingParams:
+    """The engine's SamplingParams of a GenerateRequest, its output constraint included. Raises
+    ValueError naming the bad field or constraint kind. The grammar itself is compiled by the
+    engine (AsyncEngine.generate, off the loop): an invalid schema/regex fails there, also 400."""
+    params = message.sampling.to_sampling_params()
+    constraint: OutputConstraint | None = message.constraint
     if constraint is None or constraint.kind == "tool_call":
-        return  # tool calls are parsed on the text side, not enforced here
-    if constraint.kind in UNSUPPORTED_CONSTRAINTS:
-        raise ValueError("output constraints (json/regex/tool_call_required) are not supported yet")
-    raise ValueError(f"unknown output constraint kind {constraint.kind!r}")
+        return params  # auto tool choice is parsed on the text side, not enforced
+    return dataclasses.replace(params, constraint=(constraint.kind, constraint.schema))
 
 
 def token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) -> TokenDelta:

@@ -24,9 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from deepinfer.config import Config, replace_given
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from deepinfer.server.node import (
-    check_constraint,
     load_engine,
     node_identity,
+    sampling_params_of,
     served_model_name,
     token_delta,
 )
@@ -48,8 +48,7 @@ class LocalNode:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         try:
-            check_constraint(request.constraint)
-            params = request.sampling.to_sampling_params()
+            params = sampling_params_of(request)
         except (ValueError, msgspec.ValidationError) as e:
             raise NodeError(400, str(e)) from e
         rid = request.request_id

@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.constraints import ConstraintError
+from deepinfer.engine.llm_engine import LLMEngine, is_enforced
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request, RequestStatus
@@ -187,13 +188,16 @@ class AsyncEngine:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        compiled_grammar = await self._compile_grammar(sampling_params)
         stream = _Stream(request_id)
         self._streams[request_id] = stream
         self._no_streams.clear()
         try:
             added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._submit(
-                lambda: self._add(stream, prompt_token_ids, sampling_params, cache_salt, added)
+                lambda: self._add(
+                    stream, prompt_token_ids, sampling_params, cache_salt, added, compiled_grammar
+                )
             )
             await added
             while True:
@@ -205,6 +209,25 @@ class AsyncEngine:
                     return
         finally:
             self._close_stream(stream)
+
+    async def _compile_grammar(self, sampling_params: SamplingParams) -> Any:
+        """A constrained request's grammar, compiled in the compiler's pool while other requests
+        keep stepping. Raises ConstraintError (a ValueError: 400) if invalid or too slow."""
+        if not is_enforced(sampling_params):
+            return None
+        future = self.engine.compile_grammar_async(sampling_params)
+        compiler = self.engine.grammar_compiler
+        assert compiler is not None
+        try:
+            # shield: a timed-out compile keeps running and lands in the cache for a retry.
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), compiler.timeout_s
+            )
+        except TimeoutError:
+            raise ConstraintError(
+                f"compiling the {sampling_params.constraint[0]} grammar took longer than "
+                f"{compiler.timeout_s:g} s"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         """Abort a request anywhere (waiting, running); its stream ends with "abort"."""
@@ -239,13 +262,18 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None,
         added: asyncio.Future[None],
+        compiled_grammar: Any = None,
     ) -> None:
         if stream.is_finished:  # the consumer left before the add was applied
             added.cancel()
             return
         try:
             stream.request = self.engine.add_request(
-                stream.request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt
+                stream.request_id,
+                prompt_token_ids,
+                sampling_params,
+                cache_salt=cache_salt,
+                compiled_grammar=compiled_grammar,
             )
         except ValueError as e:
             added.set_exception(e)

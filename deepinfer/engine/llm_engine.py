@@ -10,10 +10,13 @@ the whole chunk before launch. On the CPU the three run in lock-step.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from deepinfer.config import Config
+from deepinfer.constraints import ENFORCED_KINDS, ConstraintError
+from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
@@ -49,6 +52,12 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+def is_enforced(sampling_params: SamplingParams) -> bool:
+    """True when the request's constraint is enforced by a grammar (not None, not tool_call)."""
+    constraint = sampling_params.constraint
+    return constraint is not None and constraint[0] in ENFORCED_KINDS
+
+
 class LLMEngine:
     """``executor`` None: load the configured checkpoint (or the built-in one) into a
     ModelRunner. Tests and the serving layer may pass any Executor instead."""
@@ -65,6 +74,7 @@ class LLMEngine:
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.tiers = self._init_tiers()
+        self.grammar_compiler = self._init_grammar_compiler()
         self.scheduler = Scheduler(
             config.scheduler,
             block_size=config.cache.block_size,
@@ -86,6 +96,18 @@ class LLMEngine:
         )
         self.executor.tiers = tiers
         return tiers
+
+    def _init_grammar_compiler(self) -> GrammarCompiler | None:
+        """Structured output needs the tokenizer (and EOS): none for a test-double executor.
+        Cheap here: xgrammar loads the vocabulary on the first compile."""
+        if self.tokenizer is None or self.executor.eos_token_id is None:
+            return None
+        # ModelArgs accepts only model_type "deepseek_v4": its DSML tool-call format applies.
+        return GrammarCompiler(
+            self.tokenizer.path,
+            vocab_size=self.executor.vocab_size,
+            eos_token_id=self.executor.eos_token_id,
+        )
 
     def _prefix_caching_options(self) -> PrefixCachingOptions | None:
         cache = self.config.cache
@@ -115,7 +137,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        compiled_grammar: Any = None,
     ) -> Request:
+        """Admit a request. A constrained request's grammar is ``compiled_grammar`` (compiled off
+        the engine thread, as AsyncEngine does) or compiled here, synchronously. Raises
+        ValueError (ConstraintError for a bad constraint) before anything is admitted."""
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -129,8 +155,31 @@ class LLMEngine:
             eos_token_id=self.executor.eos_token_id,
             cache_salt=cache_salt,
         )
+        if is_enforced(sampling_params):
+            if compiled_grammar is None:
+                compiled_grammar = self.compile_grammar(sampling_params)
+            assert self.grammar_compiler is not None
+            request.matcher = self.grammar_compiler.matcher(
+                compiled_grammar, request.prompt_token_ids
+            )
         self.scheduler.add_request(request)
         return request
+
+    def compile_grammar(self, sampling_params: SamplingParams) -> Any:
+        """The CompiledGrammar of an enforced constraint (blocking, with the compile timeout)."""
+        kind, schema = self._constraint_of(sampling_params)
+        return self.grammar_compiler.compile(kind, schema)
+
+    def compile_grammar_async(self, sampling_params: SamplingParams) -> Future:
+        """Same, as a concurrent Future (the compile runs in the compiler's thread pool)."""
+        kind, schema = self._constraint_of(sampling_params)
+        return self.grammar_compiler.compile_async(kind, schema)
+
+    def _constraint_of(self, sampling_params: SamplingParams) -> tuple[str, str]:
+        assert sampling_params.constraint is not None
+        if self.grammar_compiler is None:
+            raise ConstraintError("output constraints need a model with a tokenizer and an EOS")
+        return sampling_params.constraint
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

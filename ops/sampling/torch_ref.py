@@ -8,7 +8,8 @@ Data flow of one step (tensors on the logits' device, dicts on the CPU)::
         2. logit_bias
         3. min_tokens: EOS (unless ignore_eos) and stop_token_ids -> -inf
         4. penalties: repetition (prompt + output), frequency and presence (output)
-        5. greedy rows: argmax; other rows: / temperature, min_p, top_k, top_p, exponential race
+        5. grammar mask (structured output): disallowed tokens -> -inf
+        6. greedy rows: argmax; other rows: / temperature, min_p, top_k, top_p, exponential race
                                                               -> SamplerOutput.token_ids [B] int64
 
 The order follows vLLM v1, so that logprobs describe the model, not the processed distribution.
@@ -77,6 +78,8 @@ class SamplingMetadata:
     seeded_rows: list[int]
     seeded_keys: list[int]  # seeded_key(seed, position) of each seeded row
     num_logprobs: list[int | None]  # top alternatives asked per row; None = no logprobs
+    # [B, V] bool, True = allowed by the row's grammar; None when no row is constrained.
+    allowed_token_mask: torch.Tensor | None
     max_token_id: int  # largest id named by logit_bias / min_tokens, checked against V
     all_greedy: bool
     all_random: bool
@@ -97,11 +100,13 @@ class SamplingMetadata:
         positions: list[int],
         eos_token_id: int | None,
         device: torch.device | str,
+        allowed_token_mask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         """Build the metadata of ``len(params)`` rows.
 
         ``positions[i]`` is the absolute position of the token row ``i`` samples (its current
-        number of tokens); it keys seeded randomness.
+        number of tokens); it keys seeded randomness. ``allowed_token_mask`` [B, V] bool on
+        ``device`` comes from the grammar matchers (deepinfer.constraints.allowed_token_mask).
         """
         num_rows = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(positions) == num_rows, (
@@ -146,6 +151,7 @@ class SamplingMetadata:
             seeded_rows=[i for i, _ in seeded],
             seeded_keys=[key for _, key in seeded],
             num_logprobs=[p.logprobs for p in params],
+            allowed_token_mask=allowed_token_mask,
             max_token_id=max(named_ids, default=-1),
             all_greedy=all(is_greedy),
             all_random=not any(is_greedy),
@@ -243,7 +249,8 @@ def sample(
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Steps 2-4: logit_bias, min_tokens masking, penalties. Returns a new [B, V] fp32 tensor."""
+    """Steps 2-5: logit_bias, min_tokens masking, penalties, grammar mask. Returns a new [B, V]
+    fp32 tensor. The grammar mask comes last so that no later step can revive a banned token."""
     logits = logits.float().clone()
     if metadata.bias_rows is not None:
         logits.index_put_(
@@ -253,6 +260,8 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
         logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
     if metadata.has_penalties:
         logits = _apply_penalties(logits, metadata)
+    if metadata.allowed_token_mask is not None:
+        logits = logits.masked_fill(~metadata.allowed_token_mask, float("-inf"))
     return logits
 
 
