@@ -126,9 +126,26 @@ def allowed_token_mask(
         matcher = matchers[i]
         assert matcher is not None
         matcher.fill_mask(bitmask[j])
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    unpacked = (bitmask.to(device).unsqueeze(-1) >> bits) & 1  # [R, W, 32]
+    # Unpack through a byte lookup table: bit i of word w is token 32w + i, and the words are
+    # little-endian, so byte b of the row's bytes holds tokens 8b .. 8b+7. One gather of
+    # [R, 4W] -> [R, 4W, 8] instead of 32 shifts per word.
+    table = _byte_table(device)
+    row_bytes = bitmask.view(torch.uint8).to(device).long()  # [R, 4W]
+    unpacked = table[row_bytes].view(len(rows), num_words * 32)[:, :vocab_size]
     allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool, device=device)
-    index = torch.tensor(rows, device=device)
-    allowed[index] = unpacked.view(len(rows), num_words * 32)[:, :vocab_size].bool()
+    allowed[torch.tensor(rows, device=device)] = unpacked
     return allowed
+
+
+_BYTE_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device | str) -> torch.Tensor:
+    """[256, 8] bool: bit j of byte value v."""
+    import torch
+
+    key = str(device)
+    if key not in _BYTE_TABLES:
+        values = torch.arange(256).unsqueeze(1)
+        _BYTE_TABLES[key] = ((values >> torch.arange(8)) & 1).bool().to(device)
+    return _BYTE_TABLES[key]
