@@ -31,11 +31,12 @@ would preempt itself forever.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.scheduler.block_manager import BlockManager
+from deepinfer.scheduler.integrity import check_integrity
 from deepinfer.scheduler.output import (
     ModelRunnerOutput,
     RequestOutputDelta,
@@ -458,54 +459,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError unless every block and slot in use is held by a running request."""
-        self.block_manager.check_integrity()
-        self.state_slots.check_integrity()
-        if self.prefix is not None:
-            self.prefix.snapshots.check_integrity()
-        _require(
-            len(self._running) <= self.config.max_num_seqs,
-            f"{len(self._running)} running > max_num_seqs {self.config.max_num_seqs}",
-        )
-        for r in self._running:
-            num_blocks = _cdiv(r.num_computed_tokens, self.block_size)
-            _require(
-                r.status == RequestStatus.RUNNING
-                and r.state_slot is not None
-                and len(r.block_table) == num_blocks,
-                f"running request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
-                f"{len(r.block_table)} blocks for {r.num_computed_tokens} computed tokens "
-                f"(expected {num_blocks})",
-            )
-        for r in self._waiting:
-            _require(
-                r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-                and not r.block_table
-                and r.state_slot is None
-                and r.num_computed_tokens == 0,
-                f"waiting request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
-                f"{len(r.block_table)} blocks, {r.num_computed_tokens} computed tokens",
-            )
-        queued_ids = [r.request_id for r in self._running] + [r.request_id for r in self._waiting]
-        _require(
-            len(queued_ids) == len(self._requests) and set(queued_ids) == set(self._requests),
-            f"{len(self._running)} running + {len(self._waiting)} waiting do not match the "
-            f"{len(self._requests)} unfinished requests",
-        )
-        held = Counter(block_id for r in self._running for block_id in r.block_table)
-        ref_counts = {block_id: self.block_manager.ref_count(block_id) for block_id in held}
-        _require(
-            ref_counts == held and len(held) == self.block_manager.num_used_blocks,
-            f"{self.block_manager.num_used_blocks} blocks used, running requests hold "
-            f"{len(held)}; ref counts {ref_counts} vs holders {dict(held)}",
-        )
-        slots = [r.state_slot for r in self._running]
-        _require(
-            len(set(slots)) == len(slots) and set(slots) == self.state_slots.used_slots,
-            f"running requests hold state slots {slots}, "
-            f"in use: {sorted(self.state_slots.used_slots)}",
-        )
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise RuntimeError(message)
+        check_integrity(self, self._running, self._waiting, self._requests.keys())

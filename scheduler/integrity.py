@@ -1,0 +1,83 @@
+"""Scheduler invariants, checked by tests and when idle (torch-free).
+
+Every block and state slot in use is held by a running request, ref counts equal the number of
+holders, waiting requests hold nothing, and the queues hold exactly the unfinished requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+from deepinfer.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from deepinfer.scheduler.scheduler import Scheduler
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_integrity(
+    scheduler: Scheduler,
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    unfinished: Collection[str],
+) -> None:
+    """Raise RuntimeError unless every block and slot in use is held by a running request.
+
+    ``running``/``waiting`` are the scheduler's queues, ``unfinished`` the ids it tracks.
+    """
+    scheduler.block_manager.check_integrity()
+    scheduler.state_slots.check_integrity()
+    if scheduler.prefix is not None:
+        scheduler.prefix.snapshots.check_integrity()
+    _require(
+        len(running) <= scheduler.config.max_num_seqs,
+        f"{len(running)} running > max_num_seqs {scheduler.config.max_num_seqs}",
+    )
+    for r in running:
+        num_blocks = _cdiv(r.num_computed_tokens, scheduler.block_size)
+        _require(
+            r.status == RequestStatus.RUNNING
+            and r.state_slot is not None
+            and len(r.block_table) == num_blocks,
+            f"running request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
+            f"{len(r.block_table)} blocks for {r.num_computed_tokens} computed tokens "
+            f"(expected {num_blocks})",
+        )
+    for r in waiting:
+        _require(
+            r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and not r.block_table
+            and r.state_slot is None
+            and r.num_computed_tokens == 0,
+            f"waiting request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
+            f"{len(r.block_table)} blocks, {r.num_computed_tokens} computed tokens",
+        )
+    queued_ids = [r.request_id for r in running] + [r.request_id for r in waiting]
+    _require(
+        len(queued_ids) == len(unfinished) and set(queued_ids) == set(unfinished),
+        f"{len(running)} running + {len(waiting)} waiting do not match the "
+        f"{len(unfinished)} unfinished requests",
+    )
+    held = Counter(block_id for r in running for block_id in r.block_table)
+    ref_counts = {block_id: scheduler.block_manager.ref_count(block_id) for block_id in held}
+    _require(
+        ref_counts == held and len(held) == scheduler.block_manager.num_used_blocks,
+        f"{scheduler.block_manager.num_used_blocks} blocks used, running requests hold "
+        f"{len(held)}; ref counts {ref_counts} vs holders {dict(held)}",
+    )
+    slots = [r.state_slot for r in running]
+    _require(
+        len(set(slots)) == len(slots) and set(slots) == scheduler.state_slots.used_slots,
+        f"running requests hold state slots {slots}, "
+        f"in use: {sorted(scheduler.state_slots.used_slots)}",
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
