@@ -115,6 +115,9 @@ class KernelConfig:
     moe: str = "auto"
     sampling: str = "auto"
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
+    # Batch-invariant results: each forward runs one token of one request (slow; see
+    # ModelRunner._forward_token_by_token and benchmarks/RESULTS.md for the cost).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:

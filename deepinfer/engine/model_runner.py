@@ -8,6 +8,7 @@ Device memory is sized in ``deepinfer.engine.memory`` (CUDA) or by cache.memory_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -226,7 +227,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
         self._move_between_tiers(scheduler_output)
-        logits = self.model(batch, self.kv_cache)  # [N, V] fp32
+        if self.config.kernel.deterministic:
+            logits = self._forward_token_by_token(scheduler_output, sample_rows, prompt_rows)
+        else:
+            logits = self.model(batch, self.kv_cache)  # [N, V] fp32
         for sched in scheduler_output.scheduled:
             if sched.save_snapshot is not None:
                 self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
@@ -234,6 +238,41 @@ class ModelRunner:
         self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
         self._sample(scheduler_output, logits, sample_rows, output)
         return output
+
+    def _forward_token_by_token(
+        self,
+        scheduler_output: SchedulerOutput,
+        sample_rows: list[tuple[int, int]],
+        prompt_rows: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """Deterministic mode: every forward is one token of one request, so every matmul and
+        reduction has the same shapes whatever else is batched and wherever chunks start: a
+        request's results are bit-identical alone, batched, chunked or recomputed. Returns the
+        logits rows in ``_prepare``'s layout, [N, V] fp32."""
+        row_of: dict[tuple[int, int], int] = {}  # (scheduled index, token index) -> logits row
+        for i, row, count in prompt_rows:
+            for j in range(count):
+                row_of[i, j] = row + j
+        for i, row in sample_rows:
+            row_of[i, scheduler_output.scheduled[i].num_tokens - 1] = row
+        rows: list[torch.Tensor | None] = [None] * len(row_of)
+        for i, sched in enumerate(scheduler_output.scheduled):
+            for j, token_id in enumerate(sched.token_ids):
+                one = dataclasses.replace(
+                    sched,
+                    token_ids=[token_id],
+                    start_pos=sched.start_pos + j,
+                    do_sample=(i, j) in row_of,  # asks _prepare for this token's logits
+                    num_prompt_logprob_positions=0,
+                )
+                batch, _, _ = self._prepare(SchedulerOutput(scheduled=[one]))
+                logits = self.model(batch, self.kv_cache)
+                if (i, j) in row_of:
+                    rows[row_of[i, j]] = logits[0]
+        assert all(r is not None for r in rows), "a logits row was not computed"
+        if not rows:  # a prefill chunk that neither samples nor scores prompt tokens
+            return torch.empty(0, self.args.vocab_size, device=self.device)
+        return torch.stack(rows)
 
     def _move_between_tiers(self, scheduler_output: SchedulerOutput) -> None:
         """Before the forward: evicted blocks/snapshots down to the lower tiers (before anything
