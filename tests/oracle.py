@@ -250,3 +250,19 @@ def _prompts() -> tuple[tuple[int, ...], ...]:
 def oracle_prompts() -> list[list[int]]:
     """Three prompts of real tokenizer ids (BOS first): ~20, ~90 and >=300 tokens."""
     return [list(p) for p in _prompts()]
+
+
+def prompt_token_logprobs(out: Any) -> torch.Tensor:
+    """Our logprob of each actual prompt token j >= 1 of a RequestOutput: [T-1]."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    assert entries is not None and entries[0] is None and len(entries) == len(ids)
+    return torch.tensor([entries[j][ids[j]] for j in range(1, len(ids))])
+
+
+def sampled_logprobs(out: Any) -> torch.Tensor:
+    """Our logprob of each sampled token of a RequestOutput: [N]."""
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    return torch.tensor(
+        [d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+    )

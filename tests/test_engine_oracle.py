@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_prompt_logprobs, oracle_prompts
+from oracle import (
+    hf_greedy,
+    hf_prompt_logprobs,
+    oracle_prompts,
+    prompt_token_logprobs,
+    sampled_logprobs,
+)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.outputs import RequestOutput
@@ -42,21 +48,6 @@ def _greedy(logprobs: int | None = 0, prompt_logprobs: int | None = 0) -> Sampli
     )
 
 
-def _prompt_token_logprobs(out: RequestOutput) -> torch.Tensor:
-    """Logprob of each actual prompt token j >= 1: [T-1]."""
-    ids, entries = out.prompt_token_ids, out.prompt_logprobs
-    assert entries is not None and entries[0] is None and len(entries) == len(ids)
-    return torch.tensor([entries[j][ids[j]] for j in range(1, len(ids))])
-
-
-def _sampled_logprobs(out: RequestOutput) -> torch.Tensor:
-    completion = out.outputs[0]
-    assert completion.logprobs is not None
-    return torch.tensor(
-        [d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-    )
-
-
 def test_prompts_cross_windows() -> None:
     lengths = [len(p) for p in oracle_prompts()]
     assert len(lengths) >= 3 and len(set(lengths)) == len(lengths) and max(lengths) >= 300
@@ -68,7 +59,7 @@ def test_matches_transformers(naming: str, request: pytest.FixtureRequest) -> No
     folder = request.getfixturevalue(f"oracle_{naming}_dir")
     for prompt in oracle_prompts():
         out = llm.generate([prompt], _greedy(), use_tqdm=False)[0]
-        ours = _prompt_token_logprobs(out)
+        ours = prompt_token_logprobs(out)
         theirs = hf_prompt_logprobs(folder, prompt)
         diff = (ours - theirs).abs().max().item()
         assert diff < ORACLE_ATOL, f"prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
@@ -83,7 +74,7 @@ def _run_alone(llm: LLM, params: SamplingParams) -> list[RequestOutput]:
 def _assert_same(alone: list[RequestOutput], together: list[RequestOutput]) -> None:
     for a, b in zip(alone, together, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for name, fn in (("prompt", _prompt_token_logprobs), ("sampled", _sampled_logprobs)):
+        for name, fn in (("prompt", prompt_token_logprobs), ("sampled", sampled_logprobs)):
             diff = (fn(a) - fn(b)).abs().max().item()
             assert diff < SELF_ATOL, f"{name} logprobs differ by {diff:.2e}"
 

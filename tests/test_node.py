@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_executor import ScriptedExecutor
+from test_async_engine import assert_all_freed, wait_until_idle
 
 from deepinfer.config import CacheConfig, Config, NodeConfig, SchedulerConfig
 from deepinfer.engine.async_engine import AsyncEngine
@@ -79,21 +80,6 @@ def gen_request(request_id: str, prompt: list[int], **sampling: Any) -> Generate
 
 async def collect(api: NodeClient, request: GenerateRequest) -> list[TokenDelta]:
     return [frame async for frame in api.generate(request)]
-
-
-async def wait_until_idle(engine: AsyncEngine) -> None:
-    for _ in range(500):
-        if not engine.engine.has_unfinished_requests():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("the node still has unfinished requests after 1 s")
-
-
-def assert_all_freed(engine: AsyncEngine) -> None:
-    scheduler = engine.engine.scheduler
-    assert scheduler.block_manager.num_used_blocks == 0
-    assert scheduler.state_slots.num_used_slots == 0
-    scheduler.check_integrity()
 
 
 async def scrape(node: Node) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import oracle_prompts
+from oracle import oracle_prompts, sampled_logprobs
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.outputs import RequestOutput
@@ -47,14 +47,9 @@ def _diverging(offset: int) -> list[int]:
     return _first()[: BASE + offset] + tail
 
 
-def _logprobs(out: RequestOutput) -> torch.Tensor:
-    c = out.outputs[0]
-    return torch.tensor([d[t] for d, t in zip(c.logprobs, c.token_ids, strict=True)])
-
-
 def _assert_same(warm: RequestOutput, cold: RequestOutput) -> None:
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    diff = (_logprobs(warm) - _logprobs(cold)).abs().max().item()
+    diff = (sampled_logprobs(warm) - sampled_logprobs(cold)).abs().max().item()
     assert diff < ATOL, f"logprobs differ by {diff:.2e}"
 
 
@@ -110,7 +105,7 @@ def test_replay_shorter_than_the_bound_is_wrong(oracle_hf_dir: Path, cold: LLM) 
     out, replayed, _ = _run(short, prompt)
     assert replayed == REPLAY_BOUND // 3
     reference = cold.generate([prompt], PARAMS, use_tqdm=False)[0]
-    diff = (_logprobs(out) - _logprobs(reference)).abs().max().item()
+    diff = (sampled_logprobs(out) - sampled_logprobs(reference)).abs().max().item()
     assert diff > ATOL, f"a too-short replay should be visibly wrong, max diff {diff:.2e}"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_prompt_logprobs, oracle_prompts
+from oracle import hf_prompt_logprobs, oracle_prompts, prompt_token_logprobs, sampled_logprobs
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.outputs import RequestOutput
@@ -73,21 +73,6 @@ def _greedy(max_tokens: int = NUM_NEW, prompt_logprobs: int = 0) -> SamplingPara
     )
 
 
-def _prompt_token_logprobs(out: RequestOutput) -> torch.Tensor:
-    """Logprob of each actual prompt token j >= 1: [T-1]."""
-    ids, entries = out.prompt_token_ids, out.prompt_logprobs
-    assert entries is not None and entries[0] is None and len(entries) == len(ids)
-    return torch.tensor([entries[j][ids[j]] for j in range(1, len(ids))])
-
-
-def _sampled_logprobs(out: RequestOutput) -> torch.Tensor:
-    completion = out.outputs[0]
-    assert completion.logprobs is not None
-    return torch.tensor(
-        [d[t] for d, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-    )
-
-
 def _top1(out: RequestOutput) -> list[int]:
     """The most likely next token at every prompt position (needs prompt_logprobs >= 1)."""
     assert out.prompt_logprobs is not None
@@ -112,8 +97,8 @@ def test_fp32_matches_cpu_and_transformers(
     cpu = cpu_fp32.generate([prompt], _greedy(), use_tqdm=False)[0]
     cuda = cuda_fp32.generate([prompt], _greedy(), use_tqdm=False)[0]
     assert cuda.outputs[0].token_ids == cpu.outputs[0].token_ids
-    oracle_diff = (_prompt_token_logprobs(cuda) - hf_prompt_logprobs(oracle_hf_dir, prompt)).abs()
-    self_diff = (_sampled_logprobs(cuda) - _sampled_logprobs(cpu)).abs()
+    oracle_diff = (prompt_token_logprobs(cuda) - hf_prompt_logprobs(oracle_hf_dir, prompt)).abs()
+    self_diff = (sampled_logprobs(cuda) - sampled_logprobs(cpu)).abs()
     record_figure(
         f"fp32 CUDA, prompt of {len(prompt)} tokens: max |prompt logprob - transformers| "
         f"{oracle_diff.max().item():.2e}, max |sampled logprob - CPU| {self_diff.max().item():.2e}"
@@ -134,7 +119,7 @@ def test_bf16_top1_agreement(
         pairs = list(zip(_top1(fp32), _top1(bf16), strict=True))
         agree += sum(a == b for a, b in pairs)
         total += len(pairs)
-        diff = (_prompt_token_logprobs(fp32) - _prompt_token_logprobs(bf16)).abs().max().item()
+        diff = (prompt_token_logprobs(fp32) - prompt_token_logprobs(bf16)).abs().max().item()
         max_diff = max(max_diff, diff)
     agreement = agree / total
     record_figure(
@@ -180,7 +165,7 @@ def cold(oracle_hf_dir: Path) -> LLM:
 
 def _assert_same(warm: RequestOutput, cold: RequestOutput) -> None:
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    diff = (_sampled_logprobs(warm) - _sampled_logprobs(cold)).abs().max().item()
+    diff = (sampled_logprobs(warm) - sampled_logprobs(cold)).abs().max().item()
     assert diff < PREFIX_ATOL, f"logprobs differ by {diff:.2e}"
 
 
