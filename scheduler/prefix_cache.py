@@ -45,9 +45,7 @@ class PrefixCacheStats:
     """Counts since start, in tokens unless named otherwise."""
 
     num_query_tokens: int = 0
-    num_hit_tokens: int = 0
     num_evicted_blocks: int = 0
-    num_inserted_blocks: int = 0
 
 
 class PrefixCache:
@@ -88,7 +86,6 @@ class PrefixCache:
                 break
             block_ids.append(block_id)
         self.stats.num_query_tokens += len(hashes) * self.block_size
-        self.stats.num_hit_tokens += len(block_ids) * self.block_size
         return block_ids
 
     def insert(self, request: Request) -> None:
@@ -103,7 +100,6 @@ class PrefixCache:
             if hashes[k] not in self._blocks and self.block_manager.block_hash(block_id) is None:
                 self._blocks[hashes[k]] = block_id
                 self.block_manager.set_hash(block_id, hashes[k])
-                self.stats.num_inserted_blocks += 1
         request.num_inserted_blocks = num_full
 
     def register(self, block_id: int, block_hash: bytes) -> None:

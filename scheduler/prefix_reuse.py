@@ -65,7 +65,6 @@ class PrefixCachingOptions:
 @dataclass
 class ReuseStats:
     num_replayed_tokens: int = 0
-    num_cached_tokens: int = 0
     cached_tokens_by_tier: Counter[str] = field(default_factory=Counter)
 
 
@@ -173,7 +172,6 @@ class PrefixReuse:
             self.snapshots.stats.num_restored += 1
         request.pinned_snapshot = request.restore_snapshot
         self.stats.num_replayed_tokens += request.num_replayed_tokens
-        self.stats.num_cached_tokens += request.num_protected_tokens
         self.stats.cached_tokens_by_tier.update(request.cached_tokens_by_tier)
 
     # -- chunks -------------------------------------------------------------------------------
