@@ -113,6 +113,7 @@ class KernelConfig:
 
     attention: str = "auto"
     moe: str = "auto"
+    norm: str = "auto"
     sampling: str = "auto"
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
     # Batch-invariant results: each forward runs one token of one request (slow; see

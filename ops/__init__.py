@@ -16,15 +16,17 @@ class Kernels:
 
     attention: ModuleType
     moe: ModuleType
+    norm: ModuleType
     sampling: ModuleType
 
 
 def select_kernels(config: KernelConfig, device: torch.device) -> Kernels:
-    from deepinfer.ops import attention, moe, sampling
+    from deepinfer.ops import attention, moe, norm, sampling
 
     return Kernels(
         attention=attention.BACKENDS.select(config.attention, device),
         moe=moe.BACKENDS.select(config.moe, device),
+        norm=norm.BACKENDS.select(config.norm, device),
         sampling=sampling.BACKENDS.select(config.sampling, device),
     )
 
@@ -33,6 +35,7 @@ def reference_kernels() -> Kernels:
     """The torch reference backends (the oracle), without logging."""
     from deepinfer.ops.attention import torch_ref as attention
     from deepinfer.ops.moe import torch_ref as moe
+    from deepinfer.ops.norm import torch_ref as norm
     from deepinfer.ops.sampling import torch_ref as sampling
 
-    return Kernels(attention=attention, moe=moe, sampling=sampling)
+    return Kernels(attention=attention, moe=moe, norm=norm, sampling=sampling)

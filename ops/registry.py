@@ -69,3 +69,14 @@ class OpRegistry:
     def _load(self, entry: BackendEntry, reason: str) -> ModuleType:
         logger.info("%s backend: %s (%s)", self.family, entry.name, reason)
         return importlib.import_module(entry.module)
+
+
+def triton_available(device: torch.device) -> tuple[bool, str]:
+    """Triton kernels: a CUDA device and an importable triton."""
+    if device.type != "cuda":
+        return False, f"triton kernels run on CUDA devices, not {device.type}"
+    try:
+        import triton
+    except ImportError as error:
+        return False, f"triton is not installed ({error}); pip install 'deepinfer[cuda]'"
+    return True, f"triton {triton.__version__} on {torch.cuda.get_device_name(device)}"

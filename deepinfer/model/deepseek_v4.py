@@ -198,46 +198,10 @@ class MoE(nn.Module):
         return routed + self.shared_experts(x)
 
 
-def hc_pre(
-    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Manifold-constrained hyper-connection, entry side.
-
-    x: [T, hc, D] -> (post [T, hc], comb [T, hc, hc] doubly stochastic by Sinkhorn, block
-    input [T, D] = sum_i pre[i] * x[i]). All mixing math in fp32.
-    """
-    hc, eps = args.hc_mult, args.hc_eps
-    flat = rms_norm(x.flatten(1).float(), None, args.rms_norm_eps)  # [T, hc*D]
-    mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc]
-    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # first pass normalises columns only
-    for _ in range(args.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
-
-
-def hc_post(
-    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    """new[k] = post[k] * out + sum_j comb[j, k] * x[j]  (comb applied transposed).
-
-    out: [T, D]; x: [T, hc, D] -> [T, hc, D].
-    """
-    dtype = x.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
-
-
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
-        self.args = args
+        self.args, self.kernels = args, kernels
         mix = args.hc_mix_size
         for site in ("attn", "ffn"):
             self.register_parameter(
@@ -254,10 +218,12 @@ class Block(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """x: [T, hc, D] -> [T, hc, D]."""
-        post, comb, h = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
-        x = hc_post(self.attn(self.attn_norm(h), batch, cache, inv_freq), x, post, comb)
-        post, comb, h = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.args)
-        return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
+        a, norm = self.args, self.kernels.norm
+        hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        post, comb, h = norm.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
+        x = norm.hc_post(self.attn(self.attn_norm(h), batch, cache, inv_freq), x, post, comb)
+        post, comb, h = norm.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+        return norm.hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
 
 
 class DeepseekV4(nn.Module):

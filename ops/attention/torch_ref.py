@@ -1,54 +1,83 @@
-"""Sparse attention with sinks and the Lightning indexer, torch reference (the oracle).
+"""Sparse attention with sinks and the Lightning indexer's scores, torch reference (the oracle).
 
-One request at a time: the caller gathers the keys a request's queries may see (sliding window
-rows from the state slot, then compressed entries from the paged pool) and a boolean mask.
+Both ops are batched over the flat step (T query tokens of any number of requests) and read keys
+through index lists, so one call serves the whole batch and a fast kernel has the same contract:
+
+- ``sparse_attention``: every query token lists, per key source, the rows it attends to. The
+  model passes three sources: this step's new keys, the sliding-window ring (earlier positions)
+  and the paged compressed entries (HCA: every visible entry; CSA: the indexer's picks).
+- ``indexer_scores``: every query token scores the compressed indexer keys of its request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+# Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
+_CHUNK = 256
 
-def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+
+def sparse_attention(
+    q: torch.Tensor,
+    sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    sinks: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Shared-KV multi-query attention with a per-head sink logit in the softmax denominator.
+    """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
-    q: [C, H, D]; kv: [L, D] (one head, used as key and value); mask: [C, L] bool (True = may
-    attend); sinks: [H] fp32. Returns [C, H, D] in q's dtype. The sink adds exp(sink) to the
-    denominator and contributes no value. The softmax runs in fp32 (the sinks are fp32).
+    q: [T, H, D]. sources: (kv [N, D] one head used as key and value, idx [T, L] integer rows of
+    kv, -1 = no key) per source; a query attends to the union of its listed rows. sinks: [H]
+    fp32; exp(sink) joins the softmax denominator and contributes no value. The softmax runs in
+    fp32. A query with no keys outputs zeros. Returns [T, H, D] in q's dtype.
     """
     num_q, num_heads = q.shape[0], q.shape[1]
-    logits = torch.einsum("chd,ld->hcl", q, kv).float() * scale  # [H, C, L]
-    logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
-    sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, num_q, 1)
-    combined = torch.cat([logits, sink], dim=-1)  # [H, C, L + 1]
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("hcl,ld->chd", probs.to(kv.dtype), kv)
+    out = torch.empty_like(q)
+    sink = sinks.float().view(1, num_heads, 1)
+    for lo in range(0, num_q, _CHUNK):
+        hi = min(num_q, lo + _CHUNK)
+        keys, valid = [], []
+        for kv, idx in sources:
+            rows = idx[lo:hi].long()
+            keys.append(kv[rows.clamp(min=0)])  # [C, L, D]
+            valid.append(rows >= 0)
+        kv_rows, mask = torch.cat(keys, dim=1), torch.cat(valid, dim=1)  # [C, L, D], [C, L]
+        logits = torch.einsum("chd,cld->chl", q[lo:hi], kv_rows).float() * scale
+        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        combined = torch.cat([logits, sink.expand(hi - lo, -1, -1)], dim=-1)  # [C, H, L + 1]
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        out[lo:hi] = torch.einsum("chl,cld->chd", probs.to(kv_rows.dtype), kv_rows)
+    return out
 
 
-def indexer_topk(
+def indexer_scores(
     q: torch.Tensor,
-    keys: torch.Tensor,
     weights: torch.Tensor,
-    positions: torch.Tensor,
-    ratio: int,
-    topk: int,
+    keys: torch.Tensor,
+    entry_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    num_visible: torch.Tensor,
 ) -> torch.Tensor:
-    """Lightning indexer: pick up to ``topk`` causal compressed entries per query.
+    """Lightning indexer scores of every query token over its request's compressed entries.
 
-    q: [C, Hi, Di] (roped); keys: [N, Di] compressed indexer keys; weights: [C, Hi] per-head
-    weights (already scaled by Hi^-0.5); positions: [C] query positions. score[t, s] =
-    sum_h weights[t, h] * relu(q[t, h] . keys[s]) * Di^-0.5, future entries (s >= (t+1)//ratio)
-    excluded. Returns [C, min(topk, N)] int64 indices, -1 where a query has fewer visible entries.
+    q: [T, Hi, Di] (roped); weights: [T, Hi] (already scaled by Hi^-0.5); keys: [P, Di] the flat
+    indexer-key pool; entry_rows: [B, N] integer row of keys holding entry n of request b (any
+    value at or past a request's entry count); token_req: [T] request (row of entry_rows) of each
+    token; num_visible: [T] entries 0..num_visible-1 a token may see. Returns [T, N] fp32:
+    sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where n >= num_visible.
     """
-    num_entries = keys.shape[0]
-    scores = torch.einsum("chd,nd->chn", q.float(), keys.float())  # [C, Hi, N]
-    scores = torch.relu(scores) * q.shape[-1] ** -0.5
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [C, N]
-    threshold = ((positions + 1) // ratio).unsqueeze(-1)  # [C, 1]
-    entries = torch.arange(num_entries, device=keys.device)
-    scores = scores.masked_fill(entries.unsqueeze(0) >= threshold, float("-inf"))
-    picked = scores.topk(min(topk, num_entries), dim=-1).indices
-    return torch.where(picked >= threshold, torch.full_like(picked, -1), picked)
+    num_q, num_entries = q.shape[0], entry_rows.shape[1]
+    out = torch.full((num_q, num_entries), float("-inf"), dtype=torch.float32, device=q.device)
+    entry_ids = torch.arange(num_entries, device=q.device)
+    for lo in range(0, num_q, _CHUNK):
+        hi = min(num_q, lo + _CHUNK)
+        visible = entry_ids.unsqueeze(0) < num_visible[lo:hi].unsqueeze(1)  # [C, N]
+        rows = torch.where(visible, entry_rows[token_req[lo:hi]], 0).long()
+        k = keys[rows].float()  # [C, N, Di]
+        scores = torch.einsum("chd,cnd->chn", q[lo:hi].float(), k)
+        scores = torch.relu(scores) * q.shape[-1] ** -0.5
+        scores = (scores * weights[lo:hi].float().unsqueeze(-1)).sum(dim=1)  # [C, N]
+        out[lo:hi] = scores.masked_fill(~visible, float("-inf"))
+    return out

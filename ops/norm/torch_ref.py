@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer.model.config import RopeArgs
 
@@ -74,3 +75,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = rope[..., 0::2], rope[..., 1::2]  # [T, ..., rope_dim / 2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Manifold-constrained hyper-connection, entry side.
+
+    x: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; scale: [3]; base: [(2+hc)*hc]. Returns (post [T, hc],
+    comb [T, hc, hc] doubly stochastic by Sinkhorn, block input [T, D] = sum_i pre[i] * x[i]
+    in x's dtype). All mixing math in fp32.
+    """
+    hc = x.shape[1]
+    flat = rms_norm(x.flatten(1).float(), None, norm_eps)  # [T, hc*D]
+    mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc]
+    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1)
+    comb = comb + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)  # first pass normalises columns only
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(
+    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """Hyper-connection, exit side: new[k] = post[k] * out + sum_j comb[j, k] * x[j].
+
+    out: [T, D]; x: [T, hc, D]; post: [T, hc] fp32; comb: [T, hc, hc] fp32 -> [T, hc, D].
+    """
+    dtype = x.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
