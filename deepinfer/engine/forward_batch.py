@@ -8,8 +8,12 @@ The batch is flat: every request's tokens of this step are concatenated, in sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from deepinfer.engine.attention_metadata import StepMetadata
 
 
 @dataclass
@@ -17,14 +21,14 @@ class SeqSpan:
     """One request's slice of the flat batch.
 
     ``offset``: index of its first token in the flat batch; positions ``start_pos ..
-    start_pos + num_tokens - 1``; ``block_table``: [num_blocks] int64 on the device.
+    start_pos + num_tokens - 1``; ``block_ids``: the request's block table (host ints).
     """
 
     offset: int
     num_tokens: int
     start_pos: int
     slot: int
-    block_table: torch.Tensor
+    block_ids: list[int]
     # Prefix reuse: keys before ``window_floor`` are not attended (a replay from an empty slot);
     # compressed entries of positions below ``num_protected`` (shared blocks) are not written.
     window_floor: int = 0
@@ -45,6 +49,8 @@ class ForwardBatch:
 
     input_ids, positions: [T] int64. logits_indices: [N] int64 rows whose logits are computed.
     ``rope``: cos/sin [T, rope_dim / 2] fp32 per rope kind ("main", "compress"), set by the model.
+    ``metadata``: the step's index plans (attention_metadata.py); the model builds them when the
+    executor has not.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +58,7 @@ class ForwardBatch:
     seqs: list[SeqSpan]
     logits_indices: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    metadata: StepMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

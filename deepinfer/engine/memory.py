@@ -151,12 +151,12 @@ def _run_profile_step(
     end_pos = start_pos + num_tokens
     # Every logical block maps to scratch block 0: the compressed entries are gathered and written
     # at full length; their values do not matter.
-    block_table = torch.zeros(-(-end_pos // scratch.block_size), dtype=torch.int64, device=device)
+    block_ids = [0] * -(-end_pos // scratch.block_size)
     token_ids = torch.arange(num_tokens, device=device) % model.args.vocab_size
     batch = ForwardBatch(
         input_ids=token_ids,
         positions=torch.arange(start_pos, end_pos, device=device),
-        seqs=[SeqSpan(0, num_tokens, start_pos, 0, block_table)],
+        seqs=[SeqSpan(0, num_tokens, start_pos, 0, block_ids)],
         logits_indices=torch.arange(num_tokens, device=device),
     )
     logits = model(batch, scratch)  # [num_tokens, V] fp32

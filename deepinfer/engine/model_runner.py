@@ -308,7 +308,6 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
-        block_ids: list[int] = []
         offsets: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[tuple[int, int]] = []
@@ -318,7 +317,6 @@ class ModelRunner:
             offsets.append(offset)
             input_ids.extend(sched.token_ids)
             positions.extend(range(sched.start_pos, sched.start_pos + n))
-            block_ids.extend(sched.block_table)
             if sched.num_prompt_logprob_positions:
                 count = sched.num_prompt_logprob_positions
                 prompt_rows.append((i, len(logits_indices), count))
@@ -326,23 +324,20 @@ class ModelRunner:
             if sched.do_sample:
                 sample_rows.append((i, len(logits_indices)))
                 logits_indices.append(offset + n - 1)
-        # One copy to the device: [input_ids | positions | logits_indices | block tables].
-        flat = self._upload(input_ids + positions + logits_indices + block_ids)
-        ids, pos, rows, tables = flat.split(
-            [len(input_ids), len(positions), len(logits_indices), len(block_ids)]
-        )
-        block_tables = tables.split([len(sched.block_table) for sched in scheduled])
+        # One copy to the device: [input_ids | positions | logits_indices].
+        flat = self._upload(input_ids + positions + logits_indices)
+        ids, pos, rows = flat.split([len(input_ids), len(positions), len(logits_indices)])
         seqs = [
             SeqSpan(
                 offset,
                 sched.num_tokens,
                 sched.start_pos,
                 sched.state_slot,
-                block_table,
+                list(sched.block_table),
                 window_floor=sched.window_floor,
                 num_protected=sched.num_protected_tokens,
             )
-            for offset, sched, block_table in zip(offsets, scheduled, block_tables, strict=True)
+            for offset, sched in zip(offsets, scheduled, strict=True)
         ]
         batch = ForwardBatch(input_ids=ids, positions=pos, seqs=seqs, logits_indices=rows)
         return batch, sample_rows, prompt_rows

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.forward_batch import SeqSpan
+from deepinfer.engine.attention_metadata import CacheGeometry
 from deepinfer.model.config import CSA, HCA, ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -237,58 +237,10 @@ class KVCache:
             / 2**20,
         )
 
-    # ---- paged entries -------------------------------------------------------------------
-
-    def _entry_rows(
-        self, block_table: torch.Tensor, ratio: int, first: int, count: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids, rows) of entries first..first+count-1 of a layer with ``ratio``."""
-        per_block = self.block_size // ratio
-        entries = torch.arange(first, first + count, device=block_table.device)
-        return block_table[entries // per_block], entries % per_block
-
-    def write_entries(
-        self,
-        pool: torch.Tensor,
-        block_table: torch.Tensor,
-        ratio: int,
-        first: int,
-        x: torch.Tensor,
-        seq: SeqSpan | None = None,
-    ) -> None:
-        """Store entries x [n, d] as entries first..first+n-1 of one request.
-
-        Entries of positions below ``seq.num_protected`` live in blocks shared through the prefix
-        cache and are skipped: a replay recomputes them only to rebuild the state slot.
-        """
-        if seq is not None and seq.num_protected > first * ratio:
-            skip = min(x.shape[0], -(-seq.num_protected // ratio) - first)
-            first, x = first + skip, x[skip:]
-        if x.shape[0]:
-            blocks, rows = self._entry_rows(block_table, ratio, first, x.shape[0])
-            pool[blocks, rows] = x.to(pool.dtype)
-
-    def read_entries(
-        self, pool: torch.Tensor, block_table: torch.Tensor, ratio: int, count: int
-    ) -> torch.Tensor:
-        """Entries 0..count-1 of one request: [count, d]."""
-        blocks, rows = self._entry_rows(block_table, ratio, 0, count)
-        return pool[blocks, rows]
-
-    # ---- sliding-window ring --------------------------------------------------------------
-
-    def read_window(self, layer_id: int, slot: int, start: int, end: int) -> torch.Tensor:
-        """Ring rows of positions start..end-1 (end - start <= ring size): [end - start, hd]."""
-        assert end - start <= self.ring_size, f"window read {end - start} > ring {self.ring_size}"
-        rows = torch.arange(start, end, device=self.device) % self.ring_size
-        return self.window_ring[layer_id][slot, rows]
-
-    def write_window(self, layer_id: int, slot: int, start: int, kv: torch.Tensor) -> None:
-        """Store kv [n, hd] of positions start..start+n-1, keeping only the last ring-size rows."""
-        n = kv.shape[0]
-        keep = min(n, self.ring_size)
-        rows = torch.arange(start + n - keep, start + n, device=self.device) % self.ring_size
-        self.window_ring[layer_id][slot, rows] = kv[n - keep :].to(self.dtype)
+    @property
+    def geometry(self) -> CacheGeometry:
+        ratios = tuple(sorted({r for r in self.args.compress_ratios if r}))
+        return CacheGeometry(self.args.sliding_window, self.ring_size, self.block_size, ratios)
 
 
 @dataclass

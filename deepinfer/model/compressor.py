@@ -7,12 +7,11 @@ Indexer: per query, the top-k compressed entries a CSA layer attends to.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.engine.attention_metadata import CompressPlan
+from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.kv_cache.pool import CompressorState, KVCache
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.layers import RMSNorm, linear
@@ -42,73 +41,60 @@ class Compressor(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        batch: ForwardBatch,
+        plan: CompressPlan,
         state: CompressorState,
-        write: Callable[[SeqSpan, int, torch.Tensor], None],
+        pool: torch.Tensor,
         inv_freq: torch.Tensor,
     ) -> None:
-        """Pool the batch's complete windows and hand each request's new entries to ``write``."""
+        """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim]) and
+        keep the still-open windows' tokens in the state slots (attention_metadata.py's plan)."""
+        m = self.ratio
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
-        for seq in batch.seqs:
-            first, entries = self._compress_one(kv[seq.rows], gate[seq.rows], seq, state, inv_freq)
-            write(seq, first, entries)
-
-    def _compress_one(
-        self,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        seq: SeqSpan,
-        state: CompressorState,
-        inv_freq: torch.Tensor,
-    ) -> tuple[int, torch.Tensor]:
-        m, dim, slot = self.ratio, self.dim, seq.slot
-        window_start = seq.start_pos - seq.start_pos % m
-        num_buffered = seq.start_pos - window_start
-        kv = torch.cat([state.buf_kv[slot, :num_buffered], kv])  # [n, width], from window_start
-        gate = torch.cat([state.buf_gate[slot, :num_buffered], gate])
-        num_windows = kv.shape[0] // m
-        first_window = window_start // m
-        done = num_windows * m
-        num_left = kv.shape[0] - done
-        if num_windows == 0:
-            state.buf_kv[slot, :num_left], state.buf_gate[slot, :num_left] = kv, gate
-            return first_window, kv.new_zeros(0, dim)
-        win_kv = kv[:done].view(num_windows, m, -1)  # [W, m, width]
-        raw_gate = gate[:done].view(num_windows, m, -1)
-        win_gate = raw_gate + self.ape
-        if self.overlap:
-            prev = (state.prev_kv[slot].clone(), state.prev_gate[slot] + self.ape[:, :dim])
-            # The last complete window's Ca half feeds the next call's first entry. Its gate is
-            # kept without the bias, which is added again (bit-identically) when it is used.
-            state.prev_kv[slot] = win_kv[-1, :, :dim]
-            state.prev_gate[slot] = raw_gate[-1, :, :dim]
-            win_kv, win_gate = self._overlap(win_kv, win_gate, prev if first_window else None)
-        weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-        pooled = self.norm((win_kv * weights).sum(dim=1))  # [W, dim]
-        positions = (first_window + torch.arange(num_windows, device=kv.device)) * m
-        pooled = apply_rope(pooled, *rope_cos_sin(positions, inv_freq))
-        state.buf_kv[slot, :num_left], state.buf_gate[slot, :num_left] = kv[done:], gate[done:]
-        return first_window, pooled
+        buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
+        src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, width]
+        src_gate = torch.cat([buf_gate[plan.buf_rows], gate.to(buf_gate.dtype)])
+        if plan.num_windows:
+            win_kv = src_kv[plan.window_rows]  # [W, m, width]
+            raw_gate = src_gate[plan.window_rows]
+            win_gate = raw_gate + self.ape
+            if self.overlap:
+                win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
+            weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
+            pooled = self.norm((win_kv * weights).sum(dim=1))  # [W, dim]
+            pooled = apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
+            pool[plan.entry_dst] = pooled[plan.keep_windows].to(pool.dtype)
+        buf_kv[plan.left_dst] = src_kv[plan.left_src]
+        buf_gate[plan.left_dst] = src_gate[plan.left_src]
 
     def _overlap(
         self,
         win_kv: torch.Tensor,
+        raw_gate: torch.Tensor,
         win_gate: torch.Tensor,
-        prev: tuple[torch.Tensor, torch.Tensor] | None,
+        plan: CompressPlan,
+        state: CompressorState,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, m, 2dim] -> [W, 2m, dim]: slots [previous window's Ca | this window's Cb].
 
-        Window 0 of the sequence has no previous window: zero kv, -inf gate (weight 0).
-        ``prev`` (kv, biased gate) [m, dim] is the window before this call's first one.
+        The previous window is the one before in this step, or the slot's overlap state for a
+        request's first window of the step; a request's window 0 has none (zero kv, -inf gate).
+        The last window's Ca half becomes the slot's state; its gate is kept without the bias,
+        which is added again (bit-identically) when it is used.
         """
-        m, dim = self.ratio, self.dim
-        num_windows = win_kv.shape[0]
-        new_kv = win_kv.new_zeros(num_windows, 2 * m, dim)
-        new_gate = win_gate.new_full((num_windows, 2 * m, dim), float("-inf"))
-        new_kv[:, m:], new_gate[:, m:] = win_kv[..., dim:], win_gate[..., dim:]
-        new_kv[1:, :m], new_gate[1:, :m] = win_kv[:-1, :, :dim], win_gate[:-1, :, :dim]
-        if prev is not None:
-            new_kv[0, :m], new_gate[0, :m] = prev
+        assert state.prev_kv is not None and state.prev_gate is not None
+        dim = self.dim
+        ape_a = self.ape[:, :dim]
+        cand_kv = torch.cat([state.prev_kv[plan.prev_slots], win_kv[..., :dim]])  # [R' + W, m, dim]
+        cand_gate = torch.cat([state.prev_gate[plan.prev_slots] + ape_a, win_gate[..., :dim]])
+        has_prev = plan.has_prev.view(-1, 1, 1)
+        prev_kv = torch.where(has_prev, cand_kv[plan.prev_src], 0)
+        prev_gate = torch.where(has_prev, cand_gate[plan.prev_src], float("-inf"))
+        state.prev_kv[plan.prev_slots] = win_kv[plan.last_window, :, :dim].to(state.prev_kv.dtype)
+        state.prev_gate[plan.prev_slots] = raw_gate[plan.last_window, :, :dim].to(
+            state.prev_gate.dtype
+        )
+        new_kv = torch.cat([prev_kv.to(win_kv.dtype), win_kv[..., dim:]], dim=1)  # [W, 2m, dim]
+        new_gate = torch.cat([prev_gate.to(win_gate.dtype), win_gate[..., dim:]], dim=1)
         return new_kv, new_gate
 
 
@@ -132,24 +118,20 @@ class Indexer(nn.Module):
         cache: KVCache,
         layer_id: int,
         inv_freq: torch.Tensor,
-    ) -> list[torch.Tensor]:
-        """Per request: [C, k] selected entry ids (-1 = none) for each of its query tokens."""
-        pool = cache.index_keys[layer_id]
-
-        def write(seq: SeqSpan, first: int, keys: torch.Tensor) -> None:
-            cache.write_entries(pool, seq.block_table, self.ratio, first, keys, seq)
-
-        self.compressor(x, batch, cache.compressor_state[layer_id, "idx"], write, inv_freq)
+    ) -> torch.Tensor:
+        """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk."""
+        meta = batch.metadata
+        assert meta is not None, "the model builds the step metadata before the layers"
+        pool = cache.index_keys[layer_id].flatten(0, 1)  # [blocks * entries per block, Di]
+        plan = meta.compress[self.ratio]
+        self.compressor(x, plan, cache.compressor_state[layer_id, "idx"], pool, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = apply_rope(q, *batch.rope["compress"])
         weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]
-        picks = []
-        for seq in batch.seqs:
-            keys = cache.read_entries(pool, seq.block_table, self.ratio, seq.end_pos // self.ratio)
-            positions = batch.positions[seq.rows]
-            picks.append(
-                self.kernels.attention.indexer_topk(
-                    q[seq.rows], keys, weights[seq.rows], positions, self.ratio, self.topk
-                )
-            )
-        return picks
+        entry_rows = meta.entry_rows[self.ratio]
+        scores = self.kernels.attention.indexer_scores(
+            q, weights, pool, entry_rows, meta.token_req, meta.num_visible[self.ratio]
+        )  # [T, N]
+        top = scores.topk(min(self.topk, scores.shape[1]), dim=-1)
+        rows = entry_rows[meta.token_req.unsqueeze(1), top.indices]
+        return torch.where(torch.isinf(top.values), -1, rows)

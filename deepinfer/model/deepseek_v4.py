@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.engine.attention_metadata import build_metadata
+from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.compressor import Compressor, Indexer
 from deepinfer.model.config import CSA, HASH_MOE, SLIDING, ModelArgs
@@ -63,66 +64,29 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
         q = apply_rope(rms_norm(q, None, self.eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
-        picks = None
+        meta = batch.metadata
+        assert meta is not None, "the model builds the step metadata before the layers"
+        ring = cache.window_ring[self.layer_id].flatten(0, 1)  # [slots * ring, hd]
+        # Keys: this step's window rows, earlier window rows from the ring, compressed entries.
+        sources = [(kv, meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
-            pool = cache.compressed_kv[self.layer_id]
-
-            def write(seq: SeqSpan, first: int, entries: torch.Tensor) -> None:
-                cache.write_entries(pool, seq.block_table, self.ratio, first, entries, seq)
-
+            pool = cache.compressed_kv[self.layer_id].flatten(0, 1)  # [blocks * per block, hd]
             state = cache.compressor_state[self.layer_id, "comp"]
-            self.compressor(x, batch, state, write, inv_freq)
+            self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq)
             if self.layer_type == CSA:
-                picks = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq)
-        out = torch.empty_like(q)
-        for i, seq in enumerate(batch.seqs):
-            seq_picks = None if picks is None else picks[i]
-            keys, mask = self._visible(kv[seq.rows], seq, batch, cache, seq_picks)
-            out[seq.rows] = self.kernels.attention.sink_attention(
-                q[seq.rows], keys, mask, self.attn_sink, self.head_dim**-0.5
-            )
-            cache.write_window(self.layer_id, seq.slot, seq.start_pos, kv[seq.rows])
+                entries = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq)
+            else:
+                entries = meta.visible_idx[self.ratio]
+            sources.append((pool, entries))
+        out = self.kernels.attention.sparse_attention(
+            q, sources, self.attn_sink, self.head_dim**-0.5
+        )
+        ring[meta.ring_dst] = kv[meta.ring_src].to(ring.dtype)
         out = apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
         low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)
-
-    def _visible(
-        self,
-        kv: torch.Tensor,
-        seq: SeqSpan,
-        batch: ForwardBatch,
-        cache: KVCache,
-        picks: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys one request's queries may see, [L, hd], and the mask [C, L].
-
-        Keys: window rows of positions [max(floor, s-W+1), s) from the ring, this step's tokens,
-        then compressed entries 0..end//ratio-1. Query t sees window keys t-W+1..t; entry w of
-        an HCA layer iff w < (t+1)//ratio; on CSA layers only the indexer's picks.
-        """
-        s, e = seq.start_pos, seq.end_pos
-        first = max(seq.window_floor, s - self.window + 1)
-        keys = torch.cat([cache.read_window(self.layer_id, seq.slot, first, s), kv])
-        q_pos = batch.positions[seq.rows].unsqueeze(1)  # [C, 1]
-        k_pos = torch.arange(first, e, device=kv.device).unsqueeze(0)
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        if not self.ratio:
-            return keys, mask
-        num_entries = e // self.ratio
-        pool = cache.compressed_kv[self.layer_id]
-        entries = cache.read_entries(pool, seq.block_table, self.ratio, num_entries)
-        if picks is None:
-            entry_ids = torch.arange(num_entries, device=kv.device).unsqueeze(0)
-            visible = entry_ids < (q_pos + 1) // self.ratio
-        else:
-            picks = torch.where(picks >= 0, picks, num_entries)
-            visible = torch.zeros(
-                picks.shape[0], num_entries + 1, dtype=torch.bool, device=kv.device
-            )
-            visible = visible.scatter(1, picks, True)[:, :num_entries]
-        return torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
 
 
 class Gate(nn.Module):
@@ -255,6 +219,8 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
+        if batch.metadata is None:
+            batch.metadata = build_metadata(batch, cache.geometry, batch.input_ids.device)
         batch.rope = {
             "main": rope_cos_sin(batch.positions, self.main_inv_freq),
             "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),

@@ -1,0 +1,100 @@
+"""The step's index plans, exactly: window keys from the step and the ring, ring writes, entry
+rows through block tables, and the compressors' windows, overlap sources and leftovers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.engine.attention_metadata import CacheGeometry, StepMetadata, build_metadata
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+
+# Window 8, ring 12 (margin 4), blocks of 16 tokens: 4 CSA entries or 1 HCA entry per block.
+GEOMETRY = CacheGeometry(window=8, ring_size=12, block_size=16, ratios=(4, 16))
+
+
+def _metadata(*seqs: SeqSpan) -> StepMetadata:
+    num_tokens = sum(s.num_tokens for s in seqs)
+    positions = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=positions,
+        seqs=list(seqs),
+        logits_indices=torch.zeros(0, dtype=torch.int64),
+    )
+    return build_metadata(batch, GEOMETRY, torch.device("cpu"))
+
+
+def _list(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def test_entries_follow_the_block_table() -> None:
+    meta = _metadata(SeqSpan(0, 40, 0, 1, [5, 2, 0]))
+    # CSA: entry e -> block_ids[e // 4] * 4 + e % 4; 10 entries after 40 tokens.
+    assert _list(meta.entry_rows[4]) == [[20, 21, 22, 23, 8, 9, 10, 11, 0, 1]]
+    assert _list(meta.entry_rows[16]) == [[5, 2]]  # HCA: one entry per block
+    # Token p sees entries 0..(p+1)//m - 1.
+    assert _list(meta.num_visible[4][[0, 2, 3, 39]]) == [0, 0, 1, 10]
+    assert _list(meta.visible_idx[16][[14, 15, 31, 39]]) == [[-1, -1], [5, -1], [5, 2], [5, 2]]
+    plan = meta.compress[4]
+    assert _list(plan.window_rows) == np.arange(40).reshape(10, 4).tolist()
+    assert _list(plan.window_ids) == list(range(10))
+    assert _list(plan.entry_dst) == [20, 21, 22, 23, 8, 9, 10, 11, 0, 1]
+    assert _list(plan.has_prev) == [False] + [True] * 9  # window 0 has no previous window
+    # Source of window g's previous half: the slot's state (row 0) for the first, else g - 1.
+    assert _list(plan.prev_src) == [0] + [1 + g for g in range(9)]
+    assert _list(plan.prev_slots) == [1] and _list(plan.last_window) == [9]
+    assert plan.left_src.numel() == 0 and plan.buf_rows.numel() == 0
+
+
+def test_window_keys_come_from_the_step_and_the_ring() -> None:
+    # Decode at position 29, slot 1: itself from the step, 28..22 from the ring rows 12 + p % 12.
+    meta = _metadata(SeqSpan(0, 1, 29, 1, [0, 1]))
+    assert _list(meta.win_step_idx) == [[0]]
+    assert _list(meta.win_ring_idx) == [[-1] + [12 + p % 12 for p in range(28, 21, -1)]]
+    assert _list(meta.ring_src) == [0] and _list(meta.ring_dst) == [12 + 29 % 12]
+
+
+def test_a_long_chunk_keeps_the_last_ring_rows_and_reads_older_keys_from_the_ring() -> None:
+    # Tokens 5..34 of slot 0 after a 2-token decode of slot 1 (batch rows 2..31).
+    meta = _metadata(SeqSpan(0, 2, 40, 1, [0, 1, 2]), SeqSpan(2, 30, 5, 0, [3, 4, 5]))
+    assert _list(meta.ring_src[2:]) == list(range(2 + 18, 2 + 30))  # positions 23..34
+    assert _list(meta.ring_dst[2:]) == [p % 12 for p in range(23, 35)]
+    step, ring = meta.win_step_idx, meta.win_ring_idx
+    assert step.shape == (32, 8)  # the widest window part: a full window of new keys
+    # Position 7 (row 4): new keys 7, 6, 5 (rows 4, 3, 2), then 4..0 from slot 0's ring.
+    assert _list(step[4]) == [4, 3, 2, -1, -1, -1, -1, -1]
+    assert _list(ring[4]) == [-1, -1, -1, 4, 3, 2, 1, 0]
+    # Position 20 (row 17): all 8 keys are new.
+    assert _list(step[17]) == list(range(17, 9, -1)) and _list(ring[17]) == [-1] * 8
+    # The decode request's second token sees the first from the step.
+    assert _list(step[1][:2]) == [1, 0] and _list(ring[1][:2]) == [-1, -1]
+
+
+def test_keys_below_the_window_floor_are_not_attended() -> None:
+    # A replay from an empty slot at 8: positions 10, 11 see 8..11 and nothing before 8.
+    meta = _metadata(SeqSpan(0, 2, 10, 0, [0], window_floor=8))
+    assert _list(meta.win_step_idx) == [[0, -1], [1, 0]]
+    assert _list(meta.win_ring_idx) == [[-1, 9, 8] + [-1] * 5, [-1, -1, 9, 8] + [-1] * 4]
+
+
+def test_compressor_plan_with_buffered_tokens_and_protected_entries() -> None:
+    # Slot 2 resumes at 6: positions 4, 5 are buffered (rows 2*3 + 0, 1); tokens 6..12 are new.
+    meta = _metadata(SeqSpan(0, 7, 6, 2, [7], num_protected=8))
+    plan = meta.compress[4]
+    assert _list(plan.buf_rows) == [6, 7]
+    # src = [buf 4, buf 5, new 6..12] -> windows [4..7] (id 1) and [8..11] (id 2); 12 is left.
+    assert _list(plan.window_rows) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _list(plan.window_ids) == [1, 2]
+    assert _list(plan.has_prev) == [True, True]
+    assert _list(plan.prev_src) == [0, 1]  # the slot's state, then window 0 of the step
+    # Entry 1 covers positions 4..7 < num_protected 8: it sits in a shared block, not rewritten.
+    assert _list(plan.keep_windows) == [1] and _list(plan.entry_dst) == [7 * 4 + 2]
+    assert _list(plan.left_src) == [8] and _list(plan.left_dst) == [2 * 3 + 0]
+    # HCA (16): positions 0..5 are buffered, 0..12 stay open (rewritten to rows 30..42).
+    hca = meta.compress[16]
+    assert _list(hca.buf_rows) == [2 * 15 + i for i in range(6)]
+    assert hca.num_windows == 0
+    assert _list(hca.left_src) == list(range(13))
+    assert _list(hca.left_dst) == [30 + i for i in range(13)]
