@@ -22,7 +22,7 @@ def _metadata(*seqs: SeqSpan) -> StepMetadata:
         seqs=list(seqs),
         logits_indices=torch.zeros(0, dtype=torch.int64),
     )
-    return build_metadata(batch, GEOMETRY, torch.device("cpu"))
+    return build_metadata(batch, GEOMETRY)
 
 
 def _list(t: torch.Tensor) -> list:

@@ -20,6 +20,7 @@ block_size / m entries per block)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,9 +95,14 @@ class CacheGeometry:
     ratios: tuple[int, ...]
 
 
+Upload = Callable[[np.ndarray], torch.Tensor]
+
+
 def build_metadata(
-    batch: ForwardBatch, geometry: CacheGeometry, device: torch.device
+    batch: ForwardBatch, geometry: CacheGeometry, upload: Upload | None = None
 ) -> StepMetadata:
+    """The step's plans. ``upload``: host int64 [n] -> the same on the model's device (the
+    executor passes its pinned staging copy); default: a plain copy to input_ids' device."""
     seqs = batch.seqs
     num_tokens = sum(s.num_tokens for s in seqs)
     token_req = np.repeat(np.arange(len(seqs)), [s.num_tokens for s in seqs])
@@ -121,7 +127,10 @@ def build_metadata(
         )
         for name, value in _compress_plan(batch, geometry, ratio).items():
             host[f"c{ratio}.{name}"] = value
-    dev = _upload(host, device)
+    if upload is None:
+        device = batch.input_ids.device
+        upload = lambda flat: torch.from_numpy(flat).to(device)  # noqa: E731
+    dev = _upload(host, upload)
     return StepMetadata(
         token_req=dev["token_req"],
         win_step_idx=dev["win_step"],
@@ -152,14 +161,9 @@ _PLAN_FIELDS = (
 )
 
 
-def _upload(host: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+def _upload(host: dict[str, np.ndarray], upload: Upload) -> dict[str, torch.Tensor]:
     """Every array as int64 in one host buffer and one copy, then split into views."""
-    flat = np.concatenate([a.astype(np.int64).ravel() for a in host.values()])
-    buffer = torch.from_numpy(flat)
-    if device.type == "cuda":
-        buffer = buffer.pin_memory().to(device, non_blocking=True)
-    else:
-        buffer = buffer.to(device)
+    buffer = upload(np.concatenate([a.astype(np.int64).ravel() for a in host.values()]))
     out, at = {}, 0
     for name, array in host.items():
         out[name] = buffer[at : at + array.size].view(array.shape)

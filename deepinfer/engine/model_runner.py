@@ -14,11 +14,13 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import resolve_device, resolve_dtype
+from deepinfer.engine.attention_metadata import build_metadata
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
 from deepinfer.kv_cache.pool import KVCache
@@ -325,7 +327,7 @@ class ModelRunner:
                 sample_rows.append((i, len(logits_indices)))
                 logits_indices.append(offset + n - 1)
         # One copy to the device: [input_ids | positions | logits_indices].
-        flat = self._upload(input_ids + positions + logits_indices)
+        flat = self._upload(np.asarray(input_ids + positions + logits_indices, dtype=np.int64))
         ids, pos, rows = flat.split([len(input_ids), len(positions), len(logits_indices)])
         seqs = [
             SeqSpan(
@@ -340,17 +342,18 @@ class ModelRunner:
             for offset, sched in zip(offsets, scheduled, strict=True)
         ]
         batch = ForwardBatch(input_ids=ids, positions=pos, seqs=seqs, logits_indices=rows)
+        batch.metadata = build_metadata(batch, self.kv_cache.geometry, self._upload)
         return batch, sample_rows, prompt_rows
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
-        """Host ints -> [len(values)] int64 on the device.
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """Host int64 [n] -> the same on the device.
 
         CUDA: through the pinned staging buffer, copied on the copy stream; the compute (current)
         stream waits for the copy, and the buffer is refilled only after the copy has read it.
         """
         if self._copy_stream is None:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-        n = len(values)
+            return torch.from_numpy(values).to(self.device)
+        n = values.shape[0]
         self._staging_read.synchronize()
         if self._staging is None or self._staging.numel() < n:
             capacity = max(n, 2 * (0 if self._staging is None else self._staging.numel()))

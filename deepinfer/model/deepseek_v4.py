@@ -220,7 +220,7 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
         if batch.metadata is None:
-            batch.metadata = build_metadata(batch, cache.geometry, batch.input_ids.device)
+            batch.metadata = build_metadata(batch, cache.geometry)
         batch.rope = {
             "main": rope_cos_sin(batch.positions, self.main_inv_freq),
             "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),

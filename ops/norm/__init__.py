@@ -1,7 +1,9 @@
 """Norm ops: RMSNorm, RoPE and the hyper-connection mixing.
 
 A backend module provides ``rms_norm``, ``hc_pre`` and ``hc_post`` with torch_ref's signatures;
-RoPE tables and rotation stay torch (they are elementwise and fused by nothing yet).
+RoPE tables and rotation stay torch (they are elementwise and fused by nothing yet), so every
+backend re-exports them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm one
+launch, hc_pre two launches with Sinkhorn in registers, hc_post one), ``torch_ref`` (the oracle).
 """
 
 from deepinfer.ops.norm.torch_ref import (
@@ -12,9 +14,10 @@ from deepinfer.ops.norm.torch_ref import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from deepinfer.ops.registry import OpRegistry
+from deepinfer.ops.registry import OpRegistry, triton_available
 
 BACKENDS = OpRegistry("norm")
+BACKENDS.register("triton", "deepinfer.ops.norm.triton", triton_available)
 BACKENDS.register("torch_ref", "deepinfer.ops.norm.torch_ref")
 
 __all__ = [

@@ -1,0 +1,411 @@
+"""RMSNorm and the hyper-connection mixing as Triton kernels; RoPE re-exported from torch_ref.
+
+Same signatures and semantics as ``torch_ref`` (the oracle). All statistics and mixing math run
+in fp32 whatever the input dtype; only the outputs that torch_ref returns in x's dtype are cast
+back. Runs on CUDA; the CPU tests run the same kernels through Triton's interpreter.
+
+hc_pre is two launches and never reads a value back to the host, so it captures in a CUDA graph:
+
+    x [T, hc, D] --_hc_mix_kernel--> partials [SPLIT_K, T, M_PAD]  x_flat @ fn^T over one K split
+                                     sumsq    [SPLIT_K, T]         sum of x_flat^2 over that split
+    partials, sumsq, x --_hc_sinkhorn_collapse_kernel--> post [T, hc], comb [T, hc, hc],
+                                                          collapsed [T, D]
+
+The RMS norm of a token's flattened streams (K = hc * D values) is one scalar, so
+``mix = (x_flat @ fn^T) * rsqrt(sum(x_flat^2) / K + eps)``: one pass over x yields both factors.
+One row of partials (M = (2 + hc) * hc mix columns, padded to a power of two):
+
+    | pre_w: hc | post_w: hc | comb_w: hc * hc, row i then column j | pad to M_PAD |
+
+Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB of fn, and splits
+D over several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few
+hundred flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
+
+Loop trip counts (K per split, D per program, Sinkhorn iterations) are constexpr: the interpreter
+cannot loop to a runtime bound under numpy 2, and they take few values (a dozen variants over
+T = 1 .. 16K), each compiled once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.norm.torch_ref import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = ["apply_rope", "hc_post", "hc_pre", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+
+RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
+# Tiles of the hc kernels; module attributes so that the CPU tests can shrink them to reach the
+# split and loop paths at tiny shapes.
+HC_BLOCK_K = 32  # with BLOCK_T 64 and 8 warps: no register spills on sm_90
+HC_BLOCK_D = 512
+HC_MAX_SPLIT_K = 64
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; the interpreter (CPU) gets a small stand-in."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact fp32 products (the fp32 parity mode matches the CPU to ~1e-5).
+
+    16-bit inputs are exact in tf32, so tf32x3 keeps the fp32 weights' precision on tensor cores.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32x3"
+
+
+def _split_d(num_tokens: int, dim: int, num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_D, D per program, programs per token): enough programs to fill the device at
+    decode, one program per token (looping over D) once tokens alone fill it."""
+    block_d = min(HC_BLOCK_D, triton.next_power_of_2(dim))
+    num_blocks = triton.cdiv(dim, block_d)
+    per_token = max(1, min(num_blocks, 2 * num_sms // num_tokens))
+    d_per_program = triton.cdiv(num_blocks, per_token) * block_d
+    return block_d, d_per_program, triton.cdiv(dim, d_per_program)
+
+
+@triton.jit
+def _div_rn(num, den):
+    """IEEE division with broadcasting (Triton's ``/`` on fp32 is approximate on CUDA)."""
+    num, den = tl.broadcast(num, den)
+    return tl.math.div_rn(num, den)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    y_ptr,
+    num_rows,
+    n,
+    x_row_stride,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < num_rows)[:, None] & (cols < n)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / n
+    x = x * tl.rsqrt(mean_sq + eps)[:, None]
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=cols < n, other=0.0)
+        x = weight[None, :] * x
+    tl.store(y_ptr + rows[:, None] * n + cols[None, :], x.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm with fp32 statistics; ``weight`` None is the unweighted variant.
+
+    x: [..., N] any float dtype, N <= 65536; weight: [N] (multiplied in fp32 before the cast
+    back). Returns a contiguous tensor of x's shape and dtype.
+    """
+    n = x.shape[-1]
+    assert n <= RMS_NORM_MAX_N, f"rms_norm: row of {n} > {RMS_NORM_MAX_N} values"
+    assert weight is None or weight.shape == (n,), f"rms_norm: weight {weight.shape}, N = {n}"
+    rows = x.reshape(-1, n)  # [M, N]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = rows.shape[0]
+    if num_rows == 0 or n == 0:
+        return y
+    block_n = triton.next_power_of_2(n)
+    block_m = min(triton.next_power_of_2(num_rows), max(1, 2048 // block_n))
+    has_weight = weight is not None
+    weight = weight.float().contiguous() if has_weight else rows  # a dummy pointer if None
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+        rows,
+        weight,
+        y,
+        num_rows,
+        n,
+        rows.stride(0),
+        eps,
+        HAS_WEIGHT=has_weight,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=min(16, max(1, block_m * block_n // 256)),
+    )
+    return y
+
+
+@triton.jit
+def _hc_mix_kernel(
+    x_ptr,
+    fn_ptr,
+    partials_ptr,
+    sumsq_ptr,
+    num_tokens,
+    k,
+    MIX_SIZE: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """partials[s, t, m] = sum over split s of x_flat[t, :] * fn[m, :]; sumsq[s, t] likewise."""
+    split = tl.program_id(1)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < num_tokens
+    cols = tl.arange(0, M_PAD)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * k
+    acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    k_begin = split * K_PER_SPLIT
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K):
+        ks = k_begin + k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k
+        x = tl.load(x_rows + ks[None, :], mask=token_mask[:, None] & k_mask[None, :], other=0.0)
+        x = x.to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        fn_t = tl.load(
+            fn_ptr + cols[None, :] * k + ks[:, None],
+            mask=k_mask[:, None] & (cols < MIX_SIZE)[None, :],
+            other=0.0,
+        )  # [BLOCK_K, M_PAD]
+        acc = tl.dot(x, fn_t, acc, input_precision=PRECISION)
+        sumsq += tl.sum(x * x, axis=1)
+    row = split * num_tokens + tokens
+    tl.store(partials_ptr + row[:, None] * M_PAD + cols[None, :], acc, mask=token_mask[:, None])
+    tl.store(sumsq_ptr + row, sumsq, mask=token_mask)
+
+
+@triton.jit
+def _hc_sinkhorn_collapse_kernel(
+    x_ptr,
+    partials_ptr,
+    sumsq_ptr,
+    scale_ptr,
+    base_ptr,
+    post_ptr,
+    comb_ptr,
+    collapsed_ptr,
+    num_tokens,
+    dim,
+    k,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    HC_PAD: tl.constexpr,
+    M_PAD: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_PER_PROGRAM: tl.constexpr,
+):
+    """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
+    collapse of the slice. The program holding the first slice writes post and comb."""
+    t = tl.program_id(0)
+    i = tl.arange(0, HC_PAD)  # stream, and comb's row
+    j = tl.arange(0, HC_PAD)  # comb's column
+    is_stream = i < HC
+    is_comb = is_stream[:, None] & (j < HC)[None, :]
+    comb_cols = 2 * HC + i[:, None] * HC + j[None, :]  # [HC_PAD, HC_PAD] into a partials row
+
+    splits = tl.arange(0, SPLIT_K)
+    rows = partials_ptr + (splits * num_tokens + t) * M_PAD  # [SPLIT_K]
+    stream_mask = is_stream[None, :]
+    pre_w = tl.sum(tl.load(rows[:, None] + i[None, :], mask=stream_mask, other=0.0), axis=0)
+    post_w = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0), axis=0)
+    comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=is_comb[None], other=0.0)
+    comb_w = tl.sum(comb_w, axis=0)
+    sumsq = tl.sum(tl.load(sumsq_ptr + splits * num_tokens + t), axis=0)
+    inv_rms = tl.rsqrt(sumsq / k + norm_eps)
+
+    pre_b = tl.load(base_ptr + i, mask=is_stream, other=0.0)
+    post_b = tl.load(base_ptr + HC + i, mask=is_stream, other=0.0)
+    comb_b = tl.load(base_ptr + comb_cols, mask=is_comb, other=0.0)
+    pre = tl.sigmoid(pre_w * inv_rms * tl.load(scale_ptr) + pre_b) + hc_eps
+    post = 2 * tl.sigmoid(post_w * inv_rms * tl.load(scale_ptr + 1) + post_b)
+    logits = comb_w * inv_rms * tl.load(scale_ptr + 2) + comb_b
+    logits = tl.where((j < HC)[None, :], logits, float("-inf"))  # padded rows stay finite
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = _div_rn(e, tl.sum(e, axis=1)[:, None])  # softmax over each row
+    comb = tl.where(is_comb, comb + hc_eps, 0.0)
+    comb = _div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)  # first pass: columns only
+    for _ in range(SINKHORN_ITERS - 1):
+        comb = _div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = _div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+
+    is_first = tl.program_id(1) == 0
+    tl.store(post_ptr + t * HC + i, post, mask=is_stream & is_first)
+    tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=is_comb & is_first)
+
+    t = t.to(tl.int64)
+    d_begin = tl.program_id(1) * D_PER_PROGRAM
+    for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+        d = d_begin + d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        x = tl.load(
+            x_ptr + (t * HC + i[:, None]) * dim + d[None, :],
+            mask=is_stream[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [HC_PAD, BLOCK_D]
+        y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
+        tl.store(collapsed_ptr + t * dim + d, y.to(collapsed_ptr.dtype.element_ty), mask=d_mask)
+
+
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Manifold-constrained hyper-connection, entry side.
+
+    x: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; scale: [3]; base: [(2+hc)*hc]. Returns (post [T, hc]
+    fp32, comb [T, hc, hc] fp32 doubly stochastic by Sinkhorn, block input [T, D] =
+    sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32.
+    """
+    num_tokens, hc, dim = x.shape
+    mix_size, k = (2 + hc) * hc, hc * dim
+    assert fn.shape == (mix_size, k), f"hc_pre: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
+    assert scale.numel() == 3 and base.numel() == mix_size, (
+        f"hc_pre: scale {tuple(scale.shape)}, base {tuple(base.shape)} for hc = {hc}"
+    )
+    x = x.contiguous()
+    fn, scale, base = (t.float().contiguous() for t in (fn, scale, base))
+    post = torch.empty(num_tokens, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=x.device)
+    collapsed = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return post, comb, collapsed
+    num_sms = _num_sms(x.device)
+
+    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot needs >= 16
+    block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
+    num_t_blocks, num_k_blocks = triton.cdiv(num_tokens, block_t), triton.cdiv(k, block_k)
+    split_k = 1
+    while num_t_blocks * split_k < num_sms and 2 * split_k <= min(HC_MAX_SPLIT_K, num_k_blocks):
+        split_k *= 2
+    m_pad = max(16, triton.next_power_of_2(mix_size))
+    partials = torch.empty(split_k, num_tokens, m_pad, dtype=torch.float32, device=x.device)
+    sumsq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=x.device)
+    _hc_mix_kernel[(num_t_blocks, split_k)](
+        x,
+        fn,
+        partials,
+        sumsq,
+        num_tokens,
+        k,
+        MIX_SIZE=mix_size,
+        M_PAD=m_pad,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        K_PER_SPLIT=triton.cdiv(num_k_blocks, split_k) * block_k,
+        PRECISION=_dot_precision(x.dtype),
+        num_warps=8 if block_t == 64 else 4,
+    )
+
+    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+    _hc_sinkhorn_collapse_kernel[(num_tokens, num_d_programs)](
+        x,
+        partials,
+        sumsq,
+        scale,
+        base,
+        post,
+        comb,
+        collapsed,
+        num_tokens,
+        dim,
+        k,
+        hc_eps,
+        norm_eps,
+        HC=hc,
+        HC_PAD=triton.next_power_of_2(hc),
+        M_PAD=m_pad,
+        SPLIT_K=split_k,
+        SINKHORN_ITERS=sinkhorn_iters,
+        BLOCK_D=block_d,
+        D_PER_PROGRAM=d_per_program,
+        num_warps=4,
+    )
+    return post, comb, collapsed
+
+
+@triton.jit
+def _hc_post_kernel(
+    out_ptr,
+    x_ptr,
+    post_ptr,
+    comb_ptr,
+    new_ptr,
+    dim,
+    HC: tl.constexpr,
+    HC_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_PER_PROGRAM: tl.constexpr,
+):
+    """new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * x[t, j, d], in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    streams = tl.arange(0, HC_PAD)  # k
+    is_stream = streams < HC
+    post = tl.load(post_ptr + t * HC + streams, mask=is_stream, other=0.0)
+    d_begin = tl.program_id(1) * D_PER_PROGRAM
+    for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+        d = d_begin + d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        mixed = tl.zeros([HC_PAD, BLOCK_D], dtype=tl.float32)
+        for src in tl.static_range(HC):  # j
+            x = tl.load(x_ptr + (t * HC + src) * dim + d, mask=d_mask, other=0.0)
+            weight = tl.load(comb_ptr + (t * HC + src) * HC + streams, mask=is_stream, other=0.0)
+            mixed += weight[:, None] * x.to(tl.float32)[None, :]
+        out = tl.load(out_ptr + t * dim + d, mask=d_mask, other=0.0).to(tl.float32)
+        new = post[:, None] * out[None, :] + mixed
+        tl.store(
+            new_ptr + (t * HC + streams[:, None]) * dim + d[None, :],
+            new.to(new_ptr.dtype.element_ty),
+            mask=is_stream[:, None] & d_mask[None, :],
+        )
+
+
+def hc_post(
+    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """Hyper-connection, exit side: new[k] = post[k] * out + sum_j comb[j, k] * x[j].
+
+    out: [T, D]; x: [T, hc, D]; post: [T, hc] fp32; comb: [T, hc, hc] fp32 -> [T, hc, D] in
+    x's dtype (computed in fp32, rounded once).
+    """
+    num_tokens, hc, dim = x.shape
+    assert out.shape == (num_tokens, dim), f"hc_post: out {tuple(out.shape)}, x {tuple(x.shape)}"
+    assert post.shape == (num_tokens, hc) and comb.shape == (num_tokens, hc, hc), (
+        f"hc_post: post {tuple(post.shape)}, comb {tuple(comb.shape)}, x {tuple(x.shape)}"
+    )
+    out, x = out.contiguous(), x.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    new = torch.empty_like(x)
+    if num_tokens == 0:
+        return new
+    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, _num_sms(x.device))
+    _hc_post_kernel[(num_tokens, num_d_programs)](
+        out,
+        x,
+        post,
+        comb,
+        new,
+        dim,
+        HC=hc,
+        HC_PAD=triton.next_power_of_2(hc),
+        BLOCK_D=block_d,
+        D_PER_PROGRAM=d_per_program,
+        num_warps=4,
+    )
+    return new

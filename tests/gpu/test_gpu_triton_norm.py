@@ -1,0 +1,174 @@
+"""The Triton norm kernels on CUDA against torch_ref on the CPU, at DeepSeek-V4-Flash shapes.
+
+D = 4096, hc = 4 (K = hc * D = 16384, 24 mix columns), T in {1 (decode), 64, 4096 (prefill)}.
+Inputs are drawn in fp32 on the CPU and rounded to bf16 once; the reference computes in fp32 from
+those same values on the CPU (TF32 cannot enter it), so in the bf16 cases the error measured is
+the kernels' own arithmetic and output rounding. Error: ||out - ref|| / ||ref||. One bf16
+rounding is at most 2^-8 = 3.9e-3 relative (~1.7e-3 RMS over many elements).
+
+Triton is imported inside the fixture, not at collection: importing it compiled here would stop
+tests/test_triton_norm.py from switching it to the interpreter in a CPU-only session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+
+from deepinfer.ops.norm import torch_ref
+
+pytestmark = pytest.mark.gpu
+
+HC, DIM, NORM_EPS, HC_EPS, SINKHORN_ITERS = 4, 4096, 1e-6, 1e-6, 20
+NUM_TOKENS = [1, 64, 4096]
+
+# fp32: exact IEEE products (tl.dot input_precision "ieee") and IEEE division in Sinkhorn; only
+# the summation order and the exp/rsqrt approximations (~2 ulp) differ from the CPU.
+FP32_TOL = 1e-5
+# bf16, output rounding only: statistics in fp32 from the bf16 inputs, one rounding at the end.
+RMS_NORM_BF16_TOL = 3e-3
+# bf16 x, fp32 fn: x is exact in tf32, the dot runs tf32x3 (fp32-grade products) on tensor cores,
+# whose fp32 accumulation over K = 16384 is the one looser step; post and comb are fp32 outputs.
+HC_MIX_BF16_TOL = 2e-3
+# bf16 stream outputs (collapsed, hc_post): fp32 math, one rounding to bf16.
+HC_STREAM_BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def norm_triton() -> ModuleType:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process (the CPU tests); run tests/gpu alone")
+    pytest.importorskip("triton")
+    from deepinfer.ops.norm import triton as module
+
+    return module
+
+
+def _bf16(*shape: int, gen: torch.Generator, std: float = 1.0) -> torch.Tensor:
+    """fp32 CPU values that bf16 represents exactly."""
+    return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16).float()
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float().cpu()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _hc_inputs(
+    num_tokens: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (bf16-exact), fn, scale, base on the CPU, none zero: fn ~ N(0, 1/K) makes the mix
+    ~N(0, 1), so the gates and the softmax are far from saturated."""
+    mix_size, k = (2 + HC) * HC, HC * DIM
+    x = _bf16(num_tokens, HC, DIM, gen=gen, std=2.0)
+    fn = torch.randn(mix_size, k, generator=gen) * k**-0.5
+    scale = 0.5 + torch.rand(3, generator=gen)
+    base = 0.5 * torch.randn(mix_size, generator=gen)
+    return x, fn, scale, base
+
+
+def _cuda(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to("cuda", dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
+    """Weighted over D (attn_norm), unweighted over the flat hc * D = 16384 (the widest row)."""
+    tol = FP32_TOL if dtype == torch.float32 else RMS_NORM_BF16_TOL
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, flat = _bf16(num_tokens, DIM, gen=gen, std=3.0), _bf16(num_tokens, HC * DIM, gen=gen)
+    weight = 1 + 0.1 * torch.randn(DIM, generator=gen)
+    out = norm_triton.rms_norm(x.to("cuda", dtype), weight.cuda(), NORM_EPS)
+    assert out.dtype == dtype
+    assert _rel_err(out, torch_ref.rms_norm(x, weight, NORM_EPS)) < tol
+    out = norm_triton.rms_norm(flat.to("cuda", dtype), None, NORM_EPS)
+    assert _rel_err(out, torch_ref.rms_norm(flat, None, NORM_EPS)) < tol
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(100 + num_tokens)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+    ref = torch_ref.hc_pre(x, fn, scale, base, *hc)
+    weights = _cuda(torch.float32, fn, scale, base)
+    post, comb, collapsed = norm_triton.hc_pre(x.to("cuda", dtype), *weights, *hc)
+    assert (post.dtype, comb.dtype, collapsed.dtype) == (torch.float32, torch.float32, dtype)
+    mix_tol = FP32_TOL if dtype == torch.float32 else HC_MIX_BF16_TOL
+    stream_tol = FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL
+    assert _rel_err(post, ref[0]) < mix_tol
+    assert _rel_err(comb, ref[1]) < mix_tol
+    assert _rel_err(collapsed, ref[2]) < stream_tol
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(200 + num_tokens)
+    x, out = _bf16(num_tokens, HC, DIM, gen=gen), _bf16(num_tokens, DIM, gen=gen)
+    post = 2 * torch.rand(num_tokens, HC, generator=gen)
+    comb = torch.randn(num_tokens, HC, HC, generator=gen).softmax(-1)  # j and k not symmetric
+    ref = torch_ref.hc_post(out, x, post, comb)
+    new = norm_triton.hc_post(*_cuda(dtype, out, x), *_cuda(torch.float32, post, comb))
+    assert new.dtype == dtype
+    assert _rel_err(new, ref) < (FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL)
+
+
+def test_decode_step_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
+    """hc_pre and hc_post never wait on the host (a sync would abort the capture), and a replay
+    on new inputs reproduces the eager results bit for bit (no atomics: deterministic)."""
+    gen = torch.Generator().manual_seed(300)
+    x, fn, scale, base = _hc_inputs(1, gen)
+    x, (fn, scale, base) = x.to("cuda", torch.bfloat16), _cuda(torch.float32, fn, scale, base)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        post, comb, collapsed = norm_triton.hc_pre(x, fn, scale, base, *hc)
+        return post, comb, collapsed, norm_triton.hc_post(collapsed, x, post, comb)
+
+    step()  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.copy_(_bf16(1, HC, DIM, gen=gen).cuda())
+    graph.replay()
+    for got, want in zip(captured, step(), strict=True):
+        assert torch.equal(got, want)
+
+
+def _cuda_time_us(fn: Callable[[], object], iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4096])
+def test_hc_pre_time(
+    norm_triton: ModuleType, record_figure: Callable[[str], None], num_tokens: int
+) -> None:
+    """Figures for the results file; at decode the fused kernels beat torch_ref's ~70 launches."""
+    gen = torch.Generator().manual_seed(400)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    x, (fn, scale, base) = x.to("cuda", torch.bfloat16), _cuda(torch.float32, fn, scale, base)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+    fused = _cuda_time_us(lambda: norm_triton.hc_pre(x, fn, scale, base, *hc))
+    reference = _cuda_time_us(lambda: torch_ref.hc_pre(x, fn, scale, base, *hc))
+    record_figure(
+        f"hc_pre T={num_tokens} bf16: triton {fused:.1f} us, torch_ref {reference:.1f} us"
+    )
+    if num_tokens == 1:
+        assert fused < reference

@@ -1,0 +1,158 @@
+"""The Triton norm kernels against torch_ref, on the CPU through Triton's interpreter.
+
+Triton chooses interpreted or compiled when it is imported (its own ``tl`` helpers are kernels
+too), so TRITON_INTERPRET is set before anything imports it; a session that imported triton
+compiled first cannot interpret, and this module then skips with that reason. bf16 tl.dot is
+broken in the interpreter, so the cases run fp32 (the kernels' IEEE dot) at tiny shapes; the hc
+tiles are shrunk to 16 and the SM count faked, so that D = 40 and K = 160 leave masked tails, and
+the split-K (empty splits included), split-D and single-program paths all run.
+tests/gpu/test_gpu_triton_norm.py covers bf16 and the production shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_TRITON_WAS_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
+
+from collections.abc import Iterator  # noqa: E402
+from types import ModuleType  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+if _TRITON_WAS_COMPILED:
+    pytest.skip(
+        "triton was imported compiled earlier in this process; run this file on its own",
+        allow_module_level=True,
+    )
+
+from deepinfer.ops.norm import BACKENDS, torch_ref  # noqa: E402
+
+# fp32 against fp32: the kernels differ from torch only in summation order and the exp/rsqrt
+# approximations (the interpreter: numpy; errors seen ~1e-7).
+FP32_TOL = 1e-5
+HC, EPS = 4, 1e-6
+
+
+@pytest.fixture(scope="module")
+def norm_triton() -> Iterator[ModuleType]:
+    """The backend module, with TRITON_INTERPRET kept set while it runs (another test module
+    may restore the variable at its teardown; the interpreter checks it while kernels run)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from deepinfer.ops.norm import triton as module
+
+    yield module
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture
+def small_tiles(norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norm_triton, "HC_BLOCK_K", 16)
+    monkeypatch.setattr(norm_triton, "HC_BLOCK_D", 16)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.dtype)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _hc_inputs(
+    num_tokens: int, dim: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, fn, scale, base, none of them zero (the checkpoint's are not): fn ~ N(0, 1/K) makes
+    the mix ~N(0, 1), so the sigmoids and the softmax are far from saturated."""
+    mix_size, k = (2 + HC) * HC, HC * dim
+    x = torch.randn(num_tokens, HC, dim, generator=gen) * 2
+    fn = torch.randn(mix_size, k, generator=gen) * k**-0.5
+    scale = 0.5 + torch.rand(3, generator=gen)
+    base = 0.5 * torch.randn(mix_size, generator=gen)
+    return x, fn, scale, base
+
+
+def test_registered_before_torch_ref() -> None:
+    assert BACKENDS.names == ["triton", "torch_ref"]
+    assert BACKENDS.select("auto", torch.device("cpu")) is torch_ref
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (3, 7, 64), (1, 32), (2, 1000)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm(norm_triton: ModuleType, shape: tuple[int, ...], weighted: bool) -> None:
+    gen = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = torch.randn(shape, generator=gen) * 3
+    weight = 1 + 0.1 * torch.randn(shape[-1], generator=gen) if weighted else None
+    ref = torch_ref.rms_norm(x, weight, EPS)
+    assert _rel_err(norm_triton.rms_norm(x, weight, EPS), ref) < FP32_TOL
+
+
+def test_rms_norm_strided_rows(norm_triton: ModuleType) -> None:
+    """A column slice: rows are not contiguous with each other, the kernel reads them strided."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 96, generator=gen)[:, 16:80]  # [6, 64], row stride 96
+    weight = torch.rand(64, generator=gen) + 0.5
+    out = norm_triton.rms_norm(x, weight, EPS)
+    assert _rel_err(out, torch_ref.rms_norm(x, weight, EPS)) < FP32_TOL
+
+
+# (T, D, SMs): T = 1 with many SMs splits K 8 ways (K = 160 fills only 5: 3 splits are empty)
+# and D over 3 programs; T = 3 splits both a little; T = 17 with one SM runs one program per
+# token tile, looping over K and D.
+HC_CASES = [(1, 40, 1000), (3, 40, 4), (17, 32, 1)]
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
+@pytest.mark.parametrize(("hc_eps", "sinkhorn_iters"), [(1e-6, 20), (0.1, 3)])
+def test_hc_pre(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> None:
+    """hc_eps 0.1 makes a misplaced eps (softmax, row or column sums) show far above FP32_TOL."""
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + sinkhorn_iters)
+    inputs = _hc_inputs(num_tokens, dim, gen)
+    ref = torch_ref.hc_pre(*inputs, sinkhorn_iters, hc_eps, EPS)
+    out = norm_triton.hc_pre(*inputs, sinkhorn_iters, hc_eps, EPS)
+    for name, o, r in zip(("post", "comb", "collapsed"), out, ref, strict=True):
+        assert _rel_err(o, r) < FP32_TOL, name
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
+def test_hc_post(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+) -> None:
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim)
+    x = torch.randn(num_tokens, HC, dim, generator=gen)
+    out = torch.randn(num_tokens, dim, generator=gen)
+    post = 2 * torch.rand(num_tokens, HC, generator=gen)
+    comb = torch.randn(num_tokens, HC, HC, generator=gen).softmax(-1)  # not symmetric: j, k matter
+    ref = torch_ref.hc_post(out, x, post, comb)
+    assert _rel_err(norm_triton.hc_post(out, x, post, comb), ref) < FP32_TOL
+
+
+def test_no_tokens(norm_triton: ModuleType) -> None:
+    """An empty batch launches nothing and returns empty outputs of the right shapes."""
+    x, fn, scale, base = _hc_inputs(0, 32, torch.Generator().manual_seed(0))
+    post, comb, collapsed = norm_triton.hc_pre(x, fn, scale, base, 20, EPS, EPS)
+    assert (post.shape, comb.shape, collapsed.shape) == ((0, HC), (0, HC, HC), (0, 32))
+    assert norm_triton.hc_post(collapsed, x, post, comb).shape == (0, HC, 32)
+    assert norm_triton.rms_norm(collapsed, None, EPS).shape == (0, 32)
