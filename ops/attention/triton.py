@@ -1,0 +1,459 @@
+"""Sparse attention with sinks and the Lightning indexer's scores, Triton kernels for CUDA.
+
+Same contract as torch_ref (the oracle). Both ops are shared-KV multi-query: one kv row is key
+and value for every head, so for one query token the heads form the M dimension of the matmuls
+(FlashMLA's sparse formulation) and a gathered kv tile is read once per block of heads:
+
+    q tile [BLOCK_H, D] x gathered kv tile [BLOCK_N, D]^T -> logits [BLOCK_H, BLOCK_N]
+    probs  [BLOCK_H, BLOCK_N] x the same kv tile [BLOCK_N, D] -> acc [BLOCK_H, D]
+
+``sparse_attention`` walks one query token's key list, the concatenation of its sources' index
+lists, in tiles of BLOCK_N positions with an online (flash) softmax in fp32; a tile may straddle
+two sources, as every key carries its own row pointer. Decode has too few (token, head block)
+programs to fill the GPU, so the list is cut into splits (flash-decoding), each program writing
+a partial (max, sum, acc) in fp32 that a combine kernel merges with the sink::
+
+    key list of token t:  | source 0 (L0) | source 1 (L1)        | source 2 (L2)           |
+    splits:               | split 0            | split 1            | split 2       |
+                          (keys_per_split each, a whole number of BLOCK_N tiles)
+
+    partials, fp32:  m, l [T, H, S]   acc [T, H, S, D]   (S = splits; m in log2 units)
+
+With one split the attention kernel applies the sink and writes the output itself.
+
+``indexer_scores`` runs one program per (token, block of entries); blocks past the token's
+visible entries only write -inf.
+
+Inputs are bf16 in production (tensor-core dots, fp32 accumulation) or fp32 in the parity mode,
+where every dot runs in IEEE fp32 (``input_precision="ieee"``) to match the CPU to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(math.log2(math.e))
+# SMs assumed where torch cannot ask the device (Triton's CPU interpreter): an H200's.
+_DEFAULT_NUM_SMS = 132
+# The running max starts finite, so a tile with no valid key gives exp2(-inf - m) = 0 and a
+# rescale of exp2(0) = 1, never exp2(-inf + inf) = NaN.
+_M_INIT = tl.constexpr(-1e30)
+
+
+@dataclass(frozen=True)
+class _AttentionConfig:
+    block_h: int  # heads per program (the M of the dots)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int = 2
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _attention_config(dtype: torch.dtype, num_heads: int) -> _AttentionConfig:
+    """Tiles that compile without register spills for D = 512 on sm_90 (ptxas -v, Triton 3.6).
+
+    A program keeps q [BLOCK_H, D] as the A operand of mma in registers in every warp, plus
+    acc [BLOCK_H, D] fp32: 16 heads x 32 keys over 4 warps spills (255 registers), 32 heads x
+    32 keys over 8 warps does not (~200), nor do 16 x 16 over 4 warps bf16 (~170) or 16 x 16
+    over 8 warps fp32 (~175, IEEE dots on CUDA cores).
+    """
+    if dtype == torch.float32:
+        return _AttentionConfig(block_h=16, block_n=16, num_warps=8)
+    if num_heads > 16:
+        return _AttentionConfig(block_h=32, block_n=32, num_warps=8)
+    return _AttentionConfig(block_h=16, block_n=16, num_warps=4)
+
+
+def _split_keys(
+    num_q: int, num_head_blocks: int, num_keys: int, block_n: int, num_sms: int
+) -> tuple[int, int]:
+    """(number of splits, keys per split) of every token's key list.
+
+    Enough splits that (tokens x head blocks x splits) programs fill the SMs, each split at least
+    one tile; splits get whole tiles and none is empty.
+    """
+    num_tiles = max(triton.cdiv(num_keys, block_n), 1)
+    wanted = min(triton.cdiv(num_sms, num_q * num_head_blocks), num_tiles)
+    tiles_per_split = triton.cdiv(num_tiles, max(wanted, 1))
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split * block_n
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # "tf32" is the default and is ignored for 16-bit inputs; fp32 inputs must stay IEEE.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _gather_source(rows, kv_rows, pos, kv_ptr, idx_ptr, stride_kv, first, length):
+    """Rows of one source for the key positions pos [BLOCK_N] of the token's concatenated list.
+
+    The source holds positions [first, first + length); idx_ptr points at the token's index row
+    of it. Positions elsewhere keep the rows (int64, -1 = no key) and row pointers kv_rows they
+    came with; only this source's positions load an index.
+    """
+    local = pos - first
+    here = (local >= 0) & (local < length)
+    source_rows = tl.load(idx_ptr + local, mask=here, other=-1).to(tl.int64)
+    rows = tl.where(here, source_rows, rows)
+    kv_rows = tl.where(here, kv_ptr + source_rows * stride_kv, kv_rows)
+    return rows, kv_rows
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr,
+    sinks_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    kv0_ptr,
+    idx0_ptr,
+    kv1_ptr,
+    idx1_ptr,
+    kv2_ptr,
+    idx2_ptr,
+    stride_kv0,
+    stride_idx0,
+    len0,
+    stride_kv1,
+    stride_idx1,
+    len1,
+    stride_kv2,
+    stride_idx2,
+    len2,
+    num_heads,
+    keys_per_split,
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SOURCES: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (T, cdiv(H, BLOCK_H), S): token, head block, split of the token's key list.
+
+    q, out: [T, H, D] contiguous. Source s: kv [N_s, D] (row stride stride_kv{s}), idx [T, L_s]
+    (row stride stride_idx{s}, unit column stride). IS_SPLIT: write the partials m, l [T, H, S]
+    and acc [T, H, S, D] (fp32) for the combine kernel; else apply the sink and write out.
+
+    One loop walks the split's positions of the concatenated key list: each tile gathers its
+    rows from whichever sources they fall in (a row pointer per key), so tiles stay full across
+    source boundaries and the loop is pipelined once. Holes (-1) load nothing and score -inf.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_mask = heads < num_heads
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+
+    q_ptrs = q_ptr + (t * num_heads + heads)[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    m_i = tl.full([BLOCK_H], _M_INIT, dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+
+    idx0_row = idx0_ptr + t * stride_idx0
+    idx1_row = idx1_ptr + t * stride_idx1
+    idx2_row = idx2_ptr + t * stride_idx2
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, len0 + len1 + len2)
+    for tile in range(0, keys_per_split, BLOCK_N):
+        pos = lo + tile + offs_n
+        pos = tl.where(pos < hi, pos, -1)  # past the split: in no source
+        rows = tl.full([BLOCK_N], -1, dtype=tl.int64)
+        # Row pointers start at kv0's row 0, not at rows * stride: a provably aligned base
+        # keeps the gather below vectorised (16-byte loads), where row -1 would not.
+        kv_rows = kv0_ptr + tl.zeros([BLOCK_N], dtype=tl.int64)
+        rows, kv_rows = _gather_source(rows, kv_rows, pos, kv0_ptr, idx0_row, stride_kv0, 0, len0)
+        if NUM_SOURCES > 1:
+            rows, kv_rows = _gather_source(
+                rows, kv_rows, pos, kv1_ptr, idx1_row, stride_kv1, len0, len1
+            )
+        if NUM_SOURCES > 2:
+            rows, kv_rows = _gather_source(
+                rows, kv_rows, pos, kv2_ptr, idx2_row, stride_kv2, len0 + len1, len2
+            )
+        valid = rows >= 0
+        kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if IS_SPLIT:
+        num_splits = tl.num_programs(2)
+        part = (t * num_heads + heads) * num_splits + split  # [BLOCK_H] row of m, l, acc
+        tl.store(part_m_ptr + part, m_i, mask=head_mask)
+        tl.store(part_l_ptr + part, l_i, mask=head_mask)
+        acc_ptrs = part_acc_ptr + part[:, None] * D + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=head_mask[:, None])
+    else:
+        # exp(sink) joins the denominator: with m = max(m_i, sink), the weights are rescaled
+        # by exp2(m_i - m); a query without keys (l_i = 0) gets acc = 0, output 0.
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * _LOG2E
+        m = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m)
+        inv_denom = alpha / (l_i * alpha + tl.exp2(sink - m))
+        out = acc * inv_denom[:, None]
+        out_ptrs = out_ptr + (t * num_heads + heads)[:, None] * D + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    sinks_ptr,
+    out_ptr,
+    num_heads,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (T, H, D // BLOCK_D): merge the S partials of one (token, head) with the sink.
+
+    out[t, h] = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink - m)), w_s = exp2(m_s - m), where
+    m = max(max_s m_s, sink), all in log2 units.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    split_mask = offs_s < num_splits
+    part = (t * num_heads + h) * num_splits + offs_s  # [BLOCK_S]
+    m_s = tl.load(part_m_ptr + part, mask=split_mask, other=_M_INIT)
+    l_s = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    acc_ptrs = part_acc_ptr + part[:, None] * D + offs_d[None, :]
+    acc_s = tl.load(acc_ptrs, mask=split_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+    sink = tl.load(sinks_ptr + h) * _LOG2E
+    m = tl.maximum(tl.max(m_s, axis=0), sink)
+    weight = tl.exp2(m_s - m)
+    denom = tl.sum(l_s * weight, axis=0) + tl.exp2(sink - m)
+    out = tl.sum(acc_s * weight[:, None], axis=0) / denom
+    tl.store(out_ptr + (t * num_heads + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
+
+    q: [T, H, D] bf16/fp16/fp32, D a power of two >= 16. sources: 1 to 3 (kv [N, D] in q's
+    dtype with unit column stride, idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
+    Returns [T, H, D] in q's dtype; a query with no keys outputs zeros.
+    """
+    num_q, num_heads, dim = q.shape
+    assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
+    assert dim >= 16 and dim & (dim - 1) == 0, f"head dim must be a power of two >= 16, got {dim}"
+    out = torch.empty((num_q, num_heads, dim), dtype=q.dtype, device=q.device)
+    if num_q == 0:
+        return out
+    q = q.contiguous()
+    sinks = sinks.float().contiguous()
+    # Absent sources repeat the first with length 0: never read, as NUM_SOURCES is constexpr.
+    padded = [*sources] + [sources[0]] * (3 - len(sources))
+    source_ptrs: list[torch.Tensor] = []
+    source_sizes: list[int] = []
+    for s, (kv, idx) in enumerate(padded):
+        assert kv.dtype == q.dtype and kv.shape[1] == dim and kv.stride(1) == 1, (
+            f"kv {tuple(kv.shape)} {kv.dtype} strides {kv.stride()} vs q {tuple(q.shape)} {q.dtype}"
+        )
+        assert idx.shape[0] == num_q, f"idx {tuple(idx.shape)} for {num_q} query tokens"
+        idx = idx if idx.stride(1) == 1 else idx.contiguous()
+        source_ptrs += [kv, idx]
+        source_sizes += [kv.stride(0), idx.stride(0), idx.shape[1] if s < len(sources) else 0]
+    num_keys = sum(idx.shape[1] for _, idx in sources)
+
+    num_sms = _num_sms(q.device)
+    config = _attention_config(q.dtype, num_heads)
+    num_head_blocks = triton.cdiv(num_heads, config.block_h)
+    num_splits, keys_per_split = _split_keys(
+        num_q, num_head_blocks, num_keys, config.block_n, num_sms
+    )
+    is_split = num_splits > 1
+    if is_split:
+        part_m = torch.empty((num_q, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(
+            (num_q, num_heads, num_splits, dim), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_m = part_l = part_acc = out  # unused: IS_SPLIT is constexpr
+    _sparse_attention_kernel[(num_q, num_head_blocks, num_splits)](
+        q,
+        sinks,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        *source_ptrs,
+        *source_sizes,
+        num_heads,
+        keys_per_split,
+        scale * _LOG2E.value,
+        D=dim,
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        NUM_SOURCES=len(sources),
+        IS_SPLIT=is_split,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if is_split:
+        block_d = min(dim, 128)
+        _combine_splits_kernel[(num_q, num_heads, dim // block_d)](
+            part_m,
+            part_l,
+            part_acc,
+            sinks,
+            out,
+            num_heads,
+            num_splits,
+            D=dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,
+    weights_ptr,
+    keys_ptr,
+    entry_rows_ptr,
+    token_req_ptr,
+    num_visible_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_wh,
+    stride_keys,
+    stride_entry_b,
+    stride_entry_n,
+    num_heads,
+    num_entries,
+    score_scale,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (T, cdiv(N, BLOCK_N)): the scores of one token over one block of its entries.
+
+    out [T, N] fp32 contiguous. Entries at or past num_visible[t] are neither looked up in
+    entry_rows nor loaded from keys (their rows may be garbage): they score -inf.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK_N
+    n = first + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + t * num_entries + n
+    num_visible = tl.load(num_visible_ptr + t)
+    if first < num_visible:
+        visible = (n < num_visible) & (n < num_entries)
+        req = tl.load(token_req_ptr + t).to(tl.int64)
+        rows = tl.load(
+            entry_rows_ptr + req * stride_entry_b + n * stride_entry_n, mask=visible, other=0
+        )
+        offs_d = tl.arange(0, D)
+        k_ptrs = keys_ptr + rows.to(tl.int64)[:, None] * stride_keys + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
+        heads = tl.arange(0, BLOCK_H)
+        head_mask = heads < num_heads
+        q_ptrs = q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, D]
+        w = tl.load(weights_ptr + t * stride_wt + heads * stride_wh, mask=head_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+        scores = tl.sum(tl.maximum(s, 0.0) * w.to(tl.float32)[:, None], axis=0) * score_scale
+        tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=n < num_entries)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < num_entries)
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    num_visible: torch.Tensor,
+) -> torch.Tensor:
+    """Lightning indexer scores of every query token over its request's compressed entries.
+
+    q: [T, Hi, Di] (roped; Di a power of two >= 16); weights: [T, Hi] (already scaled by
+    Hi^-0.5); keys: [P, Di] in q's dtype, unit column stride; entry_rows: [B, N] integer rows of
+    keys (any value at or past a request's entry count); token_req: [T]; num_visible: [T].
+    Returns [T, N] fp32: sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where
+    n >= num_visible[t].
+    """
+    num_q, num_heads, dim = q.shape
+    num_entries = entry_rows.shape[1]
+    assert dim >= 16 and dim & (dim - 1) == 0, (
+        f"indexer dim must be a power of two >= 16, got {dim}"
+    )
+    assert keys.dtype == q.dtype and keys.shape[1] == dim and keys.stride(1) == 1, (
+        f"keys {tuple(keys.shape)} {keys.dtype} strides {keys.stride()} vs q {tuple(q.shape)}"
+    )
+    out = torch.empty((num_q, num_entries), dtype=torch.float32, device=q.device)
+    if num_q == 0 or num_entries == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    token_req, num_visible = token_req.contiguous(), num_visible.contiguous()  # read at [t]
+    # 64 entries a program: decode (T = 1, N = 8192) still gets 128 programs. bf16 runs one
+    # wgmma (~75 registers); fp32's IEEE dot on CUDA cores holds its operands in registers and
+    # spills below 16 warps (ptxas -v, sm_90).
+    block_n = 64
+    num_warps = 16 if q.dtype == torch.float32 else 4
+    _indexer_scores_kernel[(num_q, triton.cdiv(num_entries, block_n))](
+        q,
+        weights,
+        keys,
+        entry_rows,
+        token_req,
+        num_visible,
+        out,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        keys.stride(0),
+        entry_rows.stride(0),
+        entry_rows.stride(1),
+        num_heads,
+        num_entries,
+        dim**-0.5,
+        D=dim,
+        BLOCK_H=max(triton.next_power_of_2(num_heads), 16),
+        BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps,
+    )
+    return out

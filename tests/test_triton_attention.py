@@ -1,0 +1,196 @@
+"""The Triton attention kernels against torch_ref (the oracle), on the CPU through Triton's
+interpreter, in fp32 (the interpreter's bf16 dots are not meaningful).
+
+Shapes are tiny (the interpreter runs every program in numpy) but reach every path: 1 to 3 key
+sources, -1 holes anywhere (whole tiles of them too), a query with no keys, one split and many
+(split-KV decode, whose splits cross source boundaries), head counts that leave a block part
+empty, and indexer entries past num_visible that hold garbage rows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# Triton decides interpreted or compiled when it decorates a kernel (its own tl helpers at
+# import), and the choice sticks for the process: interpret only where nothing runs compiled.
+if torch.cuda.is_available():
+    pytest.skip(
+        "CUDA is present: tests/gpu/test_gpu_triton_attention.py runs these kernels compiled "
+        "(TRITON_INTERPRET would make every later kernel of this process interpreted)",
+        allow_module_level=True,
+    )
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "triton was imported compiled earlier in this process; run this file on its own",
+        allow_module_level=True,
+    )
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
+
+pytest.importorskip("triton")
+
+from triton.runtime import interpreter
+
+from deepinfer.ops.attention import BACKENDS
+from deepinfer.ops.attention import torch_ref as ref
+
+
+def _fix_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter makes a runtime loop bound an int with int(array of shape [1]),
+    which numpy >= 2.4 refuses (triton-lang/triton#9171); squeeze first, as the upstream fix
+    does. The kernels loop over runtime key counts: constexpr ones would compile per count."""
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_interpreter_scalars()
+
+from deepinfer.ops.attention import triton as kernels  # noqa: E402
+
+SEEDS = [0, 1]
+
+
+def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out - expected).norm() / expected.norm()).item()
+
+
+def _index_lists(
+    gen: torch.Generator, num_q: int, length: int, num_rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[num_q, length] rows of a kv of num_rows, ~20% of them -1 holes at random places."""
+    idx = torch.randint(0, num_rows, (num_q, length), generator=gen)
+    holes = torch.rand(num_q, length, generator=gen) < 0.2
+    return idx.masked_fill(holes, -1).to(dtype)
+
+
+def _sources(
+    gen: torch.Generator, num_q: int, lengths: tuple[int, ...], dim: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (kv, idx) per length; idx alternates int32 and int64, as the model may pass both."""
+    sources = []
+    for i, length in enumerate(lengths):
+        num_rows = length + 7
+        kv = torch.randn(num_rows, dim, generator=gen)
+        dtype = torch.int32 if i % 2 == 0 else torch.int64
+        sources.append((kv, _index_lists(gen, num_q, length, num_rows, dtype)))
+    return sources
+
+
+# fp32 throughout: only the summation order differs from the reference (observed ~4e-7).
+ATTENTION_REL_TOL = 1e-5
+ATTENTION_ABS_TOL = 1e-5
+
+# (name, T, H, D, key count per source, SMs assumed): 132 is an H200's; 1 forces one split.
+ATTENTION_CASES = [
+    ("one_source", 3, 4, 32, (37,), 132),
+    ("two_sources", 3, 4, 32, (5, 41), 132),
+    ("three_sources", 3, 4, 32, (3, 20, 45), 132),
+    ("three_sources_one_split", 3, 4, 32, (3, 20, 45), 1),
+    ("decode", 1, 8, 64, (1, 64, 200), 132),
+    ("prefill", 40, 4, 32, (8, 16, 24), 132),
+    ("prefill_one_split", 40, 4, 32, (8, 16, 24), 1),
+    ("two_head_blocks", 5, 20, 32, (4, 30), 132),
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("name", "num_q", "num_heads", "dim", "lengths", "num_sms"),
+    ATTENTION_CASES,
+    ids=[case[0] for case in ATTENTION_CASES],
+)
+def test_sparse_attention_matches_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    seed: int,
+    name: str,
+    num_q: int,
+    num_heads: int,
+    dim: int,
+    lengths: tuple[int, ...],
+    num_sms: int,
+) -> None:
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(seed)
+    q = 2 * torch.randn(num_q, num_heads, dim, generator=gen)  # peaked softmax rows
+    sources = _sources(gen, num_q, lengths, dim)
+    if num_q > 1:
+        for _, idx in sources:
+            idx[-1] = -1  # the last query sees no key: the sink takes all the weight, output 0
+    last_idx = sources[-1][1]
+    last_idx[0, : last_idx.shape[1] // 2] = -1  # whole tiles of holes before valid keys
+    sinks = torch.randn(num_heads, generator=gen)
+    scale = dim**-0.5
+
+    config = kernels._attention_config(q.dtype, num_heads)
+    num_head_blocks = -(-num_heads // config.block_h)
+    num_splits, _ = kernels._split_keys(
+        num_q, num_head_blocks, sum(lengths), config.block_n, num_sms
+    )
+    assert (num_splits > 1) == (num_sms > 1), f"{name}: {num_splits} splits"
+
+    out = kernels.sparse_attention(q, sources, sinks, scale)
+    expected = ref.sparse_attention(q, sources, sinks, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert num_q == 1 or not out[-1].any()
+    assert _rel_err(out, expected) < ATTENTION_REL_TOL
+    assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
+
+
+def test_sparse_attention_without_queries() -> None:
+    q, kv = torch.randn(0, 4, 32), torch.randn(5, 32)
+    out = kernels.sparse_attention(
+        q, [(kv, torch.zeros(0, 3, dtype=torch.int64))], torch.zeros(4), 1.0
+    )
+    assert out.shape == (0, 4, 32)
+
+
+# fp32: summation order only (observed ~1.5e-7), relative to the visible scores.
+INDEXER_REL_TOL = 1e-5
+
+# Tokens of two requests: num_visible 0, partial, full (= N) and past N (all visible).
+TOKEN_REQ = [0, 0, 0, 1, 1, 1, 0]
+NUM_VISIBLE = [0, 10, 133, 150, 1, 70, 97]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_heads", [4, 6])
+def test_indexer_scores_matches_reference(seed: int, num_heads: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_entries, dim, num_keys = 150, 32, 400
+    num_q = len(TOKEN_REQ)
+    q = torch.randn(num_q, num_heads, dim, generator=gen)
+    weights = torch.randn(num_q, num_heads, generator=gen) * num_heads**-0.5
+    keys = torch.randn(num_keys, dim, generator=gen)
+    entry_rows = torch.randint(0, num_keys, (2, num_entries), generator=gen)
+    # Request 0's tokens see at most 133 entries: the rest are garbage rows out of the pool
+    # (a load of one would fault or read junk), as in a partly filled block table.
+    entry_rows[0, 133:] = torch.randint(num_keys + 10**6, num_keys + 2 * 10**6, (17,))
+    entry_rows[0, 140:] = -(10**6)
+    token_req = torch.tensor(TOKEN_REQ)
+    num_visible = torch.tensor(NUM_VISIBLE, dtype=torch.int32)
+
+    out = kernels.indexer_scores(q, weights, keys, entry_rows, token_req, num_visible)
+    expected = ref.indexer_scores(q, weights, keys, entry_rows, token_req, num_visible)
+    assert out.shape == (num_q, num_entries) and out.dtype == torch.float32
+    visible = torch.arange(num_entries) < num_visible.unsqueeze(1)
+    assert torch.equal(out == float("-inf"), ~visible)
+    assert torch.isfinite(out[visible]).all()
+    assert _rel_err(out[visible], expected[visible]) < INDEXER_REL_TOL
+    scale = expected[visible].abs().max().item()
+    assert (out[visible] - expected[visible]).abs().max().item() < INDEXER_REL_TOL * scale
+
+
+def test_triton_is_preferred_but_needs_cuda() -> None:
+    assert BACKENDS.names == ["triton", "torch_ref"]
+    assert BACKENDS.select("auto", torch.device("cpu")) is ref
+    with pytest.raises(ValueError, match="triton kernels run on CUDA devices, not cpu"):
+        BACKENDS.select("triton", torch.device("cpu"))
