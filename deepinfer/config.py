@@ -116,6 +116,8 @@ class KernelConfig:
     norm: str = "auto"
     sampling: str = "auto"
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
+    # CUDA: decode-only steps of up to this many requests replay captured graphs (0: never).
+    cuda_graph_max_batch: int = 128
     # Batch-invariant results: each forward runs one token of one request (slow; see
     # ModelRunner._forward_token_by_token and benchmarks/RESULTS.md for the cost).
     deterministic: bool = False
@@ -123,6 +125,10 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"kernel.num_threads must be >= 0, got {self.num_threads}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"kernel.cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}"
+            )
 
 
 @dataclass(frozen=True)

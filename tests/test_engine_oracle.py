@@ -20,7 +20,9 @@ from oracle import (
 )
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.outputs import RequestOutput
+from deepinfer.scheduler.output import SchedulerOutput
 
 ORACLE_ATOL = 1e-4
 SELF_ATOL = 1e-5
@@ -120,3 +122,24 @@ def test_seeded_sampling_is_batch_invariant(llm_hf: LLM) -> None:
     # A different seed gives a different continuation (the seed really is used).
     reseeded = SamplingParams(temperature=0.8, top_p=0.95, seed=4321, max_tokens=NUM_NEW)
     assert llm_hf.generate([prompts[1]], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_graph_shaped_decode_steps_match_the_eager_path(llm_hf: LLM, oracle_hf_dir: Path) -> None:
+    """Decode steps as CUDA graphs run them (requests padded onto the scratch slot, entry lists
+    padded to the context bucket, a candidate window pooled for every request), run eagerly on
+    the CPU: the same tokens and logprobs as the plain path, alone."""
+    alone = _run_alone(llm_hf, _greedy())
+    padded = LLM(model=oracle_hf_dir, device="cpu", dtype="float32", block_size=16)
+    runner = padded.engine.executor
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, capture=False)
+    run = runner.graphs.run
+    steps: list[int] = []
+
+    def spy(scheduler_output: SchedulerOutput) -> torch.Tensor:
+        steps.append(len(scheduler_output.scheduled))
+        return run(scheduler_output)
+
+    runner.graphs.run = spy
+    together = padded.generate(oracle_prompts(), _greedy(), use_tqdm=False)
+    assert 3 in steps, f"no decode step of all three requests ran padded: {steps}"
+    _assert_same(alone, together)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.engine.forward_batch import ForwardBatch
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 
 
 @dataclass
@@ -37,6 +37,7 @@ class CompressPlan:
     window_rows [W, m]: rows of src forming each window closed this step (batch order);
     window_ids [W]: each window's index in its request (its entry id; rope position id * m);
     prev_slots [R']: slot of each request that closes a window (their overlap state is read);
+    prev_dst [R']: where the new overlap state goes (the same slots; scratch for a candidate);
     prev_src [W]: overlap (ratio 4) source of each window's previous-window half: i < R' is
     prev state row i, R' + g is window g of this step; has_prev [W]: False for a request's
     window 0 (zero kv, -inf gate); last_window [R']: each such request's last closed window
@@ -51,6 +52,7 @@ class CompressPlan:
     prev_slots: torch.Tensor
     prev_src: torch.Tensor
     has_prev: torch.Tensor
+    prev_dst: torch.Tensor
     last_window: torch.Tensor
     keep_windows: torch.Tensor
     entry_dst: torch.Tensor
@@ -87,12 +89,15 @@ class StepMetadata:
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """What the plans need to know about the cache: sizes of the flat views above."""
+    """What the plans need to know about the cache: sizes of the flat views above, and the
+    scratch slot and block that padded requests and discarded writes of graphed steps use."""
 
     window: int
     ring_size: int
     block_size: int
     ratios: tuple[int, ...]
+    scratch_slot: int = -1
+    scratch_block: int = -1
 
 
 Upload = Callable[[np.ndarray], torch.Tensor]
@@ -103,10 +108,26 @@ def build_metadata(
 ) -> StepMetadata:
     """The step's plans. ``upload``: host int64 [n] -> the same on the model's device (the
     executor passes its pinned staging copy); default: a plain copy to input_ids' device."""
-    seqs = batch.seqs
-    num_tokens = sum(s.num_tokens for s in seqs)
+    if upload is None:
+        device = batch.input_ids.device
+        upload = lambda flat: torch.from_numpy(flat).to(device)  # noqa: E731
+    host = plan_step(batch.seqs, geometry)
+    return metadata_views(split_flat(upload(flatten(host)), host), geometry)
+
+
+def plan_step(
+    seqs: list[SeqSpan], geometry: CacheGeometry, decode_context: int | None = None
+) -> dict[str, np.ndarray]:
+    """Every index array of the step, host int64, by name.
+
+    ``decode_context`` (decode steps captured in CUDA graphs: one token per request): shapes
+    that depend only on the number of requests and this context bound (entry lists padded to
+    decode_context // ratio), so one graph serves every step of that size; the compressors
+    then pool a candidate window for every request and write the ones that did not close to
+    the cache's scratch rows (``geometry.scratch_*``).
+    """
     token_req = np.repeat(np.arange(len(seqs)), [s.num_tokens for s in seqs])
-    win_step, win_ring, ring_src, ring_dst = _window_plan(batch, geometry)
+    win_step, win_ring, ring_src, ring_dst = _window_plan(seqs, geometry)
     host: dict[str, np.ndarray] = {
         "token_req": token_req,
         "win_step": win_step,
@@ -115,9 +136,9 @@ def build_metadata(
         "ring_dst": ring_dst,
     }
     positions = np.concatenate([np.arange(s.start_pos, s.end_pos) for s in seqs])
-    assert positions.shape[0] == num_tokens
     for ratio in geometry.ratios:
-        rows = _entry_rows(batch, geometry.block_size // ratio, ratio)
+        width = None if decode_context is None else max(1, decode_context // ratio)
+        rows = _entry_rows(seqs, geometry.block_size // ratio, ratio, width)
         visible = (positions + 1) // ratio
         host[f"entry_rows{ratio}"] = rows
         host[f"num_visible{ratio}"] = visible
@@ -125,12 +146,31 @@ def build_metadata(
         host[f"visible_idx{ratio}"] = np.where(
             entry_ids[None, :] < visible[:, None], rows[token_req], -1
         )
-        for name, value in _compress_plan(batch, geometry, ratio).items():
+        if decode_context is None:
+            plan = _compress_plan(seqs, geometry, ratio)
+        else:
+            plan = _decode_compress_plan(seqs, geometry, ratio)
+        for name, value in plan.items():
             host[f"c{ratio}.{name}"] = value
-    if upload is None:
-        device = batch.input_ids.device
-        upload = lambda flat: torch.from_numpy(flat).to(device)  # noqa: E731
-    dev = _upload(host, upload)
+    return host
+
+
+def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([a.astype(np.int64).ravel() for a in host.values()])
+
+
+def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` (as ``flatten`` laid it out) shaped like the host arrays."""
+    out, at = {}, 0
+    for name, array in host.items():
+        out[name] = flat[at : at + array.size].view(array.shape)
+        at += array.size
+    return out
+
+
+def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> StepMetadata:
+    """StepMetadata over the uploaded arrays, without copying them (a CUDA graph refills them
+    in place between replays)."""
     return StepMetadata(
         token_req=dev["token_req"],
         win_step_idx=dev["win_step"],
@@ -153,6 +193,7 @@ _PLAN_FIELDS = (
     "prev_slots",
     "prev_src",
     "has_prev",
+    "prev_dst",
     "last_window",
     "keep_windows",
     "entry_dst",
@@ -161,29 +202,15 @@ _PLAN_FIELDS = (
 )
 
 
-def _upload(host: dict[str, np.ndarray], upload: Upload) -> dict[str, torch.Tensor]:
-    """Every array as int64 in one host buffer and one copy, then split into views."""
-    buffer = upload(np.concatenate([a.astype(np.int64).ravel() for a in host.values()]))
-    out, at = {}, 0
-    for name, array in host.items():
-        out[name] = buffer[at : at + array.size].view(array.shape)
-        at += array.size
-    for name in ("win_step", "win_ring"):
-        out[name] = out[name].to(torch.int32)
-    for name in [k for k in out if k.endswith(".has_prev")]:
-        out[name] = out[name].bool()
-    return out
-
-
 def _window_plan(
-    batch: ForwardBatch, geometry: CacheGeometry
+    seqs: list[SeqSpan], geometry: CacheGeometry
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
     from this step's rows when the key is new this step, else from the ring."""
     window, ring = geometry.window, geometry.ring_size
-    max_new = max(s.num_tokens for s in batch.seqs)
+    max_new = max(s.num_tokens for s in seqs)
     step_parts, ring_parts, src_parts, dst_parts = [], [], [], []
-    for seq in batch.seqs:
+    for seq in seqs:
         pos = np.arange(seq.start_pos, seq.end_pos)[:, None]
         key = pos - np.arange(window)[None, :]  # [n, window] key positions
         valid = key >= max(seq.window_floor, 0)
@@ -200,12 +227,15 @@ def _window_plan(
     return win_step, win_ring, np.concatenate(src_parts), np.concatenate(dst_parts)
 
 
-def _entry_rows(batch: ForwardBatch, per_block: int, ratio: int) -> np.ndarray:
-    """[B, N] entry-pool row of entry n of each request, N = most entries in the batch."""
-    counts = [s.end_pos // ratio for s in batch.seqs]
-    width = max(max(counts), 1)
-    out = np.zeros((len(batch.seqs), width), dtype=np.int64)
-    for b, (seq, count) in enumerate(zip(batch.seqs, counts, strict=True)):
+def _entry_rows(seqs: list[SeqSpan], per_block: int, ratio: int, width: int | None) -> np.ndarray:
+    """[B, N] entry-pool row of entry n of each request; N = most entries in the batch, or
+    ``width`` (which must hold them)."""
+    counts = [s.end_pos // ratio for s in seqs]
+    if width is None:
+        width = max(max(counts), 1)
+    assert max(counts) <= width, f"{max(counts)} entries do not fit a width of {width}"
+    out = np.zeros((len(seqs), width), dtype=np.int64)
+    for b, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
         entries = np.arange(count)
         blocks = np.asarray(seq.block_ids, dtype=np.int64)[entries // per_block]
         out[b, :count] = blocks * per_block + entries % per_block
@@ -213,14 +243,14 @@ def _entry_rows(batch: ForwardBatch, per_block: int, ratio: int) -> np.ndarray:
 
 
 def _compress_plan(
-    batch: ForwardBatch, geometry: CacheGeometry, ratio: int
+    seqs: list[SeqSpan], geometry: CacheGeometry, ratio: int
 ) -> dict[str, np.ndarray]:
     m, per_block = ratio, geometry.block_size // ratio
-    num_bufs = sum(s.start_pos % m for s in batch.seqs)
+    num_bufs = sum(s.start_pos % m for s in seqs)
     buf_rows, window_rows, window_ids, prev_slots, prev_src, has_prev = [], [], [], [], [], []
     last_window, keep_windows, entry_dst, left_src, left_dst = [], [], [], [], []
     buf_at = num_windows = 0
-    for seq in batch.seqs:
+    for seq in seqs:
         nb = seq.start_pos % m
         first_window = seq.start_pos // m
         # src rows of the request's tokens from its open window's start, in position order.
@@ -267,9 +297,53 @@ def _compress_plan(
         "prev_slots": np.asarray(prev_slots, dtype=np.int64),
         "prev_src": cat(fixed),
         "has_prev": cat(has_prev),
+        "prev_dst": np.asarray(prev_slots, dtype=np.int64),
         "last_window": np.asarray(last_window, dtype=np.int64),
         "keep_windows": cat(keep_windows),
         "entry_dst": cat(entry_dst),
         "left_src": cat(left_src),
         "left_dst": cat(left_dst),
+    }
+
+
+def _decode_compress_plan(
+    seqs: list[SeqSpan], geometry: CacheGeometry, ratio: int
+) -> dict[str, np.ndarray]:
+    """One token per request, shapes fixed by the number of requests: request i's candidate
+    window is its slot's m - 1 buffered rows and its token. It closes when the token is the
+    window's last (position % m == m - 1); otherwise its entry and its overlap state go to the
+    scratch rows and the token joins the buffer."""
+    m, per_block = ratio, geometry.block_size // ratio
+    num = len(seqs)
+    slots = np.asarray([s.slot for s in seqs], dtype=np.int64)
+    pos = np.asarray([s.start_pos for s in seqs], dtype=np.int64)
+    assert all(s.num_tokens == 1 for s in seqs), "the decode plan takes one token per request"
+    closes = pos % m == m - 1
+    ids = pos // m
+    own_block = np.asarray([s.block_ids[i // per_block] for s, i in zip(seqs, ids, strict=True)])
+    protected = ids < np.asarray([-(-s.num_protected // m) for s in seqs], dtype=np.int64)
+    scratch_entry = geometry.scratch_block * per_block
+    scratch_buf = geometry.scratch_slot * (m - 1)
+    offsets = np.asarray([s.offset for s in seqs], dtype=np.int64)
+    return {
+        "buf_rows": (slots[:, None] * (m - 1) + np.arange(m - 1)[None, :]).ravel(),
+        "window_rows": np.concatenate(
+            [
+                np.arange(num)[:, None] * (m - 1) + np.arange(m - 1),
+                num * (m - 1) + offsets[:, None],
+            ],
+            axis=1,
+        ),
+        "window_ids": ids,
+        "prev_slots": slots,
+        "prev_src": np.arange(num),
+        "has_prev": ids > 0,
+        "prev_dst": np.where(closes, slots, geometry.scratch_slot),
+        "last_window": np.arange(num),
+        "keep_windows": np.arange(num),
+        "entry_dst": np.where(
+            closes & ~protected, own_block * per_block + ids % per_block, scratch_entry
+        ),
+        "left_src": num * (m - 1) + offsets,
+        "left_dst": np.where(closes, scratch_buf, slots * (m - 1) + pos % m),
     }

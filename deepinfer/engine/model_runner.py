@@ -21,6 +21,7 @@ from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.attention_metadata import build_metadata
+from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
 from deepinfer.kv_cache.pool import KVCache
@@ -51,6 +52,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
         self._init_staging()
+        self._init_graphs()
         self.cache_salt = self._cache_salt(model_dir)
         # The sampler draws unseeded rows from this generator on the logits' device.
         self.generator = torch.Generator(device=self.device)
@@ -190,6 +192,15 @@ class ModelRunner:
             # Recorded after each copy out of the staging buffer; waited on before refilling it.
             self._staging_read = torch.cuda.Event()
 
+    def _init_graphs(self) -> None:
+        """CUDA: decode-only steps replay captured graphs (cuda_graphs.py), captured lazily."""
+        kernel = self.config.kernel
+        max_batch = min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and max_batch > 0 and not kernel.deterministic:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch)
+            logger.info("decode CUDA graphs: batch buckets %s", self.graphs.buckets)
+
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
         layout = f"kv-v1:{self.dtype}:{self.config.cache.block_size}:{self.kv_cache.ring_size}"
@@ -227,11 +238,16 @@ class ModelRunner:
         """Run one step and return host-side samples and logprobs."""
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
         self._move_between_tiers(scheduler_output)
-        if self.config.kernel.deterministic:
+        if self.graphs is not None and self.graphs.can_run(scheduler_output):
+            logits = self.graphs.run(scheduler_output)
+            sample_rows = [(i, i) for i in range(len(scheduler_output.scheduled))]
+            prompt_rows: list[tuple[int, int, int]] = []
+        elif self.config.kernel.deterministic:
+            batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
             logits = self._forward_token_by_token(scheduler_output, sample_rows, prompt_rows)
         else:
+            batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
             logits = self.model(batch, self.kv_cache)  # [N, V] fp32
         for sched in scheduler_output.scheduled:
             if sched.save_snapshot is not None:

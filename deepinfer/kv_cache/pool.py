@@ -118,8 +118,18 @@ class KVCache:
         self._init_state_slots()
         self._init_snapshots()
 
+    # One block and one slot past the scheduler's, never allocated to a request: padded requests
+    # of a graphed decode step and the writes it discards land there.
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
     def _init_pools(self) -> None:
-        a, nb = self.args, self.num_blocks
+        a, nb = self.args, self.num_blocks + 1
         self.compressed_kv: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         for i, ratio in enumerate(a.compress_ratios):
@@ -130,7 +140,7 @@ class KVCache:
                     self.index_keys[i] = self._zeros(nb, rows, a.index_head_dim)
 
     def _init_state_slots(self) -> None:
-        a, ns = self.args, self.num_slots
+        a, ns = self.args, self.num_slots + 1
         self.window_ring = [self._zeros(ns, self.ring_size, a.head_dim) for _ in a.layer_types]
         # Compressor state per layer: {"comp": (buf_kv, buf_gate, prev_kv, prev_gate)} and
         # {"idx": ...} for the indexer's compressor (prev_* are None for HCA).
@@ -205,7 +215,7 @@ class KVCache:
             state.buf_gate[slot].zero_()
 
     def _csa_state(self, ratio: int, dim: int) -> CompressorState:
-        ns = self.num_slots
+        ns = self.num_slots + 1
         buf = self._zeros(ns, ratio - 1, 2 * dim)
         prev = self._zeros(ns, ratio, dim)
         return CompressorState(buf, buf.clone(), prev, prev.clone())
@@ -240,7 +250,14 @@ class KVCache:
     @property
     def geometry(self) -> CacheGeometry:
         ratios = tuple(sorted({r for r in self.args.compress_ratios if r}))
-        return CacheGeometry(self.args.sliding_window, self.ring_size, self.block_size, ratios)
+        return CacheGeometry(
+            self.args.sliding_window,
+            self.ring_size,
+            self.block_size,
+            ratios,
+            scratch_slot=self.scratch_slot,
+            scratch_block=self.scratch_block,
+        )
 
 
 @dataclass

@@ -86,11 +86,11 @@ class Compressor(nn.Module):
         ape_a = self.ape[:, :dim]
         cand_kv = torch.cat([state.prev_kv[plan.prev_slots], win_kv[..., :dim]])  # [R' + W, m, dim]
         cand_gate = torch.cat([state.prev_gate[plan.prev_slots] + ape_a, win_gate[..., :dim]])
-        has_prev = plan.has_prev.view(-1, 1, 1)
+        has_prev = plan.has_prev.view(-1, 1, 1).bool()
         prev_kv = torch.where(has_prev, cand_kv[plan.prev_src], 0)
         prev_gate = torch.where(has_prev, cand_gate[plan.prev_src], float("-inf"))
-        state.prev_kv[plan.prev_slots] = win_kv[plan.last_window, :, :dim].to(state.prev_kv.dtype)
-        state.prev_gate[plan.prev_slots] = raw_gate[plan.last_window, :, :dim].to(
+        state.prev_kv[plan.prev_dst] = win_kv[plan.last_window, :, :dim].to(state.prev_kv.dtype)
+        state.prev_gate[plan.prev_dst] = raw_gate[plan.last_window, :, :dim].to(
             state.prev_gate.dtype
         )
         new_kv = torch.cat([prev_kv.to(win_kv.dtype), win_kv[..., dim:]], dim=1)  # [W, 2m, dim]

@@ -1,0 +1,174 @@
+"""Decode steps replayed from CUDA graphs.
+
+    SchedulerOutput (decode only) -> padded plan (host) -> static input buffer -> graph replay
+                                                                               -> logits [B, V]
+
+A decode step's launches depend only on the number of requests and the widest entry list, so
+one graph per (batch bucket, context bucket) serves every such step: the requests are padded to
+the bucket with requests on the cache's scratch slot and block, and the entry lists to the
+context bucket (a power of two). Inputs (token ids, positions and every index plan) live in one
+static int64 buffer per graph, refilled with one copy before each replay. Graphs are captured
+the first time their shape is seen, on scratch-only inputs (so capture and its warm-up touch no
+request's cache), and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.engine.attention_metadata import flatten, metadata_views, plan_step, split_flat
+from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+MIN_CONTEXT = 256  # smallest context bucket, tokens
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [n] int64: the flattened plan, refilled before each replay
+    logits: torch.Tensor  # [bucket, V] fp32, written by each replay
+
+
+class DecodeGraphs:
+    """Producer of decode logits for the model runner; device: the model's CUDA device."""
+
+    def __init__(
+        self, model: DeepseekV4, cache: KVCache, max_batch: int, capture: bool = True
+    ) -> None:
+        """``capture`` False runs the same padded steps eagerly (on any device: the tests check
+        the padded plans on the CPU this way)."""
+        self.model, self.cache, self.capture = model, cache, capture
+        self.device = cache.device
+        self.buckets = [b for b in (1, 2, 4, 8) if b < max_batch]
+        self.buckets += [*range(16, max_batch, 16), max_batch]
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        if capture:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._staging = torch.empty(0, dtype=torch.int64, pin_memory=True)
+            self._staging_read = torch.cuda.Event()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, scheduler_output: SchedulerOutput) -> bool:
+        """Decode only: one sampled token per request, no prompt logprobs, few enough requests."""
+        scheduled = scheduler_output.scheduled
+        return 0 < len(scheduled) <= self.max_batch and all(
+            s.num_tokens == 1 and s.do_sample and not s.num_prompt_logprob_positions
+            for s in scheduled
+        )
+
+    def run(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Logits [B, V] fp32 of the step's requests, in scheduling order."""
+        scheduled = scheduler_output.scheduled
+        num_reqs = len(scheduled)
+        bucket = next(b for b in self.buckets if b >= num_reqs)
+        longest = max(s.start_pos + 1 for s in scheduled)
+        context = max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
+        seqs = [
+            SeqSpan(
+                i,
+                1,
+                s.start_pos,
+                s.state_slot,
+                list(s.block_table),
+                window_floor=s.window_floor,
+                num_protected=s.num_protected_tokens,
+            )
+            for i, s in enumerate(scheduled)
+        ]
+        token_ids = [s.token_ids[0] for s in scheduled]
+        host = self._plan(seqs, token_ids, bucket, context)
+        if not self.capture:
+            inputs = torch.from_numpy(flatten(host)).to(self.device)
+            return self.model(self._batch(inputs, host, bucket), self.cache)[:num_reqs]
+        graph = self._graphs.get((bucket, context))
+        if graph is None:
+            graph = self._capture(bucket, context)
+        self._copy_in(flatten(host), graph.inputs)
+        graph.graph.replay()
+        return graph.logits[:num_reqs]
+
+    def _plan(
+        self, seqs: list[SeqSpan], token_ids: list[int], bucket: int, context: int
+    ) -> dict[str, np.ndarray]:
+        """The padded plan: requests past ``seqs`` decode token 0 at position 0 of the scratch
+        slot and block."""
+        cache = self.cache
+        pad = [
+            SeqSpan(i, 1, 0, cache.scratch_slot, [cache.scratch_block])
+            for i in range(len(seqs), bucket)
+        ]
+        padded = seqs + pad
+        host = {
+            "input_ids": np.asarray(token_ids + [0] * len(pad), dtype=np.int64),
+            "positions": np.asarray([s.start_pos for s in padded], dtype=np.int64),
+        }
+        host.update(plan_step(padded, cache.geometry, decode_context=context))
+        return host
+
+    def _capture(self, bucket: int, context: int) -> _Graph:
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        host = self._plan([], [], bucket, context)
+        inputs = torch.from_numpy(flatten(host)).to(self.device)
+        batch = self._batch(inputs, host, bucket)
+        # Warm up on a side stream (kernel compilation, library handles), then capture.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model(batch, self.cache)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model(batch, self.cache)
+        torch.cuda.synchronize(self.device)
+        captured = _Graph(graph, inputs, logits)
+        self._graphs[bucket, context] = captured
+        logger.info(
+            "captured the decode graph for %d requests, context <= %d: %.0f ms, %+.1f MiB "
+            "reserved (%d graphs)",
+            bucket,
+            context,
+            (time.perf_counter() - started) * 1e3,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+            len(self._graphs),
+        )
+        return captured
+
+    def _batch(
+        self, inputs: torch.Tensor, host: dict[str, np.ndarray], bucket: int
+    ) -> ForwardBatch:
+        """A batch whose every input is a view of ``inputs``."""
+        dev = split_flat(inputs, host)
+        return ForwardBatch(
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
+            seqs=[],
+            logits_indices=torch.arange(bucket, device=self.device),
+            metadata=metadata_views(dev, self.cache.geometry),
+        )
+
+    def _copy_in(self, flat: np.ndarray, inputs: torch.Tensor) -> None:
+        """Host plan -> the graph's input buffer, through a pinned buffer refilled only after
+        the previous copy has read it."""
+        assert flat.shape[0] == inputs.numel(), f"plan of {flat.shape[0]} != {inputs.numel()}"
+        self._staging_read.synchronize()
+        if self._staging.numel() < flat.shape[0]:
+            self._staging = torch.empty(flat.shape[0], dtype=torch.int64, pin_memory=True)
+        host = self._staging[: flat.shape[0]]
+        host.numpy()[:] = flat
+        inputs.copy_(host, non_blocking=True)
+        self._staging_read.record()
