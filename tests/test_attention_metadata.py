@@ -10,7 +10,7 @@ from deepinfer.engine.attention_metadata import CacheGeometry, StepMetadata, bui
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 
 # Window 8, ring 12 (margin 4), blocks of 16 tokens: 4 CSA entries or 1 HCA entry per block.
-GEOMETRY = CacheGeometry(window=8, ring_size=12, block_size=16, ratios=(4, 16))
+GEOMETRY = CacheGeometry(window=8, ring_size=12, block_size=16, ratios=(4, 16), dense_ratios=(16,))
 
 
 def _metadata(*seqs: SeqSpan) -> StepMetadata:

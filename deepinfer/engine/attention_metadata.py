@@ -72,8 +72,9 @@ class StepMetadata:
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
     Per ratio m: entry_rows[m] [B, N] entry-pool row of entry n of request b (0 past its entries);
-    num_visible[m] [T] entries a query sees ((pos + 1) // m); visible_idx[m] [T, N] entry-pool
-    rows of those entries, -1 past them (HCA attends to all of them); compress[m] its plan.
+    num_visible[m] [T] entries a query sees ((pos + 1) // m); visible_idx[m] [T, N] (dense ratios
+    only: HCA attends to all of them) entry-pool rows of those entries, -1 past them;
+    compress[m] the ratio's compressor plan.
     """
 
     token_req: torch.Tensor
@@ -96,6 +97,7 @@ class CacheGeometry:
     ring_size: int
     block_size: int
     ratios: tuple[int, ...]
+    dense_ratios: tuple[int, ...] = ()  # ratios of layers attending to every entry (HCA)
     scratch_slot: int = -1
     scratch_block: int = -1
 
@@ -142,10 +144,11 @@ def plan_step(
         visible = (positions + 1) // ratio
         host[f"entry_rows{ratio}"] = rows
         host[f"num_visible{ratio}"] = visible
-        entry_ids = np.arange(rows.shape[1])
-        host[f"visible_idx{ratio}"] = np.where(
-            entry_ids[None, :] < visible[:, None], rows[token_req], -1
-        )
+        if ratio in geometry.dense_ratios:  # CSA layers attend to the indexer's picks
+            entry_ids = np.arange(rows.shape[1])
+            host[f"visible_idx{ratio}"] = np.where(
+                entry_ids[None, :] < visible[:, None], rows[token_req], -1
+            )
         if decode_context is None:
             plan = _compress_plan(seqs, geometry, ratio)
         else:
@@ -179,7 +182,7 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         ring_dst=dev["ring_dst"],
         entry_rows={m: dev[f"entry_rows{m}"] for m in geometry.ratios},
         num_visible={m: dev[f"num_visible{m}"] for m in geometry.ratios},
-        visible_idx={m: dev[f"visible_idx{m}"] for m in geometry.ratios},
+        visible_idx={m: dev[f"visible_idx{m}"] for m in geometry.dense_ratios},
         compress={
             m: CompressPlan(**{f: dev[f"c{m}.{f}"] for f in _PLAN_FIELDS}) for m in geometry.ratios
         },

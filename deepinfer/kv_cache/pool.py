@@ -249,12 +249,15 @@ class KVCache:
 
     @property
     def geometry(self) -> CacheGeometry:
-        ratios = tuple(sorted({r for r in self.args.compress_ratios if r}))
+        a = self.args
+        ratios = tuple(sorted({r for r in a.compress_ratios if r}))
+        dense = {r for r, t in zip(a.compress_ratios, a.layer_types, strict=True) if t == HCA}
         return CacheGeometry(
             self.args.sliding_window,
             self.ring_size,
             self.block_size,
             ratios,
+            dense_ratios=tuple(sorted(dense)),
             scratch_slot=self.scratch_slot,
             scratch_block=self.scratch_block,
         )
