@@ -1,0 +1,418 @@
+"""Routed experts with clamped SwiGLU as two grouped GEMMs in Triton (vLLM-style fused MoE).
+
+Data flow, all on x's CUDA device and free of host synchronisation (shapes depend only on T, k
+and E, never on the routing), so that a CUDA graph can capture it:
+
+    topk_ids [T, k]            --align_by_expert-->  sorted_pair_ids [num_blocks * BLOCK_M],
+                                                     block_expert [num_blocks]  (int32)
+    x [T, D], w1, w3 [E, I, D] --_gate_up_kernel-->  h [num_blocks * BLOCK_M, I]  (SwiGLU applied)
+    h, w2 [E, D, I]            --_down_kernel----->  pair_out [T * k, D]  (routing weight applied)
+    pair_out as [T, k, D]      --_combine_kernel-->  out [T, D]  (fp32 sum over slots 0..k-1)
+
+A pair is one (token, slot) of the routing, numbered p = t * k + j. The alignment sorts the pairs
+by expert (stable, so by p within an expert) and pads each expert's group to a multiple of
+BLOCK_M, so that every M block of the grouped GEMMs belongs to one expert:
+
+    E = 4, BLOCK_M = 4, topk_ids = [[2, 0], [2, 3], [2, 0]]   (pairs 0..5, sentinel - = 6)
+
+    sorted_pair_ids  | 1  5  -  - | 0  2  4  - | 3  -  -  - | -  -  -  - |
+    block_expert     |     0      |     2      |     3      |     -1     |
+
+Blocks past the real count (here the fourth) carry -1 and their programs return at once.
+
+D, I and k are compile-time constants of the kernels (fixed per model, and Triton's interpreter
+cannot take a runtime loop bound under numpy >= 2.4); the pair and block counts are runtime
+arguments it does not specialise on, so every T within one row of the tile table shares a binary.
+
+Every pair's expert output is written to its own row of pair_out (no atomics), and the combine
+adds a token's k rows in slot order in fp32. A token's output therefore depends only on its own
+routing and on the tile configuration, not on which other tokens share its experts' blocks: it is
+bitwise the same alone or in any batch that picks the same TileConfig (pick_tile_config keys on
+T * k, so batches in one bucket of the table agree; across buckets the GEMM tile shapes, and with
+them the summation order, differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.moe.torch_ref import swiglu
+
+__all__ = ["TileConfig", "align_by_expert", "fused_moe", "pick_tile_config", "swiglu"]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch settings shared by both grouped GEMMs.
+
+    block_m: pairs per M block (the alignment pads each expert's group to it); block_n, block_k:
+    the N (output features) and K (reduction) tiles; group_m: M blocks that sweep the N tiles
+    together, so that weight tiles are reused from L2 across an expert's blocks.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# bf16/fp16, keyed by the number of pairs T * k (first row whose bound is >= T * k). Decode is
+# memory bound on streaming the experts' weights: small M blocks, wide K tiles, deep pipelines.
+# Prefill fills M blocks (E = 256 experts: ~T * k / 256 pairs each) and wants larger tiles.
+# Shared memory per stage of the gate/up kernel is (BM * BK + 2 * BK * BN) * 2 bytes.
+_TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
+    # max T * k          block_m, block_n, block_k, group_m, num_warps, num_stages
+    (1024, TileConfig(16, 64, 128, 1, 4, 3)),
+    (8192, TileConfig(32, 64, 128, 8, 4, 3)),
+    (32768, TileConfig(64, 64, 64, 8, 4, 4)),
+    (1 << 62, TileConfig(128, 64, 64, 8, 8, 3)),
+)
+
+
+def pick_tile_config(num_pairs: int, dtype: torch.dtype) -> TileConfig:
+    """The tile configuration for T * k = ``num_pairs`` pairs of ``dtype`` activations.
+
+    fp32 (the engine's parity mode) runs the IEEE FMA dot, not tensor cores: 4-byte operands
+    held in registers, so smaller M and K tiles and two stages keep it within registers and
+    shared memory. It is for exactness, not speed.
+    """
+    config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)
+    if dtype == torch.float32:
+        return TileConfig(
+            block_m=min(config.block_m, 64),
+            block_n=64,
+            block_k=32,
+            group_m=config.group_m,
+            num_warps=4,
+            num_stages=2,
+        )
+    return config
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the T * k pairs by expert and pad each expert's group to a multiple of ``block_m``.
+
+    topk_ids: [T, k] integer expert ids in [0, num_experts). Returns sorted_pair_ids
+    [num_blocks * block_m] int32 (pair ids p = t * k + j grouped by expert, ascending within a
+    group, the sentinel T * k in padding) and block_expert [num_blocks] int32 (the expert of each
+    M block, -1 for blocks past the last group); see the picture at the top of the module.
+
+    num_blocks is a bound computed from shapes only: each of the at most min(E, T * k) experts
+    that receive a pair adds at most block_m - 1 padding slots, so the real block count is at
+    most (T * k + min(E, T * k) * (block_m - 1)) // block_m. At decode (T = 1, k = 6) that is
+    exactly 6 blocks; it never launches E mostly empty blocks. Only torch ops without host
+    synchronisation are used (sort, searchsorted, cumsum, gather, scatter).
+    """
+    flat_ids = topk_ids.reshape(-1)  # [P], P = T * k
+    num_pairs = flat_ids.numel()
+    num_blocks = (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+    device = flat_ids.device
+
+    sorted_experts, order = torch.sort(flat_ids, stable=True)  # [P], [P]
+    experts = torch.arange(num_experts, device=device, dtype=sorted_experts.dtype)
+    group_ends = torch.searchsorted(sorted_experts, experts, right=True)  # [E]
+    counts = torch.diff(group_ends, prepend=group_ends.new_zeros(1))  # [E]
+    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_ends = torch.cumsum(padded_counts, dim=0)  # [E]
+    rank = torch.arange(num_pairs, device=device) - (group_ends - counts)[sorted_experts]  # [P]
+    slots = (padded_ends - padded_counts)[sorted_experts] + rank  # [P]
+
+    sorted_pair_ids = torch.full(
+        (num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
+    )
+    sorted_pair_ids.scatter_(0, slots, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, device=device) * block_m  # [num_blocks]
+    # The first expert whose padded group ends after the block's start owns the block.
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids, block_expert
+
+
+@triton.jit
+def _tile_ids(pid, num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M block, N tile) of a program: GROUP_M consecutive M blocks sweep the N tiles together."""
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    num_pids_in_group = GROUP_M * num_tiles_n
+    first_m = (pid // num_pids_in_group) * GROUP_M
+    group_size = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pids_in_group) % group_size
+    pid_n = (pid % num_pids_in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _gate_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    h_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_blocks,
+    limit,
+    stride_xt,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_hm,
+    stride_hn,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
+
+    N = I, K = D. Padding rows gather nothing (A rows of zeros) and store swiglu(0, 0) = 0, so
+    every row of a used block is written and the down kernel reads h without a row mask.
+    """
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m)
+    is_pair = pair_ids < num_pairs
+    token_ids = (pair_ids // TOP_K).to(tl.int64)
+    # Wrapped columns keep the weight loads in bounds; their results are not stored.
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + token_ids[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_offs = expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w1_ptrs = w1_ptr + w_offs  # [BK, BN]: w1[e, n, k] read as its transpose
+    w3_ptrs = w3_ptr + w_offs
+
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
+            b1 = tl.load(w1_ptrs)
+            b3 = tl.load(w3_ptrs)
+        else:
+            in_k = offs_k < K - k_start
+            a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=in_k[:, None], other=0.0)
+            b3 = tl.load(w3_ptrs, mask=in_k[:, None], other=0.0)
+        gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        w1_ptrs += BLOCK_K * stride_wk
+        w3_ptrs += BLOCK_K * stride_wk
+
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+
+    offs_hn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=offs_hn[None, :] < N)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _down_kernel(
+    h_ptr,
+    w2_ptr,
+    pair_out_ptr,
+    topk_weights_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_blocks,
+    stride_hm,
+    stride_hk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
+
+    N = D, K = I. Each pair is stored to its own row, exactly once.
+    """
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m)
+    is_pair = pair_ids < num_pairs
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :] * stride_hk
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            in_k = offs_k < K - k_start
+            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+
+    routing_weight = tl.load(topk_weights_ptr + pair_ids, mask=is_pair, other=0.0)
+    acc = acc * routing_weight.to(tl.float32)[:, None]
+
+    offs_on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = (
+        pair_out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + offs_on[None, :] * stride_on
+    )
+    tl.store(
+        out_ptrs,
+        acc.to(pair_out_ptr.dtype.element_ty),
+        mask=is_pair[:, None] & (offs_on[None, :] < N),
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    pair_out_ptr,
+    out_ptr,
+    stride_pt,
+    stride_pj,
+    stride_pd,
+    stride_ot,
+    stride_od,
+    D: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[t, D tile] = sum over slots j = 0..k-1, in that order, of pair_out[t, j] in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    row_ptrs = pair_out_ptr + token * stride_pt + offs_d * stride_pd
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(row_ptrs + j * stride_pj, mask=in_d, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + token * stride_ot + offs_d * stride_od, acc.to(out_ptr.dtype.element_ty), in_d
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
+
+    x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], all of one dtype (bf16, fp16 or fp32);
+    topk_ids: [T, k] int64; topk_weights: [T, k] fp32. Returns [T, D] in x's dtype. GEMMs
+    accumulate in fp32; h and the weighted per-pair outputs are rounded to x's dtype before the
+    fp32 combine. fp32 inputs use the IEEE dot, so they match the CPU reference to ~1e-6.
+    """
+    num_tokens, dim = x.shape
+    num_experts, inter, _ = w1.shape
+    top_k = topk_ids.shape[1]
+    assert w1.shape == w3.shape == (num_experts, inter, dim), f"w1 {w1.shape}, w3 {w3.shape}"
+    assert w2.shape == (num_experts, dim, inter), f"w2 {w2.shape}, expected {w1.shape[::2]}"
+    assert w1.stride() == w3.stride(), f"w1 strides {w1.stride()} != w3 strides {w3.stride()}"
+    assert x.dtype == w1.dtype == w2.dtype == w3.dtype, (
+        f"dtypes: x {x.dtype}, w1 {w1.dtype}, w2 {w2.dtype}, w3 {w3.dtype}"
+    )
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (
+        f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}, T = {num_tokens}"
+    )
+    out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+
+    num_pairs = num_tokens * top_k
+    config = pick_tile_config(num_pairs, x.dtype)
+    sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
+    num_blocks = block_expert.numel()
+    # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
+    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "GROUP_M": config.group_m,
+        "DOT_PRECISION": dot_precision,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+
+    h = torch.empty((num_blocks * config.block_m, inter), dtype=x.dtype, device=x.device)
+    grid = (num_blocks * triton.cdiv(inter, config.block_n),)
+    _gate_up_kernel[grid](
+        x,
+        w1,
+        w3,
+        h,
+        sorted_pair_ids,
+        block_expert,
+        num_pairs,
+        num_blocks,
+        float(limit),
+        *x.stride(),
+        *w1.stride(),
+        *h.stride(),
+        N=inter,
+        K=dim,
+        TOP_K=top_k,
+        **launch,
+    )
+
+    pair_out = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)  # [T * k, D]
+    flat_weights = topk_weights.reshape(-1)  # [T * k]
+    grid = (num_blocks * triton.cdiv(dim, config.block_n),)
+    _down_kernel[grid](
+        h,
+        w2,
+        pair_out,
+        flat_weights,
+        sorted_pair_ids,
+        block_expert,
+        num_pairs,
+        num_blocks,
+        *h.stride(),
+        *w2.stride(),
+        *pair_out.stride(),
+        N=dim,
+        K=inter,
+        **launch,
+    )
+
+    pair_out = pair_out.view(num_tokens, top_k, dim)  # [T, k, D]
+    block_d = min(triton.next_power_of_2(dim), 1024)
+    _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
+        pair_out, out, *pair_out.stride(), *out.stride(), D=dim, TOP_K=top_k, BLOCK_D=block_d
+    )
+    return out

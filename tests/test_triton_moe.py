@@ -1,0 +1,191 @@
+"""The Triton fused MoE against the torch reference, on the CPU through Triton's interpreter.
+
+bf16 tl.dot is broken in the interpreter, so these cases run fp32 (the kernels' IEEE dot) at tiny
+shapes. D = 80 and I = 48 are not multiples of the fp32 tiles (BLOCK_N 64, BLOCK_K 32), so the
+masked K loops and the partial N tiles run too. tests/gpu/test_gpu_triton_moe.py covers bf16 and
+the production shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
+
+import importlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from types import ModuleType  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from deepinfer.ops.moe import torch_ref  # noqa: E402
+
+DIM, INTER, NUM_EXPERTS, LIMIT = 80, 48, 8, 1.5  # gate and up ~N(0, 1): the clamp bites
+
+
+@pytest.fixture(scope="module")
+def moe_triton() -> Iterator[ModuleType]:
+    """The backend with interpreted kernels.
+
+    Triton picks interpreted or compiled when a kernel is decorated, i.e. when the module is
+    imported; the GPU tests may have imported it compiled in this session, so reload it here,
+    and leave TRITON_INTERPRET as this module found it for the tests that follow.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield importlib.reload(importlib.import_module("deepinfer.ops.moe.triton"))
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+def _weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w1, w2, w3 scaled so that gate, up and the output are ~N(0, 1) for x ~ N(0, 1)."""
+    w1 = torch.randn(NUM_EXPERTS, INTER, DIM, generator=gen) * DIM**-0.5
+    w2 = torch.randn(NUM_EXPERTS, DIM, INTER, generator=gen) * INTER**-0.5
+    w3 = torch.randn(NUM_EXPERTS, INTER, DIM, generator=gen) * DIM**-0.5
+    return w1, w2, w3
+
+
+def _routing(kind: str, num_tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """topk_ids [T, k] int64 of one load pattern."""
+    distinct = torch.rand(num_tokens, NUM_EXPERTS, generator=gen).argsort(-1)[:, :top_k]
+    if kind == "random":
+        return distinct
+    if kind == "unused_experts":  # only experts 1, 4 and 6 receive pairs, 0 and 7 among the idle
+        used = torch.tensor([1, 4, 6])
+        return used[torch.rand(num_tokens, 3, generator=gen).argsort(-1)[:, :top_k]]
+    if kind == "one_expert_every_token":  # expert 5 in some slot of every token: T pairs
+        others = torch.tensor([e for e in range(NUM_EXPERTS) if e != 5])
+        ids = others[torch.rand(num_tokens, NUM_EXPERTS - 1, generator=gen).argsort(-1)[:, :top_k]]
+        slot = torch.randint(0, top_k, (num_tokens,), generator=gen)
+        ids[torch.arange(num_tokens), slot] = 5
+        return ids
+    if kind == "repeated_expert":  # one token's expert in two of its slots: both terms count
+        distinct[:, 1] = distinct[:, 0]
+        return distinct
+    raise AssertionError(f"unknown routing {kind!r}")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def test_align_by_expert_matches_the_module_picture(moe_triton: ModuleType) -> None:
+    topk_ids = torch.tensor([[2, 0], [2, 3], [2, 0]])
+    sorted_pair_ids, block_expert = moe_triton.align_by_expert(topk_ids, 4, 4)
+    s = 6  # the sentinel: T * k
+    assert sorted_pair_ids.tolist() == [1, 5, s, s, 0, 2, 4, s, 3, s, s, s, s, s, s, s]
+    assert block_expert.tolist() == [0, 2, 3, -1]
+    assert sorted_pair_ids.dtype == block_expert.dtype == torch.int32
+
+
+def test_align_by_expert_decode_launches_only_blocks_with_work(moe_triton: ModuleType) -> None:
+    # DeepSeek-V4-Flash decode: one token, k = 6 of E = 256, the bf16 decode tile.
+    block_m = moe_triton.pick_tile_config(6, torch.bfloat16).block_m
+    assert block_m == 16
+    topk_ids = torch.tensor([[200, 3, 17, 255, 0, 64]])
+    sorted_pair_ids, block_expert = moe_triton.align_by_expert(topk_ids, 256, block_m)
+    assert block_expert.tolist() == [0, 3, 17, 64, 200, 255]
+    assert sorted_pair_ids.view(6, block_m)[:, 0].tolist() == [4, 1, 2, 5, 0, 3]
+    assert (sorted_pair_ids.view(6, block_m)[:, 1:] == 6).all()
+    # Two tokens on the same six experts: the bound allows 12 blocks, six are used.
+    _, block_expert = moe_triton.align_by_expert(topk_ids.repeat(2, 1), 256, block_m)
+    assert block_expert.tolist() == [0, 3, 17, 64, 200, 255] + [-1] * 6
+
+
+@pytest.mark.parametrize("kind", ["random", "unused_experts", "one_expert_every_token"])
+def test_align_by_expert_groups_every_pair_once(moe_triton: ModuleType, kind: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, top_k, block_m = 37, 3, 16
+    topk_ids = _routing(kind, num_tokens, top_k, gen)
+    num_pairs = num_tokens * top_k
+    sorted_pair_ids, block_expert = moe_triton.align_by_expert(topk_ids, NUM_EXPERTS, block_m)
+    rows = sorted_pair_ids.view(-1, block_m).long()  # [num_blocks, BLOCK_M]
+    is_pair = rows < num_pairs
+    assert sorted(rows[is_pair].tolist()) == list(range(num_pairs))
+    flat_ids = topk_ids.reshape(-1)
+    for block, expert in enumerate(block_expert.tolist()):
+        pairs = rows[block][is_pair[block]]
+        if expert < 0:
+            assert pairs.numel() == 0
+            continue
+        assert pairs.numel() > 0 and (flat_ids[pairs] == expert).all()
+        assert pairs.tolist() == sorted(pairs.tolist())
+    used = block_expert[block_expert >= 0]
+    assert (used.diff() >= 0).all(), f"blocks not in expert order: {used.tolist()}"
+    assert (block_expert[len(used) :] == -1).all()
+
+
+# fp32 throughout: the interpreter's IEEE dot (numpy matmul per tile) and the reference's BLAS
+# differ only in summation order (~3e-7 here); a wrong clamp or a lost pair is > 1e-2.
+FP32_TOL = 1e-5
+
+ROUTINGS = ["random", "unused_experts", "one_expert_every_token", "repeated_expert"]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_fused_moe_matches_reference(moe_triton: ModuleType, kind: str, num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    top_k = 2 if num_tokens == 5 else 3
+    x = torch.randn(num_tokens, DIM, generator=gen)
+    w1, w2, w3 = _weights(gen)
+    topk_ids = _routing(kind, num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    ref = torch_ref.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    out = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert _rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert_every_token"])
+def test_fused_moe_larger_m_blocks_and_grouped_tiles(
+    moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # A prefill-like tile: 32-row M blocks, several N tiles swept by groups of two M blocks,
+    # K loops of several full tiles (D and I are multiples of 16).
+    tile = moe_triton.TileConfig(32, 16, 16, 2, 4, 2)
+    monkeypatch.setattr(moe_triton, "pick_tile_config", lambda num_pairs, dtype: tile)
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, top_k = 37, 3
+    x = torch.randn(num_tokens, DIM, generator=gen)
+    w1, w2, w3 = _weights(gen)
+    topk_ids = _routing(kind, num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    ref = torch_ref.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    out = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    assert _rel_err(out, ref) < FP32_TOL
+
+
+def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> None:
+    """Alone or among 36 random tokens that share its experts' blocks: bitwise the same.
+
+    Holds for batches that pick the same tile configuration (both T * k here are in the first
+    row of the table); across rows the tile shapes, and so the GEMM summation order, change.
+    """
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, top_k, position = 37, 3, 17
+    x = torch.randn(num_tokens, DIM, generator=gen)
+    w1, w2, w3 = _weights(gen)
+    topk_ids = _routing("random", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    assert moe_triton.pick_tile_config(top_k, torch.float32) == moe_triton.pick_tile_config(
+        num_tokens * top_k, torch.float32
+    )
+    batched = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    alone = moe_triton.fused_moe(
+        x[position : position + 1],
+        w1,
+        w2,
+        w3,
+        topk_ids[position : position + 1],
+        topk_weights[position : position + 1],
+        LIMIT,
+    )
+    assert torch.equal(alone[0], batched[position])
