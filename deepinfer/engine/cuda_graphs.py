@@ -37,6 +37,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [n] int64: the flattened plan, refilled before each replay
     logits: torch.Tensor  # [bucket, V] fp32, written by each replay
+    # Every tensor the graph reads must outlive it: the batch holds the ones made before capture
+    # (logits_indices); freed, their memory would be reused and the replays would read garbage.
+    batch: ForwardBatch
 
 
 class DecodeGraphs:
@@ -103,11 +106,12 @@ class DecodeGraphs:
     def _plan(
         self, seqs: list[SeqSpan], token_ids: list[int], bucket: int, context: int
     ) -> dict[str, np.ndarray]:
-        """The padded plan: requests past ``seqs`` decode token 0 at position 0 of the scratch
-        slot and block."""
+        """The padded plan: requests past ``seqs`` decode token 0 on the scratch slot and block,
+        at the block's last position (so their windows close, as a real request's may)."""
         cache = self.cache
+        last = cache.block_size - 1
         pad = [
-            SeqSpan(i, 1, 0, cache.scratch_slot, [cache.scratch_block])
+            SeqSpan(i, 1, last, cache.scratch_slot, [cache.scratch_block])
             for i in range(len(seqs), bucket)
         ]
         padded = seqs + pad
@@ -135,7 +139,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.model(batch, self.cache)
         torch.cuda.synchronize(self.device)
-        captured = _Graph(graph, inputs, logits)
+        captured = _Graph(graph, inputs, logits, batch)
         self._graphs[bucket, context] = captured
         logger.info(
             "captured the decode graph for %d requests, context <= %d: %.0f ms, %+.1f MiB "

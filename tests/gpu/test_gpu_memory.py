@@ -88,7 +88,7 @@ def test_num_blocks_overrides_the_sizing(oracle_hf_dir: Path) -> None:
     llm = LLM(model=oracle_hf_dir, device="cuda", max_model_len=1024, num_blocks=40)
     assert llm.engine.executor.memory_profile is None
     assert llm.engine.executor.num_blocks == llm.engine.scheduler.block_manager.num_blocks == 40
-    assert llm.engine.executor.kv_cache.compressed_kv[1].shape[0] == 40
+    assert llm.engine.executor.kv_cache.compressed_kv[1].shape[0] == 40 + 1  # + scratch block
 
 
 def test_a_share_too_small_for_one_block_is_named(oracle_hf_dir: Path) -> None:
