@@ -22,7 +22,9 @@ def _metadata(*seqs: SeqSpan) -> StepMetadata:
         seqs=list(seqs),
         logits_indices=torch.zeros(0, dtype=torch.int64),
     )
-    return build_metadata(batch, GEOMETRY)
+    meta = build_metadata(batch, GEOMETRY)
+    meta.derive_entry_lists()
+    return meta
 
 
 def _list(t: torch.Tensor) -> list:

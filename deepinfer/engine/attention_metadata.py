@@ -21,7 +21,7 @@ block_size / m entries per block)::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,10 +71,12 @@ class StepMetadata:
     token_req [T]: request (batch index) of each token. win_step_idx [T, Ws] / win_ring_idx
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
-    Per ratio m: entry_rows[m] [B, N] entry-pool row of entry n of request b (0 past its entries);
-    num_visible[m] [T] entries a query sees ((pos + 1) // m); visible_idx[m] [T, N] (dense ratios
-    only: HCA attends to all of them) entry-pool rows of those entries, -1 past them;
-    compress[m] the ratio's compressor plan.
+    block_table [B, most blocks] (padded with block 0). Per ratio m: entry_ids[m] [N] 0..N-1 (N:
+    the most entries in the batch, or the graph's bound); num_visible[m] [T] entries a query
+    sees ((pos + 1) // m); compress[m] the ratio's compressor plan. Derived on the device by
+    ``derive_entry_lists`` at the start of every forward (so a CUDA graph recomputes them):
+    entry_rows[m] [B, N] entry-pool row of entry n of request b, and for dense ratios (HCA
+    attends to every visible entry) visible_idx[m] [T, N], those rows, -1 past num_visible.
     """
 
     token_req: torch.Tensor
@@ -82,10 +84,26 @@ class StepMetadata:
     win_ring_idx: torch.Tensor
     ring_src: torch.Tensor
     ring_dst: torch.Tensor
-    entry_rows: dict[int, torch.Tensor]
+    block_table: torch.Tensor
+    entry_ids: dict[int, torch.Tensor]
     num_visible: dict[int, torch.Tensor]
-    visible_idx: dict[int, torch.Tensor]
     compress: dict[int, CompressPlan]
+    per_block: dict[int, int]  # entries per block, by ratio (host ints)
+    dense_ratios: tuple[int, ...]
+    entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def derive_entry_lists(self) -> None:
+        """entry_rows and visible_idx from the block table, on the device (see above)."""
+        last_block = self.block_table.shape[1] - 1
+        for m, ids in self.entry_ids.items():
+            per_block = self.per_block[m]
+            blocks = self.block_table[:, (ids // per_block).clamp(max=last_block)]  # [B, N]
+            rows = blocks * per_block + ids % per_block
+            self.entry_rows[m] = rows
+            if m in self.dense_ratios:
+                visible = ids.unsqueeze(0) < self.num_visible[m].unsqueeze(1)  # [T, N]
+                self.visible_idx[m] = torch.where(visible, rows[self.token_req], -1)
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,8 @@ def build_metadata(
 def plan_step(
     seqs: list[SeqSpan], geometry: CacheGeometry, decode_context: int | None = None
 ) -> dict[str, np.ndarray]:
-    """Every index array of the step, host int64, by name.
+    """Every index array of the step, host int64, by name (vectorised over requests: the host
+    cost per step must stay far below a decode step's device time).
 
     ``decode_context`` (decode steps captured in CUDA graphs: one token per request): shapes
     that depend only on the number of requests and this context bound (entry lists padded to
@@ -128,34 +147,84 @@ def plan_step(
     then pool a candidate window for every request and write the ones that did not close to
     the cache's scratch rows (``geometry.scratch_*``).
     """
-    token_req = np.repeat(np.arange(len(seqs)), [s.num_tokens for s in seqs])
-    win_step, win_ring, ring_src, ring_dst = _window_plan(seqs, geometry)
+    reqs = _Requests.of(seqs)
+    win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry)
     host: dict[str, np.ndarray] = {
-        "token_req": token_req,
+        "token_req": reqs.token_req,
         "win_step": win_step,
         "win_ring": win_ring,
         "ring_src": ring_src,
         "ring_dst": ring_dst,
+        "block_table": reqs.table,
     }
-    positions = np.concatenate([np.arange(s.start_pos, s.end_pos) for s in seqs])
     for ratio in geometry.ratios:
-        width = None if decode_context is None else max(1, decode_context // ratio)
-        rows = _entry_rows(seqs, geometry.block_size // ratio, ratio, width)
-        visible = (positions + 1) // ratio
-        host[f"entry_rows{ratio}"] = rows
-        host[f"num_visible{ratio}"] = visible
-        if ratio in geometry.dense_ratios:  # CSA layers attend to the indexer's picks
-            entry_ids = np.arange(rows.shape[1])
-            host[f"visible_idx{ratio}"] = np.where(
-                entry_ids[None, :] < visible[:, None], rows[token_req], -1
-            )
+        counts = reqs.end // ratio
+        width = max(int(counts.max()), 1) if decode_context is None else decode_context // ratio
+        assert counts.max() <= width, f"{counts.max()} entries do not fit a width of {width}"
+        host[f"entry_ids{ratio}"] = np.arange(max(width, 1))
+        host[f"num_visible{ratio}"] = (reqs.positions + 1) // ratio
         if decode_context is None:
-            plan = _compress_plan(seqs, geometry, ratio)
+            plan = _compress_plan(reqs, geometry, ratio)
         else:
-            plan = _decode_compress_plan(seqs, geometry, ratio)
+            plan = _decode_compress_plan(reqs, geometry, ratio)
         for name, value in plan.items():
             host[f"c{ratio}.{name}"] = value
     return host
+
+
+@dataclass
+class _Requests:
+    """The step's requests as arrays (host): per request [B], per token [T] (batch order), and
+    the block tables padded with block 0 [B, most blocks]."""
+
+    start: np.ndarray
+    num_tokens: np.ndarray
+    offset: np.ndarray
+    slot: np.ndarray
+    floor: np.ndarray
+    protected: np.ndarray
+    table: np.ndarray
+    token_req: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, seqs: list[SeqSpan]) -> _Requests:
+        def ints(values: list[int]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)
+
+        num_tokens = ints([s.num_tokens for s in seqs])
+        table = np.zeros((len(seqs), max(max(len(s.block_ids) for s in seqs), 1)), np.int64)
+        for b, seq in enumerate(seqs):
+            table[b, : len(seq.block_ids)] = seq.block_ids
+        start, offset = ints([s.start_pos for s in seqs]), ints([s.offset for s in seqs])
+        token_req = np.repeat(np.arange(len(seqs)), num_tokens)
+        local = np.arange(token_req.shape[0]) - np.repeat(_starts(num_tokens), num_tokens)
+        assert np.array_equal(offset, _starts(num_tokens)), "requests must tile the batch in order"
+        return cls(
+            start=start,
+            num_tokens=num_tokens,
+            offset=offset,
+            slot=ints([s.slot for s in seqs]),
+            floor=ints([max(s.window_floor, 0) for s in seqs]),
+            protected=ints([s.num_protected for s in seqs]),
+            table=table,
+            token_req=token_req,
+            positions=start[token_req] + local,
+        )
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.num_tokens
+
+    def entry_rows(self, req: np.ndarray, entries: np.ndarray, per_block: int) -> np.ndarray:
+        """Entry-pool rows of entries ``entries`` of requests ``req`` (same shapes)."""
+        blocks = self.table[req, np.minimum(entries // per_block, self.table.shape[1] - 1)]
+        return blocks * per_block + entries % per_block
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each run of ``counts`` starts."""
+    return np.cumsum(counts) - counts
 
 
 def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
@@ -180,12 +249,14 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         win_ring_idx=dev["win_ring"],
         ring_src=dev["ring_src"],
         ring_dst=dev["ring_dst"],
-        entry_rows={m: dev[f"entry_rows{m}"] for m in geometry.ratios},
+        block_table=dev["block_table"],
+        entry_ids={m: dev[f"entry_ids{m}"] for m in geometry.ratios},
         num_visible={m: dev[f"num_visible{m}"] for m in geometry.ratios},
-        visible_idx={m: dev[f"visible_idx{m}"] for m in geometry.dense_ratios},
         compress={
             m: CompressPlan(**{f: dev[f"c{m}.{f}"] for f in _PLAN_FIELDS}) for m in geometry.ratios
         },
+        per_block={m: geometry.block_size // m for m in geometry.ratios},
+        dense_ratios=geometry.dense_ratios,
     )
 
 
@@ -206,137 +277,87 @@ _PLAN_FIELDS = (
 
 
 def _window_plan(
-    seqs: list[SeqSpan], geometry: CacheGeometry
+    reqs: _Requests, geometry: CacheGeometry
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
-    from this step's rows when the key is new this step, else from the ring."""
+    from this step's rows when the key is new this step, else from the ring. After attention
+    each request's last ring-size tokens are written to the ring."""
     window, ring = geometry.window, geometry.ring_size
-    max_new = max(s.num_tokens for s in seqs)
-    step_parts, ring_parts, src_parts, dst_parts = [], [], [], []
-    for seq in seqs:
-        pos = np.arange(seq.start_pos, seq.end_pos)[:, None]
-        key = pos - np.arange(window)[None, :]  # [n, window] key positions
-        valid = key >= max(seq.window_floor, 0)
-        new = key >= seq.start_pos
-        step_parts.append(np.where(valid & new, seq.offset + key - seq.start_pos, -1)[:, :max_new])
-        ring_parts.append(np.where(valid & ~new, seq.slot * ring + key % ring, -1))
-        keep = min(seq.num_tokens, ring)
-        kept = np.arange(seq.end_pos - keep, seq.end_pos)
-        src_parts.append(seq.offset + kept - seq.start_pos)
-        dst_parts.append(seq.slot * ring + kept % ring)
-    # Columns past the widest window part are -1 everywhere: trim them (decode: 1 step column).
-    win_step = np.concatenate(step_parts)[:, : min(window, max_new)]
-    win_ring = np.concatenate(ring_parts)
-    return win_step, win_ring, np.concatenate(src_parts), np.concatenate(dst_parts)
+    req, pos = reqs.token_req, reqs.positions
+    start = reqs.start[req][:, None]
+    key = pos[:, None] - np.arange(window)[None, :]  # [T, window] key positions
+    valid = key >= reqs.floor[req][:, None]
+    new = key >= start
+    max_new = int(reqs.num_tokens.max())
+    # Columns past the widest window part are -1 everywhere: trimmed (decode: 1 step column).
+    step = key - start + reqs.offset[req][:, None]
+    win_step = np.where(valid & new, step, -1)[:, : min(window, max_new)]
+    win_ring = np.where(valid & ~new, reqs.slot[req][:, None] * ring + key % ring, -1)
+    kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
+    return win_step, win_ring, kept, reqs.slot[req[kept]] * ring + pos[kept] % ring
 
 
-def _entry_rows(seqs: list[SeqSpan], per_block: int, ratio: int, width: int | None) -> np.ndarray:
-    """[B, N] entry-pool row of entry n of each request; N = most entries in the batch, or
-    ``width`` (which must hold them)."""
-    counts = [s.end_pos // ratio for s in seqs]
-    if width is None:
-        width = max(max(counts), 1)
-    assert max(counts) <= width, f"{max(counts)} entries do not fit a width of {width}"
-    out = np.zeros((len(seqs), width), dtype=np.int64)
-    for b, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
-        entries = np.arange(count)
-        blocks = np.asarray(seq.block_ids, dtype=np.int64)[entries // per_block]
-        out[b, :count] = blocks * per_block + entries % per_block
-    return out
-
-
-def _compress_plan(
-    seqs: list[SeqSpan], geometry: CacheGeometry, ratio: int
-) -> dict[str, np.ndarray]:
+def _compress_plan(reqs: _Requests, geometry: CacheGeometry, ratio: int) -> dict[str, np.ndarray]:
+    """The general plan (any chunk lengths); see CompressPlan for the fields."""
     m, per_block = ratio, geometry.block_size // ratio
-    num_bufs = sum(s.start_pos % m for s in seqs)
-    buf_rows, window_rows, window_ids, prev_slots, prev_src, has_prev = [], [], [], [], [], []
-    last_window, keep_windows, entry_dst, left_src, left_dst = [], [], [], [], []
-    buf_at = num_windows = 0
-    for seq in seqs:
-        nb = seq.start_pos % m
-        first_window = seq.start_pos // m
-        # src rows of the request's tokens from its open window's start, in position order.
-        rows = np.concatenate(
-            [np.arange(buf_at, buf_at + nb), num_bufs + seq.offset + np.arange(seq.num_tokens)]
-        )
-        buf_rows.append(seq.slot * (m - 1) + np.arange(nb))
-        buf_at += nb
-        closed = rows.shape[0] // m
-        if closed:
-            g = num_windows + np.arange(closed)
-            ids = first_window + np.arange(closed)
-            window_rows.append(rows[: closed * m].reshape(closed, m))
-            window_ids.append(ids)
-            prev_src.append(np.concatenate([[len(prev_slots)], g[:-1]]))
-            has_prev.append(ids > 0)
-            prev_slots.append(seq.slot)
-            last_window.append(num_windows + closed - 1)
-            # Entries of positions below num_protected sit in shared blocks: not rewritten.
-            keep = ids >= -(-seq.num_protected // m)
-            keep_windows.append(g[keep])
-            blocks = np.asarray(seq.block_ids, dtype=np.int64)[ids[keep] // per_block]
-            entry_dst.append(blocks * per_block + ids[keep] % per_block)
-            num_windows += closed
-        left = rows[closed * m :]
-        left_src.append(left)
-        left_dst.append(seq.slot * (m - 1) + np.arange(left.shape[0]))
-    num_prev = len(prev_slots)
-    # prev_src was written with request-local indices for the first window and global window
-    # indices after it: move the window ones past the prev-state rows.
-    fixed = []
-    for part in prev_src:
-        part = part.copy()
-        part[1:] += num_prev
-        fixed.append(part)
-
-    def cat(parts: list, *shape: int) -> np.ndarray:
-        return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=np.int64)
-
+    buffered = reqs.start % m  # open-window tokens already in the slot
+    total = buffered + reqs.num_tokens
+    closed = total // m
+    # Each request's tokens from its open window's start, as rows of src = cat(buf, step rows).
+    r = np.repeat(np.arange(total.shape[0]), total)
+    i = np.arange(r.shape[0]) - np.repeat(_starts(total), total)
+    from_buf = i < buffered[r]
+    num_bufs = int(buffered.sum())
+    src = np.where(
+        from_buf,
+        np.repeat(_starts(buffered), total) + i,
+        num_bufs + reqs.offset[r] + i - buffered[r],
+    )
+    in_window = i < closed[r] * m
+    # Windows closed this step, in batch order: request wr, index w within the request's.
+    wr = np.repeat(np.arange(closed.shape[0]), closed)
+    g = np.arange(wr.shape[0])
+    w = g - np.repeat(_starts(closed), closed)
+    ids = reqs.start[wr] // m + w
+    closers = np.flatnonzero(closed)
+    closer_index = np.cumsum(closed > 0) - 1
+    keep = ids >= -(-reqs.protected[wr] // m)  # entries in shared prefix blocks are not rewritten
+    left = ~in_window
     return {
-        "buf_rows": cat(buf_rows),
-        "window_rows": cat(window_rows, m),
-        "window_ids": cat(window_ids),
-        "prev_slots": np.asarray(prev_slots, dtype=np.int64),
-        "prev_src": cat(fixed),
-        "has_prev": cat(has_prev),
-        "prev_dst": np.asarray(prev_slots, dtype=np.int64),
-        "last_window": np.asarray(last_window, dtype=np.int64),
-        "keep_windows": cat(keep_windows),
-        "entry_dst": cat(entry_dst),
-        "left_src": cat(left_src),
-        "left_dst": cat(left_dst),
+        "buf_rows": (reqs.slot[r] * (m - 1) + i)[from_buf],
+        "window_rows": src[in_window].reshape(-1, m),
+        "window_ids": ids,
+        "prev_slots": reqs.slot[closers],
+        "prev_src": np.where(w == 0, closer_index[wr], closers.shape[0] + g - 1),
+        "has_prev": ids > 0,
+        "prev_dst": reqs.slot[closers],
+        "last_window": np.cumsum(closed)[closers] - 1,
+        "keep_windows": g[keep],
+        "entry_dst": reqs.entry_rows(wr[keep], ids[keep], per_block),
+        "left_src": src[left],
+        "left_dst": (reqs.slot[r] * (m - 1) + i - closed[r] * m)[left],
     }
 
 
 def _decode_compress_plan(
-    seqs: list[SeqSpan], geometry: CacheGeometry, ratio: int
+    reqs: _Requests, geometry: CacheGeometry, ratio: int
 ) -> dict[str, np.ndarray]:
     """One token per request, shapes fixed by the number of requests: request i's candidate
     window is its slot's m - 1 buffered rows and its token. It closes when the token is the
     window's last (position % m == m - 1); otherwise its entry and its overlap state go to the
     scratch rows and the token joins the buffer."""
     m, per_block = ratio, geometry.block_size // ratio
-    num = len(seqs)
-    slots = np.asarray([s.slot for s in seqs], dtype=np.int64)
-    pos = np.asarray([s.start_pos for s in seqs], dtype=np.int64)
-    assert all(s.num_tokens == 1 for s in seqs), "the decode plan takes one token per request"
+    assert (reqs.num_tokens == 1).all(), "the decode plan takes one token per request"
+    num = reqs.start.shape[0]
+    slots, pos, offsets = reqs.slot, reqs.start, reqs.offset
     closes = pos % m == m - 1
     ids = pos // m
-    own_block = np.asarray([s.block_ids[i // per_block] for s, i in zip(seqs, ids, strict=True)])
-    protected = ids < np.asarray([-(-s.num_protected // m) for s in seqs], dtype=np.int64)
-    scratch_entry = geometry.scratch_block * per_block
-    scratch_buf = geometry.scratch_slot * (m - 1)
-    offsets = np.asarray([s.offset for s in seqs], dtype=np.int64)
+    protected = ids < -(-reqs.protected // m)
+    own_entry = reqs.entry_rows(np.arange(num), ids, per_block)
+    buffered = np.arange(num)[:, None] * (m - 1) + np.arange(m - 1)  # [B, m - 1] rows of src
     return {
         "buf_rows": (slots[:, None] * (m - 1) + np.arange(m - 1)[None, :]).ravel(),
-        "window_rows": np.concatenate(
-            [
-                np.arange(num)[:, None] * (m - 1) + np.arange(m - 1),
-                num * (m - 1) + offsets[:, None],
-            ],
-            axis=1,
-        ),
+        "window_rows": np.concatenate([buffered, num * (m - 1) + offsets[:, None]], axis=1),
         "window_ids": ids,
         "prev_slots": slots,
         "prev_src": np.arange(num),
@@ -344,9 +365,7 @@ def _decode_compress_plan(
         "prev_dst": np.where(closes, slots, geometry.scratch_slot),
         "last_window": np.arange(num),
         "keep_windows": np.arange(num),
-        "entry_dst": np.where(
-            closes & ~protected, own_block * per_block + ids % per_block, scratch_entry
-        ),
+        "entry_dst": np.where(closes & ~protected, own_entry, geometry.scratch_block * per_block),
         "left_src": num * (m - 1) + offsets,
-        "left_dst": np.where(closes, scratch_buf, slots * (m - 1) + pos % m),
+        "left_dst": np.where(closes, geometry.scratch_slot * (m - 1), slots * (m - 1) + pos % m),
     }

@@ -221,6 +221,7 @@ class DeepseekV4(nn.Module):
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
         if batch.metadata is None:
             batch.metadata = build_metadata(batch, cache.geometry)
+        batch.metadata.derive_entry_lists()
         batch.rope = {
             "main": rope_cos_sin(batch.positions, self.main_inv_freq),
             "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),
