@@ -147,7 +147,9 @@ def plan_step(
     then pool a candidate window for every request and write the ones that did not close to
     the cache's scratch rows (``geometry.scratch_*``).
     """
-    reqs = _Requests.of(seqs)
+    # Graphed decode: the block table's width is fixed by the context bound as well.
+    table_width = 0 if decode_context is None else -(-decode_context // geometry.block_size)
+    reqs = _Requests.of(seqs, table_width)
     win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry)
     host: dict[str, np.ndarray] = {
         "token_req": reqs.token_req,
@@ -188,12 +190,15 @@ class _Requests:
     positions: np.ndarray
 
     @classmethod
-    def of(cls, seqs: list[SeqSpan]) -> _Requests:
+    def of(cls, seqs: list[SeqSpan], table_width: int = 0) -> _Requests:
+        """``table_width``: at least this many block-table columns."""
+
         def ints(values: list[int]) -> np.ndarray:
             return np.asarray(values, dtype=np.int64)
 
         num_tokens = ints([s.num_tokens for s in seqs])
-        table = np.zeros((len(seqs), max(max(len(s.block_ids) for s in seqs), 1)), np.int64)
+        width = max(max(len(s.block_ids) for s in seqs), table_width, 1)
+        table = np.zeros((len(seqs), width), np.int64)
         for b, seq in enumerate(seqs):
             table[b, : len(seq.block_ids)] = seq.block_ids
         start, offset = ints([s.start_pos for s in seqs]), ints([s.offset for s in seqs])

@@ -42,6 +42,10 @@ class _Graph:
     batch: ForwardBatch
 
 
+def _layout(host: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, array.shape) for name, array in host.items()]
+
+
 class DecodeGraphs:
     """Producer of decode logits for the model runner; device: the model's CUDA device."""
 
@@ -94,6 +98,8 @@ class DecodeGraphs:
         token_ids = [s.token_ids[0] for s in scheduled]
         host = self._plan(seqs, token_ids, bucket, context)
         if not self.capture:
+            # What a replay relies on: the plan's layout is the captured (scratch) plan's.
+            assert _layout(host) == _layout(self._plan([], [], bucket, context)), "plan layout"
             inputs = torch.from_numpy(flatten(host)).to(self.device)
             return self.model(self._batch(inputs, host, bucket), self.cache)[:num_reqs]
         graph = self._graphs.get((bucket, context))
