@@ -13,6 +13,7 @@ adapt them when ForwardBatch or KVCache change); bytes and FLOPs per layer; repo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -139,6 +140,21 @@ def model_args(kind: str, depth: int, tiny: bool) -> ModelArgs:
     """``depth`` layers of one short layer type (none for ``outer``)."""
     types = [] if kind == OUTER else [LAYER_TYPES[kind]] * depth
     return ModelArgs.from_dict(config_dict(types, tiny))
+
+
+def add_common_args(
+    ap: argparse.ArgumentParser, *, warmup: int, repeats: int, ours: bool = True
+) -> None:
+    """The arguments every V4-Flash script takes (``ours``: also our backends and depth)."""
+    ap.add_argument("--layers", default="csa,hca,swa", help="layer types, one model each")
+    if ours:
+        ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
+        ap.add_argument("--depth", type=int, default=1, help="layers per model (all of one type)")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every figure here (v4_flash_hf.py --ours reads ours)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes; CPU/fp32 without CUDA")
 
 
 def parse_layers(text: str) -> list[str]:

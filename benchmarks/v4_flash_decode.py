@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     OUTER,
     PLANS,
+    add_common_args,
     copy_bandwidth,
     decode_bytes,
     decode_inputs,
@@ -76,17 +77,10 @@ SCRIPT = "v4_flash_decode.py"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--layers", default="csa,hca,swa", help="layer types, one model each")
     ap.add_argument("--batch", help="batch sizes (default 1,8,32,128,256; --tiny: 1,4)")
     ap.add_argument("--context", help="context lengths (default 4096,32768; --tiny: 64)")
-    ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
-    ap.add_argument("--depth", type=int, default=1, help="layers per model (all of one type)")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write every figure here (v4_flash_hf.py --ours reads it)")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes; CPU/fp32 without CUDA")
+    add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
     kinds = parse_layers(ns.layers)

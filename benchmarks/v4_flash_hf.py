@@ -39,6 +39,7 @@ from v4_flash import (
     OUTER,
     PLANS,
     Setup,
+    add_common_args,
     config_dict,
     copy_bandwidth,
     decode_bytes,
@@ -72,18 +73,13 @@ GOAL_BATCH, GOAL_SPEEDUP = 32, 20.0
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--layers", default="csa,hca,swa", help="layer types, one model each")
     ap.add_argument("--batch", help="decode batch sizes (default 1,32; --tiny: 1,4)")
     ap.add_argument("--context", type=int, help="decode context (default 4096; --tiny: 64)")
     ap.add_argument("--prompt", help="prefill prompt lengths (default 1024,8192; --tiny: 32,64)")
     ap.add_argument("--chunk-tokens", type=int, help="tokens per prefill forward (default 4096)")
     ap.add_argument("--experts", default="eager", help="experts_implementation: eager | ...")
     ap.add_argument("--ours", nargs="*", default=[], help="JSON files of our two scripts")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes; CPU/fp32 without CUDA")
+    add_common_args(ap, warmup=2, repeats=5, ours=False)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
     kinds = parse_layers(ns.layers)

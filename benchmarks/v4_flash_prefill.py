@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     OUTER,
     PLANS,
+    add_common_args,
     device_name,
     each_layer_model,
     full_depth_from,
@@ -62,16 +63,9 @@ SCRIPT = "v4_flash_prefill.py"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--layers", default="csa,hca,swa", help="layer types, one model each")
     ap.add_argument("--prompt", help="prompt lengths (default 1024,8192,32768; --tiny: 32,64)")
     ap.add_argument("--chunk", type=int, help="tokens per forward (default 8192; --tiny: 16)")
-    ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
-    ap.add_argument("--depth", type=int, default=1, help="layers per model (all of one type)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write every figure here (v4_flash_hf.py --ours reads it)")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes; CPU/fp32 without CUDA")
+    add_common_args(ap, warmup=1, repeats=3)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
     kinds = parse_layers(ns.layers)
