@@ -21,7 +21,7 @@ class SamplingParams:
     ``stop`` strings are matched on detokenized text by the offline API (and by the service's text
     side); ``stop_token_ids``, EOS, ``max_tokens`` and the context length are token-level stops.
     ``constraint`` ``(kind, schema)`` constrains the output to a grammar (deepinfer.constraints:
-    json, json_object, regex, ebnf, tool_call_required; tool_call is accepted and not enforced).
+    json, json_object, regex, ebnf, tool_call_required, tool_call).
     It cannot be combined with ``min_tokens`` or ``ignore_eos``: both can forbid EOS where the
     grammar allows nothing else.
     """

@@ -50,8 +50,8 @@ _MODEL_VERSIONS = {
     "deepseek_v41": (recipe.ModelVersion.DeepseekV41Flash, recipe.DeepseekV41Encoding),
 }
 
-# The constraint kinds a node enforces; "tool_call" (auto tool choice) is parsed, not enforced.
-_ENFORCED_CONSTRAINTS = ("json", "regex", "tool_call_required")
+# The constraint kinds the recipe produces; a node enforces each with a grammar.
+_ENFORCED_CONSTRAINTS = ("json", "regex", "tool_call_required", "tool_call")
 
 
 @dataclass

@@ -7,20 +7,26 @@ must complete at least a few times.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 import torch
 import xgrammar as xgr
+from aiohttp.test_utils import TestServer
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.constraints import ConstraintError
-from deepinfer.constraints.compiler import GrammarCompiler, leaves_think_open
+from deepinfer.constraints.compiler import GrammarCompiler, _is_dsml_safe, leaves_think_open
 from deepinfer.constraints.matcher import allowed_token_mask
+from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.model.tiny import make_tiny_model
+from deepinfer.server.serve import create_serve_app
+from deepinfer.tokenizer import Tokenizer
 
 NUM_SEEDS = 16
 PROMPT = [0, 3476, 477, 260, 11502, 22896, 16, 128804, 128822]  # ...<｜Assistant｜></think>
@@ -216,7 +222,7 @@ def test_mask_unpacking_matches_xgrammar(compiler: GrammarCompiler) -> None:
     compiled = compiler.compile("regex", REGEX)
     matcher = compiler.matcher(compiled, PROMPT)
     allowed = allowed_token_mask([matcher], compiler.vocab_size, "cpu")
-    reference = xgr.GrammarMatcher(compiled)
+    reference = xgr.GrammarMatcher(compiled.grammar)
     bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
     reference.fill_next_token_bitmask(bitmask)
     logits = torch.zeros(1, compiler.vocab_size)
@@ -248,11 +254,79 @@ def test_unknown_kind_and_eos_conflicts_are_rejected() -> None:
         SamplingParams(constraint=("regex", "a"), min_tokens=2)
 
 
-def test_tool_call_auto_is_not_enforced(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=4, constraint=("tool_call", "[]"))
-    plain = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    auto = llm.generate([PROMPT], params, use_tqdm=False)
-    assert auto[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+def _ids(compiler: GrammarCompiler, text: str) -> list[int]:
+    return Tokenizer.from_folder(compiler.tokenizer_path.parent).encode(text)
+
+
+def _allowed(matcher, compiler: GrammarCompiler) -> torch.Tensor:
+    mask = allowed_token_mask([matcher], compiler.vocab_size, "cpu")
+    assert mask is not None
+    return mask[0]
+
+
+def test_tool_call_auto_frees_text_until_the_block_opens(compiler: GrammarCompiler) -> None:
+    """Auto tool choice: any text (and EOS) until ``<｜DSML｜tool_calls>`` opens a block; from
+    there only invokes of the declared tools with valid arguments, then the block's end."""
+    matcher = compiler.matcher(compiler.compile("tool_call", json.dumps(TOOLS)), PROMPT)
+    hello = _ids(compiler, " hello")[0]
+    allowed = _allowed(matcher, compiler)
+    assert allowed[hello] and allowed[EOS]
+    for token_id in _ids(compiler, "Sure.\n\n<｜DSML｜tool_calls>\n"):
+        assert _allowed(matcher, compiler)[token_id] and matcher.accept(token_id)
+    allowed = _allowed(matcher, compiler)
+    assert not allowed[hello] and not allowed[EOS]
+    wrong = _ids(compiler, '<｜DSML｜invoke name="send_email">')
+    block = (
+        '<｜DSML｜invoke name="ping">\n'
+        '<｜DSML｜parameter name="on" string="false">true</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    accepted = 0
+    for token_id in wrong:  # an undeclared tool is refused partway through its name
+        if not _allowed(matcher, compiler)[token_id]:
+            break
+        assert matcher.accept(token_id)
+        accepted += 1
+    assert accepted < len(wrong)
+    matcher.rollback(accepted)
+    for token_id in _ids(compiler, block):
+        assert _allowed(matcher, compiler)[token_id], compiler
+        assert matcher.accept(token_id)
+    assert _allowed(matcher, compiler)[EOS] and matcher.accept(EOS) and matcher.is_terminated
+
+
+@pytest.mark.asyncio
+async def test_required_tool_calls_parse_with_the_recipe(llm: LLM) -> None:
+    """tool_choice="required" through `deepinfer serve` (coordinator, recipe, node, engine): over
+    many seeds, the calls the recipe's parser returns name declared tools and their arguments
+    validate against those tools' schemas."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    server = TestServer(create_serve_app(AsyncEngine(llm.engine), llm.engine.config))
+    await server.start_server()
+    try:
+        client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k")
+        model = (await client.models.list()).data[0].id
+
+        async def ask(seed: int):
+            return await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "What is the weather?"}],
+                tools=TOOLS,
+                tool_choice="required",
+                max_tokens=128,
+                seed=seed,
+                extra_body={"thinking": {"type": "disabled"}},
+            )
+
+        answers = await asyncio.gather(*(ask(seed) for seed in range(NUM_SEEDS)))
+    finally:
+        await server.close()
+    complete = [a.choices[0] for a in answers if a.choices[0].finish_reason == "tool_calls"]
+    assert len(complete) >= 2, [a.choices[0].finish_reason for a in answers]
+    for choice in complete:
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 def test_compile_cache_is_bounded_lru(tmp_path: Path, compiler: GrammarCompiler) -> None:
@@ -315,3 +389,12 @@ async def test_node_enforces_and_refuses_constraints(aiohttp_client, llm: LLM) -
     assert token_ids[-1] == EOS
     text = llm.engine.tokenizer.decode(token_ids[:-1])
     assert re.fullmatch(REGEX, text), text
+
+
+def test_dsml_token_rule() -> None:
+    """The tokens a DSML tool call may not use: the marker's bar spelled in ordinary tokens,
+    and ``<`` / ``</`` glued to other bytes (the recipe would read either as argument text)."""
+    for text in (b"<", b"</", b"hello", b">\n", b"\xef\xbc\x8c"):  # the last: a fullwidth comma
+        assert _is_dsml_safe(text), text
+    for text in (b"\r</", b"\n\n<", b'="<', b"\xef", b"a\xef\xbd", b"\xef\xbd\x9cDSML"):
+        assert not _is_dsml_safe(text), text

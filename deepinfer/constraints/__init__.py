@@ -1,7 +1,7 @@
 """Structured output: grammars compiled from output constraints, matched token by token.
 
     SamplingParams.constraint (kind, schema)
-        --GrammarCompiler.compile[_async]--> CompiledGrammar   (thread pool, LRU cache, timeout)
+        --GrammarCompiler.compile[_async]--> Compiled          (thread pool, LRU cache, timeout)
         --GrammarCompiler.matcher--> Matcher on the Request    (one per request, CPU)
     each step: Matcher.fill_mask -> allowed_token_mask [B, V] bool (logits' device)
         -> sampler masks the logits; Scheduler.update -> Matcher.accept(sampled token)
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from deepinfer.constraints.kinds import (
     CONSTRAINT_KINDS,
-    ENFORCED_KINDS,
     THINK_END_TOKEN_ID,
     THINK_START_TOKEN_ID,
     ConstraintError,
@@ -23,7 +22,6 @@ from deepinfer.constraints.kinds import (
 
 __all__ = [
     "CONSTRAINT_KINDS",
-    "ENFORCED_KINDS",
     "THINK_END_TOKEN_ID",
     "THINK_START_TOKEN_ID",
     "ConstraintError",

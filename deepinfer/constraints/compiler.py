@@ -16,11 +16,11 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.constraints.kinds import (
-    ENFORCED_KINDS,
     THINK_END_TOKEN_ID,
     THINK_START_TOKEN_ID,
     ConstraintError,
@@ -29,6 +29,7 @@ from deepinfer.constraints.kinds import (
 from deepinfer.constraints.matcher import Matcher
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class GrammarCompiler:
         # closes the object (the random test model does just that).
         self.json_any_whitespace = json_any_whitespace
         self._lock = threading.Lock()
+        self._filter_lock = threading.Lock()
+        self._dsml_filter: torch.Tensor | None = None
         self._cache: OrderedDict[CompileKey, concurrent.futures.Future] = OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_threads, thread_name_prefix="grammar"
@@ -85,11 +88,9 @@ class GrammarCompiler:
     # -- public ------------------------------------------------------------------------------------
 
     def compile_async(self, kind: str, schema: str) -> concurrent.futures.Future:
-        """A Future of the CompiledGrammar; its exception is a ConstraintError for an invalid
+        """A Future of the Compiled constraint; its exception is a ConstraintError for an invalid
         constraint. Equal (kind, schema) pairs share one compile and one cache entry."""
         check_constraint_kind(kind)
-        if kind not in ENFORCED_KINDS:
-            raise ConstraintError(f"output constraint kind {kind!r} is not enforced by a grammar")
         key = (kind, schema)
         with self._lock:
             future = self._cache.get(key)
@@ -104,9 +105,7 @@ class GrammarCompiler:
         future.add_done_callback(lambda f: self._forget_failed(key, f))
         return future
 
-    def compile(
-        self, kind: str, schema: str, timeout_s: float | None = None
-    ) -> xgrammar.CompiledGrammar:
+    def compile(self, kind: str, schema: str, timeout_s: float | None = None) -> Compiled:
         """Compile (or fetch) synchronously. Raises ConstraintError, also on timeout."""
         future = self.compile_async(kind, schema)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -117,9 +116,13 @@ class GrammarCompiler:
                 f"compiling the {kind} grammar took longer than {timeout:g} s"
             ) from None
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar, prompt_token_ids: list[int]) -> Matcher:
+    def matcher(self, compiled: Compiled, prompt_token_ids: list[int]) -> Matcher:
         """A fresh Matcher, inactive until ``</think>`` if the prompt leaves a ``<think>`` open."""
-        return Matcher(compiled, wait_for_think_end=leaves_think_open(prompt_token_ids))
+        return Matcher(
+            compiled.grammar,
+            wait_for_think_end=leaves_think_open(prompt_token_ids),
+            token_filter=compiled.token_filter,
+        )
 
     def num_cached(self) -> int:
         with self._lock:
@@ -152,6 +155,8 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=[self.eos_token_id]
         )
+        self._decoded_vocab: list[bytes] = info.decoded_vocab
+        self._added_token_ids = frozenset(tokenizer.added_tokens_decoder)
         logger.info(
             "grammar compiler: xgrammar %s, %s, vocab %d, ready in %.2f s",
             xgr.__version__ if hasattr(xgr, "__version__") else "?",
@@ -161,7 +166,7 @@ class GrammarCompiler:
         )
         return xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
 
-    def _compile(self, kind: str, schema: str) -> xgrammar.CompiledGrammar:
+    def _compile(self, kind: str, schema: str) -> Compiled:
         compiler = self._compiler()
         start = time.perf_counter()
         try:
@@ -172,7 +177,31 @@ class GrammarCompiler:
             message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e) else repr(e))
             raise ConstraintError(f"invalid {_WHAT[kind]}: {message}") from e
         logger.debug("compiled a %s grammar in %.1f ms", kind, 1e3 * (time.perf_counter() - start))
-        return compiled
+        is_dsml = kind in ("tool_call_required", "tool_call")
+        return Compiled(compiled, self._dsml_token_filter() if is_dsml else None)
+
+    def _dsml_token_filter(self) -> torch.Tensor:
+        """Packed int32 [ceil(V/32)]: the tokens a DSML tool call may use.
+
+        The recipe parses tool calls token by token: a marker is the special token ``｜DSML｜``
+        right after the token ``<`` or ``</``. The grammar matches bytes, so it would also take
+        ``｜DSML｜`` spelled in byte pieces, or ``\r</`` as one token before the marker, and the
+        recipe would read those as argument text. Banned: ordinary tokens holding the bytes of
+        ``｜`` or ending in a prefix of them, and tokens ending in a merged ``<``. Every text stays
+        reachable (``<`` and ``</`` exist alone) except ``｜`` outside the special tokens and the
+        rare characters written only with a lone 0xEF byte token.
+        """
+        import torch
+
+        with self._filter_lock:
+            if self._dsml_filter is None:
+                self._compiler()  # the tokenizer info
+                allowed = torch.ones(-(-self.vocab_size // 32) * 32, dtype=torch.bool)
+                for token_id, text in enumerate(self._decoded_vocab):
+                    if token_id not in self._added_token_ids and not _is_dsml_safe(text):
+                        allowed[token_id] = False
+                self._dsml_filter = _pack(allowed)
+            return self._dsml_filter
 
     def _compile_kind(
         self, compiler: xgrammar.GrammarCompiler, kind: str, schema: str
@@ -191,13 +220,16 @@ class GrammarCompiler:
             return compiler.compile_regex(schema)
         if kind == "ebnf":
             return compiler.compile_grammar(schema)
-        assert kind == "tool_call_required", f"kind {kind!r} has no grammar"
-        return compiler.compile_structural_tag(self._tool_call_tag(schema))
+        assert kind in ("tool_call_required", "tool_call"), f"kind {kind!r} has no grammar"
+        return compiler.compile_structural_tag(self._tool_call_tag(schema, kind == "tool_call"))
 
-    def _tool_call_tag(self, schema: str) -> xgrammar.StructuralTag:
-        """xgrammar's builtin DSML format with tool_choice="required", minus its leading
-        ``\\n\\n<｜DSML｜tool_calls>\\n``: the recipe's prompt for a required tool call already
-        ends with it, so the answer starts at the first ``<｜DSML｜invoke``."""
+    def _tool_call_tag(self, schema: str, auto: bool) -> xgrammar.StructuralTag:
+        """xgrammar's builtin DSML format for the declared tools.
+
+        Auto (``tool_call``): free text until ``<｜DSML｜tool_calls>`` opens a block, then invokes
+        of the declared tools and the block's end. Required: the same block without its leading
+        ``\n\n<｜DSML｜tool_calls>\n``, which the recipe's prompt for a required tool call
+        already ends with, so the answer starts at the first ``<｜DSML｜invoke``."""
         import xgrammar as xgr
 
         tools = json.loads(_json_text(schema, "tool list"))
@@ -206,10 +238,12 @@ class GrammarCompiler:
         tag = xgr.get_model_structural_tag(
             _STRUCTURAL_TAG_MODELS[self.model_type],
             tools=tools,
-            tool_choice="required",
+            tool_choice="auto" if auto else "required",
             reasoning="disabled",
             max_whitespace_cnt=None if self.json_any_whitespace else 1,
         )
+        if auto:
+            return tag
         elements = tag.format.elements
         assert elements[0].type == "const_string" and "tool_calls>" in elements[0].value, (
             f"unexpected DSML tag layout from xgrammar: {elements[0]!r}"
@@ -218,12 +252,41 @@ class GrammarCompiler:
         return tag
 
 
+_BAR = "｜".encode()  # the marker's delimiter, U+FF5C
+
+
+def _is_dsml_safe(text: bytes) -> bool:
+    """An ordinary token (bytes) that cannot spell part of a ``｜DSML｜`` marker or glue ``<`` /
+    ``</`` to other bytes before one (see GrammarCompiler._dsml_token_filter)."""
+    if _BAR in text or text.endswith((_BAR[:1], _BAR[:2])):
+        return False
+    return not text.endswith((b"<", b"</")) or text in (b"<", b"</")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled constraint: the grammar, and for DSML tool calls the token filter that keeps
+    the recipe's token-level parser reading what the grammar allowed (packed like a bitmask)."""
+
+    grammar: xgrammar.CompiledGrammar
+    token_filter: torch.Tensor | None
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [32 * W] -> int32 [W], bit b of word w = token 32 * w + b (xgrammar's layout)."""
+    import torch
+
+    words = (allowed.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 _WHAT = {
     "json": "JSON schema",
     "json_object": "JSON schema",
     "regex": "regex",
     "ebnf": "EBNF grammar",
     "tool_call_required": "tool list",
+    "tool_call": "tool list",
 }
 
 

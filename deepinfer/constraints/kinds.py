@@ -12,14 +12,13 @@ Kinds (``SamplingParams.constraint = (kind, schema)``):
     tool_call_required  a JSON array of Chat-Completions tools: the output is one or more DSML
                         invokes of those tools and closes the ``<｜DSML｜tool_calls>`` block that
                         the recipe's prompt already opened
-    tool_call           auto tool choice: not enforced (free text; the text side parses any
-                        tool-call block), as vLLM and SGLang do
+    tool_call           auto tool choice, the same tool list: free text until the output opens
+                        a ``<｜DSML｜tool_calls>`` block, then invokes of the declared tools
 """
 
 from __future__ import annotations
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "ebnf", "tool_call_required", "tool_call")
-ENFORCED_KINDS = ("json", "json_object", "regex", "ebnf", "tool_call_required")
 
 # DeepSeek-V4 reasoning markers. A prompt that leaves a ``<think>`` open (thinking mode) starts
 # with free reasoning: the grammar applies from the token after ``</think>``.

@@ -35,13 +35,21 @@ class Matcher:
     """Grammar state of one request (CPU, not thread-safe: the engine thread owns it).
 
     With ``wait_for_think_end`` the matcher is inactive (everything allowed, tokens not fed to
-    the grammar) until ``</think>`` is accepted.
+    the grammar) until ``</think>`` is accepted. ``token_filter`` (packed int32 [ceil(V/32)]):
+    tokens allowed at all, ANDed into every grammar mask (see compiler.Compiled).
     """
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, *, wait_for_think_end: bool) -> None:
+    def __init__(
+        self,
+        compiled: xgrammar.CompiledGrammar,
+        *,
+        wait_for_think_end: bool,
+        token_filter: torch.Tensor | None = None,
+    ) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._token_filter = token_filter
         self._waits_initially = wait_for_think_end
         self.is_active = not wait_for_think_end
         self._history: list[int] = []
@@ -66,6 +74,8 @@ class Matcher:
             bitmask_row[eos // 32] = _bit(eos % 32)
         else:
             self._matcher.fill_next_token_bitmask(bitmask_row.unsqueeze(0), 0)
+            if self._token_filter is not None:
+                bitmask_row.bitwise_and_(self._token_filter)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if the grammar rejects it."""

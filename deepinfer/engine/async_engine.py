@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deepinfer.constraints import ConstraintError
-from deepinfer.engine.llm_engine import LLMEngine, is_enforced
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request, RequestStatus
@@ -213,7 +213,7 @@ class AsyncEngine:
     async def _compile_grammar(self, sampling_params: SamplingParams) -> Any:
         """A constrained request's grammar, compiled in the compiler's pool while other requests
         keep stepping. Raises ConstraintError (a ValueError: 400) if invalid or too slow."""
-        if not is_enforced(sampling_params):
+        if sampling_params.constraint is None:
             return None
         future = self.engine.compile_grammar_async(sampling_params)
         compiler = self.engine.grammar_compiler

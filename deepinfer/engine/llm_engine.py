@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deepinfer.config import Config
-from deepinfer.constraints import ENFORCED_KINDS, ConstraintError
+from deepinfer.constraints import ConstraintError
 from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.tiered import KVTiers
@@ -50,12 +50,6 @@ class Executor(Protocol):
     replay_tokens: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-def is_enforced(sampling_params: SamplingParams) -> bool:
-    """True when the request's constraint is enforced by a grammar (not None, not tool_call)."""
-    constraint = sampling_params.constraint
-    return constraint is not None and constraint[0] in ENFORCED_KINDS
 
 
 class LLMEngine:
@@ -155,7 +149,7 @@ class LLMEngine:
             eos_token_id=self.executor.eos_token_id,
             cache_salt=cache_salt,
         )
-        if is_enforced(sampling_params):
+        if sampling_params.constraint is not None:
             if compiled_grammar is None:
                 compiled_grammar = self.compile_grammar(sampling_params)
             assert self.grammar_compiler is not None
@@ -166,7 +160,7 @@ class LLMEngine:
         return request
 
     def compile_grammar(self, sampling_params: SamplingParams) -> Any:
-        """The CompiledGrammar of an enforced constraint (blocking, with the compile timeout)."""
+        """The compiled constraint (blocking, with the compile timeout)."""
         kind, schema = self._constraint_of(sampling_params)
         return self.grammar_compiler.compile(kind, schema)
 
