@@ -46,6 +46,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     constraint: tuple[str, str] | None = None
+    # This request's tokens are bit-identical whatever runs beside it: its tokens run one per
+    # forward (kernel.deterministic does this for every request).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -45,6 +45,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    deterministic: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
         """Raises ValueError (naming the field) on out-of-range values."""

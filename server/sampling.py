@@ -2,10 +2,10 @@
 
 deepseek-recipe's conversion carries temperature, top_p, seed, max_tokens, logprobs and the
 output constraint. The token-level parameters it does not carry (vLLM's names: ``top_k``,
-``min_p``, penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, and
-``cache_salt``) are read here from the raw JSON body, checked (a 400 names the field) and sent to
-the node in ``SamplingOptions``. A request without a seed gets one drawn here, so that every
-sampled request is reproducible from what the server logged.
+``min_p``, penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``cache_salt``, and ours: ``deterministic``) are read here from the raw JSON body, checked (a
+400 names the field) and sent to the node in ``SamplingOptions``. A request without a seed gets
+one drawn here, so that every sampled request is reproducible from what the server logged.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ class ExtraSampling:
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
     cache_salt: str | None = None
+    deterministic: bool = False
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"Invalid {name}: expected a boolean, got {value!r}", name)
+    return bool(value)
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, *, open_low: bool = False):
@@ -72,11 +80,6 @@ def read_extra_sampling(body: dict[str, Any], vocab_size: int) -> ExtraSampling:
     frequency = _number(body, "frequency_penalty", -2.0, 2.0)
     repetition = _number(body, "repetition_penalty", 0.0, 2.0, open_low=True)
     min_tokens = _integer(body, "min_tokens", 0, 2**31 - 1)
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise bad_request(
-            f"Invalid ignore_eos: expected a boolean, got {ignore_eos!r}", "ignore_eos"
-        )
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise bad_request("Invalid cache_salt: expected a non-empty string", "cache_salt")
@@ -88,9 +91,10 @@ def read_extra_sampling(body: dict[str, Any], vocab_size: int) -> ExtraSampling:
         repetition_penalty=1.0 if repetition is None else repetition,
         min_tokens=min_tokens or 0,
         stop_token_ids=_token_ids(body.get("stop_token_ids"), vocab_size),
-        ignore_eos=bool(ignore_eos),
+        ignore_eos=_boolean(body, "ignore_eos"),
         logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
         cache_salt=cache_salt,
+        deterministic=_boolean(body, "deterministic"),
     )
 
 
@@ -165,6 +169,7 @@ def build_sampling_options(
         stop_token_ids=list(extra.stop_token_ids),
         ignore_eos=extra.ignore_eos,
         logprobs=logprobs,
+        deterministic=extra.deterministic,
     )
     try:
         options.to_sampling_params()  # the engine's own checks, so the node will accept it

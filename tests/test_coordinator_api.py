@@ -136,7 +136,9 @@ async def test_chat_tool_call_non_stream_and_stream(oai, backend) -> None:
     call = message.tool_calls[0]
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert backend.requests[0].constraint is None  # auto tool choice is parsed, not enforced
+    constraint = backend.requests[0].constraint  # auto tool choice: enforced once a block opens
+    assert constraint is not None and constraint.kind == "tool_call"
+    assert [t["function"]["name"] for t in json.loads(constraint.schema)] == ["get_weather"]
 
     backend.scripts.append(Script(steps=chunked(TOOL_CALL_TOKENS, 3)))
     stream = await oai.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, stream=True)
@@ -179,6 +181,7 @@ async def test_thinking_mode_sampling_seed_and_extras(oai, backend) -> None:
             "repetition_penalty": 1.1,
             "logit_bias": {"100": 5},
             "cache_salt": "salt",
+            "deterministic": True,
         },
     )
     await oai.chat.completions.create(model=MODEL, messages=USER)
@@ -187,6 +190,7 @@ async def test_thinking_mode_sampling_seed_and_extras(oai, backend) -> None:
     assert plain.temperature == pytest.approx(0.3)
     assert (plain.seed, plain.top_k, plain.min_p, plain.repetition_penalty) == (7, 20, 0.05, 1.1)
     assert plain.logit_bias == {100: 5.0} and backend.requests[1].cache_salt == "salt"
+    assert plain.deterministic and not thinking.deterministic
     assert thinking.seed is not None and 0 <= thinking.seed < 2**63 and thinking.seed != again.seed
     assert thinking.max_tokens == MAX_MODEL_LEN - NUM_CHAT_PROMPT_TOKENS
 

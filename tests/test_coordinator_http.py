@@ -302,6 +302,8 @@ BAD_INPUT = [
      "Thinking mode does not support this tool_choice", None),
     ("/v1/chat/completions", {**CHAT, "top_k": "x"}, 400, "Invalid top_k", "top_k"),
     ("/v1/chat/completions", {**CHAT, "min_p": 2}, 400, "min_p", "min_p"),
+    ("/v1/chat/completions", {**CHAT, "deterministic": "yes"}, 400, "deterministic",
+     "deterministic"),
     ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty",
      "repetition_penalty"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, 400, "not a token id",

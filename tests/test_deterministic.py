@@ -56,3 +56,32 @@ def test_alone_equals_batched_chunked_preempted(tiny_dir: Path, temperature: flo
     batched = outs[2].outputs[0]
     assert batched.token_ids == alone.token_ids
     assert batched.logprobs == alone.logprobs  # bit-identical floats, not just close
+
+
+def test_one_deterministic_request_among_batched_ones(tiny_dir: Path) -> None:
+    """Per request: only the request that asks runs one token per forward; it gives what it
+    gives alone while the others batch, chunk and get preempted around it."""
+    rng = random.Random(5)
+    target = _prompt(rng, 41)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=0, deterministic=True)
+    plain = dict(model=tiny_dir, device="cpu", block_size=16)
+    alone = LLM(**plain).generate([target], params, use_tqdm=False)[0].outputs[0]
+    busy = LLM(**plain, num_blocks=12, max_num_batched_tokens=23)
+    forwards: list[int] = []
+    model_forward = busy.engine.executor.model.forward
+
+    def spy(batch, cache):
+        forwards.append(batch.num_tokens)
+        return model_forward(batch, cache)
+
+    busy.engine.executor.model.forward = spy
+    others = [_prompt(rng, rng.randrange(10, 57)) for _ in range(4)]
+    other_params = SamplingParams(temperature=1.0, max_tokens=8)
+    outs = busy.generate(
+        [others[0], target, *others[1:]],
+        [other_params, params, *[other_params] * 3],
+        use_tqdm=False,
+    )
+    assert outs[1].outputs[0].token_ids == alone.token_ids
+    assert outs[1].outputs[0].logprobs == alone.logprobs  # bit-identical
+    assert max(forwards) > 1, "the other requests were meant to run batched"

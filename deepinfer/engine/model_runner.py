@@ -239,13 +239,14 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         self._move_between_tiers(scheduler_output)
-        if self.graphs is not None and self.graphs.can_run(scheduler_output):
+        one_by_one = self._deterministic_rows(scheduler_output)
+        if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
             logits = self.graphs.run(scheduler_output)
             sample_rows = [(i, i) for i in range(len(scheduler_output.scheduled))]
             prompt_rows: list[tuple[int, int, int]] = []
-        elif self.config.kernel.deterministic:
+        elif one_by_one:
             batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
-            logits = self._forward_token_by_token(scheduler_output, sample_rows, prompt_rows)
+            logits = self._forward_split(scheduler_output, sample_rows, prompt_rows, one_by_one)
         else:
             batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
             logits = self.model(batch, self.kv_cache)  # [N, V] fp32
@@ -257,24 +258,46 @@ class ModelRunner:
         self._sample(scheduler_output, logits, sample_rows, output)
         return output
 
-    def _forward_token_by_token(
+    def _deterministic_rows(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """Scheduled requests whose tokens run one per forward: all in deterministic mode, else
+        those that asked (SamplingParams.deterministic)."""
+        scheduled = scheduler_output.scheduled
+        if self.config.kernel.deterministic:
+            return set(range(len(scheduled)))
+        return {i for i, s in enumerate(scheduled) if s.request.sampling_params.deterministic}
+
+    def _forward_split(
         self,
         scheduler_output: SchedulerOutput,
         sample_rows: list[tuple[int, int]],
         prompt_rows: list[tuple[int, int, int]],
+        one_by_one: set[int],
     ) -> torch.Tensor:
-        """Deterministic mode: every forward is one token of one request, so every matmul and
-        reduction has the same shapes whatever else is batched and wherever chunks start: a
-        request's results are bit-identical alone, batched, chunked or recomputed. Returns the
-        logits rows in ``_prepare``'s layout, [N, V] fp32."""
+        """The requests in ``one_by_one`` run one token per forward, so every matmul and
+        reduction has the same shapes whatever else is batched and wherever chunks start: their
+        results are bit-identical alone, batched, chunked or recomputed. The others run batched
+        in one forward. Returns the logits rows in ``_prepare``'s layout, [N, V] fp32."""
+        scheduled = scheduler_output.scheduled
         row_of: dict[tuple[int, int], int] = {}  # (scheduled index, token index) -> logits row
         for i, row, count in prompt_rows:
             for j in range(count):
                 row_of[i, j] = row + j
         for i, row in sample_rows:
-            row_of[i, scheduler_output.scheduled[i].num_tokens - 1] = row
+            row_of[i, scheduled[i].num_tokens - 1] = row
         rows: list[torch.Tensor | None] = [None] * len(row_of)
-        for i, sched in enumerate(scheduler_output.scheduled):
+        batched = [i for i in range(len(scheduled)) if i not in one_by_one]
+        if batched:
+            part = SchedulerOutput(scheduled=[scheduled[i] for i in batched])
+            batch, part_samples, part_prompts = self._prepare(part)
+            logits = self.model(batch, self.kv_cache)
+            for k, row in part_samples:
+                i = batched[k]
+                rows[row_of[i, scheduled[i].num_tokens - 1]] = logits[row]
+            for k, row, count in part_prompts:
+                for j in range(count):
+                    rows[row_of[batched[k], j]] = logits[row + j]
+        for i in sorted(one_by_one):
+            sched = scheduled[i]
             for j, token_id in enumerate(sched.token_ids):
                 one = dataclasses.replace(
                     sched,
