@@ -5,9 +5,9 @@ shapes (hidden 4096, 64 heads of 512, 256 experts top-6, window 128, CSA 4 / HCA
 64 x 128 top-512, YaRN on compressed layers) with fewer layers, and report per-layer figures next
 to full-depth extrapolations (43 layers: 2 sliding, 21 CSA, 20 HCA).
 
-Sections: shapes; device, timing and the two ceilings (copy bandwidth, GEMM rate); model and
-inputs (``decode_inputs`` / ``prefill_inputs`` are the one place that builds caches and batches:
-adapt them when ForwardBatch or KVCache change); bytes and FLOPs per layer; reporting.
+Sections: shapes; the device; model and inputs (``decode_inputs`` / ``prefill_inputs`` are the
+one place that builds caches and batches: adapt them when ForwardBatch or KVCache change).
+Timing, the ceilings, bytes and FLOPs per layer and reporting are in v4_flash_report.py.
 ``--tiny`` shrinks every shape so that each script runs on the CPU as a smoke test.
 """
 
@@ -15,16 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import math
-import platform
-import shlex
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +30,6 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.config import CSA, HCA, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.tiny import random_weights
-from deepinfer.model.weights import expected_shapes, is_fp32_param, is_integer_param
 from deepinfer.ops import Kernels, select_kernels
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -169,7 +161,7 @@ def parse_ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-# ---- device, timing, ceilings ----------------------------------------------------------------
+# ---- device ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,83 +193,6 @@ def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def median_time(fn: Callable[[], object], setup: Setup, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn`` after ``warmup`` calls: CUDA events on CUDA (bracketing the host
-    time too, where fn syncs), the host clock on the CPU."""
-    for _ in range(warmup):
-        fn()
-    if not setup.is_cuda:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) / 1e3 for s, e in events)
-
-
-def graph_time(
-    fn: Callable[[], object], setup: Setup, warmup: int, repeats: int
-) -> tuple[float | None, str]:
-    """(median seconds of a CUDA-graph replay of ``fn``, "") or (None, why the capture failed).
-
-    As torch's docs say: warm up on a side stream, then capture. A host sync inside ``fn``
-    (``.item()``, ``.tolist()``, a data-dependent shape) makes the capture fail; the caller
-    carries on eager.
-    """
-    if not setup.is_cuda:
-        return None, "CUDA graphs need a CUDA device"
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(main)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        main.wait_stream(side)
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as error:  # any capture failure means "stay eager": reported, not raised
-        torch.cuda.set_stream(main)  # a failed capture can leave the capture stream current
-        torch.cuda.synchronize()
-        del graph
-        release()
-        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
-    seconds = median_time(graph.replay, setup, warmup, repeats)
-    del graph
-    release()
-    return seconds, ""
-
-
-def copy_bandwidth(setup: Setup) -> float:
-    """HBM bandwidth in bytes/s: a large device-to-device copy, bytes read + written, median."""
-    numel = (1 << 30) if setup.is_cuda else (1 << 23)  # 2 GiB of bf16 on CUDA
-    src = torch.randn(numel, dtype=setup.dtype, device=setup.device)
-    dst = torch.empty_like(src)
-    seconds = median_time(lambda: dst.copy_(src), setup, warmup=3, repeats=20)
-    return 2 * src.numel() * src.element_size() / seconds
-
-
-def gemm_rate(setup: Setup) -> float:
-    """Dense GEMM rate in FLOP/s in the model's dtype: a large torch.matmul, median."""
-    n = 8192 if setup.is_cuda else 512
-    a = torch.randn(n, n, dtype=setup.dtype, device=setup.device)
-    b = torch.randn(n, n, dtype=setup.dtype, device=setup.device)
-    out = torch.empty(n, n, dtype=setup.dtype, device=setup.device)
-    seconds = median_time(lambda: torch.matmul(a, b, out=out), setup, warmup=5, repeats=20)
-    return 2 * n**3 / seconds
 
 
 # ---- model and inputs ------------------------------------------------------------------------
@@ -459,231 +374,3 @@ def experts_hit(model: torch.nn.Module, step: Callable[[], object]) -> list[int]
         for handle in handles:
             handle.remove()
     return counts
-
-
-# ---- bytes and FLOPs -------------------------------------------------------------------------
-
-
-def expected_experts_hit(args: ModelArgs, num_tokens: int) -> float:
-    """E * (1 - (1 - k/E)^T): distinct experts T uniformly routed tokens hit."""
-    e, k = args.num_experts, args.num_experts_per_tok
-    return e * (1 - (1 - k / e) ** num_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerWeights:
-    """One layer's parameters: everything but the routed experts, and one routed expert."""
-
-    dense_bytes: int
-    dense_matmul_params: int  # 2-D weights a token multiplies by (for FLOPs)
-    expert_bytes: int
-    expert_params: int
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def layer_weights(args: ModelArgs, layer: int, dtype: torch.dtype) -> LayerWeights:
-    dense_bytes = dense_matmul = expert_numel = 0
-    prefix = f"layers.{layer}."
-    for name, shape in expected_shapes(args).items():
-        if not name.startswith(prefix) or is_integer_param(name):
-            continue  # the hash router's tid2eid is a lookup, not read whole
-        numel = math.prod(shape)
-        if ".ffn.experts." in name:
-            expert_numel += numel // args.num_experts
-            continue
-        dense_bytes += numel * (4 if is_fp32_param(name) else _itemsize(dtype))
-        if len(shape) == 2 and not name.endswith(".ape"):
-            dense_matmul += numel
-    return LayerWeights(dense_bytes, dense_matmul, expert_numel * _itemsize(dtype), expert_numel)
-
-
-def outer_weight_bytes(args: ModelArgs, num_tokens: int, dtype: torch.dtype) -> int:
-    """Embedding rows of the batch + hyper-connection head + final norm + LM head."""
-    shapes = expected_shapes(args)
-    size = _itemsize(dtype)
-    head = math.prod(shapes["head.weight"]) * size
-    small = sum(math.prod(shapes[n]) * 4 for n in ("hc_head_fn", "hc_head_base", "norm.weight"))
-    return head + small + num_tokens * args.hidden_size * size
-
-
-def decode_kv_bytes(args: ModelArgs, kind: str, context: int, dtype: torch.dtype) -> int:
-    """KV one request's decode query reads at position ``context``: the window's ring rows; CSA:
-    the top-k compressed entries + every visible indexer key; HCA: every visible entry."""
-    size, hd = _itemsize(dtype), args.head_dim
-    rows = min(args.sliding_window - 1, context) * hd
-    if kind == "csa":
-        visible = (context + 1) // args.csa_ratio
-        rows += min(args.index_topk, visible) * hd + visible * args.index_head_dim
-    elif kind == "hca":
-        rows += (context + 1) // args.hca_ratio * hd
-    return rows * size
-
-
-def decode_bytes(
-    args: ModelArgs, kind: str, batch: int, context: int, hit: float, dtype: torch.dtype
-) -> float:
-    """Bytes one decode step of one layer of ``kind`` must read (``outer``: embed/head)."""
-    if kind not in LAYER_TYPES:
-        return outer_weight_bytes(args, batch, dtype) if kind == OUTER else 0
-    w = layer_weights(args, 0, dtype)
-    return (
-        w.dense_bytes + hit * w.expert_bytes + batch * decode_kv_bytes(args, kind, context, dtype)
-    )
-
-
-def prefill_flops(args: ModelArgs, kind: str, start: int, end: int) -> float:
-    """FLOPs of one layer of ``kind`` for the queries at positions start..end-1: 2 x active
-    parameters per token (attention projections, compressor/indexer, router, shared expert, k
-    routed experts, hyper-connection mixing), QK and PV over the keys each query sees (window +
-    CSA top-k or HCA visible entries) and the indexer scores over every visible CSA entry."""
-    if kind not in LAYER_TYPES:
-        return 0.0
-    w = layer_weights(args, 0, torch.bfloat16)
-    active = w.dense_matmul_params + args.num_experts_per_tok * w.expert_params
-    pos = torch.arange(start, end, dtype=torch.float64)
-    keys = torch.clamp(pos + 1, max=args.sliding_window)
-    index = torch.zeros_like(pos)
-    if kind == "csa":
-        visible = torch.div(pos + 1, args.csa_ratio, rounding_mode="floor")
-        keys = keys + torch.clamp(visible, max=args.index_topk)
-        index = 2 * args.index_n_heads * args.index_head_dim * visible
-    elif kind == "hca":
-        keys = keys + torch.div(pos + 1, args.hca_ratio, rounding_mode="floor")
-    attention = 4 * args.num_heads * args.head_dim * keys
-    return 2 * active * (end - start) + float((attention + index).sum())
-
-
-def full_depth(
-    per_layer: dict[str, float | None], per_step: list[float | None]
-) -> tuple[float | None, str]:
-    """V4-Flash's 43 layers (21 CSA + 20 HCA + 2 sliding) + the once-per-step parts, from
-    per-layer figures; None without CSA and HCA figures. A sliding layer not measured counts as an
-    HCA one (its superset); the note says so. A per-step part not measured counts as 0."""
-    counts, note = dict(FULL_DEPTH_LAYERS), ""
-    if per_layer.get("swa") is None and per_layer.get("hca") is not None:
-        counts = {"csa": counts["csa"], "hca": counts["hca"] + counts["swa"]}
-        note = "sliding counted as HCA"
-    if any(per_layer.get(k) is None for k in counts):
-        return None, ""
-    return sum(n * per_layer[k] for k, n in counts.items()) + sum(filter(None, per_step)), note
-
-
-def full_depth_from(
-    rows: list[dict], kinds: list[str], field: str, notes: set[str], **match: Any
-) -> float | None:
-    """``full_depth`` of ``field`` over the rows (one per layer type or per-step part) that
-    match; None without an outer figure."""
-    here = {r["layer"]: r.get(field) for r in rows if all(r.get(k) == v for k, v in match.items())}
-    if here.get(OUTER) is None:
-        return None
-    per_layer = {k: here.get(k) for k in kinds if k in FULL_DEPTH_LAYERS}
-    total, note = full_depth(per_layer, [here[OUTER], here.get(PLANS)])
-    if note and total is not None:
-        notes.add(note)
-    return total
-
-
-# ---- reporting -------------------------------------------------------------------------------
-
-
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers, *[[_cell(v) for v in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def markdown(headers: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, None where either is missing."""
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        if value == 0 or abs(value) >= 100:
-            return f"{value:,.0f}"
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
-    return str(value)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout)"
-    return out.stdout.strip()
-
-
-def device_name(setup: Setup) -> str:
-    if setup.is_cuda:
-        return torch.cuda.get_device_name(setup.device)
-    return f"CPU ({platform.processor() or platform.machine()})"
-
-
-def command(script: str, setup: Setup) -> str:
-    """The command that reproduces this run from the repo root."""
-    args = shlex.join(sys.argv[1:])
-    if setup.is_cuda:
-        return f"bash scripts/gpu_bench.sh benchmarks/{script} {args}".strip()
-    return f"python benchmarks/{script} {args}".strip()
-
-
-def results_block(
-    title: str, script: str, setup: Setup, notes: list[str], tables: list[str]
-) -> str:
-    """Markdown for benchmarks/RESULTS.md: date, device, torch, commit, command, notes, tables."""
-    today = datetime.date.today().isoformat()
-    precision = str(setup.dtype).removeprefix("torch.")
-    lines = [
-        "RESULTS:",
-        f"## {today} — {title} ({device_name(setup)})",
-        "",
-        f"- Command ({device_name(setup)}, torch {torch.__version__}, {precision}): "
-        f"`{command(script, setup)}`. Commit {git_commit()}.",
-        *[f"- {note}" for note in notes],
-    ]
-    for t in tables:
-        lines += ["", t]
-    return "\n".join(lines)
-
-
-def header(setup: Setup) -> dict[str, Any]:
-    """What every JSON file starts with."""
-    return {
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(setup),
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "argv": sys.argv,
-        "tiny": setup.tiny,
-        "dtype": str(setup.dtype).removeprefix("torch."),
-    }
-
-
-def write_json(path: str | None, payload: dict[str, Any]) -> None:
-    """Written after every measurement, so a run cut short still leaves what it measured."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1) + "\n")
