@@ -5,6 +5,7 @@
 #   benchmarks/v4_flash_decode.py   decode step per layer type vs the HBM bound (eager and graph)
 #   benchmarks/v4_flash_prefill.py  prefill per layer type vs the GEMM bound (MFU)
 #   benchmarks/v4_flash_hf.py       transformers' eager model on the same layers; ours / theirs
+#   benchmarks/decode_idle.py       device idle time between decode steps through the engine
 # Logs and JSON go to $OUT/v4_flash_*.{log,json}; a script stopped at its limit leaves the JSON of
 # what it measured, and the transformers run compares against whatever the JSON holds.
 set -uo pipefail
@@ -42,4 +43,12 @@ run 170 v4_flash_prefill --backend "$backend" --layers csa,hca,swa --prompt 1024
   --chunk 8192
 run 200 v4_flash_hf --layers csa,hca,swa --batch 1,32 --context 4096 --prompt 1024,8192 \
   --ours "$OUT/v4_flash_decode.json" "$OUT/v4_flash_prefill.json"
+left=$((budget - (SECONDS - start) - 5))
+if ((left >= 60)); then
+  echo "== decode_idle (limit ${left} s): python3 -P benchmarks/decode_idle.py --batch 1,32,128"
+  timeout -k 10 "$left" python3 -P benchmarks/decode_idle.py --batch 1,32,128 2>&1 |
+    grep -v "Loading weights" | tee "$OUT/decode_idle.log"
+  rc="${PIPESTATUS[0]}"
+  ((rc != 0)) && status=$rc
+fi
 exit "$status"
