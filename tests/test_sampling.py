@@ -14,6 +14,7 @@ from deepinfer.ops.sampling import (
     sample,
     seeded_key,
 )
+from deepinfer.ops.sampling import torch_ref as sampling_ref
 from deepinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -263,3 +264,50 @@ def test_empirical_distribution_within_3_sigma(params: SamplingParams, expected:
     for count, p in zip(counts, expected, strict=True):
         sigma = math.sqrt(num_draws * p * (1 - p))
         assert abs(count - num_draws * p) <= 3 * sigma, (counts, expected)
+
+
+# (top_k, top_p, logits kind) rows for a vocabulary larger than the candidate list: nuclei that
+# close inside it, flat rows whose nucleus does not (the full sort), top_k past the candidates
+# (kthvalue; with top_p: the full sort), integer logits with ties at the cutoff, -inf entries,
+# and rows that filter nothing.
+_FILTER_ROWS = [
+    (0, 0.9, "peaked"),
+    (0, 0.5, "flat"),
+    (50, 1.0, "flat"),
+    (2000, 1.0, "flat"),
+    (2000, 0.5, "flat"),
+    (10, 0.3, "peaked"),
+    (0, 1.0, "flat"),
+    (7, 1.0, "ties"),
+    (0, 0.35, "ties"),
+    (3000, 1.0, "ties"),
+    (5, 0.8, "masked"),
+    (0, 0.999, "masked"),
+]
+
+
+def _filter_logits(kind: str, vocab_size: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "peaked":
+        return torch.randn(vocab_size, generator=gen) * 4
+    if kind == "ties":
+        return torch.randint(0, 6, (vocab_size,), generator=gen).float()
+    logits = torch.randn(vocab_size, generator=gen) * 0.1
+    if kind == "masked":
+        logits[torch.rand(vocab_size, generator=gen) < 0.99] = NEG_INF
+    return logits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_k_top_p_from_candidates_equals_a_full_sort(seed: int) -> None:
+    """The candidate-list filter keeps exactly the tokens a stable full sort keeps (ties broken
+    by the lower id), alone and batched, on a vocabulary past the candidate list."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab_size = 5000
+    logits = torch.stack([_filter_logits(kind, vocab_size, gen) for _, _, kind in _FILTER_ROWS])
+    top_k = torch.tensor([k for k, _, _ in _FILTER_ROWS])
+    top_p = torch.tensor([p for _, p, _ in _FILTER_ROWS])
+    fast = sampling_ref._apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(fast, sampling_ref._sorted_top_k_top_p(logits, top_k, top_p))
+    for i in range(len(_FILTER_ROWS)):
+        row = sampling_ref._apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+        assert torch.equal(row, fast[i : i + 1])
