@@ -82,6 +82,8 @@ class DecodeGraphs:
         num_reqs = len(scheduled)
         bucket = next(b for b in self.buckets if b >= num_reqs)
         longest = max(s.start_pos + 1 for s in scheduled)
+        # At least a block: the padded requests sit at the scratch block's last position.
+        longest = max(longest, self.cache.block_size)
         context = max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
         seqs = [
             SeqSpan(
