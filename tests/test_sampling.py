@@ -204,12 +204,37 @@ def test_seeded_key_is_splitmix64():
     assert seeded_key(7, 3) != seeded_key(7, 4) != seeded_key(8, 3)
 
 
+def _splitmix_uniform(key: int, token_id: int) -> float:
+    """keyed_uniforms' documented recipe, in Python integers."""
+    mask = 2**64 - 1
+    z = key ^ ((token_id + 1) * 0x9E3779B97F4A7C15 & mask)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (z >> 40) / 2**24
+
+
 def test_seeded_draw_follows_the_documented_recipe():
     logits = _random_logits(1, 500, seed=5)
     out = sample(logits, _metadata([SamplingParams(seed=99)], positions=[42]), None)
-    uniforms = torch.rand(500, generator=torch.Generator().manual_seed(seeded_key(99, 42)))
+    key = seeded_key(99, 42)
+    uniforms = torch.tensor([_splitmix_uniform(key, t) for t in range(500)])
+    assert torch.equal(sampling_ref.keyed_uniforms(torch.tensor([key]), 500)[0], uniforms)
     expected = (logits[0].softmax(dim=-1) / -uniforms.log()).argmax()
     assert out.token_ids.tolist() == [expected.item()]
+
+
+def test_keyed_uniforms_look_uniform():
+    """Mean, spread and the low and high tails of 1M draws over 8 keys, against U[0, 1)."""
+    keys = torch.tensor([seeded_key(s, p) for s in (0, 1, 7, 2**40) for p in (0, 99)])
+    u = sampling_ref.keyed_uniforms(keys, 125_000).flatten()
+    n = u.numel()
+    assert ((u >= 0) & (u < 1)).all()
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    for edge in (0.01, 0.99):
+        share = (u < edge).float().mean().item()
+        assert abs(share - edge) < 5 * (edge * (1 - edge) / n) ** 0.5
 
 
 def test_seeded_row_ignores_batch_composition_and_order():
