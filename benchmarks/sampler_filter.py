@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from deepinfer.ops.sampling import torch_ref
+from deepinfer.ops.sampling import nucleus
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     for name, std in (("peaked, std 4", 4.0), ("peaked, std 6", 6.0), ("flat, std 0.1", 0.1)):
         logits = (torch.randn(ns.batch, ns.vocab, generator=gen) * std).to(ns.device)
         times = {}
-        for fn in (torch_ref._sorted_top_k_top_p, torch_ref._apply_top_k_top_p):
+        for fn in (nucleus.sorted_top_k_top_p, nucleus.apply_top_k_top_p):
             fn(logits, top_k, top_p)
             runs = []
             for _ in range(5):
@@ -46,7 +46,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                 runs.append(time.perf_counter() - start)
             times[fn] = statistics.median(runs) * 1e3
-        full, fast = times[torch_ref._sorted_top_k_top_p], times[torch_ref._apply_top_k_top_p]
+        full, fast = times[nucleus.sorted_top_k_top_p], times[nucleus.apply_top_k_top_p]
         print(f"| {name} | {full:.1f} | {fast:.1f} | {full / fast:.2f}x |")
 
 

@@ -11,10 +11,11 @@ from deepinfer.ops.sampling import (
     SamplingMetadata,
     apply_logits_processors,
     compute_logprobs,
+    keyed,
+    nucleus,
     sample,
     seeded_key,
 )
-from deepinfer.ops.sampling import torch_ref as sampling_ref
 from deepinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -219,7 +220,7 @@ def test_seeded_draw_follows_the_documented_recipe():
     out = sample(logits, _metadata([SamplingParams(seed=99)], positions=[42]), None)
     key = seeded_key(99, 42)
     uniforms = torch.tensor([_splitmix_uniform(key, t) for t in range(500)])
-    assert torch.equal(sampling_ref.keyed_uniforms(torch.tensor([key]), 500)[0], uniforms)
+    assert torch.equal(keyed.keyed_uniforms(torch.tensor([key]), 500)[0], uniforms)
     expected = (logits[0].softmax(dim=-1) / -uniforms.log()).argmax()
     assert out.token_ids.tolist() == [expected.item()]
 
@@ -227,7 +228,7 @@ def test_seeded_draw_follows_the_documented_recipe():
 def test_keyed_uniforms_look_uniform():
     """Mean, spread and the low and high tails of 1M draws over 8 keys, against U[0, 1)."""
     keys = torch.tensor([seeded_key(s, p) for s in (0, 1, 7, 2**40) for p in (0, 99)])
-    u = sampling_ref.keyed_uniforms(keys, 125_000).flatten()
+    u = keyed.keyed_uniforms(keys, 125_000).flatten()
     n = u.numel()
     assert ((u >= 0) & (u < 1)).all()
     assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
@@ -331,8 +332,8 @@ def test_top_k_top_p_from_candidates_equals_a_full_sort(seed: int) -> None:
     logits = torch.stack([_filter_logits(kind, vocab_size, gen) for _, _, kind in _FILTER_ROWS])
     top_k = torch.tensor([k for k, _, _ in _FILTER_ROWS])
     top_p = torch.tensor([p for _, p, _ in _FILTER_ROWS])
-    fast = sampling_ref._apply_top_k_top_p(logits, top_k, top_p)
-    assert torch.equal(fast, sampling_ref._sorted_top_k_top_p(logits, top_k, top_p))
+    fast = nucleus.apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(fast, nucleus.sorted_top_k_top_p(logits, top_k, top_p))
     for i in range(len(_FILTER_ROWS)):
-        row = sampling_ref._apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+        row = nucleus.apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(row, fast[i : i + 1])

@@ -27,25 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.ops.sampling.keyed import keyed_uniforms, seeded_key
+from deepinfer.ops.sampling.nucleus import apply_top_k_top_p
 from deepinfer.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5  # same threshold as SamplingParams.is_greedy
-_MASK64 = (1 << 64) - 1
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-
-
-def seeded_key(seed: int, position: int) -> int:
-    """The 63-bit key of a seeded row: splitmix64 of ``seed ^ position * gamma``.
-
-    The mixing makes keys of nearby (seed, position) pairs unrelated; 63 bits keep the key a
-    non-negative int64.
-    """
-    z = (seed ^ (position * _GOLDEN_GAMMA)) & _MASK64
-    z = (z + _GOLDEN_GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return z & ((1 << 63) - 1)
 
 
 @dataclass
@@ -333,98 +319,12 @@ def _sample_random(
         threshold = metadata.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if metadata.has_top_k_top_p:
-        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
     exponentials = -torch.log(_uniforms(metadata, logits.shape, logits.device, generator))
     # argmax(probs / q) with q ~ Exp(1) i.i.d. picks token t with probability probs[t]; u = 0 gives
     # q = inf, a 0 score, never chosen over a live token.
     return (probs / exponentials).argmax(dim=-1)
-
-
-# Top-k / top-p read each row's best tokens only: a full sort of the vocabulary per row costs far
-# more than the forward on the CPU (and a sizeable share of a decode step on a GPU).
-_CANDIDATES = 1024
-
-
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask all but each row's top_k (0 = all) then its smallest nucleus with mass >= top_p.
-
-    The order is a stable descending sort: among equal logits the lower id ranks first, so the
-    top token (rank 0, exclusive cumulative mass 0 < top_p) always survives. Each row keeps
-    its first ``c`` tokens in that order, ``c`` found from its best ``_CANDIDATES`` tokens; rows
-    whose nucleus may reach past them (or whose top_k and top_p both need ranks past them) are
-    done by ``_sorted_top_k_top_p``. Either way a row's result depends on that row only.
-    """
-    vocab_size = logits.shape[-1]
-    num_candidates = min(vocab_size, _CANDIDATES)
-    if num_candidates == vocab_size:
-        return _sorted_top_k_top_p(logits, top_k, top_p)
-    values, _ = logits.topk(num_candidates, dim=-1)  # [B, K] descending (values only: exact)
-    k = torch.where(top_k > 0, top_k, vocab_size)  # [B]
-    uses_p = top_p < 1.0
-    # The nucleus' normaliser: the mass of the top_k tokens (all tokens when top_k is off).
-    ranks = torch.arange(num_candidates, device=logits.device).unsqueeze(0)
-    top = values[:, :1]
-    in_k = ranks < k.unsqueeze(1)
-    local = torch.where(in_k, (values - top).exp(), 0.0)  # [B, K]
-    normaliser = torch.where(
-        k >= vocab_size, (logits - top).exp().sum(dim=-1), local.sum(dim=-1)
-    ).unsqueeze(1)
-    probs = local / normaliser
-    mass_before = probs.cumsum(dim=-1) - probs
-    inside = in_k & ((mass_before < top_p.unsqueeze(1)) | ~uses_p.unsqueeze(1))
-    num_keep = torch.where(uses_p, inside.sum(dim=-1), k)  # [B] tokens kept in sorted order
-    # Undecided: a nucleus that fills every candidate (it may go on), or top_k past the
-    # candidates with top_p on (its normaliser needs ranks past them).
-    undecided = uses_p & ((num_keep == num_candidates) | ((k > num_candidates) & (k < vocab_size)))
-    out = _keep_first(logits, values, num_keep.clamp(max=vocab_size))
-    if bool(undecided.any()):
-        rows = undecided.nonzero().squeeze(1)
-        out[rows] = _sorted_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
-    return out
-
-
-def _keep_first(logits: torch.Tensor, values: torch.Tensor, num_keep: torch.Tensor) -> torch.Tensor:
-    """Each row's first ``num_keep`` tokens in stable descending order kept, the rest -inf.
-
-    values: [B, K] the rows' best logits, descending. The cutoff logit v is the num_keep-th best
-    (kthvalue when past the candidates): every token above v stays, and of the tokens equal to
-    v the lowest ids fill what is left.
-    """
-    vocab_size = logits.shape[-1]
-    num_candidates = values.shape[1]
-    keep_all = num_keep >= vocab_size
-    index = (num_keep - 1).clamp(min=0, max=num_candidates - 1).unsqueeze(1)
-    cutoff = values.gather(1, index)  # [B, 1]
-    far = (num_keep > num_candidates) & ~keep_all
-    if bool(far.any()):  # pure top_k past the candidates: its value by selection, not sort
-        for row in far.nonzero().squeeze(1).tolist():
-            rank = vocab_size - int(num_keep[row]) + 1  # the num_keep-th largest
-            cutoff[row, 0] = logits[row].kthvalue(rank).values
-    above = logits > cutoff
-    tied = logits == cutoff
-    needed = (num_keep - above.sum(dim=-1)).unsqueeze(1)
-    keep = above | (tied & (tied.cumsum(dim=-1) <= needed)) | keep_all.unsqueeze(1)
-    return logits.masked_fill(~keep, float("-inf"))
-
-
-def _sorted_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """``_apply_top_k_top_p`` by a full stable sort of each row (exact for any row)."""
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
-    k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)  # [B, 1]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # Rows with top_p == 1 are left alone: rounding can push the tail's cumulative mass to 1.0.
-    outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
 def _uniforms(
@@ -444,45 +344,3 @@ def _uniforms(
         keys = torch.tensor(metadata.seeded_keys, dtype=torch.int64, device=device)
         uniforms[rows] = keyed_uniforms(keys, vocab_size)
     return uniforms
-
-
-def _as_int64(value: int) -> int:
-    """A 64-bit pattern as the int64 value with the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-# splitmix64's constants as int64 values; torch's int64 products wrap like uint64 ones.
-_GAMMA_I64 = _as_int64(_GOLDEN_GAMMA)
-_MIX1_I64 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX2_I64 = _as_int64(0x94D049BB133111EB)
-# Columns per pass on the CPU: the int64 temporaries stay in cache (5x faster than one pass).
-_CPU_COLUMNS = 16384
-
-
-def keyed_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] fp32 uniforms in [0, 1): token t of the row with key k draws the top 24 bits of
-    splitmix64's finaliser of ``k ^ (t + 1) * gamma``, over 2^24.
-
-    Integer arithmetic (wrapping int64 products, masked shifts) is exact on every device, so a
-    seeded request draws the same uniforms on the CPU and on a GPU, where they are made in
-    place instead of being drawn on the host and copied (V floats per row per step).
-    """
-    num_rows, device = keys.shape[0], keys.device
-    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    step = _CPU_COLUMNS if device.type == "cpu" else vocab_size
-    for lo in range(0, vocab_size, step):
-        hi = min(vocab_size, lo + step)
-        z = torch.arange(lo + 1, hi + 1, dtype=torch.int64, device=device).mul_(_GAMMA_I64)
-        z = z.unsqueeze(0).repeat(num_rows, 1).bitwise_xor_(keys.unsqueeze(1))  # [R, cols]
-        z ^= _shift_right(z, 30)
-        z *= _MIX1_I64
-        z ^= _shift_right(z, 27)
-        z *= _MIX2_I64
-        z ^= _shift_right(z, 31)
-        out[:, lo:hi] = _shift_right(z, 40)
-    return out.mul_(2.0**-24)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
