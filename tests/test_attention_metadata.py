@@ -3,10 +3,17 @@ rows through block tables, and the compressors' windows, overlap sources and lef
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from deepinfer.engine.attention_metadata import CacheGeometry, StepMetadata, build_metadata
+from deepinfer.engine.attention_metadata import (
+    CacheGeometry,
+    StepMetadata,
+    build_metadata,
+    plan_step,
+)
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 
 # Window 8, ring 12 (margin 4), blocks of 16 tokens: 4 CSA entries or 1 HCA entry per block.
@@ -100,3 +107,18 @@ def test_compressor_plan_with_buffered_tokens_and_protected_entries() -> None:
     assert hca.num_windows == 0
     assert _list(hca.left_src) == list(range(13))
     assert _list(hca.left_dst) == [30 + i for i in range(13)]
+
+
+def test_graphed_decode_plans_have_one_layout() -> None:
+    """A graph replays one layout: with a context bound, the plans of any decode step of the
+    same size have the same arrays and shapes (block tables cut or padded to the bound)."""
+    geometry = dataclasses.replace(GEOMETRY, scratch_slot=9, scratch_block=99)
+
+    def layout(*seqs: SeqSpan) -> list[tuple[str, tuple[int, ...]]]:
+        plan = plan_step(list(seqs), geometry, decode_context=256)
+        return [(name, array.shape) for name, array in plan.items()]
+
+    short = layout(SeqSpan(0, 1, 5, 1, [3]), SeqSpan(1, 1, 0, 2, [4]))
+    long = layout(SeqSpan(0, 1, 200, 0, list(range(20))), SeqSpan(1, 1, 47, 3, [7, 8, 9]))
+    assert short == long
+    assert dict(short)["block_table"] == (2, 256 // 16)

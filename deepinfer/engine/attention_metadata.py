@@ -191,16 +191,18 @@ class _Requests:
 
     @classmethod
     def of(cls, seqs: list[SeqSpan], table_width: int = 0) -> _Requests:
-        """``table_width``: at least this many block-table columns."""
+        """``table_width`` (graphed decode): exactly this many block-table columns, the blocks
+        of positions under the context bound; else as many as the longest table."""
 
         def ints(values: list[int]) -> np.ndarray:
             return np.asarray(values, dtype=np.int64)
 
         num_tokens = ints([s.num_tokens for s in seqs])
-        width = max(max(len(s.block_ids) for s in seqs), table_width, 1)
+        width = table_width or max(max(len(s.block_ids) for s in seqs), 1)
         table = np.zeros((len(seqs), width), np.int64)
         for b, seq in enumerate(seqs):
-            table[b, : len(seq.block_ids)] = seq.block_ids
+            ids = seq.block_ids[:width]
+            table[b, : len(ids)] = ids
         start, offset = ints([s.start_pos for s in seqs]), ints([s.offset for s in seqs])
         token_req = np.repeat(np.arange(len(seqs)), num_tokens)
         local = np.arange(token_req.shape[0]) - np.repeat(_starts(num_tokens), num_tokens)
