@@ -20,7 +20,6 @@ block_size / m entries per block)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,7 +65,8 @@ class CompressPlan:
 
 @dataclass
 class StepMetadata:
-    """Producer: ``build_metadata`` (host). Consumer: every layer (device tensors).
+    """Producer: ``step_arrays`` + ``batch_views`` (or ``build_metadata``). Consumer: every
+    layer (device tensors).
 
     token_req [T]: request (batch index) of each token. win_step_idx [T, Ws] / win_ring_idx
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
@@ -120,19 +120,48 @@ class CacheGeometry:
     scratch_block: int = -1
 
 
-Upload = Callable[[np.ndarray], torch.Tensor]
-
-
-def build_metadata(
-    batch: ForwardBatch, geometry: CacheGeometry, upload: Upload | None = None
-) -> StepMetadata:
-    """The step's plans. ``upload``: host int64 [n] -> the same on the model's device (the
-    executor passes its pinned staging copy); default: a plain copy to input_ids' device."""
-    if upload is None:
-        device = batch.input_ids.device
-        upload = lambda flat: torch.from_numpy(flat).to(device)  # noqa: E731
+def build_metadata(batch: ForwardBatch, geometry: CacheGeometry) -> StepMetadata:
+    """The plans of a batch built without them (a plain copy to input_ids' device); the
+    executor builds its batches with ``step_arrays`` and ``batch_views`` instead."""
     host = plan_step(batch.seqs, geometry)
-    return metadata_views(split_flat(upload(flatten(host)), host), geometry)
+    flat = torch.from_numpy(flatten(host)).to(batch.input_ids.device)
+    return metadata_views(split_flat(flat, host), geometry)
+
+
+def step_arrays(
+    seqs: list[SeqSpan],
+    token_ids: list[int],
+    logits_indices: list[int],
+    geometry: CacheGeometry,
+    decode_context: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Everything a step uploads, host int64 by name: the token ids, positions and logits rows,
+    then ``plan_step``'s plans (one copy to the device, ``batch_views`` on the other side)."""
+    host = {
+        "input_ids": np.asarray(token_ids, dtype=np.int64),
+        "positions": np.concatenate([np.arange(s.start_pos, s.end_pos) for s in seqs]),
+        "logits_indices": np.asarray(logits_indices, dtype=np.int64),
+    }
+    host.update(plan_step(seqs, geometry, decode_context))
+    return host
+
+
+def batch_views(
+    flat: torch.Tensor,
+    host: dict[str, np.ndarray],
+    seqs: list[SeqSpan],
+    geometry: CacheGeometry,
+) -> ForwardBatch:
+    """The ForwardBatch over ``flat`` (``step_arrays`` uploaded): every tensor is a view of it,
+    so a CUDA graph's replays read whatever was copied in last."""
+    dev = split_flat(flat, host)
+    return ForwardBatch(
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        seqs=seqs,
+        logits_indices=dev["logits_indices"],
+        metadata=metadata_views(dev, geometry),
+    )
 
 
 def plan_step(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.engine.attention_metadata import flatten, metadata_views, plan_step, split_flat
+from deepinfer.engine.attention_metadata import batch_views, flatten, step_arrays
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -37,8 +37,8 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [n] int64: the flattened plan, refilled before each replay
     logits: torch.Tensor  # [bucket, V] fp32, written by each replay
-    # Every tensor the graph reads must outlive it: the batch holds the ones made before capture
-    # (logits_indices); freed, their memory would be reused and the replays would read garbage.
+    # Every tensor the graph reads must outlive it: were one made before capture and freed, its
+    # memory would be reused and the replays would read garbage. The batch holds them all.
     batch: ForwardBatch
 
 
@@ -85,25 +85,14 @@ class DecodeGraphs:
         # At least a block: the padded requests sit at the scratch block's last position.
         longest = max(longest, self.cache.block_size)
         context = max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
-        seqs = [
-            SeqSpan(
-                i,
-                1,
-                s.start_pos,
-                s.state_slot,
-                list(s.block_table),
-                window_floor=s.window_floor,
-                num_protected=s.num_protected_tokens,
-            )
-            for i, s in enumerate(scheduled)
-        ]
+        seqs = [SeqSpan.of(i, s) for i, s in enumerate(scheduled)]
         token_ids = [s.token_ids[0] for s in scheduled]
         host = self._plan(seqs, token_ids, bucket, context)
         if not self.capture:
             # What a replay relies on: the plan's layout is the captured (scratch) plan's.
             assert _layout(host) == _layout(self._plan([], [], bucket, context)), "plan layout"
             inputs = torch.from_numpy(flatten(host)).to(self.device)
-            return self.model(self._batch(inputs, host, bucket), self.cache)[:num_reqs]
+            return self.model(self._batch(inputs, host), self.cache)[:num_reqs]
         graph = self._graphs.get((bucket, context))
         if graph is None:
             graph = self._capture(bucket, context)
@@ -114,7 +103,7 @@ class DecodeGraphs:
     def _plan(
         self, seqs: list[SeqSpan], token_ids: list[int], bucket: int, context: int
     ) -> dict[str, np.ndarray]:
-        """The padded plan: requests past ``seqs`` decode token 0 on the scratch slot and block,
+        """The padded step: requests past ``seqs`` decode token 0 on the scratch slot and block,
         at the block's last position (so their windows close, as a real request's may)."""
         cache = self.cache
         last = cache.block_size - 1
@@ -122,20 +111,15 @@ class DecodeGraphs:
             SeqSpan(i, 1, last, cache.scratch_slot, [cache.scratch_block])
             for i in range(len(seqs), bucket)
         ]
-        padded = seqs + pad
-        host = {
-            "input_ids": np.asarray(token_ids + [0] * len(pad), dtype=np.int64),
-            "positions": np.asarray([s.start_pos for s in padded], dtype=np.int64),
-        }
-        host.update(plan_step(padded, cache.geometry, decode_context=context))
-        return host
+        token_ids = token_ids + [0] * len(pad)
+        return step_arrays(seqs + pad, token_ids, list(range(bucket)), cache.geometry, context)
 
     def _capture(self, bucket: int, context: int) -> _Graph:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         host = self._plan([], [], bucket, context)
         inputs = torch.from_numpy(flatten(host)).to(self.device)
-        batch = self._batch(inputs, host, bucket)
+        batch = self._batch(inputs, host)
         # Warm up on a side stream (kernel compilation, library handles), then capture.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -160,18 +144,8 @@ class DecodeGraphs:
         )
         return captured
 
-    def _batch(
-        self, inputs: torch.Tensor, host: dict[str, np.ndarray], bucket: int
-    ) -> ForwardBatch:
-        """A batch whose every input is a view of ``inputs``."""
-        dev = split_flat(inputs, host)
-        return ForwardBatch(
-            input_ids=dev["input_ids"],
-            positions=dev["positions"],
-            seqs=[],
-            logits_indices=torch.arange(bucket, device=self.device),
-            metadata=metadata_views(dev, self.cache.geometry),
-        )
+    def _batch(self, inputs: torch.Tensor, host: dict[str, np.ndarray]) -> ForwardBatch:
+        return batch_views(inputs, host, [], self.cache.geometry)
 
     def _copy_in(self, flat: np.ndarray, inputs: torch.Tensor) -> None:
         """Host plan -> the graph's input buffer, through a pinned buffer refilled only after

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from deepinfer.engine.attention_metadata import StepMetadata
+    from deepinfer.scheduler.output import ScheduledRequest
 
 
 @dataclass
@@ -38,9 +39,18 @@ class SeqSpan:
     def end_pos(self) -> int:
         return self.start_pos + self.num_tokens
 
-    @property
-    def rows(self) -> slice:
-        return slice(self.offset, self.offset + self.num_tokens)
+    @classmethod
+    def of(cls, offset: int, sched: ScheduledRequest) -> SeqSpan:
+        """A scheduled request's span, its first token at row ``offset`` of the batch."""
+        return cls(
+            offset,
+            sched.num_tokens,
+            sched.start_pos,
+            sched.state_slot,
+            list(sched.block_table),
+            window_floor=sched.window_floor,
+            num_protected=sched.num_protected_tokens,
+        )
 
 
 @dataclass

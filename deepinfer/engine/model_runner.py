@@ -20,7 +20,7 @@ import torch
 from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import resolve_device, resolve_dtype
-from deepinfer.engine.attention_metadata import build_metadata
+from deepinfer.engine.attention_metadata import batch_views, flatten, step_arrays
 from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
@@ -31,7 +31,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
 from deepinfer.model.tiny import random_weights
 from deepinfer.ops import select_kernels
-from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class ModelRunner:
             sample_rows = [(i, i) for i in range(len(scheduler_output.scheduled))]
             prompt_rows: list[tuple[int, int, int]] = []
         elif one_by_one:
-            batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
+            _, sample_rows, prompt_rows = _logits_layout(scheduler_output.scheduled)
             logits = self._forward_split(scheduler_output, sample_rows, prompt_rows, one_by_one)
         else:
             batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
@@ -344,44 +344,18 @@ class ModelRunner:
     def _prepare(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[int, int, int]]]:
-        """Flatten the step. Returns the batch, (scheduled index, logits row) per sampled request,
-        and (scheduled index, first logits row, count) per request with prompt logprobs."""
+        """Flatten the step and upload it in one copy. Returns the batch and ``_logits_layout``'s
+        rows."""
         scheduled = scheduler_output.scheduled
-        input_ids: list[int] = []
-        positions: list[int] = []
-        offsets: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        prompt_rows: list[tuple[int, int, int]] = []
-        for i, sched in enumerate(scheduled):
-            offset, n = len(input_ids), sched.num_tokens
-            offsets.append(offset)
-            input_ids.extend(sched.token_ids)
-            positions.extend(range(sched.start_pos, sched.start_pos + n))
-            if sched.num_prompt_logprob_positions:
-                count = sched.num_prompt_logprob_positions
-                prompt_rows.append((i, len(logits_indices), count))
-                logits_indices.extend(range(offset, offset + count))
-            if sched.do_sample:
-                sample_rows.append((i, len(logits_indices)))
-                logits_indices.append(offset + n - 1)
-        # One copy to the device: [input_ids | positions | logits_indices].
-        flat = self._upload(np.asarray(input_ids + positions + logits_indices, dtype=np.int64))
-        ids, pos, rows = flat.split([len(input_ids), len(positions), len(logits_indices)])
-        seqs = [
-            SeqSpan(
-                offset,
-                sched.num_tokens,
-                sched.start_pos,
-                sched.state_slot,
-                list(sched.block_table),
-                window_floor=sched.window_floor,
-                num_protected=sched.num_protected_tokens,
-            )
-            for offset, sched in zip(offsets, scheduled, strict=True)
-        ]
-        batch = ForwardBatch(input_ids=ids, positions=pos, seqs=seqs, logits_indices=rows)
-        batch.metadata = build_metadata(batch, self.kv_cache.geometry, self._upload)
+        logits_indices, sample_rows, prompt_rows = _logits_layout(scheduled)
+        seqs, token_ids, offset = [], [], 0
+        for sched in scheduled:
+            seqs.append(SeqSpan.of(offset, sched))
+            token_ids.extend(sched.token_ids)
+            offset += sched.num_tokens
+        geometry = self.kv_cache.geometry
+        host = step_arrays(seqs, token_ids, logits_indices, geometry)
+        batch = batch_views(self._upload(flatten(host)), host, seqs, geometry)
         return batch, sample_rows, prompt_rows
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
@@ -454,3 +428,24 @@ class ModelRunner:
             output.sampled_token_ids[rid] = int(result.token_ids[j])
             if result.logprobs[j] is not None:
                 output.logprobs[rid] = result.logprobs[j]
+
+
+def _logits_layout(
+    scheduled: list[ScheduledRequest],
+) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """Which batch rows get logits: (logits_indices, (scheduled index, logits row) per sampled
+    request, (scheduled index, first logits row, count) per request with prompt logprobs)."""
+    logits_indices: list[int] = []
+    sample_rows: list[tuple[int, int]] = []
+    prompt_rows: list[tuple[int, int, int]] = []
+    offset = 0
+    for i, sched in enumerate(scheduled):
+        if sched.num_prompt_logprob_positions:
+            count = sched.num_prompt_logprob_positions
+            prompt_rows.append((i, len(logits_indices), count))
+            logits_indices.extend(range(offset, offset + count))
+        if sched.do_sample:
+            sample_rows.append((i, len(logits_indices)))
+            logits_indices.append(offset + sched.num_tokens - 1)
+        offset += sched.num_tokens
+    return logits_indices, sample_rows, prompt_rows
