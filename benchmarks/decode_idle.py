@@ -36,16 +36,16 @@ def measure(llm: LLM, batch: int, steps: int) -> tuple[float, float]:
     runner = llm.engine.executor
     forward = runner.graphs.run if runner.graphs is not None else runner.model.forward
     device_ms: list[float] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each forward call
 
     def timed(*args, **kwargs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = forward(*args, **kwargs)
         end.record()
-        timed.events.append((start, end))
+        events.append((start, end))
         return out
 
-    timed.events = []
     if runner.graphs is not None:
         runner.graphs.run = timed
     else:
@@ -56,15 +56,15 @@ def measure(llm: LLM, batch: int, steps: int) -> tuple[float, float]:
         llm.engine.add_request(f"r{i}", prompt, params)
     walls = []
     while llm.engine.has_unfinished_requests():
-        before = len(timed.events)
+        before = len(events)
         started = time.perf_counter()
         llm.engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - started) * 1e3
-        scheduled = len(timed.events) - before
+        scheduled = len(events) - before
         if scheduled == 1 and llm.engine.scheduler.num_running == batch:
             walls.append(wall)
-            start, end = timed.events[-1]
+            start, end = events[-1]
             device_ms.append(start.elapsed_time(end))
     skip = min(4, len(walls) // 2)  # graph capture and warm-up steps
     return statistics.median(walls[skip:]), statistics.median(device_ms[skip:])
