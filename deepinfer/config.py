@@ -95,6 +95,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # token budget per step (decode tokens + prefill chunks)
     long_prefill_token_threshold: int = 0  # >0: cap one request's prefill chunk per step
+    # Schedule step N+1 while step N runs on the device (llm_engine.py); same tokens either way.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("scheduler.max_num_seqs", self.max_num_seqs)

@@ -27,6 +27,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``. CUDA: through pinned memory and without waiting, so a step
+    being prepared never waits for the steps already queued on the device (a plain copy from
+    pageable memory synchronizes the stream)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401

@@ -43,19 +43,22 @@ def check_integrity(
         _require(
             r.status == RequestStatus.RUNNING
             and r.state_slot is not None
-            and len(r.block_table) == num_blocks,
+            and len(r.block_table) == num_blocks
+            and r.num_computed_tokens <= r.num_tokens + r.num_pending_tokens,
             f"running request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
             f"{len(r.block_table)} blocks for {r.num_computed_tokens} computed tokens "
-            f"(expected {num_blocks})",
+            f"(expected {num_blocks}), {r.num_tokens} tokens + {r.num_pending_tokens} pending",
         )
     for r in waiting:
         _require(
             r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             and not r.block_table
             and r.state_slot is None
-            and r.num_computed_tokens == 0,
+            and r.num_computed_tokens == 0
+            and r.num_pending_tokens == 0,
             f"waiting request {r.request_id!r}: status {r.status.name}, slot {r.state_slot}, "
-            f"{len(r.block_table)} blocks, {r.num_computed_tokens} computed tokens",
+            f"{len(r.block_table)} blocks, {r.num_computed_tokens} computed tokens, "
+            f"{r.num_pending_tokens} pending",
         )
     queued_ids = [r.request_id for r in running] + [r.request_id for r in waiting]
     _require(

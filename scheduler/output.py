@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from deepinfer.scheduler.request import Request
 
+# Stands in for a token sampled by the step in flight (asynchronous scheduling): the executor
+# feeds that step's sampled id, still on the device, in its place.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -22,7 +26,8 @@ class ScheduledRequest:
     buffers; ``start_pos == 0`` means the slot must be treated as empty. ``do_sample`` is set when
     the chunk reaches the end of the request's tokens, so the last position's logits are sampled.
     ``num_prompt_logprob_positions`` counts the positions of this chunk (from its first) whose
-    prompt logprobs are wanted.
+    prompt logprobs are wanted. A decode chunk scheduled while its request's previous token is
+    still on the device is ``[PLACEHOLDER_TOKEN_ID]``.
     """
 
     request: Request

@@ -9,6 +9,11 @@ Counts are stored, phases are derived:
 
 A running request in decode has ``num_computed_tokens == num_tokens - 1``: its newest sampled token
 is fed in the next step. Preemption by recompute sets ``num_computed_tokens`` back to 0.
+
+With asynchronous scheduling a step is scheduled before the previous one's tokens reach the host:
+``num_pending_tokens`` counts the tokens sampled on the device and not yet appended, and the
+next chunk may feed one as a placeholder (scheduler/output.py) that the executor fills in on the
+device. Counting them, ``num_computed_tokens <= num_tokens + num_pending_tokens``.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by scheduled steps whose results update() has not applied yet (0 or 1 with
+    # synchronous scheduling, up to 2 with asynchronous).
+    num_pending_tokens: int = 0
     # Prompt tokens served from a prefix cache at admission (0 until prefix caching exists).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -135,11 +143,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while more than one token remains to be computed (a prompt or a recompute)."""
-        return self.num_tokens - self.num_computed_tokens > 1
 
     @property
     def finish_reason(self) -> str | None:

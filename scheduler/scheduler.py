@@ -19,8 +19,14 @@ alike: first every running request in admission order, each taking
 the middle of a chunked prefill just continues; then waiting requests, first come first served,
 while a state slot and the blocks for their first chunk are free. ``schedule()`` advances
 ``num_computed_tokens`` at once (vLLM v1 style), so an asynchronous engine can schedule step N+1
-before step N's tokens are known. (Feeding a token that is still on the device needs output
-placeholders, which are not here yet: a request with nothing left to compute is skipped.)
+before step N's tokens are known: a request whose step-N token is still on the device
+(``num_pending_tokens``) decodes it as a placeholder, and blocks are reserved for that chunk
+whether or not step N turns out to finish the request. ``update(N)`` then runs after step N+1
+was scheduled: a request that step N finished is freed at once (its N+1 token is dropped; the
+device runs steps in order, so whatever reuses its blocks runs after N+1 wrote them). A request
+whose pending token ends it by length is not scheduled again. ``needs_sampled_tokens()`` says
+when the next schedule needs the tokens on the host first (grammars, penalties, min_tokens,
+a block boundary whose hash names the token).
 
 Preemption is by recompute: the victim drops its blocks and state slot and later runs again from
 position 0. A request never holds more than the whole KV pool, so a request finishes with
@@ -38,6 +44,7 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.scheduler.integrity import check_integrity
 from deepinfer.scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     RequestOutputDelta,
     ScheduledRequest,
@@ -117,6 +124,21 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def needs_sampled_tokens(self) -> bool:
+        """True when scheduling the next step needs a running request's pending token on the host
+        first: its grammar must accept it, penalties and min_tokens count it, or the next chunk
+        ends a block whose hash (for a prefix-cache snapshot) covers it."""
+        return any(r.num_pending_tokens and self._needs_host_token(r) for r in self._running)
+
+    def _needs_host_token(self, request: Request) -> bool:
+        params = request.sampling_params
+        return (
+            request.matcher is not None
+            or params.has_penalties
+            or request.num_output_tokens < params.min_tokens
+            or (self.prefix is not None and (request.num_computed_tokens + 1) % self.block_size == 0)
+        )
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id; None once it finished (or was never added)."""
@@ -256,7 +278,10 @@ class Scheduler:
             budget -= num_new_tokens
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        if request.num_pending_tokens and self._is_ended_by_pending(request):
+            return 0
+        num_to_compute = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+        num_new_tokens = min(num_to_compute, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new_tokens = min(num_new_tokens, threshold)
@@ -271,6 +296,16 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new_tokens = self.prefix.clip_chunk(request, start, start + num_new_tokens) - start
         return max(num_new_tokens, 0)
+
+    def _is_ended_by_pending(self, request: Request) -> bool:
+        """The tokens still on the device bring the request to a length limit: it finishes when
+        they arrive, so computing past them would be wasted (and could need a block too many)."""
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_pending_tokens
+        return num_tokens >= self._max_num_tokens or (
+            max_tokens is not None and num_outputs >= max_tokens
+        )
 
     def _allocate_blocks(self, request: Request, end: int) -> bool:
         """Grow the block table to cover positions ``0 .. end - 1``; False if too few are free."""
@@ -314,14 +349,20 @@ class Scheduler:
         block_loads, request.block_loads = request.block_loads, []
         request.num_computed_tokens = end
         assert request.state_slot is not None, f"request {request.request_id!r} has no state slot"
+        # Positions from num_tokens on hold tokens still on the device (asynchronous scheduling).
+        known_end = min(end, request.num_tokens)
+        token_ids = request.get_token_ids(start, known_end)
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (end - max(start, known_end))
+        do_sample = end == request.num_tokens + request.num_pending_tokens
+        request.num_pending_tokens += do_sample
         return ScheduledRequest(
             request=request,
-            token_ids=request.get_token_ids(start, end),
+            token_ids=token_ids,
             start_pos=start,
             # A copy: the executor of an in-flight step must not see next step's blocks appear.
             block_table=list(request.block_table),
             state_slot=request.state_slot,
-            do_sample=end == request.num_tokens,
+            do_sample=do_sample,
             num_prompt_logprob_positions=num_logprob_positions,
             restore_snapshot=restore_snapshot,
             restore_snapshot_key=restore_key,
@@ -340,6 +381,7 @@ class Scheduler:
         self._free_resources(request, RequestStatus.PREEMPTED)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # the steps in flight resample them after the recompute
         request.num_preemptions += 1
         self._waiting.appendleft(request)
         self._preempted_ids.add(request.request_id)
@@ -371,6 +413,7 @@ class Scheduler:
                 assert token_id is not None, (
                     f"request {request.request_id!r} had do_sample but no sampled token came back"
                 )
+                request.num_pending_tokens -= 1
                 new_token_ids = [token_id]
                 request.output_token_ids.append(token_id)
                 is_rejected = request.matcher is not None and not request.matcher.accept(token_id)
@@ -442,6 +485,7 @@ class Scheduler:
         else:
             self._waiting.remove(request)
         request.status = status
+        request.num_pending_tokens = 0  # tokens of steps in flight are dropped
         del self._requests[request.request_id]
         self._finished_ids.add(request.request_id)
 

@@ -8,6 +8,7 @@ between our own runs (same kernels, different batch/chunk shapes). Greedy tokens
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,9 +136,9 @@ def test_graph_shaped_decode_steps_match_the_eager_path(llm_hf: LLM, oracle_hf_d
     run = runner.graphs.run
     steps: list[int] = []
 
-    def spy(scheduler_output: SchedulerOutput) -> torch.Tensor:
+    def spy(scheduler_output: SchedulerOutput, *args: Any) -> torch.Tensor:
         steps.append(len(scheduler_output.scheduled))
-        return run(scheduler_output)
+        return run(scheduler_output, *args)
 
     runner.graphs.run = spy
     together = padded.generate(oracle_prompts(), _greedy(), use_tqdm=False)

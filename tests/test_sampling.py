@@ -334,6 +334,16 @@ def test_top_k_top_p_from_candidates_equals_a_full_sort(seed: int) -> None:
     top_p = torch.tensor([p for _, p, _ in _FILTER_ROWS])
     fast = nucleus.apply_top_k_top_p(logits, top_k, top_p)
     assert torch.equal(fast, nucleus.sorted_top_k_top_p(logits, top_k, top_p))
+    # The sync-free form (asynchronous GPU steps) selects the same rows on the device.
+    assert torch.equal(nucleus.apply_top_k_top_p(logits, top_k, top_p, may_need_sort=True), fast)
+    # Rows the candidates always decide (top_k inside them, no top_p): nothing to sort.
+    small = [i for i, (k, p, _) in enumerate(_FILTER_ROWS) if k <= 1024 and p == 1.0]
+    assert torch.equal(
+        nucleus.apply_top_k_top_p(
+            logits[small], top_k[small], top_p[small], may_need_sort=False
+        ),
+        fast[small],
+    )
     for i in range(len(_FILTER_ROWS)):
         row = nucleus.apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(row, fast[i : i + 1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,8 +77,15 @@ class DecodeGraphs:
             for s in scheduled
         )
 
-    def run(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Logits [B, V] fp32 of the step's requests, in scheduling order."""
+    def run(
+        self,
+        scheduler_output: SchedulerOutput,
+        fill_placeholders: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, V] fp32 of the step's requests, in scheduling order.
+
+        ``fill_placeholders`` writes the tokens still on the device into the step's input ids
+        (a view of the static buffer), after the plan is copied in and before the replay."""
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
         bucket = next(b for b in self.buckets if b >= num_reqs)
@@ -92,11 +100,16 @@ class DecodeGraphs:
             # What a replay relies on: the plan's layout is the captured (scratch) plan's.
             assert _layout(host) == _layout(self._plan([], [], bucket, context)), "plan layout"
             inputs = torch.from_numpy(flatten(host)).to(self.device)
-            return self.model(self._batch(inputs, host), self.cache)[:num_reqs]
+            batch = self._batch(inputs, host)
+            if fill_placeholders is not None:
+                fill_placeholders(batch.input_ids)
+            return self.model(batch, self.cache)[:num_reqs]
         graph = self._graphs.get((bucket, context))
         if graph is None:
             graph = self._capture(bucket, context)
         self._copy_in(flatten(host), graph.inputs)
+        if fill_placeholders is not None:
+            fill_placeholders(graph.batch.input_ids)
         graph.graph.replay()
         return graph.logits[:num_reqs]
 

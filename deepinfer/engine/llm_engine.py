@@ -2,14 +2,23 @@
 
     add_request -> [ schedule -> execute -> update ] per step -> RequestOutputDelta
 
-The step is written as three calls so that an asynchronous executor can schedule step N+1 while
-step N runs: ``schedule()`` advances ``num_computed_tokens`` itself and blocks are reserved for
-the whole chunk before launch. On the CPU the three run in lock-step.
+Asynchronous scheduling (``scheduler.async_scheduling``, an executor with ``launch``) overlaps
+the host's work with the device's: each ``step()`` schedules and launches step N+1 while step N
+is still on the device, then waits for step N's samples and applies them::
+
+    host    schedule N+1 | launch N+1 | wait N, update N | schedule N+2 | launch N+2 | wait N+1 ...
+    device  ... step N ......................| step N+1 ..................................| ...
+
+A request whose step-N token is still on the device feeds a placeholder in step N+1 (the
+executor gathers the real id on the device). When the next schedule needs those tokens on the
+host (``Scheduler.needs_sampled_tokens``: grammars, penalties, min_tokens, prefix-cache block
+boundaries) the step first waits for step N, as a synchronous engine always does.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +61,18 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class StepInFlight(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class LaunchingExecutor(Executor, Protocol):
+    """An executor that queues a step and returns before it ran (ModelRunner): what
+    asynchronous scheduling needs. A scheduled placeholder token stands for the request's
+    token sampled by the previous launch."""
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepInFlight: ...
+
+
 class LLMEngine:
     """``executor`` None: load the configured checkpoint (or the built-in one) into a
     ModelRunner. Tests and the serving layer may pass any Executor instead."""
@@ -66,6 +87,10 @@ class LLMEngine:
         else:
             self.model_dir, self.tokenizer = None, None
         self.executor = executor
+        launch = getattr(executor, "launch", None)
+        self._launch = launch if config.scheduler.async_scheduling else None
+        # The step launched by the previous step() call, its samples not yet applied.
+        self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None
         self.max_model_len = executor.max_model_len
         self.tiers = self._init_tiers()
         self.grammar_compiler = self._init_grammar_compiler()
@@ -200,9 +225,38 @@ class LLMEngine:
         }
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a launched step whose results are not applied yet."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutputDelta]:
+        """One scheduling iteration; returns the deltas of the step it completed (asynchronous:
+        the previous one). If it raises, the step in flight is dropped: the caller aborts the
+        running requests (their pending tokens are lost with it)."""
+        if self._launch is None:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.executor.execute(scheduler_output)
+            return self.scheduler.update(scheduler_output, runner_output)
+        try:
+            return self._step_async(self._launch)
+        except BaseException:
+            self._in_flight = None
+            raise
+
+    def _step_async(self, launch: Callable[[SchedulerOutput], StepInFlight]) -> list[RequestOutputDelta]:
+        deltas = []
+        if self._in_flight is not None and self.scheduler.needs_sampled_tokens():
+            deltas = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
-        return self.scheduler.update(scheduler_output, runner_output)
+        launched = None
+        if not scheduler_output.is_empty:
+            launched = launch(scheduler_output)
+        deltas += self._complete_in_flight()
+        if launched is not None:
+            self._in_flight = (scheduler_output, launched)
+        return deltas
+
+    def _complete_in_flight(self) -> list[RequestOutputDelta]:
+        if self._in_flight is None:
+            return []
+        (scheduler_output, launched), self._in_flight = self._in_flight, None
+        return self.scheduler.update(scheduler_output, launched.result())

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 
 from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
-from deepinfer.device import resolve_device, resolve_dtype
+from deepinfer.device import resolve_device, resolve_dtype, to_device
 from deepinfer.engine.attention_metadata import batch_views, flatten, step_arrays
 from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
@@ -31,7 +32,13 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
 from deepinfer.model.tiny import random_weights
 from deepinfer.ops import select_kernels
-from deepinfer.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.ops.sampling import SamplerOutput
+from deepinfer.scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,9 @@ class ModelRunner:
         self.generator.seed()
         # The host/disk tiers of the KV cache (set by the engine when configured).
         self.tiers: KVTiers | None = None
+        # The last launch's sampled ids [R] on the device, and each request's row in them: what
+        # the next launch's placeholders stand for.
+        self._last_samples: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def _init_threads(self) -> None:
         if self.config.kernel.num_threads > 0:
@@ -236,27 +246,67 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return host-side samples and logprobs."""
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device; its samples come back through ``result()``.
+
+        CUDA: nothing here waits for the device (except prompt logprobs, whose dicts are built
+        at once), so the host can schedule the next step while this one runs. A placeholder
+        token is the one this runner sampled for the same request in the previous launch: it is
+        gathered on the device, never read back first.
+        """
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
+            return LaunchedStep(ModelRunnerOutput())
         self._move_between_tiers(scheduler_output)
+        scheduled = scheduler_output.scheduled
         one_by_one = self._deterministic_rows(scheduler_output)
         if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
-            logits = self.graphs.run(scheduler_output)
-            sample_rows = [(i, i) for i in range(len(scheduler_output.scheduled))]
+            logits = self.graphs.run(
+                scheduler_output, lambda ids: self._fill_placeholders(scheduled, ids)
+            )
+            sample_rows = [(i, i) for i in range(len(scheduled))]
             prompt_rows: list[tuple[int, int, int]] = []
         elif one_by_one:
-            _, sample_rows, prompt_rows = _logits_layout(scheduler_output.scheduled)
+            _, sample_rows, prompt_rows = _logits_layout(scheduled)
             logits = self._forward_split(scheduler_output, sample_rows, prompt_rows, one_by_one)
         else:
             batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
             logits = self.model(batch, self.kv_cache)  # [N, V] fp32
-        for sched in scheduler_output.scheduled:
+        for sched in scheduled:
             if sched.save_snapshot is not None:
                 self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
         output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
-        self._sample(scheduler_output, logits, sample_rows, output)
-        return output
+        samples = self._sample(scheduler_output, logits, sample_rows)
+        if samples is None:
+            self._last_samples = None
+            return LaunchedStep(output)
+        request_ids = [scheduled[i].request_id for i, _ in sample_rows]
+        self._last_samples = (samples.token_ids, {rid: j for j, rid in enumerate(request_ids)})
+        ready = None
+        host = samples.to_host()
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(output, request_ids, host, ready)
+
+    def _fill_placeholders(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
+        """Write into ``input_ids`` (the flat batch of ``scheduled``) the tokens that stand in for
+        the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token)."""
+        dst, src, offset = [], [], 0
+        for sched in scheduled:
+            offset += sched.num_tokens
+            if sched.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            assert self._last_samples is not None, (
+                f"request {sched.request_id!r} feeds a placeholder but no step sampled before"
+            )
+            dst.append(offset - 1)
+            src.append(self._last_samples[1][sched.request_id])
+        if dst:
+            index = to_device(torch.tensor([dst, src], dtype=torch.int64), self.device)
+            input_ids[index[0]] = self._last_samples[0][index[1]]
 
     def _deterministic_rows(self, scheduler_output: SchedulerOutput) -> set[int]:
         """Scheduled requests whose tokens run one per forward: all in deterministic mode, else
@@ -356,6 +406,7 @@ class ModelRunner:
         geometry = self.kv_cache.geometry
         host = step_arrays(seqs, token_ids, logits_indices, geometry)
         batch = batch_views(self._upload(flatten(host)), host, seqs, geometry)
+        self._fill_placeholders(scheduled, batch.input_ids)
         return batch, sample_rows, prompt_rows
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
@@ -404,30 +455,57 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
         logits: torch.Tensor,
         sample_rows: list[tuple[int, int]],
-        output: ModelRunnerOutput,
-    ) -> None:
+    ) -> SamplerOutput | None:
+        """The step's samples, on the device (None when no request samples)."""
         if not sample_rows:
-            return
-        requests = [scheduler_output.scheduled[i].request for i, _ in sample_rows]
+            return None
+        scheduled = [scheduler_output.scheduled[i] for i, _ in sample_rows]
+        requests = [s.request for s in scheduled]
         sampling = self.kernels.sampling
         metadata = sampling.SamplingMetadata.build(
             [r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
-            positions=[r.num_tokens for r in requests],
+            # The sampled token's position (the request's tokens still on the device included).
+            positions=[s.start_pos + s.num_tokens for s in scheduled],
             eos_token_id=self.args.eos_token_id,
             device=logits.device,
             allowed_token_mask=allowed_token_mask(
                 [r.matcher for r in requests], logits.shape[-1], logits.device
             ),
         )
-        rows = torch.tensor([row for _, row in sample_rows], device=logits.device)
-        result = sampling.sample(logits[rows], metadata, self.generator)
-        for j, request in enumerate(requests):
-            rid = request.request_id
-            output.sampled_token_ids[rid] = int(result.token_ids[j])
-            if result.logprobs[j] is not None:
-                output.logprobs[rid] = result.logprobs[j]
+        rows = to_device(torch.tensor([row for _, row in sample_rows]), logits.device)
+        return sampling.sample(logits[rows], metadata, self.generator)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. Producer: ModelRunner.launch. Consumer: the engine, which
+    calls ``result()`` (once) when it needs the samples on the host.
+
+    ``samples`` (host tensors, filled by copies queued after the sampler) belong to
+    ``request_ids`` in order; ``ready`` (CUDA) is recorded after those copies.
+    """
+
+    output: ModelRunnerOutput  # prompt logprobs already in it
+    request_ids: list[str] = field(default_factory=list)
+    samples: SamplerOutput | None = None
+    ready: torch.cuda.Event | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self.samples is None:
+            return self.output
+        if self.ready is not None:
+            self.ready.synchronize()
+        logprobs = self.samples.logprobs
+        for rid, token_id, entry in zip(
+            self.request_ids, self.samples.token_ids.tolist(), logprobs, strict=True
+        ):
+            self.output.sampled_token_ids[rid] = token_id
+            if entry is not None:
+                self.output.logprobs[rid] = entry
+        self.samples = None
+        return self.output
 
 
 def _logits_layout(

@@ -10,22 +10,31 @@ import torch
 
 # Top-k / top-p read each row's best tokens only: a full sort of the vocabulary per row costs far
 # more than the forward on the CPU (and a sizeable share of a decode step on a GPU).
-_CANDIDATES = 1024
+NUM_CANDIDATES = 1024
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    may_need_sort: bool | None = None,
 ) -> torch.Tensor:
     """Mask all but each row's top_k (0 = all) then its smallest nucleus with mass >= top_p.
 
     The order is a stable descending sort: among equal logits the lower id ranks first, so the
     top token (rank 0, exclusive cumulative mass 0 < top_p) always survives. Each row keeps
-    its first ``c`` tokens in that order, ``c`` found from its best ``_CANDIDATES`` tokens; rows
-    whose nucleus may reach past them (or whose top_k and top_p both need ranks past them) are
-    done by ``sorted_top_k_top_p``. Either way a row's result depends on that row only.
+    its first ``c`` tokens in that order, ``c`` found from its best ``NUM_CANDIDATES`` tokens; rows
+    whose nucleus may reach past them (or whose top_k and top_p both need ranks past them, or
+    whose top_k alone goes past them) are done by ``sorted_top_k_top_p``. Either way a row's
+    result depends on that row only.
+
+    ``may_need_sort``: None finds those rows on the host (a device sync); False says the caller
+    knows there are none (no top_p, no top_k past the candidates); True sorts every row and keeps
+    the sorted result where needed, with no sync (an asynchronous GPU step must not wait).
     """
     vocab_size = logits.shape[-1]
-    num_candidates = min(vocab_size, _CANDIDATES)
+    num_candidates = min(vocab_size, NUM_CANDIDATES)
     if num_candidates == vocab_size:
         return sorted_top_k_top_p(logits, top_k, top_p)
     values, _ = logits.topk(num_candidates, dim=-1)  # [B, K] descending (values only: exact)
@@ -46,19 +55,26 @@ def apply_top_k_top_p(
     # Undecided: a nucleus that fills every candidate (it may go on), or top_k past the
     # candidates with top_p on (its normaliser needs ranks past them).
     undecided = uses_p & ((num_keep == num_candidates) | ((k > num_candidates) & (k < vocab_size)))
+    if may_need_sort:
+        far = (num_keep > num_candidates) & (num_keep < vocab_size)
+        fast = _keep_first(logits, values, num_keep.clamp(max=vocab_size), find_far=False)
+        exact = sorted_top_k_top_p(logits, top_k, top_p)
+        return torch.where((undecided | far).unsqueeze(1), exact, fast)
     out = _keep_first(logits, values, num_keep.clamp(max=vocab_size))
-    if bool(undecided.any()):
+    if may_need_sort is None and bool(undecided.any()):
         rows = undecided.nonzero().squeeze(1)
         out[rows] = sorted_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
     return out
 
 
-def _keep_first(logits: torch.Tensor, values: torch.Tensor, num_keep: torch.Tensor) -> torch.Tensor:
+def _keep_first(
+    logits: torch.Tensor, values: torch.Tensor, num_keep: torch.Tensor, find_far: bool = True
+) -> torch.Tensor:
     """Each row's first ``num_keep`` tokens in stable descending order kept, the rest -inf.
 
     values: [B, K] the rows' best logits, descending. The cutoff logit v is the num_keep-th best
-    (kthvalue when past the candidates): every token above v stays, and of the tokens equal to
-    v the lowest ids fill what is left.
+    (kthvalue when past the candidates, if ``find_far``): every token above v stays, and of the
+    tokens equal to v the lowest ids fill what is left.
     """
     vocab_size = logits.shape[-1]
     num_candidates = values.shape[1]
@@ -66,7 +82,7 @@ def _keep_first(logits: torch.Tensor, values: torch.Tensor, num_keep: torch.Tens
     index = (num_keep - 1).clamp(min=0, max=num_candidates - 1).unsqueeze(1)
     cutoff = values.gather(1, index)  # [B, 1]
     far = (num_keep > num_candidates) & ~keep_all
-    if bool(far.any()):  # pure top_k past the candidates: its value by selection, not sort
+    if find_far and bool(far.any()):  # pure top_k past the candidates: its value by selection, not sort
         for row in far.nonzero().squeeze(1).tolist():
             rank = vocab_size - int(num_keep[row]) + 1  # the num_keep-th largest
             cutoff[row, 0] = logits[row].kthvalue(rank).values

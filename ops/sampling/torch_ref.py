@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.device import to_device
 from deepinfer.ops.sampling.keyed import keyed_uniforms, seeded_key
-from deepinfer.ops.sampling.nucleus import apply_top_k_top_p
+from deepinfer.ops.sampling.nucleus import NUM_CANDIDATES, apply_top_k_top_p
 from deepinfer.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5  # same threshold as SamplingParams.is_greedy
@@ -72,6 +73,7 @@ class SamplingMetadata:
     has_penalties: bool
     has_min_p: bool
     has_top_k_top_p: bool
+    may_need_sort: bool  # some row's top-k/top-p may need the full sort (nucleus.py)
 
     @property
     def num_rows(self) -> int:
@@ -101,7 +103,7 @@ class SamplingMetadata:
         )
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         is_greedy = [p.is_greedy for p in params]
         has_penalties = any(p.has_penalties for p in params)
@@ -120,9 +122,9 @@ class SamplingMetadata:
         named_ids = [t for _, t, _ in bias] + [t for _, t in banned]
         return cls(
             temperature=floats([1.0 if p.is_greedy else p.temperature for p in params]),
-            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            is_greedy=to_device(torch.tensor(is_greedy, dtype=torch.bool), device),
             top_p=floats([p.top_p for p in params]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_k=to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device),
             min_p=floats([p.min_p for p in params]),
             presence_penalties=floats([p.presence_penalty for p in params]),
             frequency_penalties=floats([p.frequency_penalty for p in params]),
@@ -144,6 +146,7 @@ class SamplingMetadata:
             has_penalties=has_penalties,
             has_min_p=any(p.min_p > 0.0 for p in params),
             has_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            may_need_sort=any(p.top_p < 1.0 or p.top_k > NUM_CANDIDATES for p in params),
         )
 
 
@@ -155,7 +158,7 @@ def _min_tokens_banned_ids(params: SamplingParams, eos_token_id: int | None) -> 
 
 
 def _ids(values: list[int], device: torch.device | str) -> torch.Tensor | None:
-    return torch.tensor(values, dtype=torch.int64, device=device) if values else None
+    return to_device(torch.tensor(values, dtype=torch.int64), device) if values else None
 
 
 def _padded(
@@ -177,21 +180,63 @@ def _padded(
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
         weights[i, : len(row)] = 1.0
-    return {f"{name}_token_ids": ids.to(device), f"{name}_weights": weights.to(device)}
+    return {f"{name}_token_ids": to_device(ids, device), f"{name}_weights": to_device(weights, device)}
 
 
 @dataclass
 class SamplerOutput:
-    """What one step sampled.
+    """What one step sampled, as tensors (on the logits' device until ``to_host``).
 
-    Producer: ``sample``. Consumer: the engine's update. ``token_ids`` [B] int64 stays on the
-    logits' device; ``logprobs[i]`` (CPU) is None when row ``i`` did not ask, else
-    ``{token_id: logprob}`` of the RAW logits: the chosen token first, then the top-k in
-    descending order (the chosen token is not repeated when it is among them).
+    Producer: ``sample``. Consumer: the model runner. ``token_ids`` [B] int64. The rows that
+    asked for logprobs (``num_logprobs[i]`` not None), in order, have ``chosen_logprobs`` [R]
+    and the ``top_ids`` / ``top_logprobs`` [R, K] of the RAW logits; ``logprobs`` turns them into
+    one ``{token_id: logprob}`` per row (None where not asked): the chosen token first, then the
+    row's top-k in descending order (the chosen token is not repeated when it is among them).
     """
 
     token_ids: torch.Tensor
-    logprobs: list[dict[int, float] | None]
+    num_logprobs: list[int | None]
+    chosen_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self) -> SamplerOutput:
+        """The same on the CPU. From CUDA the copies are queued into pinned memory and not
+        waited for: synchronize with the stream (an event recorded after this) before reading."""
+        if self.token_ids.device.type == "cpu":
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return SamplerOutput(
+            token_ids=host(self.token_ids),
+            num_logprobs=self.num_logprobs,
+            chosen_logprobs=host(self.chosen_logprobs),
+            top_ids=host(self.top_ids),
+            top_logprobs=host(self.top_logprobs),
+        )
+
+    @property
+    def logprobs(self) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * len(self.num_logprobs)
+        rows = [i for i, n in enumerate(self.num_logprobs) if n is not None]
+        if not rows:
+            return out
+        assert self.chosen_logprobs is not None and self.top_ids is not None
+        dicts = _logprob_dicts(
+            self.token_ids[rows],
+            self.chosen_logprobs,
+            self.top_ids,
+            self.top_logprobs,
+            [self.num_logprobs[i] for i in rows],
+        )
+        for row, entry in zip(rows, dicts, strict=True):
+            out[row] = entry
+        return out
 
 
 def sample(
@@ -199,7 +244,7 @@ def sample(
     metadata: SamplingMetadata,
     generator: torch.Generator | None = None,
 ) -> SamplerOutput:
-    """Sample one token per row of ``logits`` [B, V] fp32 (not modified).
+    """Sample one token per row of ``logits`` [B, V] fp32 (not modified). No host sync on CUDA.
 
     ``generator`` drives the unseeded rows and must live on ``logits.device``; None means torch's
     default generator.
@@ -212,7 +257,7 @@ def sample(
     logprob_rows = [i for i, n in enumerate(metadata.num_logprobs) if n is not None]
     raw_logprobs = None
     if logprob_rows:
-        rows = torch.tensor(logprob_rows, device=logits.device)
+        rows = _ids(logprob_rows, logits.device)
         raw_logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
 
     logits = apply_logits_processors(logits, metadata)
@@ -225,13 +270,13 @@ def sample(
         else:
             token_ids = torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
 
-    logprobs: list[dict[int, float] | None] = [None] * num_rows
+    output = SamplerOutput(token_ids=token_ids, num_logprobs=metadata.num_logprobs)
     if raw_logprobs is not None:
-        num_tops = [metadata.num_logprobs[i] for i in logprob_rows]
-        dicts = _logprob_dicts(raw_logprobs, token_ids[rows], num_tops)
-        for row, entry in zip(logprob_rows, dicts, strict=True):
-            logprobs[row] = entry
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        num_top = max(metadata.num_logprobs[i] for i in logprob_rows)
+        output.chosen_logprobs, output.top_ids, output.top_logprobs = _logprob_tensors(
+            raw_logprobs, token_ids[rows], num_top
+        )
+    return output
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -261,19 +306,28 @@ def compute_logprobs(
     prompt token at ``p + 1``. Memory is ``N * V * 4`` bytes: callers chunk long prompts.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return _logprob_dicts(logprobs, token_ids, [num_top] * logits.shape[0])
+    chosen, top_ids, top_values = _logprob_tensors(logprobs, token_ids, num_top)
+    return _logprob_dicts(token_ids, chosen, top_ids, top_values, [num_top] * logits.shape[0])
+
+
+def _logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From ``logprobs`` [N, V] fp32: the logprob of each row's ``token_ids`` [N], and the ids and
+    logprobs of its top ``num_top`` ([N, num_top], descending)."""
+    chosen = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)  # [N]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen, top_ids, top_values
 
 
 def _logprob_dicts(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
+    token_ids: torch.Tensor,
+    chosen: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_values: torch.Tensor,
+    num_tops: list[int],
 ) -> list[dict[int, float]]:
-    """Dicts of ``logprobs`` [N, V] fp32 for ``token_ids`` [N] and each row's top ``num_tops[i]``.
-
-    One ``topk`` of the largest ``num_tops`` serves every row; each row keeps its own prefix.
-    """
-    token_ids = token_ids.long()
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [N]
-    top_values, top_ids = logprobs.topk(max(num_tops, default=0), dim=-1)  # [N, K]
+    """One dict per row: its token first, then its top ``num_tops[i]`` (a prefix of the K)."""
     dicts = []
     for token_id, logprob, values, ids, num_top in zip(
         token_ids.tolist(),
@@ -319,7 +373,11 @@ def _sample_random(
         threshold = metadata.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if metadata.has_top_k_top_p:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        # The CPU finds the rows that need the full sort (cheap there); a GPU must not wait.
+        may_need_sort = None if logits.device.type == "cpu" else metadata.may_need_sort
+        logits = apply_top_k_top_p(
+            logits, metadata.top_k, metadata.top_p, may_need_sort=may_need_sort
+        )
     probs = logits.softmax(dim=-1)
     exponentials = -torch.log(_uniforms(metadata, logits.shape, logits.device, generator))
     # argmax(probs / q) with q ~ Exp(1) i.i.d. picks token t with probability probs[t]; u = 0 gives
@@ -340,7 +398,7 @@ def _uniforms(
     else:
         uniforms = torch.rand(shape, generator=generator, dtype=torch.float32, device=device)
     if metadata.seeded_rows:
-        rows = torch.tensor(metadata.seeded_rows, device=device)
-        keys = torch.tensor(metadata.seeded_keys, dtype=torch.int64, device=device)
+        rows = _ids(metadata.seeded_rows, device)
+        keys = _ids(metadata.seeded_keys, device)
         uniforms[rows] = keyed_uniforms(keys, vocab_size)
     return uniforms
