@@ -1,20 +1,30 @@
 """Device idle time between decode steps, through the whole engine (scheduler, plans, graphs,
-sampler), on V4-Flash-shaped layers with random weights.
+sampler), on V4-Flash-shaped layers with random weights, with synchronous and asynchronous
+scheduling.
 
     python benchmarks/decode_idle.py --device cuda [--batch 1,32,128] [--steps 64]
+        [--graphs on,off] [--async on,off]
 
-For each batch size: B requests of a 512-token prompt decode ``--steps`` tokens; once every
-request is decoding, each engine step's wall time is taken on the host and the forward's device
-time with CUDA events around it (the graph replay, or the eager forward). Idle share = 1 -
-device forward time / step wall time: the part of a step the device waits for the host
-(scheduling, planning, the copy of the plans, sampling and the token read-back). The engine
-schedules synchronously (the next step starts after this one's tokens are on the host), so
-this is the sync figure; it includes the sampler, which runs after the forward on the device.
+For each setting: B requests of a 512-token prompt decode ``--steps`` tokens. Three CUDA events
+per launched step, on the device's timeline: before the forward (graph replay or eager forward),
+after it, and at the end of the launch (after the sampler and the copy of its results). Over
+the steps where every request decodes (warm-up and graph capture skipped), medians of:
+
+    period   = forward start of step N -> forward start of step N+1
+    forward  = forward start -> forward end
+    gap      = end of step N's launch -> forward start of step N+1 (the device waits: the host is
+               still scheduling, planning, sampling or reading tokens back)
+    idle share = gap / period
+
+Nothing synchronizes between steps except what the engine itself does: with synchronous
+scheduling it waits for each step's tokens before scheduling the next; with asynchronous
+scheduling it schedules and launches step N+1 first.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -31,43 +41,67 @@ from deepinfer import LLM, SamplingParams
 PROMPT = 512
 
 
-def measure(llm: LLM, batch: int, steps: int) -> tuple[float, float]:
-    """Median (step wall ms, forward device ms) over the steady decode steps."""
+def measure(llm: LLM, batch: int, steps: int) -> dict[str, float]:
+    """Medians (ms) of period, forward and gap over the steady decode steps, and the host's
+    wall time per engine step."""
     runner = llm.engine.executor
-    forward = runner.graphs.run if runner.graphs is not None else runner.model.forward
-    device_ms: list[float] = []
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each forward call
+    owner = runner.graphs if runner.graphs is not None else runner.model
+    forward, launch = (owner.run if runner.graphs is not None else owner.forward), runner.launch
+    marks: list[list] = []  # per launch: [steady, forward start, forward end, launch end]
 
-    def timed(*args, **kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def event() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def timed_forward(*args, **kwargs):
+        marks[-1].append(event())
         out = forward(*args, **kwargs)
-        end.record()
-        events.append((start, end))
+        marks[-1].append(event())
+        return out
+
+    def timed_launch(scheduler_output):
+        scheduled = scheduler_output.scheduled
+        steady = len(scheduled) == batch and all(s.num_tokens == 1 for s in scheduled)
+        marks.append([steady])
+        out = launch(scheduler_output)
+        marks[-1].append(event())
         return out
 
     if runner.graphs is not None:
-        runner.graphs.run = timed
+        runner.graphs.run = timed_forward
     else:
-        runner.model.forward = timed
+        runner.model.forward = timed_forward
+    runner.launch = timed_launch
+    llm.engine._launch = timed_launch if llm.engine._launch is not None else None
     for i in range(batch):
         prompt = [(7 * i + j) % 1000 + 10 for j in range(PROMPT)]
         params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
         llm.engine.add_request(f"r{i}", prompt, params)
     walls = []
     while llm.engine.has_unfinished_requests():
-        before = len(events)
         started = time.perf_counter()
         llm.engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - started) * 1e3
-        scheduled = len(events) - before
-        if scheduled == 1 and llm.engine.scheduler.num_running == batch:
-            walls.append(wall)
-            start, end = events[-1]
-            device_ms.append(start.elapsed_time(end))
-    skip = min(4, len(walls) // 2)  # graph capture and warm-up steps
-    return statistics.median(walls[skip:]), statistics.median(device_ms[skip:])
+        if marks and marks[-1][0]:
+            walls.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    periods, forwards, gaps = [], [], []
+    for this, following in itertools.pairwise(marks):
+        if this[0] and following[0] and len(this) == len(following) == 4:
+            periods.append(this[1].elapsed_time(following[1]))
+            forwards.append(this[1].elapsed_time(this[2]))
+            gaps.append(this[3].elapsed_time(following[1]))
+    skip = min(4, len(periods) // 2)  # graph capture and warm-up steps
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values[skip:])
+
+    return {
+        "period": median(periods),
+        "forward": median(forwards),
+        "gap": median(gaps),
+        "wall": median(walls),
+    }
 
 
 def main() -> None:
@@ -75,32 +109,40 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", default="1,32,128")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--graphs", default="on,off")
+    ap.add_argument("--async", dest="async_modes", default="on,off")
     ns = ap.parse_args()
     folder = write_config(
         tempfile.mkdtemp(), ["compressed_sparse_attention", "heavily_compressed_attention"]
     )
-    print("| batch | graphs | step wall ms | forward device ms | idle share |")
-    print("|---|---|---|---|---|")
-    for graphs in (True, False):
+    print(
+        "| batch | graphs | scheduling | host ms/step | period ms | forward ms | gap ms "
+        "| idle share |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for graphs in ns.graphs.split(","):
         for batch in [int(b) for b in ns.batch.split(",")]:
-            llm = LLM(
-                model=folder,
-                device=ns.device,
-                random_weights=True,
-                max_model_len=PROMPT + ns.steps + 8,
-                max_num_seqs=batch,
-                max_num_batched_tokens=max(PROMPT * batch, 8192),
-                cuda_graph_max_batch=128 if graphs else 0,
-                enable_prefix_caching=False,
-            )
-            wall, device = measure(llm, batch, ns.steps)
-            print(
-                f"| {batch} | {'on' if graphs else 'off'} | {wall:.2f} | {device:.2f} | "
-                f"{1 - device / wall:.1%} |",
-                flush=True,
-            )
-            del llm
-            torch.cuda.empty_cache()
+            for mode in ns.async_modes.split(","):
+                llm = LLM(
+                    model=folder,
+                    device=ns.device,
+                    random_weights=True,
+                    max_model_len=PROMPT + ns.steps + 8,
+                    max_num_seqs=batch,
+                    max_num_batched_tokens=max(PROMPT * batch, 8192),
+                    cuda_graph_max_batch=128 if graphs == "on" else 0,
+                    enable_prefix_caching=False,
+                    async_scheduling=mode == "on",
+                )
+                m = measure(llm, batch, ns.steps)
+                print(
+                    f"| {batch} | {graphs} | {'async' if mode == 'on' else 'sync'} | "
+                    f"{m['wall']:.2f} | {m['period']:.2f} | {m['forward']:.2f} | {m['gap']:.3f} | "
+                    f"{m['gap'] / m['period']:.1%} |",
+                    flush=True,
+                )
+                del llm
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -137,7 +137,9 @@ class Scheduler:
             request.matcher is not None
             or params.has_penalties
             or request.num_output_tokens < params.min_tokens
-            or (self.prefix is not None and (request.num_computed_tokens + 1) % self.block_size == 0)
+            or (
+                self.prefix is not None and (request.num_computed_tokens + 1) % self.block_size == 0
+            )
         )
 
     def get_request(self, request_id: str) -> Request | None:
@@ -280,7 +282,9 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_pending_tokens and self._is_ended_by_pending(request):
             return 0
-        num_to_compute = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+        num_to_compute = (
+            request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+        )
         num_new_tokens = min(num_to_compute, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:

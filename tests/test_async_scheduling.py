@@ -23,9 +23,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _llm(folder: Path, async_scheduling: bool, **kw) -> LLM:
     torch.set_num_threads(2)
-    return LLM(
-        model=folder, device="cpu", block_size=16, async_scheduling=async_scheduling, **kw
-    )
+    return LLM(model=folder, device="cpu", block_size=16, async_scheduling=async_scheduling, **kw)
 
 
 class _Spy:
@@ -71,7 +69,9 @@ def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rest then decode on placeholders."""
     rng = random.Random(seed)
     shared = [0] + [rng.randrange(3, 128000) for _ in range(40)]
-    prompts = [shared + [rng.randrange(3, 128000) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    prompts = [
+        shared + [rng.randrange(3, 128000) for _ in range(rng.randrange(1, 30))] for _ in range(7)
+    ]
     params = [
         SamplingParams(temperature=0.0, max_tokens=14, logprobs=2),
         SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=11, max_tokens=12),

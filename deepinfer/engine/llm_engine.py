@@ -242,7 +242,9 @@ class LLMEngine:
             self._in_flight = None
             raise
 
-    def _step_async(self, launch: Callable[[SchedulerOutput], StepInFlight]) -> list[RequestOutputDelta]:
+    def _step_async(
+        self, launch: Callable[[SchedulerOutput], StepInFlight]
+    ) -> list[RequestOutputDelta]:
         deltas = []
         if self._in_flight is not None and self.scheduler.needs_sampled_tokens():
             deltas = self._complete_in_flight()

@@ -291,7 +291,9 @@ class ModelRunner:
             ready.record()
         return LaunchedStep(output, request_ids, host, ready)
 
-    def _fill_placeholders(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
+    def _fill_placeholders(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
+    ) -> None:
         """Write into ``input_ids`` (the flat batch of ``scheduled``) the tokens that stand in for
         the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token)."""
         dst, src, offset = [], [], 0

@@ -82,7 +82,9 @@ def _keep_first(
     index = (num_keep - 1).clamp(min=0, max=num_candidates - 1).unsqueeze(1)
     cutoff = values.gather(1, index)  # [B, 1]
     far = (num_keep > num_candidates) & ~keep_all
-    if find_far and bool(far.any()):  # pure top_k past the candidates: its value by selection, not sort
+    if find_far and bool(
+        far.any()
+    ):  # pure top_k past the candidates: its value by selection, not sort
         for row in far.nonzero().squeeze(1).tolist():
             rank = vocab_size - int(num_keep[row]) + 1  # the num_keep-th largest
             cutoff[row, 0] = logits[row].kthvalue(rank).values

@@ -180,7 +180,10 @@ def _padded(
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
         weights[i, : len(row)] = 1.0
-    return {f"{name}_token_ids": to_device(ids, device), f"{name}_weights": to_device(weights, device)}
+    return {
+        f"{name}_token_ids": to_device(ids, device),
+        f"{name}_weights": to_device(weights, device),
+    }
 
 
 @dataclass
