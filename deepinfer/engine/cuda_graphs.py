@@ -10,6 +10,12 @@ context bucket (a power of two). Inputs (token ids, positions and every index pl
 static int64 buffer per graph, refilled with one copy before each replay. Graphs are captured
 the first time their shape is seen, on scratch-only inputs (so capture and its warm-up touch no
 request's cache), and share one memory pool.
+
+Memory: a graph keeps only its input buffer of its own. Its intermediates are freed at the end
+of its capture and reused by the next capture into the shared pool (graphs never run at the same
+time), and every graph writes its logits into one buffer of [max_batch, V] fp32. So all the
+graphs together take about what the largest one does: ``profile_memory`` captures that one on
+the scratch cache at start and keeps its size out of the KV cache.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ MIN_CONTEXT = 256  # smallest context bucket, tokens
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [n] int64: the flattened plan, refilled before each replay
-    logits: torch.Tensor  # [bucket, V] fp32, written by each replay
+    logits: torch.Tensor  # [bucket, V] fp32, written by each replay (shared by all graphs)
     # Every tensor the graph reads must outlive it: were one made before capture and freed, its
     # memory would be reused and the replays would read garbage. The batch holds them all.
     batch: ForwardBatch
@@ -64,6 +70,9 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
             self._staging = torch.empty(0, dtype=torch.int64, pin_memory=True)
             self._staging_read = torch.cuda.Event()
+            # Every graph's logits, [max_batch, V] fp32: one buffer instead of one per graph.
+            vocab_size = model.args.vocab_size
+            self._logits = torch.empty(self.max_batch, vocab_size, device=self.device)
 
     @property
     def max_batch(self) -> int:
@@ -89,10 +98,7 @@ class DecodeGraphs:
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
         bucket = next(b for b in self.buckets if b >= num_reqs)
-        longest = max(s.start_pos + 1 for s in scheduled)
-        # At least a block: the padded requests sit at the scratch block's last position.
-        longest = max(longest, self.cache.block_size)
-        context = max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
+        context = self.context_bucket(max(s.start_pos + 1 for s in scheduled))
         seqs = [SeqSpan.of(i, s) for i, s in enumerate(scheduled)]
         token_ids = [s.token_ids[0] for s in scheduled]
         host = self._plan(seqs, token_ids, bucket, context)
@@ -112,6 +118,17 @@ class DecodeGraphs:
             fill_placeholders(graph.batch.input_ids)
         graph.graph.replay()
         return graph.logits[:num_reqs]
+
+    def context_bucket(self, num_positions: int) -> int:
+        """The context bound of a step whose longest request spans ``num_positions``: a power of
+        two, at least MIN_CONTEXT and a block (the padded requests sit at the scratch block's
+        last position)."""
+        longest = max(num_positions, self.cache.block_size)
+        return max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
+
+    def capture_largest(self, max_positions: int) -> None:
+        """Capture the graph of the most requests at the longest context (memory sizing)."""
+        self._capture(self.max_batch, self.context_bucket(max_positions))
 
     def _plan(
         self, seqs: list[SeqSpan], token_ids: list[int], bucket: int, context: int
@@ -141,8 +158,9 @@ class DecodeGraphs:
                 self.model(batch, self.cache)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        logits = self._logits[:bucket]
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model(batch, self.cache)
+            logits.copy_(self.model(batch, self.cache))
         torch.cuda.synchronize(self.device)
         captured = _Graph(graph, inputs, logits, batch)
         self._graphs[bucket, context] = captured

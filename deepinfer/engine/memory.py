@@ -4,10 +4,13 @@
     -> fit_num_blocks() -> KVCache(num_blocks)
 
     total x gpu_memory_utilization
-    +----------+---------------------+--------+--------------------------------------------+
-    | weights  | peak activations    | margin | KV cache: state slots + snapshots + blocks |
-    |          | (the profile step)  |        | (blocks take what the others leave)        |
-    +----------+---------------------+--------+--------------------------------------------+
+    +---------+--------------------+--------------+--------+------------------------------------+
+    | weights | peak activations   | decode graph | margin | KV cache: state slots + snapshots  |
+    |         | (the profile step) | pool         |        | + blocks (what the others leave)   |
+    +---------+--------------------+--------------+--------+------------------------------------+
+
+The graph pool is measured by capturing the largest decode graph (most requests, longest
+context) on the scratch cache and freeing it again (cuda_graphs.py: all graphs share one pool).
 
 The budget is per engine (two engines at 0.45 can share a device); it is also capped by what is
 free on the device after the profile, less the activations the steps will need again.
@@ -15,6 +18,7 @@ free on the device after the profile, less the activations the steps will need a
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -41,14 +46,15 @@ class MemoryProfile:
     """How the KV cache was sized on CUDA, in bytes. Producer: ``profile_memory`` at start.
     Consumers: the model runner (``kv_budget``), the start-up log and tests.
 
-    kv_budget = min(total * utilization - weights - activations - margin,
-                    free - activations - margin)     (free: after the profile, all processes)
+    kv_budget = min(total * utilization - weights - activations - graphs - margin,
+                    free - activations - graphs - margin)   (free: after the profile)
     """
 
     total: int
     utilization: float
     weights: int
     activations: int  # peak of the profile step above what was allocated before it
+    graphs: int  # reserved by the largest decode graph's capture (0: no graphs)
     margin: int
     free: int
     kv_budget: int
@@ -71,6 +77,7 @@ def profile_memory(
     utilization: float,
     num_tokens: int,
     context: int,
+    graph_batch: int = 0,
 ) -> MemoryProfile:
     """Run the worst step on ``scratch`` (a cache of one block and one slot), measure its peak
     allocation, and return the KV budget that ``utilization`` x total memory leaves.
@@ -79,6 +86,9 @@ def profile_memory(
     budget (``num_tokens``) at the end of the longest context (``context``), with logits for
     every token (prompt logprobs): the attention and indexer intermediates grow as chunk x context
     per request, and the requests of a step run one after another inside each layer.
+
+    ``graph_batch`` > 0: decode steps of up to that many requests replay CUDA graphs; the pool
+    of the largest one is measured and kept out of the budget.
     """
     device = scratch.device
     total = torch.cuda.get_device_properties(device).total_memory
@@ -105,28 +115,32 @@ def profile_memory(
         ) from e
     activations = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
+    graphs = _graph_pool_bytes(model, scratch, graph_batch, context) if graph_batch else 0
     free, _ = torch.cuda.mem_get_info(device)
     margin = MEMORY_MARGIN_BYTES
-    budget = int(utilization * total) - weights - activations - margin
+    kept = activations + graphs + margin
+    budget = int(utilization * total) - weights - kept
     # Other processes (or other engines of this one) may hold memory: what is free now must
-    # also hold the activations at run time.
-    if free - activations - margin < budget:
+    # also hold the activations and the graphs at run time.
+    if free - kept < budget:
         logger.warning(
             "memory: only %.2f GiB free on %s; the KV cache gets %.3f GiB instead of %.3f GiB",
             free / GIB,
             device,
-            (free - activations - margin) / GIB,
+            (free - kept) / GIB,
             budget / GIB,
         )
-        budget = free - activations - margin
+        budget = free - kept
     logger.info(
         "memory: %.2f GiB total x %.2f - %.3f GiB weights - %.3f GiB peak activations "
-        "(profile step %.1f s) - %.2f GiB margin -> %.3f GiB for the KV cache",
+        "(profile step %.1f s) - %.3f GiB decode graphs - %.2f GiB margin -> %.3f GiB for the "
+        "KV cache",
         total / GIB,
         utilization,
         weights / GIB,
         activations / GIB,
         time.perf_counter() - began,
+        graphs / GIB,
         margin / GIB,
         budget / GIB,
     )
@@ -135,6 +149,7 @@ def profile_memory(
         utilization=utilization,
         weights=weights,
         activations=activations,
+        graphs=graphs,
         margin=margin,
         free=free,
         kv_budget=budget,
@@ -161,3 +176,18 @@ def _run_profile_step(
     )
     logits = model(batch, scratch)  # [num_tokens, V] fp32
     kernels.sampling.compute_logprobs(logits, token_ids, 0)
+
+
+def _graph_pool_bytes(model: DeepseekV4, scratch: KVCache, graph_batch: int, context: int) -> int:
+    """Device memory the decode graphs reserve: the largest one's capture (pool + the shared
+    logits buffer), measured on ``scratch`` and freed again."""
+    device = scratch.device
+    torch.cuda.synchronize(device)
+    reserved = torch.cuda.memory_reserved(device)
+    graphs = DecodeGraphs(model, scratch, graph_batch)
+    graphs.capture_largest(context)
+    pool = torch.cuda.memory_reserved(device) - reserved
+    del graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return pool

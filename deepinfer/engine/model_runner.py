@@ -162,6 +162,7 @@ class ModelRunner:
                 utilization=cache.gpu_memory_utilization,
                 num_tokens=min(self.config.scheduler.max_num_batched_tokens, self.max_model_len),
                 context=self.max_model_len,
+                graph_batch=self._graph_batch,
             )
             budget = self.memory_profile.kv_budget
             source = f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
@@ -202,13 +203,19 @@ class ModelRunner:
             # Recorded after each copy out of the staging buffer; waited on before refilling it.
             self._staging_read = torch.cuda.Event()
 
+    @property
+    def _graph_batch(self) -> int:
+        """The most requests a decode graph runs (0: no graphs)."""
+        kernel = self.config.kernel
+        if self.device.type != "cuda" or kernel.deterministic:
+            return 0
+        return min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+
     def _init_graphs(self) -> None:
         """CUDA: decode-only steps replay captured graphs (cuda_graphs.py), captured lazily."""
-        kernel = self.config.kernel
-        max_batch = min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and max_batch > 0 and not kernel.deterministic:
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch)
+        if self._graph_batch > 0:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self._graph_batch)
             logger.info("decode CUDA graphs: batch buckets %s", self.graphs.buckets)
 
     def _cache_salt(self, model_dir: Path) -> bytes:

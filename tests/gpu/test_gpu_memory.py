@@ -39,7 +39,9 @@ def _kv_bytes(llm: LLM) -> tuple[int, int]:
 def test_kv_cache_fills_the_share_and_a_real_step_stays_inside(oracle_hf_dir: Path) -> None:
     gc.collect()  # engines of earlier modules must not be freed while this test measures
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
     utilization = SHARE / torch.cuda.get_device_properties(0).total_memory
     llm = LLM(
         model=oracle_hf_dir,
@@ -56,8 +58,9 @@ def test_kv_cache_fills_the_share_and_a_real_step_stays_inside(oracle_hf_dir: Pa
     assert profile is not None
     assert (profile.num_tokens, profile.context) == (CHUNK, MAX_MODEL_LEN)
     assert profile.activations > 0 and profile.margin == MEMORY_MARGIN_BYTES
+    assert profile.graphs > 0, "decode graphs are on: their pool must be measured"
     assert profile.kv_budget == int(utilization * profile.total) - (
-        profile.weights + profile.activations + profile.margin
+        profile.weights + profile.activations + profile.graphs + profile.margin
     )
     kv_bytes, per_block = _kv_bytes(llm)
     assert runner.num_blocks < MAX_NUM_SEQS * MAX_MODEL_LEN // 128
@@ -81,6 +84,19 @@ def test_kv_cache_fills_the_share_and_a_real_step_stays_inside(oracle_hf_dir: Pa
     assert peak <= SHARE - profile.margin + estimate_slack, (
         f"a real step peaked at {peak / GIB:.3f} GiB, over the {SHARE / GIB:.3f} GiB share "
         f"less the {profile.margin / GIB:.2f} GiB margin: the profile step missed activations"
+    )
+
+    # Decode graphs: a full batch of decodes (graph_batch = 128 here) captures the largest
+    # bucket's graph into the pool the profile measured; everything the engine reserved (weights,
+    # KV cache, cached activations, graph pool) stays inside its share.
+    prompts = [[2 + i, 3 + i, 5 + i] for i in range(128)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert runner.graphs is not None and (128, 256) in runner.graphs._graphs
+    reserved = torch.cuda.memory_reserved() - reserved_before
+    assert reserved <= SHARE + ALLOCATOR_SLACK, (
+        f"the engine reserved {reserved / GIB:.3f} GiB after capturing decode graphs, over its "
+        f"{SHARE / GIB:.3f} GiB share (graph pool measured at start: "
+        f"{profile.graphs / GIB:.3f} GiB)"
     )
 
 
