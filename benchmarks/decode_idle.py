@@ -6,8 +6,9 @@ scheduling.
         [--graphs on,off] [--async on,off]
 
 For each setting: B requests of a 512-token prompt decode ``--steps`` tokens. Three CUDA events
-per launched step, on the device's timeline: before the forward (graph replay or eager forward),
-after it, and at the end of the launch (after the sampler and the copy of its results). Over
+per launched step, on the device's timeline: before the forward (the graph's replay, its plan
+already copied in; or the eager forward, whose kernels are launched inside it), after it, and at
+the end of the launch (after the sampler and the copy of its results). Over
 the steps where every request decodes (warm-up and graph capture skipped), medians of:
 
     period   = forward start of step N -> forward start of step N+1
@@ -24,6 +25,7 @@ scheduling it schedules and launches step N+1 first.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import sys
@@ -45,8 +47,11 @@ def measure(llm: LLM, batch: int, steps: int) -> dict[str, float]:
     """Medians (ms) of period, forward and gap over the steady decode steps, and the host's
     wall time per engine step."""
     runner = llm.engine.executor
-    owner = runner.graphs if runner.graphs is not None else runner.model
-    forward, launch = (owner.run if runner.graphs is not None else owner.forward), runner.launch
+    # The forward proper: a graph's replay (its plan is built and copied in before), or the
+    # eager forward (its plan is uploaded before; its kernels are launched inside).
+    owner = torch.cuda.CUDAGraph if runner.graphs is not None else runner.model
+    name = "replay" if runner.graphs is not None else "forward"
+    forward, launch = getattr(owner, name), runner.launch
     marks: list[list] = []  # per launch: [steady, forward start, forward end, launch end]
 
     def event() -> torch.cuda.Event:
@@ -68,10 +73,7 @@ def measure(llm: LLM, batch: int, steps: int) -> dict[str, float]:
         marks[-1].append(event())
         return out
 
-    if runner.graphs is not None:
-        runner.graphs.run = timed_forward
-    else:
-        runner.model.forward = timed_forward
+    setattr(owner, name, timed_forward)
     runner.launch = timed_launch
     llm.engine._launch = timed_launch if llm.engine._launch is not None else None
     for i in range(batch):
@@ -85,6 +87,7 @@ def measure(llm: LLM, batch: int, steps: int) -> dict[str, float]:
         if marks and marks[-1][0]:
             walls.append((time.perf_counter() - started) * 1e3)
     torch.cuda.synchronize()
+    setattr(owner, name, forward)
     periods, forwards, gaps = [], [], []
     for this, following in itertools.pairwise(marks):
         if this[0] and following[0] and len(this) == len(following) == 4:
@@ -142,6 +145,7 @@ def main() -> None:
                     flush=True,
                 )
                 del llm
+                gc.collect()  # the engine's reference cycles hold the weights and the cache
                 torch.cuda.empty_cache()
 
 
