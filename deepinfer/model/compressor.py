@@ -16,7 +16,7 @@ from deepinfer.kv_cache.pool import CompressorState, KVCache
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels
-from deepinfer.ops.norm import apply_rope, rope_cos_sin
+from deepinfer.ops.norm import rope_cos_sin
 
 
 class Compressor(nn.Module):
@@ -27,16 +27,17 @@ class Compressor(nn.Module):
     Windows are aligned to absolute position 0; only complete windows emit an entry.
     """
 
-    def __init__(self, args: ModelArgs, dim: int, ratio: int) -> None:
+    def __init__(self, args: ModelArgs, dim: int, ratio: int, kernels: Kernels) -> None:
         super().__init__()
         self.dim, self.ratio = dim, ratio
+        self.norm_ops = kernels.norm
         # Upstream decides the overlapping layout by the ratio alone (CSA's 4).
         self.overlap = ratio == 4
         width = 2 * dim if self.overlap else dim
         self.wkv = linear(args.hidden_size, width)
         self.wgate = linear(args.hidden_size, width)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
-        self.norm = RMSNorm(dim, args.rms_norm_eps)
+        self.norm = RMSNorm(dim, args.rms_norm_eps, kernels.norm)
 
     def forward(
         self,
@@ -61,7 +62,7 @@ class Compressor(nn.Module):
                 win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
             weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
             pooled = self.norm((win_kv * weights).sum(dim=1))  # [W, dim]
-            pooled = apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
+            pooled = self.norm_ops.apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
             pool[plan.entry_dst] = pooled[plan.keep_windows].to(pool.dtype)
         buf_kv[plan.left_dst] = src_kv[plan.left_src]
         buf_gate[plan.left_dst] = src_gate[plan.left_src]
@@ -108,7 +109,7 @@ class Indexer(nn.Module):
         self.topk, self.ratio = args.index_topk, args.csa_ratio
         self.wq_b = linear(args.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = linear(args.hidden_size, self.n_heads)
-        self.compressor = Compressor(args, self.head_dim, self.ratio)
+        self.compressor = Compressor(args, self.head_dim, self.ratio, kernels)
 
     def forward(
         self,
@@ -126,7 +127,7 @@ class Indexer(nn.Module):
         plan = meta.compress[self.ratio]
         self.compressor(x, plan, cache.compressor_state[layer_id, "idx"], pool, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
-        q = apply_rope(q, *batch.rope["compress"])
+        q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]
         entry_rows = meta.entry_rows[self.ratio]
         scores = self.kernels.attention.indexer_scores(

@@ -23,7 +23,7 @@ from deepinfer.model.config import CSA, HASH_MOE, SLIDING, ModelArgs
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.moe.torch_ref import swiglu
-from deepinfer.ops.norm import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -42,16 +42,16 @@ class Attention(nn.Module):
         self.o_groups = args.o_groups
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.wq_a = linear(args.hidden_size, args.q_lora_rank)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps, kernels.norm)
         self.wq_b = linear(args.q_lora_rank, self.n_heads * self.head_dim)
         self.wkv = linear(args.hidden_size, self.head_dim)
-        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps, kernels.norm)
         group_in = self.n_heads * self.head_dim // self.o_groups
         self.wo_a = linear(group_in, self.o_groups * args.o_lora_rank)
         self.wo_b = linear(self.o_groups * args.o_lora_rank, args.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         if self.ratio:
-            self.compressor = Compressor(args, self.head_dim, self.ratio)
+            self.compressor = Compressor(args, self.head_dim, self.ratio, kernels)
         if self.layer_type == CSA:
             self.indexer = Indexer(args, kernels)
 
@@ -60,10 +60,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
         cos, sin = batch.rope[self.rope_kind]
+        norm = self.kernels.norm
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
-        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        q = norm.apply_rope(norm.rms_norm(q, None, self.eps), cos, sin)
+        kv = norm.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = cache.window_ring[self.layer_id].flatten(0, 1)  # [slots * ring, hd]
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             q, sources, self.attn_sink, self.head_dim**-0.5
         )
         ring[meta.ring_dst] = kv[meta.ring_src].to(ring.dtype)
-        out = apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
+        out = norm.apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
         low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
@@ -173,9 +174,9 @@ class Block(nn.Module):
             )
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
-        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.attn = Attention(args, layer_id, kernels)
-        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.ffn = MoE(args, layer_id, kernels)
 
     def forward(
@@ -197,9 +198,10 @@ class DeepseekV4(nn.Module):
         super().__init__()
         self.args = args
         kernels = kernels or reference_kernels()
+        self.norm_ops = kernels.norm
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i, kernels) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.head = linear(args.hidden_size, args.vocab_size)
         hc = args.hc_mult
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.hidden_size))
@@ -235,7 +237,7 @@ class DeepseekV4(nn.Module):
 
     def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn)."""
-        flat = rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
+        flat = self.norm_ops.rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
         mix = F.linear(flat, self.hc_head_fn.float())  # [N, hc]
         pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
         pre = pre + self.args.hc_eps

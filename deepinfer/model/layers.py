@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from deepinfer.ops.norm import rms_norm
-
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``norm``: the norm backend (deepinfer.ops.norm) whose ``rms_norm`` runs it."""
+
+    def __init__(self, dim: int, eps: float, norm: ModuleType) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self._rms_norm = norm.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self._rms_norm(x, self.weight, self.eps)
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
