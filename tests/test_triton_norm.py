@@ -5,12 +5,14 @@ too), so TRITON_INTERPRET is set before anything imports it; a session that impo
 compiled first cannot interpret, and this module then skips with that reason. bf16 tl.dot is
 broken in the interpreter, so the cases run fp32 (the kernels' IEEE dot) at tiny shapes; the hc
 tiles are shrunk to 16 and the SM count faked, so that D = 40 and K = 160 leave masked tails, and
-the split-K (empty splits included), split-D and single-program paths all run.
+the split-K (empty splits included), split-D and single-program paths all run. apply_rope has
+no dot: it runs fp32 and bf16, at V4's row widths (512, 128) with few tokens and heads.
 tests/gpu/test_gpu_triton_norm.py covers bf16 and the production shapes on CUDA.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -30,12 +32,18 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
-from deepinfer.ops.norm import BACKENDS, torch_ref  # noqa: E402
+from deepinfer.ops.norm import BACKENDS, rope_cos_sin, torch_ref  # noqa: E402
 
 # fp32 against fp32: the kernels differ from torch only in summation order and the exp/rsqrt
 # approximations (the interpreter: numpy; errors seen ~1e-7).
 FP32_TOL = 1e-5
 HC, EPS = 4, 1e-6
+# apply_rope, fp32: the same products and one add/sub per value as torch_ref (numpy, no FMA), so
+# the results match to the last bit here; 1e-6 leaves room for a reordering, not for a bug.
+ROPE_FP32_TOL = 1e-6
+# apply_rope, bf16: the interpreter truncates fp32 -> bf16 (CUDA rounds to nearest even) where
+# torch rounds, so a value may be one bf16 ulp off: below 2^-7 relative per value, hence in norm.
+ROPE_BF16_TOL = 2**-7
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +89,15 @@ def _hc_inputs(
 def test_registered_before_torch_ref() -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
     assert BACKENDS.select("auto", torch.device("cpu")) is torch_ref
+
+
+def test_backend_contract(norm_triton: ModuleType) -> None:
+    """Both backends provide the ops of ops/norm's contract with the same signatures; the
+    triton module's kernels are its own, the RoPE tables torch_ref's."""
+    for name in ("rms_norm", "apply_rope", "hc_pre", "hc_post", "rope_inv_freq", "rope_cos_sin"):
+        ours, ref = getattr(norm_triton, name), getattr(torch_ref, name)
+        assert inspect.signature(ours) == inspect.signature(ref), name
+        assert (ours is ref) == name.startswith("rope_"), name
 
 
 @pytest.mark.parametrize("shape", [(5, 48), (3, 7, 64), (1, 32), (2, 1000)])
@@ -149,6 +166,96 @@ def test_hc_post(
     assert _rel_err(norm_triton.hc_post(out, x, post, comb), ref) < FP32_TOL
 
 
+def _rope_inputs(
+    shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, ..., D] and cos, sin [T, rope_dim / 2] at positions spread over 0 .. 100K, so that
+    every pair turns by a different, non-trivial angle."""
+    x = (torch.randn(shape, generator=gen) * 2).to(dtype)
+    positions = torch.randint(0, 100_000, (shape[0],), generator=gen)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    return x, *rope_cos_sin(positions, inv_freq)
+
+
+# (x shape, rope_dim): 2-D and 3-D; V4's q [T, H, 512] / kv [T, 512] / indexer q [T, H, 128]
+# (rope 64) with few tokens and heads; rope over the whole row (no nope); a row width that is
+# not a power of two (masked columns) with an odd nope width (pairs straddle 16-byte words).
+ROPE_CASES = [
+    ((5, 48), 16),
+    ((3, 4, 64), 16),
+    ((3, 4, 512), 64),
+    ((3, 512), 64),
+    ((2, 8, 128), 64),
+    ((2, 3, 32), 32),
+    ((4, 2, 13), 6),
+]
+
+
+@pytest.mark.parametrize(("shape", "rope_dim"), ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope(
+    norm_triton: ModuleType, shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype
+) -> None:
+    """The nope columns come back bit for bit; x itself is left as it was."""
+    gen = torch.Generator().manual_seed(sum(shape) + rope_dim)
+    x, cos, sin = _rope_inputs(shape, rope_dim, dtype, gen)
+    before = x.clone()
+    out = norm_triton.apply_rope(x, cos, sin)
+    assert torch.equal(x, before)
+    tol = ROPE_FP32_TOL if dtype == torch.float32 else ROPE_BF16_TOL
+    assert _rel_err(out, torch_ref.apply_rope(x, cos, sin)) < tol
+    nope = shape[-1] - rope_dim
+    assert torch.equal(out[..., :nope], x[..., :nope])
+
+
+@pytest.mark.parametrize(("shape", "rope_dim"), [((3, 4, 64), 16), ((5, 48), 48)])
+def test_apply_rope_inverse(norm_triton: ModuleType, shape: tuple[int, ...], rope_dim: int) -> None:
+    """-sin rotates back: the round trip returns x, and the inverse alone matches torch_ref's."""
+    gen = torch.Generator().manual_seed(11 + rope_dim)
+    x, cos, sin = _rope_inputs(shape, rope_dim, torch.float32, gen)
+    rotated = norm_triton.apply_rope(x, cos, sin)
+    assert _rel_err(rotated, x) > 0.1  # the rotation moved the values: the round trip is a test
+    assert _rel_err(norm_triton.apply_rope(rotated, cos, -sin), x) < ROPE_FP32_TOL
+    ref = torch_ref.apply_rope(rotated, cos, -sin)
+    assert _rel_err(norm_triton.apply_rope(rotated, cos, -sin), ref) < ROPE_FP32_TOL
+
+
+def test_apply_rope_strided(norm_triton: ModuleType) -> None:
+    """Views read in place (token and head strides of their own; cos and sin column slices of
+    wider tables, with different row strides) and a last dim of stride 2 (read from a contiguous
+    copy) all match torch_ref."""
+    gen = torch.Generator().manual_seed(13)
+    x, cos, sin = _rope_inputs((4, 6, 96), 16, torch.float32, gen)
+    cos = torch.cat([cos, sin], dim=-1)[:, :8]  # row stride 16
+    sin = torch.cat([cos, cos, sin], dim=-1)[:, 16:]  # row stride 24
+    views = [
+        x[:, :, 16:80],  # [4, 6, 64], row padding
+        x[:, ::2, :64],  # head stride 192
+        x.transpose(0, 1).contiguous().transpose(0, 1)[..., :32],  # token stride 96 < head's
+        x[:, 0, 32:],  # 2-D [4, 64] slice
+        x[:, :, :64:2],  # last dim stride 2
+    ]
+    for view in views:
+        out = norm_triton.apply_rope(view, cos, sin)
+        assert out.is_contiguous() and out.shape == view.shape
+        assert _rel_err(out, torch_ref.apply_rope(view, cos, sin)) < ROPE_FP32_TOL, view.stride()
+
+
+@pytest.mark.parametrize("num_sms", [1, 1000])
+def test_apply_rope_tiles(
+    norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, num_sms: int
+) -> None:
+    """Column tiles of 16 over D = 56 (nope 24: the rope slice starts inside a tile, the last is
+    masked); one SM packs 8 rows per program (a masked tail of rows), 1000 SMs one row each."""
+    monkeypatch.setattr(norm_triton, "ROPE_BLOCK_D", 16)
+    monkeypatch.setattr(norm_triton, "ROPE_TILE", 128)
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(17 + num_sms)
+    x, cos, sin = _rope_inputs((5, 3, 56), 32, torch.float32, gen)
+    out = norm_triton.apply_rope(x, cos, sin)
+    assert _rel_err(out, torch_ref.apply_rope(x, cos, sin)) < ROPE_FP32_TOL
+
+
 def test_no_tokens(norm_triton: ModuleType) -> None:
     """An empty batch launches nothing and returns empty outputs of the right shapes."""
     x, fn, scale, base = _hc_inputs(0, 32, torch.Generator().manual_seed(0))
@@ -156,3 +263,5 @@ def test_no_tokens(norm_triton: ModuleType) -> None:
     assert (post.shape, comb.shape, collapsed.shape) == ((0, HC), (0, HC, HC), (0, 32))
     assert norm_triton.hc_post(collapsed, x, post, comb).shape == (0, HC, 32)
     assert norm_triton.rms_norm(collapsed, None, EPS).shape == (0, 32)
+    empty_rope = torch.empty(0, 8)
+    assert norm_triton.apply_rope(x, empty_rope, empty_rope).shape == (0, HC, 32)

@@ -1,9 +1,10 @@
 """Norm ops: RMSNorm, RoPE and the hyper-connection mixing.
 
-A backend module provides ``rms_norm``, ``hc_pre`` and ``hc_post`` with torch_ref's signatures;
-RoPE tables and rotation stay torch (they are elementwise and fused by nothing yet), so every
-backend re-exports them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm one
-launch, hc_pre two launches with Sinkhorn in registers, hc_post one), ``torch_ref`` (the oracle).
+A backend module provides ``rms_norm``, ``apply_rope``, ``hc_pre`` and ``hc_post`` with
+torch_ref's signatures; the RoPE tables (``rope_inv_freq``, ``rope_cos_sin``: built once per step,
+not per layer) stay torch, so every backend re-exports them from torch_ref. Backends, fastest
+first: ``triton`` (CUDA: RMSNorm and RoPE one launch each, hc_pre two launches with Sinkhorn in
+registers, hc_post one), ``torch_ref`` (the oracle).
 """
 
 from deepinfer.ops.norm.torch_ref import (

@@ -1,8 +1,11 @@
-"""RMSNorm and the hyper-connection mixing as Triton kernels; RoPE re-exported from torch_ref.
+"""RMSNorm, RoPE and the hyper-connection mixing as Triton kernels; RoPE tables from torch_ref.
 
 Same signatures and semantics as ``torch_ref`` (the oracle). All statistics and mixing math run
 in fp32 whatever the input dtype; only the outputs that torch_ref returns in x's dtype are cast
 back. Runs on CUDA; the CPU tests run the same kernels through Triton's interpreter.
+
+apply_rope is one launch reading x once and writing a new tensor once: the program that rotates
+a row's rope slice also copies its nope columns, so no torch.cat follows.
 
 hc_pre is two launches and never reads a value back to the host, so it captures in a CUDA graph:
 
@@ -21,20 +24,21 @@ Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB 
 D over several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few
 hundred flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
 
-Loop trip counts (K per split, D per program, Sinkhorn iterations) are constexpr: the interpreter
-cannot loop to a runtime bound under numpy 2, and they take few values (a dozen variants over
-T = 1 .. 16K), each compiled once.
+Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's nope width) are
+constexpr: the interpreter cannot loop to a runtime bound under numpy 2, and they take few values
+(a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4), each compiled once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.norm.torch_ref import apply_rope, rope_cos_sin, rope_inv_freq
+from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
 
 __all__ = ["apply_rope", "hc_post", "hc_pre", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
 
@@ -44,6 +48,10 @@ RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
 HC_BLOCK_K = 32  # with BLOCK_T 64 and 8 warps: no register spills on sm_90
 HC_BLOCK_D = 512
 HC_MAX_SPLIT_K = 64
+# apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
+# (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
+ROPE_BLOCK_D = 1024
+ROPE_TILE = 4096
 
 
 @functools.lru_cache
@@ -138,6 +146,112 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=min(16, max(1, block_m * block_n // 256)),
+    )
+    return y
+
+
+@triton.jit
+def _apply_rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    num_rows,
+    num_heads,
+    x_token_stride,
+    x_head_stride,
+    cos_stride,
+    sin_stride,
+    DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """BLOCK_R rows (a row: one token's one head) of x: the nope columns copied in tiles of
+    BLOCK_D, the rope slice loaded as [BLOCK_R, BLOCK_HALF, 2] (pair i: even, odd) and rotated."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    rows = rows.to(tl.int64)
+    tokens = rows // num_heads
+    x_rows = x_ptr + tokens * x_token_stride + (rows - tokens * num_heads) * x_head_stride
+    y_rows = y_ptr + rows * DIM
+    for d0 in tl.static_range(0, NOPE, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (cols < NOPE)[None, :]
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=mask)
+        tl.store(y_rows[:, None] + cols[None, :], x, mask=mask)
+
+    pairs = tl.arange(0, BLOCK_HALF)  # angle i
+    pair_mask = row_mask[:, None] & (pairs < HALF)[None, :]  # [BLOCK_R, BLOCK_HALF]
+    cos = tl.load(cos_ptr + tokens[:, None] * cos_stride + pairs[None, :], mask=pair_mask)
+    sin = tl.load(sin_ptr + tokens[:, None] * sin_stride + pairs[None, :], mask=pair_mask)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
+    rope_cols = NOPE + 2 * pairs[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK_HALF, 2]
+    mask = pair_mask[:, :, None]  # rope_cols < DIM where pairs < HALF
+    x = tl.load(x_rows[:, None, None] + rope_cols[None, :, :], mask=mask, other=0.0)
+    even, odd = tl.split(x.to(tl.float32))  # [BLOCK_R, BLOCK_HALF] each
+    y = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+    tl.store(y_rows[:, None, None] + rope_cols[None, :, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x (fp32 math).
+
+    x: [T, ..., D] laid out ``[nope | rope]``, any float dtype; pairs (2i, 2i+1) of the rope slice
+    rotate by angle i. cos/sin: [T, rope_dim / 2] (fp32); pass ``-sin`` for the inverse rotation.
+    Returns a new contiguous tensor of x's shape and dtype (nope copied, rope rounded once); x is
+    not modified. Reads x in place when its last dim has stride 1 and the dims between T and D
+    flatten to one stride (any [T, D] or [T, H, D] slice), else from a contiguous copy.
+
+    One launch, one program per BLOCK_R rows (a row: one token's one head; a block of heads of
+    one token for q, a block of tokens for kv), each row's nope in tiles of up to ROPE_BLOCK_D:
+
+        x [T, H, D] -> rows [T * H, D]    row r = token r // H, head r % H
+        row:  | nope: D - rope_dim, copied | rope: rope_dim, (2i, 2i+1) rotated by angle i |
+    """
+    num_tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    rope_dim = 2 * half
+    assert x.dim() >= 2 and 0 < rope_dim <= dim, (
+        f"apply_rope: x {tuple(x.shape)}, rope_dim {rope_dim}"
+    )
+    assert cos.shape == (num_tokens, half) and sin.shape == (num_tokens, half), (
+        f"apply_rope: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, x {tuple(x.shape)}"
+    )
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_heads = math.prod(x.shape[1:-1])
+    heads = x.reshape(num_tokens, num_heads, dim)  # [T, H, D]: a view where the strides allow
+    if heads.stride(-1) != 1:
+        heads = heads.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return y
+    nope = dim - rope_dim
+    row_width = triton.next_power_of_2(dim)
+    block_r = min(triton.next_power_of_2(num_rows), max(1, ROPE_TILE // row_width))
+    # Decode: smaller tiles until two programs per SM (or one row per program).
+    while block_r > 1 and triton.cdiv(num_rows, block_r) < 2 * _num_sms(x.device):
+        block_r //= 2
+    _apply_rope_kernel[(triton.cdiv(num_rows, block_r),)](
+        heads,
+        cos,
+        sin,
+        y,
+        num_rows,
+        num_heads,
+        heads.stride(0),
+        heads.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        DIM=dim,
+        NOPE=nope,
+        HALF=half,
+        BLOCK_R=block_r,
+        BLOCK_D=min(ROPE_BLOCK_D, triton.next_power_of_2(max(1, nope))),
+        BLOCK_HALF=triton.next_power_of_2(max(1, half)),
+        num_warps=min(8, max(1, block_r * row_width // 512)),
     )
     return y
 

@@ -1,6 +1,8 @@
 """The Triton norm kernels on CUDA against torch_ref on the CPU, at DeepSeek-V4-Flash shapes.
 
 D = 4096, hc = 4 (K = hc * D = 16384, 24 mix columns), T in {1 (decode), 64, 4096 (prefill)}.
+RoPE (rope_dim 64) on the attention q [T, 64, 512], kv [T, 512] and the indexer's q [T, 64, 128],
+T in {1, 128, 4096}.
 Inputs are drawn in fp32 on the CPU and rounded to bf16 once; the reference computes in fp32 from
 those same values on the CPU (TF32 cannot enter it), so in the bf16 cases the error measured is
 the kernels' own arithmetic and output rounding. Error: ||out - ref|| / ||ref||. One bf16
@@ -19,7 +21,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from deepinfer.ops.norm import torch_ref
+from deepinfer.ops.norm import rope_cos_sin, torch_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +38,15 @@ RMS_NORM_BF16_TOL = 3e-3
 HC_MIX_BF16_TOL = 2e-3
 # bf16 stream outputs (collapsed, hc_post): fp32 math, one rounding to bf16.
 HC_STREAM_BF16_TOL = 1e-2
+# apply_rope, fp32: the same products as the CPU; only a contraction into an FMA may round once
+# less (~1 ulp on a few values).
+ROPE_FP32_TOL = 1e-6
+# apply_rope, bf16: fp32 math from the bf16 inputs, one rounding to nearest: <= 2^-8 per value.
+ROPE_BF16_TOL = 2**-8
+
+ROPE_DIM, ROPE_THETA = 64, 10000.0
+ROPE_SHAPES = {"q": (64, 512), "kv": (512,), "index_q": (64, 128)}  # x [T, *shape]
+ROPE_NUM_TOKENS = [1, 128, 4096]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +155,53 @@ def test_decode_step_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
         assert torch.equal(got, want)
 
 
+def _rope_inputs(
+    num_tokens: int, shape: tuple[int, ...], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, *shape] (bf16-exact), cos and sin [T, 32] fp32 at positions in 0 .. 1M, on the CPU."""
+    x = _bf16(num_tokens, *shape, gen=gen, std=2.0)
+    positions = torch.randint(0, 1 << 20, (num_tokens,), generator=gen)
+    exponents = torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM
+    return x, *rope_cos_sin(positions, 1.0 / ROPE_THETA**exponents)
+
+
+@pytest.mark.parametrize("num_tokens", ROPE_NUM_TOKENS)
+@pytest.mark.parametrize("kind", list(ROPE_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope(
+    norm_triton: ModuleType, num_tokens: int, kind: str, dtype: torch.dtype
+) -> None:
+    """Forward and inverse (-sin, as on the attention output) against the CPU oracle; the nope
+    columns come back bit for bit."""
+    gen = torch.Generator().manual_seed(500 + num_tokens + len(kind))
+    x, cos, sin = _rope_inputs(num_tokens, ROPE_SHAPES[kind], gen)
+    tol = ROPE_FP32_TOL if dtype == torch.float32 else ROPE_BF16_TOL
+    x_gpu, cos_gpu, sin_gpu = x.to("cuda", dtype), cos.cuda(), sin.cuda()
+    for sign in (1, -1):
+        out = norm_triton.apply_rope(x_gpu, cos_gpu, sign * sin_gpu)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert _rel_err(out, torch_ref.apply_rope(x, cos, sign * sin)) < tol, sign
+        nope = x.shape[-1] - ROPE_DIM
+        assert torch.equal(out[..., :nope], x_gpu[..., :nope])
+
+
+def test_apply_rope_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
+    """A decode step's q rotation replays from a CUDA graph on new inputs, bit for bit."""
+    gen = torch.Generator().manual_seed(600)
+    x, cos, sin = (t.cuda() for t in _rope_inputs(1, ROPE_SHAPES["q"], gen))
+    x = x.to(torch.bfloat16)
+    norm_triton.apply_rope(x, cos, sin)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = norm_triton.apply_rope(x, cos, sin)
+    new_x, new_cos, new_sin = _rope_inputs(1, ROPE_SHAPES["q"], gen)
+    x.copy_(new_x.cuda())
+    cos.copy_(new_cos.cuda())
+    sin.copy_(new_sin.cuda())
+    graph.replay()
+    assert torch.equal(captured, norm_triton.apply_rope(x, cos, sin))
+
+
 def _cuda_time_us(fn: Callable[[], object], iters: int = 50) -> float:
     for _ in range(3):
         fn()
@@ -171,4 +229,25 @@ def test_hc_pre_time(
         f"hc_pre T={num_tokens} bf16: triton {fused:.1f} us, torch_ref {reference:.1f} us"
     )
     if num_tokens == 1:
+        assert fused < reference
+
+
+@pytest.mark.parametrize("num_tokens", ROPE_NUM_TOKENS)
+@pytest.mark.parametrize("kind", list(ROPE_SHAPES))
+def test_apply_rope_time(
+    norm_triton: ModuleType, record_figure: Callable[[str], None], num_tokens: int, kind: str
+) -> None:
+    """Figures for the results file, bf16, with the bandwidth of one read and one write of x.
+    At prefill the one pass beats torch_ref's fp32 copies, stack and cat on the widest x."""
+    gen = torch.Generator().manual_seed(700 + num_tokens)
+    x, cos, sin = _rope_inputs(num_tokens, ROPE_SHAPES[kind], gen)
+    x, cos, sin = x.to("cuda", torch.bfloat16), cos.cuda(), sin.cuda()
+    fused = _cuda_time_us(lambda: norm_triton.apply_rope(x, cos, sin))
+    reference = _cuda_time_us(lambda: torch_ref.apply_rope(x, cos, sin))
+    moved = 2 * x.numel() * x.element_size() + 2 * cos.numel() * cos.element_size()
+    record_figure(
+        f"apply_rope {kind} {list(x.shape)} bf16: triton {fused:.1f} us "
+        f"({moved / fused / 1e3:.0f} GB/s), torch_ref {reference:.1f} us"
+    )
+    if num_tokens == 4096 and kind == "q":
         assert fused < reference
