@@ -31,6 +31,9 @@ class ModelConfig:
     # config.json instead of loading safetensors, for real-shape models that no file here holds.
     random_weights: bool = False
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    # CUDA: keep the checkpoint's FP8 linear weights FP8 (block-scaled W8A8 GEMMs, kernel.linear)
+    # instead of dequantizing them to dtype; ignored on other devices.
+    fp8_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("model.device", self.device, ("auto", "cpu", "cuda", "npu"))
@@ -114,6 +117,7 @@ class KernelConfig:
     reason are logged) and CPU threading. Backend names are checked by deepinfer.ops."""
 
     attention: str = "auto"
+    linear: str = "auto"
     moe: str = "auto"
     norm: str = "auto"
     sampling: str = "auto"

@@ -1,9 +1,10 @@
 """Kernel backends by op family: a tiny registry that picks one backend per family and says why.
 
-Each family (``ops/attention``, ``ops/moe``, ``ops/sampling``) registers its backends in
-preference order, fastest first, with the module that implements them (imported only when
-chosen, so a missing vendor library fails only if it is asked for) and an ``is_available``
-check. ``torch_ref`` is registered last everywhere: it runs on every device and is the oracle.
+Each family (``ops/attention``, ``ops/linear``, ``ops/moe``, ``ops/norm``, ``ops/sampling``)
+registers its backends in preference order, fastest first, with the module that implements them
+(imported only when chosen, so a missing vendor library fails only if it is asked for) and an
+``is_available`` check. ``torch_ref`` is registered last everywhere: it runs on every device and
+is the oracle.
 """
 
 from __future__ import annotations

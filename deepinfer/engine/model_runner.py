@@ -29,7 +29,8 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.loader import checkpoint_fingerprint, load_checkpoint
+from deepinfer.model.layers import use_fp8_linears
+from deepinfer.model.loader import checkpoint_fingerprint, fp8_block, load_checkpoint
 from deepinfer.model.tiny import random_weights
 from deepinfer.ops import select_kernels
 from deepinfer.ops.sampling import SamplerOutput
@@ -83,14 +84,26 @@ class ModelRunner:
 
     def _init_model(self, model_dir: Path) -> None:
         start = time.perf_counter()
+        keep_fp8 = self.config.model.fp8_weights and self.device.type == "cuda"
+        self.fp8_weights = keep_fp8  # other activations: part of the prefix cache's salt
+        if self.config.model.fp8_weights and not keep_fp8:
+            logger.warning("model.fp8_weights needs CUDA: dequantizing on %s", self.device)
+        block = fp8_block(self.args)
         if self.config.model.random_weights:
             seed = self.config.model.tiny_model_seed
             logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
-            weights = random_weights(self.args, seed, self.device, self.dtype)
+            weights = random_weights(
+                self.args, seed, self.device, self.dtype, fp8_block=block if keep_fp8 else None
+            )
         else:
-            weights = load_checkpoint(model_dir, self.args, device=self.device, dtype=self.dtype)
+            weights = load_checkpoint(
+                model_dir, self.args, device=self.device, dtype=self.dtype, keep_fp8=keep_fp8
+            )
         with torch.device("meta"):
             model = DeepseekV4(self.args, self.kernels)
+            num_fp8 = use_fp8_linears(model, weights, block, self.kernels.linear)
+        if keep_fp8:
+            logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
         model.load_state_dict(weights, strict=True, assign=True)
         model.init_rope(self.device)
         self.model = model.eval()
@@ -223,6 +236,8 @@ class ModelRunner:
         layout = f"kv-v1:{self.dtype}:{self.config.cache.block_size}:{self.kv_cache.ring_size}"
         if self.config.model.random_weights:
             layout += f":random-{self.config.model.tiny_model_seed}"
+        if self.fp8_weights:
+            layout += ":fp8-weights"
         return checkpoint_fingerprint(model_dir) + layout.encode()
 
     @property

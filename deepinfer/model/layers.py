@@ -7,6 +7,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from deepinfer.model.weights import fp8_scale_name
+
 
 class RMSNorm(nn.Module):
     """``norm``: the norm backend (deepinfer.ops.norm) whose ``rms_norm`` runs it."""
@@ -23,3 +25,53 @@ class RMSNorm(nn.Module):
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer without bias on a block-scaled FP8 weight, as the checkpoint stores it.
+
+    ``weight`` [out, in] float8_e4m3fn, ``scale`` [ceil(out/bn), ceil(in/bk)] fp32 (the
+    dequantization multiplier of each block; ``block`` = (bn, bk)); ``linear``: the linear
+    backend (deepinfer.ops.linear) whose ``fp8_linear`` runs it. x [..., in] -> [..., out] in
+    x's dtype.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, block: tuple[int, int], linear: ModuleType
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        bn, bk = block
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False
+        )
+        self.scale = nn.Parameter(
+            torch.empty(-(-out_features // bn), -(-in_features // bk), dtype=torch.float32),
+            requires_grad=False,
+        )
+        self._fp8_linear = linear.fp8_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.block)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def use_fp8_linears(
+    model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int], linear: ModuleType
+) -> int:
+    """Replace each ``nn.Linear`` whose weight in ``state`` is float8_e4m3fn with an
+    ``Fp8Linear`` of the same shape, so that ``model.load_state_dict(state)`` fits; returns how
+    many. Call it where the model was built (e.g. under ``torch.device("meta")``)."""
+    count = 0
+    for name, tensor in state.items():
+        if tensor.dtype != torch.float8_e4m3fn:
+            continue
+        assert fp8_scale_name(name) in state, f"FP8 weight {name!r} without its scales"
+        path = name.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        old = model.get_submodule(path)
+        assert isinstance(old, nn.Linear), f"{path} is a {type(old).__name__}, not nn.Linear"
+        new = Fp8Linear(old.in_features, old.out_features, block, linear)
+        setattr(model.get_submodule(parent), attr, new)
+        count += 1
+    return count

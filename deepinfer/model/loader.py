@@ -6,8 +6,10 @@ Data flow, one shard at a time (safetensors ``safe_open``, memory-mapped on the 
       -> dequantize FP8 / FP4 to fp32 -> map the name -> check dtype kind and shape
       -> cast to ``dtype`` -> place: copy | one slot of a stacked expert tensor | split gate_up
 
-Everything comes back dequantized for now; keeping FP8/FP4 weights quantized on GPUs that can use
-them is a later step. ``mtp.*`` tensors are skipped (no MTP module yet).
+Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
+linears that ``Fp8Linear`` can run (``weights.is_fp8_linear``) stay e4m3, next to their block
+scales in fp32 (``layers.0.attn.wq_a.scale``); FP4 routed experts are dequantized either way.
+``mtp.*`` tensors are skipped (no MTP module yet).
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from deepinfer.model.weights import (
     TensorTarget,
     expected_shapes,
     find_scales,
+    fp8_scale_name,
+    is_fp8_linear,
     is_fp32_param,
     is_integer_param,
     map_checkpoint_name,
 )
+from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, scale_to_float
 
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = (128, 128)
 FP4_BLOCK = 32
 # e2m1 code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa. Same table as DeepSeek-V4's
 # inference/convert.py (FP4_TABLE) and transformers' integrations/finegrained_fp8.py.
@@ -82,13 +86,16 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     show_progress: bool = True,
+    keep_fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
 
     Returns our names -> tensors on ``device``: floating ones in ``dtype`` (FP8 / FP4 weights
     dequantized) except the few kept in fp32 (``is_fp32_param``), ``tid2eid`` in int64. Shapes
-    are ``expected_shapes(args)``. Raises ``CheckpointError`` on a missing, unexpected,
-    duplicated or mis-shaped tensor.
+    are ``expected_shapes(args)``. ``keep_fp8``: a float8_e4m3fn weight of an ``is_fp8_linear``
+    name stays float8_e4m3fn, followed by its block scales [ceil(N/bn), ceil(K/bk)] fp32 under
+    ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). Raises ``CheckpointError`` on a missing,
+    unexpected, duplicated or mis-shaped tensor.
     """
     folder = Path(folder)
     t0 = time.perf_counter()
@@ -106,9 +113,9 @@ def load_checkpoint(
         len(scales),
         len(by_file),
     )
-    block = _fp8_block(args)
+    block = fp8_block(args)
     state = _StateBuilder(expected_shapes(args), device, dtype)
-    num_ignored = 0
+    num_ignored = num_kept = 0
     with ExitStack() as stack:
         reader = _ShardReader(files, stack)
         progress = tqdm(
@@ -128,6 +135,10 @@ def load_checkpoint(
                     tensor = reader.get(key).to(device)
                     if key in scales:
                         scale = reader.get(scales[key]).to(device)
+                        if keep_fp8 and _stays_fp8(target, tensor):
+                            state.place_fp8(key, target.names[0], tensor, scale, block)
+                            num_kept += 1
+                            continue
                         tensor = _dequantize(key, tensor, scale, block)
                     elif tensor.dtype in _QUANTIZED_DTYPES:
                         raise CheckpointError(
@@ -138,42 +149,19 @@ def load_checkpoint(
     out = state.finish(folder)
     num_bytes = sum(t.numel() * t.element_size() for t in out.values())
     logger.info(
-        "loaded %d tensors (%.3f GiB, %s on %s) from %s in %.2f s; dequantized %d, ignored %d",
+        "loaded %d tensors (%.3f GiB, %s on %s) from %s in %.2f s; dequantized %d, kept FP8 %d, "
+        "ignored %d",
         len(out),
         num_bytes / 2**30,
         dtype,
         device,
         folder,
         time.perf_counter() - t0,
-        len(scales),
+        len(scales) - num_kept,
+        num_kept,
         num_ignored,
     )
     return out
-
-
-def dequantize_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
-) -> torch.Tensor:
-    """Block-scaled FP8 -> fp32.
-
-    ``weight`` [..., M, N] float8_e4m3fn, ``scale`` [..., ceil(M/bm), ceil(N/bn)] (fp32, or ue8m0
-    as float8_e8m0fnu / raw uint8 exponents). Block (r, c) covers rows r*bm.. and columns c*bn..;
-    the last block row/column is short when M or N is not a multiple (ceil division)::
-
-        cols:   0 ........ bn-1 | bn ...... 2bn-1 | .. N-1
-        rows 0..bm-1:  s[0,0]   |      s[0,1]     | s[0,2] (ragged)
-        rows bm..M-1:  s[1,0]   |      s[1,1]     | s[1,2]
-    """
-    *lead, m, n = weight.shape
-    bm, bn = block
-    grid = (*lead, -(-m // bm), -(-n // bn))
-    if tuple(scale.shape) != grid:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match weight shape {tuple(weight.shape)} "
-            f"with {bm}x{bn} blocks (expected {grid})"
-        )
-    s = _scale_to_float(scale).repeat_interleave(bm, -2)[..., :m, :]
-    return weight.float() * s.repeat_interleave(bn, -1)[..., :n]
 
 
 def dequantize_fp4(
@@ -200,14 +188,7 @@ def dequantize_fp4(
     u8 = packed.view(torch.uint8)
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
     values = torch.stack((lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]), dim=-1).flatten(-2)
-    return values * _scale_to_float(scale).repeat_interleave(block, -1)[..., :n]
-
-
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    # ue8m0 scales stored as raw bytes are biased exponents: 2 ** (byte - 127).
-    if scale.dtype == torch.uint8:
-        return torch.exp2(scale.float() - 127.0)
-    return scale.float()
+    return values * scale_to_float(scale).repeat_interleave(block, -1)[..., :n]
 
 
 def _dequantize(
@@ -223,9 +204,19 @@ def _dequantize(
     raise CheckpointError(f"tensor {key!r} has a block scale but dtype {weight.dtype}")
 
 
-def _fp8_block(args: ModelArgs) -> tuple[int, int]:
+def fp8_block(args: ModelArgs) -> tuple[int, int]:
+    """(bn, bk): rows and columns of a weight that share one FP8 scale (config.json's
+    ``quantization_config.weight_block_size``; 128 x 128 without one)."""
     block = (args.quantization or {}).get("weight_block_size") or FP8_BLOCK
     return int(block[0]), int(block[1])
+
+
+def _stays_fp8(target: TensorTarget, tensor: torch.Tensor) -> bool:
+    return (
+        target.kind == "copy"
+        and tensor.dtype == torch.float8_e4m3fn
+        and is_fp8_linear(target.names[0])
+    )
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -277,6 +268,7 @@ class _StateBuilder:
         self.out: dict[str, torch.Tensor] = {}
         self.source: dict[str, str] = {}
         self.filled: dict[str, set[int]] = {}  # stacked expert tensor -> expert slots written
+        self.fp8_scales: dict[str, torch.Tensor] = {}  # FP8 weight kept -> its fp32 block scales
 
     def place(self, key: str, target: TensorTarget, tensor: torch.Tensor) -> None:
         if target.kind == "copy":
@@ -306,6 +298,27 @@ class _StateBuilder:
                 self._claim(key, name)
                 self.out[name] = self._cast(key, name, part).contiguous()
 
+    def place_fp8(
+        self,
+        key: str,
+        name: str,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int],
+    ) -> None:
+        """An FP8 weight kept as it is, with its block scales as fp32."""
+        self._check(key, name, weight, self._expected(key, name))
+        (n, k), (bn, bk) = weight.shape, block
+        grid = (-(-n // bn), -(-k // bk))
+        if tuple(scale.shape) != grid:
+            raise CheckpointError(
+                f"tensor {key!r}: scale shape {tuple(scale.shape)} does not match weight shape "
+                f"{(n, k)} with {bn}x{bk} blocks (expected {grid})"
+            )
+        self._claim(key, name)
+        self.out[name] = weight
+        self.fp8_scales[name] = scale_to_float(scale)
+
     def finish(self, folder: Path) -> dict[str, torch.Tensor]:
         missing = [n for n in self.expected if n not in self.out and n not in self.filled]
         for name, slots in self.filled.items():
@@ -316,7 +329,12 @@ class _StateBuilder:
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" * (len(missing) > 8))
             raise CheckpointError(f"checkpoint {folder} is missing tensor(s): {shown}")
-        return {name: self.out[name] for name in self.expected}
+        out = {}
+        for name in self.expected:
+            out[name] = self.out[name]
+            if name in self.fp8_scales:
+                out[fp8_scale_name(name)] = self.fp8_scales[name]
+        return out
 
     def _expected(self, key: str, name: str) -> tuple[int, ...]:
         shape = self.expected.get(name)

@@ -136,6 +136,27 @@ def find_scales(names: Iterable[str]) -> dict[str, str]:
     return pairs
 
 
+# Linears the model calls as modules (``self.wq_a(x)``): the ones whose FP8 checkpoint weight may
+# stay FP8 (model.fp8_weights). Not wo_a (a grouped einsum reads its weight as [G, o_lora, in/G]),
+# the router, the embedding, the LM head or the stacked routed experts.
+_FP8_LINEAR_RE = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_b)|compressor\.(wkv|wgate)|indexer\.(wq_b|weights_proj)"
+    r"|shared_experts\.w[123])\.weight$"
+)
+
+
+def is_fp8_linear(name: str) -> bool:
+    """True for (our) weight names of the linears that can run on FP8 weights (``Fp8Linear``)."""
+    return _FP8_LINEAR_RE.search(name) is not None
+
+
+def fp8_scale_name(name: str) -> str:
+    """Our name of an FP8 weight's block scales, as upstream names them:
+    ``layers.0.attn.wq_a.weight`` -> ``layers.0.attn.wq_a.scale``."""
+    assert name.endswith(".weight"), name
+    return name.removesuffix(".weight") + ".scale"
+
+
 # Parameters transformers and upstream keep in fp32 whatever the compute dtype: norm weights,
 # hyper-connection mixing, attention sinks, compressor position biases, router correction bias.
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")

@@ -1,0 +1,217 @@
+"""FP8 block-scaled linear layers (ops/linear, Triton W8A8) against bf16 cuBLAS, V4-Flash shapes.
+
+    bash scripts/gpu_bench.sh benchmarks/fp8_linear.py [--tokens 1,32,128,4096]
+        [--shapes wq_a,wq_b,...] [--json PATH]
+    python benchmarks/fp8_linear.py --tiny      # CPU smoke test: shapes / 32, Triton interpreted
+
+Method. For each linear that runs on FP8 weights in V4-Flash (N x K below; the LM head stays
+bf16) and each token count M: a weight N(0, 1/K) quantized to e4m3 in 128 x 128 blocks, x bf16
+N(0, 1). Timed, as CUDA graph replays of ``--calls`` back-to-back calls (what decode runs; the
+per-call figure is the replay time / calls), median of ``--repeats``:
+
+- fp8: ``ops.linear.triton.fp8_linear`` (x quantized per token per 128 inputs, then the FP8
+  GEMM; one launch at decode, two or three at prefill);
+- bf16: ``F.linear`` (cuBLAS) on the dequantized weight in bf16, the engine's path without
+  ``model.fp8_weights``;
+- scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
+  Triton quantizer, W 128x128 scales; cuBLAS on SM90, CUDA >= 12.9), where torch and cuBLAS
+  accept the shape; else the error, shortened. Its relative difference to the Triton output is
+  reported (both quantize x identically, so it is the GEMMs' accumulation only).
+
+Ceilings: decode (M <= 128) is bound by reading the weight once: bytes = the FP8 weight and its
+scales (bf16: the bf16 weight), against --bandwidth (4.25 TB/s, H200). Prefill is bound by the
+FP8 tensor cores: 2 M N K flops against --tflops (~1430 dense FP8 TFLOP/s, H200).
+
+Prints a markdown table; --json writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v4_flash import Setup, make_setup, parse_ints, release
+from v4_flash_report import graph_time, header, markdown, median_time, ms, ratio, write_json
+
+# (N, K) of the V4-Flash linears on FP8 weights.
+SHAPES = {
+    "wq_a": (1024, 4096),
+    "wq_b": (32768, 1024),
+    "wkv": (512, 4096),
+    "wo_b": (4096, 8192),
+    "shared_w1": (2048, 4096),  # w3 alike
+    "shared_w2": (4096, 2048),
+    "compressor_wkv": (1024, 4096),  # CSA (2 x 512); wgate alike
+    "indexer_wq_b": (8192, 1024),
+    "weights_proj": (64, 4096),
+}
+DECODE_MAX_TOKENS = 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", help="M values, tokens per call (default 1,32,128,4096)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"a subset of {list(SHAPES)}")
+    ap.add_argument("--calls", type=int, default=20, help="calls per timed CUDA graph replay")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--bandwidth", type=float, default=4.25e12, help="HBM bytes/s ceiling")
+    ap.add_argument("--tflops", type=float, default=1430.0, help="FP8 tensor-core TFLOP/s")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--tiny", action="store_true", help="shapes / 32; CPU + interpreter w/o CUDA")
+    ns = ap.parse_args()
+    names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known {list(SHAPES)}")
+    if ns.tiny and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (imported)
+    from deepinfer.ops.linear import torch_ref
+    from deepinfer.ops.linear import triton as fp8_triton
+
+    setup = make_setup(ns.tiny)
+    rows: list[dict[str, Any]] = []
+    payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
+    for name in names:
+        n, k = SHAPES[name]
+        if ns.tiny:
+            n, k = max(n // 32, 16), max(k // 32, 128)
+        gen = torch.Generator(device=setup.device).manual_seed(n + k)
+        w = torch.randn(n, k, generator=gen, device=setup.device) * k**-0.5
+        weight, scale = torch_ref.quantize_fp8(w)
+        w_dense = torch_ref.dequantize_fp8(weight, scale).to(setup.dtype)
+        del w
+        for m in parse_ints(ns.tokens or ("1,32" if ns.tiny else "1,32,128,4096")):
+            x = torch.randn(m, k, generator=gen, device=setup.device).to(setup.dtype)
+            row = {"shape": name, "n": n, "k": k, "m": m}
+            row |= _measure(x, weight, scale, w_dense, fp8_triton, setup, ns)
+            rows.append(row)
+            write_json(ns.json, payload)
+            print(
+                f"{name} M={m}: fp8 {row['fp8_s'] * 1e6:.1f} us, bf16 {row['bf16_s'] * 1e6:.1f} us"
+            )
+        del weight, scale, w_dense
+        release()
+    print()
+    print(_table(rows, ns))
+
+
+def _measure(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    w_dense: torch.Tensor,
+    fp8_triton: Any,
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> dict[str, Any]:
+    """The figures of one (linear, M): times of the three paths, bytes/s, flop/s."""
+    m, k = x.shape
+    n = weight.shape[0]
+    ours = fp8_triton.fp8_linear(x, weight, scale)
+    row: dict[str, Any] = {
+        "fp8_s": _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns),
+        "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
+    }
+    row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(
+        x, weight, scale, ours, fp8_triton, setup, ns
+    )
+    row["fp8_bytes_per_s"] = (weight.numel() + scale.numel() * 4) / row["fp8_s"]
+    row["bf16_bytes_per_s"] = w_dense.numel() * w_dense.element_size() / row["bf16_s"]
+    row["fp8_flops_per_s"] = 2 * m * n * k / row["fp8_s"]
+    return row
+
+
+def _time(fn: Any, setup: Setup, ns: argparse.Namespace) -> float:
+    """Seconds per call: a CUDA graph of ns.calls calls replayed; eager on the CPU (or when
+    the capture fails)."""
+
+    def calls() -> None:
+        for _ in range(ns.calls):
+            fn()
+
+    seconds, _ = graph_time(calls, setup, ns.warmup, ns.repeats)
+    if seconds is None:
+        seconds = median_time(calls, setup, ns.warmup, ns.repeats)
+    return seconds / ns.calls
+
+
+def _scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    ours: torch.Tensor,
+    fp8_triton: Any,
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> tuple[float | None, str]:
+    """(seconds per call, "rel diff to Triton ...") or (None, why torch._scaled_mm refused)."""
+    if not setup.is_cuda:
+        return None, "needs CUDA"
+
+    def run() -> torch.Tensor:
+        q, x_scale = fp8_triton.quantize_activations(x)  # [M, Kb] strides (1, M): 1x128
+        # 128x128 scales as [Kb, Nb] (the weight's transpose): scale.t() of the [Nb, Kb] table.
+        return torch._scaled_mm(
+            q, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype
+        )
+
+    try:
+        out = run()
+    except (RuntimeError, ValueError, NotImplementedError) as error:
+        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+    diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+    return _time(run, setup, ns), f"rel diff to Triton {diff:.1e}"
+
+
+def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
+    headers = [
+        "linear",
+        "N x K",
+        "M",
+        "fp8 Triton µs",
+        "bf16 cuBLAS µs",
+        "bf16 / fp8",
+        "scaled_mm µs",
+        "fp8 TB/s (% of bound)",
+        "bf16 TB/s",
+        "fp8 TFLOP/s (% of peak)",
+        "scaled_mm",
+    ]
+    out = []
+    for r in rows:
+        decode = r["m"] <= DECODE_MAX_TOKENS
+        bandwidth = f"{r['fp8_bytes_per_s'] / 1e12:.2f} ({r['fp8_bytes_per_s'] / ns.bandwidth:.0%})"
+        flops = f"{r['fp8_flops_per_s'] / 1e12:.0f} ({r['fp8_flops_per_s'] / 1e12 / ns.tflops:.0%})"
+        out.append(
+            [
+                r["shape"],
+                f"{r['n']} x {r['k']}",
+                r["m"],
+                _us(r["fp8_s"]),
+                _us(r["bf16_s"]),
+                ratio(r["bf16_s"], r["fp8_s"]),
+                _us(r["scaled_mm_s"]),
+                bandwidth if decode else "—",
+                f"{r['bf16_bytes_per_s'] / 1e12:.2f}" if decode else "—",
+                flops if not decode else "—",
+                r["scaled_mm_note"],
+            ]
+        )
+    return markdown(headers, out)
+
+
+def _us(seconds: float | None) -> float | None:
+    value = ms(seconds)
+    return None if value is None else value * 1e3
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""FP8 block-scaled linear layers (W8A8, DeepSeek-V3/V4 style) as Triton kernels.
+
+The weight stays e4m3 with one fp32 scale per (bn, bk) = (128, 128) block; the activations are
+quantized to e4m3 per token per K block (scale = amax / 448), the GEMM runs on FP8 tensor cores
+and each K block's fp32 partial product is scaled by x_scale[m] * w_scale[n] before it joins the
+fp32 accumulator (the scales differ per K block, so they cannot be applied once at the end).
+BLOCK_K = bk: one K step of a program is one quantization group. Data flow, all on x's device,
+shapes only (no host synchronisation, so it captures in a CUDA graph):
+
+    prefill (quantize_in_gemm off):
+      x [M, K] --_quantize_kernel--> q [M, K] e4m3, x_scale [M, Kb] fp32 (strides (1, M))
+      q, x_scale, w [N, K] e4m3, w_scale [Nb, Kb] --_gemm_kernel--> y [M, N] in x's dtype
+
+    decode (quantize_in_gemm on): one launch; each program quantizes its own [BLOCK_M, bk] tiles
+    of x on the fly (a few rows: recomputing them per N tile costs nothing next to the weight)
+      x, w [N, K] e4m3, w_scale [Nb, Kb] --_gemm_kernel--> y [M, N] in x's dtype
+
+    split K (split_k > 1, either path): the GEMM writes fp32 partial sums instead of y
+      ... --_gemm_kernel--> partial [split_k, M, N] fp32 --_reduce_kernel--> y
+
+At small M the N tiles alone are too few programs to stream the weight at full bandwidth (wkv:
+N = 512 is 8 tiles of 64), so the K blocks are divided among split_k programs per tile, whose
+partial sums the second kernel adds in split order (deterministic, no atomics). Quantizing in
+the GEMM or in a separate pass runs the same helper (``_quantize_tile``): y is bitwise the same
+either way for one tile shape and split.
+
+The quantizer rounds to e4m3 explicitly (``_round_to_e4m3``) and divides with IEEE division, so
+q and x_scale are bitwise torch_ref.quantize_activations on the GPU and under Triton's
+interpreter alike (the interpreter's own float8 cast drops the carry of a round-up into the next
+binade: 125.0 -> 64).
+
+K (the loop bound) and the block shape are compile-time constants (fixed per weight; Triton's
+interpreter cannot loop to a runtime bound under numpy >= 2.4); M is a runtime argument that
+Triton does not specialise on, so every M within one row of the tile table shares a binary.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
+
+__all__ = ["TileConfig", "fp8_linear", "pick_tile_config", "quantize_activations"]
+
+_AMAX_EPS = tl.constexpr(AMAX_EPS)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch settings of the GEMM (BLOCK_K is the weight's bk).
+
+    block_m, block_n: the output tile; group_m: M tiles that sweep the N tiles together (L2 reuse
+    of weight tiles at large M); quantize_in_gemm: quantize x inside the GEMM (decode) instead of
+    a separate pass; max_split_k: at most this many programs share one tile's K blocks.
+    """
+
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    quantize_in_gemm: bool
+    max_split_k: int
+
+
+# Keyed by M (first row whose bound is >= M), H200 (SM90, 132 SMs, 4.8 TB/s). Decode is bound by
+# streaming the weight: narrow N tiles and split K give every SM a share of it, and a deep
+# pipeline keeps its loads in flight. Prefill is bound by the FP8 tensor cores: 128 x 128 tiles,
+# 8 warps. Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16 tile
+# when quantizing in the GEMM).
+_TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
+    # max M      block_m, block_n, group_m, num_warps, num_stages, quantize_in_gemm, max_split_k
+    (16, TileConfig(16, 64, 1, 4, 4, True, 16)),
+    (64, TileConfig(64, 64, 1, 4, 4, True, 8)),
+    (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
+    (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
+)
+
+
+def pick_tile_config(num_rows: int) -> TileConfig:
+    """The tile configuration for an x of ``num_rows`` rows (tokens)."""
+    return next(config for bound, config in _TILE_TABLE if num_rows <= bound)
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; the interpreter (CPU) gets a small stand-in."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_sms: int) -> int:
+    """Programs per output tile: about enough to give every SM work, and a divisor of the K
+    block count, so that every split runs the same whole number of K blocks (V4's K / 128 are
+    powers of two)."""
+    wanted = max(1, min(max_split_k, num_sms // num_tiles))
+    return max(d for d in range(1, wanted + 1) if num_k_blocks % d == 0)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 v with |v| <= 448 rounded to the nearest e4m3 value (ties to even), still fp32.
+
+    Normal range (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, the carry running into the
+    exponent. Subnormal range: multiples of 2^-9, rounded by adding and removing 2^14 (whose fp32
+    ulp is 2^-9). The cast of the result to e4m3 is then exact on every backend. Signs are
+    carried as bits: Triton's negation is 0 - x, which would turn -0.0 into +0.0.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    magnitude = tl.abs(v)
+    subnormal = ((magnitude + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    subnormal = subnormal | (bits & 0x80000000)  # the sign as a bit: -0.0 stays -0.0
+    return tl.where(magnitude < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_tile(x):
+    """x [R, G] fp32, one quantization group per row -> (q [R, G] e4m3, scale [R] fp32).
+
+    IEEE division (div_rn; ``/`` is div.full.f32, off by up to 2 ulp), as torch divides. div_rn
+    does not broadcast: both operands are given the result's shape.
+    """
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), tl.full(amax.shape, _FP8_MAX, tl.float32))
+    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX)
+    return _round_to_e4m3(q).to(tl.float8e4nv), scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_qk,
+    stride_sm,
+    stride_sk,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+):
+    """q[m, groups], s[m, groups] for GROUPS_PER_PROGRAM consecutive groups of row m."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+    in_k = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=in_k, other=0.0)
+    q, scale = _quantize_tile(x.to(tl.float32))
+    tl.store(q_ptr + row * stride_qm + cols * stride_qk, q, mask=in_k)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sk, scale, mask=groups * GROUP < K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(
+    a_ptr,
+    a_s_ptr,
+    b_ptr,
+    b_s_ptr,
+    c_ptr,
+    M,
+    N,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_bn,
+    stride_bk,
+    stride_bsn,
+    stride_bsk,
+    stride_cs,
+    stride_cm,
+    stride_cn,
+    K: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    QUANTIZE_A: tl.constexpr,
+):
+    """c[split, M tile, N tile] = sum over this split's K blocks of
+    (a_q @ b^T)[block] * a_s[:, block] * b_s[n // SCALE_BLOCK_N, block].
+
+    a: x itself (QUANTIZE_A: quantized here, a_s unused) or its e4m3 q with scales a_s [M, Kb];
+    b: the weight [N, K] e4m3, read as its transpose [BLOCK_K, BLOCK_N]; b_s: [Nb, Kb] fp32.
+    Program (tile, split): tiles in grouped order (GROUP_M M tiles sweep the N tiles together).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_tiles_m = tl.cdiv(M, BLOCK_M)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    num_pids_in_group = GROUP_M * num_tiles_n
+    first_m = (pid // num_pids_in_group) * GROUP_M
+    group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pids_in_group) % group_size
+    pid_n = (pid % num_pids_in_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped rows and columns keep the loads in bounds; their results are not stored.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    first_block = split * BLOCKS_PER_SPLIT
+    k_start = first_block * BLOCK_K
+
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
+    a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
+    b_s_ptrs = b_s_ptr + (cols // SCALE_BLOCK_N) * stride_bsn + first_block * stride_bsk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(BLOCKS_PER_SPLIT):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            in_k = offs_k < K - k_start - i * BLOCK_K
+            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
+        if QUANTIZE_A:
+            a, a_s = _quantize_tile(a.to(tl.float32))
+        else:
+            a_s = tl.load(a_s_ptrs)
+        b_s = tl.load(b_s_ptrs)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        a_s_ptrs += stride_ask
+        b_s_ptrs += stride_bsk
+
+    c_ptrs = (
+        c_ptr
+        + split.to(tl.int64) * stride_cs
+        + offs_m[:, None].to(tl.int64) * stride_cm
+        + offs_n[None, :] * stride_cn
+    )
+    tl.store(
+        c_ptrs,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+@triton.jit
+def _reduce_kernel(
+    partial_ptr,
+    out_ptr,
+    numel,
+    stride_ps,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out.flat[i] = sum over splits 0..SPLIT_K-1, in that order, of partial[split].flat[i]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(partial_ptr + split * stride_ps + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_activations(
+    x: torch.Tensor, group: int = FP8_BLOCK[1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As torch_ref.quantize_activations, bitwise: x [M, K] -> (q [M, K] float8_e4m3fn,
+    x_scale [M, ceil(K/group)] fp32 with strides (1, M))."""
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((num_groups, m), dtype=torch.float32, device=x.device).t()
+    if m == 0:
+        return q, scale
+    groups_per_program = min(8, triton.next_power_of_2(num_groups))
+    grid = (m, triton.cdiv(num_groups, groups_per_program))
+    _quantize_kernel[grid](
+        x,
+        q,
+        scale,
+        m,
+        *x.stride(),
+        *q.stride(),
+        *scale.stride(),
+        K=k,
+        GROUP=group,
+        GROUPS_PER_PROGRAM=groups_per_program,
+    )
+    return q, scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    *,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """y = x @ W^T with W = the block-scaled FP8 weight, x quantized to e4m3 per token per K block.
+
+    x: [M, K] bf16 / fp16 / fp32 (any strides); weight: [N, K] float8_e4m3fn; weight_scale:
+    [ceil(N/bn), ceil(K/bk)] fp32; block = (bn, bk), bk a power of two >= 16. Returns [M, N] in
+    x's dtype. ``config``: a TileConfig instead of the table's (tests reach every path with it).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk = block
+    num_k_blocks = triton.cdiv(k, bk)
+    assert weight.shape == (n, k), f"weight {tuple(weight.shape)}, x {tuple(x.shape)}"
+    assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}"
+    assert weight_scale.shape == (triton.cdiv(n, bn), num_k_blocks), (
+        f"weight_scale {tuple(weight_scale.shape)} for weight {(n, k)} in {bn}x{bk} blocks"
+    )
+    assert weight_scale.dtype == torch.float32, f"weight_scale dtype {weight_scale.dtype}"
+    assert bk >= 16 and bk & (bk - 1) == 0, f"bk = {bk} must be a power of two >= 16"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+
+    config = config or pick_tile_config(m)
+    num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    split_k = _split_k(num_tiles, num_k_blocks, config.max_split_k, _num_sms(x.device))
+    if config.quantize_in_gemm:
+        a, a_scale, a_scale_strides = x, x, (0, 0)  # a_scale is not read
+    else:
+        a, a_scale = quantize_activations(x, bk)
+        a_scale_strides = a_scale.stride()
+    if split_k == 1:
+        c = out.unsqueeze(0)  # [1, M, N]
+    else:
+        c = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _gemm_kernel[(num_tiles, split_k)](
+        a,
+        a_scale,
+        weight,
+        weight_scale,
+        c,
+        m,
+        n,
+        *a.stride(),
+        *a_scale_strides,
+        *weight.stride(),
+        *weight_scale.stride(),
+        *c.stride(),
+        K=k,
+        BLOCKS_PER_SPLIT=num_k_blocks // split_k,
+        SCALE_BLOCK_N=bn,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=bk,
+        GROUP_M=config.group_m,
+        QUANTIZE_A=config.quantize_in_gemm,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        block = 1024
+        _reduce_kernel[(triton.cdiv(m * n, block),)](
+            c, out, m * n, c.stride(0), SPLIT_K=split_k, BLOCK=block
+        )
+    return out

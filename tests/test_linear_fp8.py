@@ -1,0 +1,286 @@
+"""FP8 block-scaled linear layers: the torch reference, the Triton kernels on the CPU through
+Triton's interpreter, and the loader/model path that keeps FP8 weights.
+
+The interpreter runs float8 loads, stores and tl.dot (it widens e4m3 to fp16, exactly); its own
+fp32 -> e4m3 cast loses a rounding carry (125.0 -> 64), which the quantizer never relies on: it
+rounds explicitly first (ops/linear/triton.py), and the tests below check it bitwise against
+torch's cast. Shapes are small, with K and N not multiples of 128 (ragged last blocks).
+tests/gpu/test_gpu_linear_fp8.py covers the compiled kernels at DeepSeek-V4-Flash shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
+
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch import nn  # noqa: E402
+
+pytest.importorskip("triton")
+
+from deepinfer.model.config import ModelArgs  # noqa: E402
+from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from deepinfer.model.layers import Fp8Linear, use_fp8_linears  # noqa: E402
+from deepinfer.model.loader import load_checkpoint  # noqa: E402
+from deepinfer.model.tiny import TINY_CONFIG, random_weights  # noqa: E402
+from deepinfer.model.weights import fp8_scale_name, is_fp8_linear  # noqa: E402
+from deepinfer.ops import reference_kernels  # noqa: E402
+from deepinfer.ops.linear import BACKENDS, torch_ref  # noqa: E402
+
+# Triton against the same W8A8 arithmetic done in torch (x quantized by torch_ref, then an fp32
+# matmul of the dequantized values): both sum exact fp32 products, in another order
+# (|y| ~ 1, K <= 512: a few 1e-7).
+EMULATED_TOL = 1e-5
+# Triton (x quantized to e4m3) against torch_ref (x exact): e4m3 keeps 3 mantissa bits, a
+# rounding error of at most 2^-4 relative and ~2.6e-2 RMS (uniform within a step of 2^-3 x the
+# value's binade); the errors of the K products are independent, so the output's relative
+# error (norm of the difference over norm of the reference) is about that RMS: 2.5e-2 .. 2.6e-2
+# at the shapes below.
+W8A8_TOL = 4e-2
+
+
+@pytest.fixture(scope="module")
+def linear_triton() -> Iterator[ModuleType]:
+    """The backend with interpreted kernels (reloaded: the GPU tests may have imported it
+    compiled in this session); TRITON_INTERPRET is left as this module found it."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield importlib.reload(importlib.import_module("deepinfer.ops.linear.triton"))
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random FP8 weight [n, k] and its block scales, blocks of differing magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    w *= torch.exp2(torch.randint(-3, 3, (n, 1), generator=gen).float())  # rows of 1/8 .. 4
+    return torch_ref.quantize_fp8(w)
+
+
+def _emulated(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 in torch: x quantized per token per 128 inputs, fp32 matmul of exact values."""
+    q, x_scale = torch_ref.quantize_activations(x)
+    x_hat = q.float() * x_scale.repeat_interleave(128, 1)[:, : x.shape[1]]
+    return x_hat @ torch_ref.dequantize_fp8(weight, scale).T
+
+
+def test_registered_before_torch_ref(linear_triton: ModuleType) -> None:
+    assert BACKENDS.names == ["triton", "torch_ref"]
+    assert BACKENDS.select("auto", torch.device("cpu")) is torch_ref
+    ours = inspect.signature(linear_triton.fp8_linear).parameters
+    ref = inspect.signature(torch_ref.fp8_linear).parameters
+    assert list(ours)[: len(ref)] == list(ref)
+    assert all(ours[name].default == ref[name].default for name in ref)
+    assert ours["config"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_torch_ref_is_blockwise_dequantize_then_fp32_matmul() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = _weight(300, 200, seed=0)  # blocks: rows 128+128+44, columns 128+72
+    assert scale.shape == (3, 2)
+    w = torch.empty(300, 200)
+    for r in range(3):
+        for c in range(2):
+            rows, cols = slice(128 * r, 128 * (r + 1)), slice(128 * c, 128 * (c + 1))
+            w[rows, cols] = weight[rows, cols].float() * scale[r, c]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 200, generator=gen).to(dtype)
+        out = torch_ref.fp8_linear(x, weight, scale)
+        assert out.dtype == dtype
+        assert torch.equal(out, (x.float() @ w.T).to(dtype))
+
+
+def test_quantize_fp8_round_trip() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 300, generator=gen) * torch.rand(200, 1, generator=gen)
+    q, scale = torch_ref.quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    # The largest value of each block maps to 448 (e4m3's largest finite value).
+    assert q.float().abs().amax() == 448
+    err = (torch_ref.dequantize_fp8(q, scale) - w).abs()
+    # 3 mantissa bits: <= 2^-4 relative; below e4m3's normal range, half a step of 2^-9.
+    bound = w.abs() / 16 + scale.max() * 2**-10
+    assert (err <= bound).all()
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite e4m3 value, each midpoint between neighbours (ties: round to even) and
+    points just either side of each midpoint, all times one positive and one negative sign."""
+    codes = torch.arange(0, 127, dtype=torch.uint8)  # +0 .. 448 (127 = NaN)
+    values = codes.view(torch.float8_e4m3fn).float()
+    mids = (values[1:] + values[:-1]) / 2
+    ulp = mids.abs() * 2**-20
+    magnitudes = torch.cat([values, mids, mids + ulp, mids - ulp])
+    return torch.cat([magnitudes, -magnitudes])
+
+
+def test_quantizer_rounds_to_nearest_even(linear_triton: ModuleType) -> None:
+    """With a group amax of 448 the scale is 1 and q = the value rounded to e4m3: bitwise the
+    torch cast, over the whole e4m3 range (the carry into the next binade, ties, subnormals)."""
+    grid = _e4m3_grid()
+    rows = -(-grid.numel() // 127)
+    values = torch.zeros(rows * 127)
+    values[: grid.numel()] = grid
+    x = torch.cat([values.view(rows, 127), torch.full((rows, 1), 448.0)], dim=1)  # [rows, 128]
+    q, scale = linear_triton.quantize_activations(x)
+    assert torch.equal(scale, torch.ones_like(scale))
+    assert torch.equal(q.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizer_matches_reference_bitwise(linear_triton: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(7, 300, generator=gen) * 3).to(dtype)  # groups of 128, 128, 44
+    x[1] = 0  # an all-zero row: scale max(0, eps) / 448, q = 0
+    x[2, 5] = 1e4  # an outlier: the rest of its group lands in e4m3's subnormals
+    q, scale = linear_triton.quantize_activations(x)
+    ref_q, ref_scale = torch_ref.quantize_activations(x)
+    assert q.shape == x.shape and scale.shape == (7, 3) and scale.stride() == (1, 7)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(scale[1], torch.full((3,), 1e-10 / 448))
+    x_hat = q.float() * scale.repeat_interleave(128, 1)[:, :300]
+    bound = x.float().abs() / 16 + scale.repeat_interleave(128, 1)[:, :300] * 2**-10
+    assert ((x_hat - x.float()).abs() <= bound).all()
+
+
+def _config(linear_triton: ModuleType, path: str) -> object:
+    """A tile configuration that takes one path of the kernels at small shapes."""
+    tile = linear_triton.TileConfig
+    return {
+        "table": None,
+        "separate_quantizer": tile(16, 64, 2, 4, 2, False, 1),
+        "quantize_in_gemm": tile(16, 64, 2, 4, 2, True, 1),
+        "split_k": tile(16, 32, 1, 4, 2, True, 8),
+    }[path]
+
+
+@pytest.mark.parametrize("path", ["table", "separate_quantizer", "quantize_in_gemm", "split_k"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 512), (5, 200, 300), (37, 130, 256)])
+def test_fp8_linear_matches_reference(
+    linear_triton: ModuleType, path: str, m: int, n: int, k: int
+) -> None:
+    weight, scale = _weight(n, k, seed=n + k)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    out = linear_triton.fp8_linear(x, weight, scale, config=_config(linear_triton, path))
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
+    assert _rel_err(out, torch_ref.fp8_linear(x, weight, scale)) < W8A8_TOL
+
+
+def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
+    """K = 512 (4 blocks) over 2 N tiles on the interpreter's 4 "SMs": split in 2. Quantizing in
+    the GEMM or in a separate pass gives bitwise the same result."""
+    weight, scale = _weight(64, 512, seed=3)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    split = _config(linear_triton, "split_k")
+    assert linear_triton._split_k(2, 4, split.max_split_k, 4) == 2
+    unsplit = linear_triton.TileConfig(16, 32, 1, 4, 2, True, 1)
+    a = linear_triton.fp8_linear(x, weight, scale, config=split)
+    b = linear_triton.fp8_linear(x, weight, scale, config=unsplit)
+    assert _rel_err(a, b) < EMULATED_TOL
+    separate = linear_triton.TileConfig(16, 32, 1, 4, 2, False, 1)
+    assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
+
+
+def test_bf16_input_strided_and_empty(linear_triton: ModuleType) -> None:
+    weight, scale = _weight(96, 200, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 300, generator=gen).to(torch.bfloat16)[:, 50:250]  # row stride 300
+    out = linear_triton.fp8_linear(x, weight, scale)
+    assert out.dtype == torch.bfloat16
+    # One bf16 rounding of the output (2^-9 relative) on top of the fp32 result.
+    assert _rel_err(out, _emulated(x, weight, scale)) < 4e-3
+    empty = linear_triton.fp8_linear(x[:0], weight, scale)
+    assert empty.shape == (0, 96) and empty.dtype == torch.bfloat16
+
+
+# ---- the model on FP8 weights ------------------------------------------------------------------
+
+# The tiny architecture with a small vocabulary (the loader and model never look at it).
+SMALL = {**TINY_CONFIG, "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A checkpoint in our names whose linears (wo_a too) are FP8 with ``.scale`` tensors, one
+    of them ue8m0 as upstream ships them; returns the folder and the tensors written."""
+    folder = tmp_path_factory.mktemp("fp8")
+    args = ModelArgs.from_dict(SMALL)
+    tensors = random_weights(args, seed=0, device=torch.device("cpu"), dtype=torch.float32)
+    for name in list(tensors):
+        if is_fp8_linear(name) or name.endswith("attn.wo_a.weight"):
+            tensors[name], tensors[fp8_scale_name(name)] = torch_ref.quantize_fp8(tensors[name])
+    e8m0 = fp8_scale_name("layers.1.attn.wq_b.weight")
+    tensors[e8m0] = tensors[e8m0].to(torch.float8_e8m0fnu)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(SMALL))
+    return folder, tensors
+
+
+def test_loader_keeps_fp8_linears(fp8_checkpoint: tuple[Path, dict]) -> None:
+    folder, written = fp8_checkpoint
+    args = ModelArgs.from_dict(SMALL)
+    plain = load_checkpoint(folder, args, show_progress=False)
+    kept = load_checkpoint(folder, args, show_progress=False, keep_fp8=True)
+    fp8_names = [n for n in plain if is_fp8_linear(n)]
+    # 7 per layer (wq_a, wq_b, wkv, wo_b, shared w1..w3), 6 more per CSA layer (two compressors'
+    # wkv and wgate, the indexer's wq_b and weights_proj), 2 more per HCA layer.
+    assert len(fp8_names) == 6 * 7 + 2 * 6 + 2 * 2
+    expected_order = []
+    for name in plain:
+        expected_order += [name, fp8_scale_name(name)] if is_fp8_linear(name) else [name]
+    assert list(kept) == expected_order
+    for name in plain:
+        if not is_fp8_linear(name):  # wo_a among them: dequantized either way
+            assert kept[name].dtype == plain[name].dtype and torch.equal(kept[name], plain[name])
+            continue
+        scale = kept[fp8_scale_name(name)]
+        assert kept[name].dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert torch.equal(kept[name].view(torch.uint8), written[name].view(torch.uint8))
+        assert torch.equal(scale, written[fp8_scale_name(name)].float())
+        assert torch.equal(torch_ref.dequantize_fp8(kept[name], scale), plain[name])
+
+
+def test_model_runs_fp8_linears(fp8_checkpoint: tuple[Path, dict]) -> None:
+    """Built on the meta device, the model takes the FP8 state dict once its linears are
+    swapped, and an Fp8Linear computes what nn.Linear computes on the dequantized weight."""
+    folder, _ = fp8_checkpoint
+    args = ModelArgs.from_dict(SMALL)
+    kept = load_checkpoint(folder, args, show_progress=False, keep_fp8=True)
+    plain = load_checkpoint(folder, args, show_progress=False)
+    kernels = reference_kernels()
+    with torch.device("meta"):
+        model = DeepseekV4(args, kernels)
+        num_fp8 = use_fp8_linears(model, kept, (128, 128), kernels.linear)
+    assert num_fp8 == sum(is_fp8_linear(n) for n in plain)
+    model.load_state_dict(kept, strict=True, assign=True)
+    attn = model.layers[1].attn
+    assert isinstance(attn.wq_b, Fp8Linear) and isinstance(attn.indexer.compressor.wgate, Fp8Linear)
+    assert type(attn.wo_a) is nn.Linear and type(model.head) is nn.Linear
+    x = torch.randn(2, 3, args.q_lora_rank, generator=torch.Generator().manual_seed(5))
+    out = attn.wq_b(x)
+    assert out.shape == (2, 3, args.num_heads * args.head_dim)
+    ref = F.linear(x, plain["layers.1.attn.wq_b.weight"])
+    assert _rel_err(out, ref) < 1e-6
