@@ -83,7 +83,7 @@ def quantize_fp8(
     padded = weight.new_zeros(nb * bn, kb * bk, dtype=torch.float32)
     padded[:n, :k] = weight
     blocks = padded.view(nb, bn, kb, bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS) / FP8_MAX  # [nb, kb]
+    scale = _div_by_fp8_max(blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS))  # [nb, kb]
     q = _to_e4m3(blocks / scale[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k]
     return q.contiguous(), scale
 
@@ -103,9 +103,16 @@ def quantize_activations(
     padded = x.new_zeros(m, kb * group, dtype=torch.float32)
     padded[:, :k] = x
     groups = padded.view(m, kb, group)
-    scale = groups.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX  # [M, Kb]
+    scale = _div_by_fp8_max(groups.abs().amax(dim=-1).clamp(min=AMAX_EPS))  # [M, Kb]
     q = _to_e4m3(groups / scale[..., None]).view(m, kb * group)[:, :k]
     return q.contiguous(), scale.t().contiguous().t()
+
+
+def _div_by_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, IEEE-rounded on every device. A tensor divisor on purpose: for a scalar one
+    torch's CUDA kernel multiplies by the reciprocal, which is off by an ulp at times (and then
+    so is every quantized value of the group)."""
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
