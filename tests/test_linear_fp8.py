@@ -16,7 +16,6 @@ import os
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
 
-import importlib  # noqa: E402
 import inspect  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -29,6 +28,8 @@ from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
+
+from triton_modules import interpreted  # noqa: E402
 
 from deepinfer.model.config import ModelArgs  # noqa: E402
 from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -53,14 +54,8 @@ W8A8_TOL = 4e-2
 
 @pytest.fixture(scope="module")
 def linear_triton() -> Iterator[ModuleType]:
-    """The backend with interpreted kernels (reloaded: the GPU tests may have imported it
-    compiled in this session); TRITON_INTERPRET is left as this module found it."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield importlib.reload(importlib.import_module("deepinfer.ops.linear.triton"))
-    if _INTERPRET_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+    """The backend with interpreted kernels (the GPU tests may have imported it compiled)."""
+    yield from interpreted("deepinfer.ops.linear.triton", _INTERPRET_BEFORE)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

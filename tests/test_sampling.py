@@ -339,9 +339,7 @@ def test_top_k_top_p_from_candidates_equals_a_full_sort(seed: int) -> None:
     # Rows the candidates always decide (top_k inside them, no top_p): nothing to sort.
     small = [i for i, (k, p, _) in enumerate(_FILTER_ROWS) if k <= 1024 and p == 1.0]
     assert torch.equal(
-        nucleus.apply_top_k_top_p(
-            logits[small], top_k[small], top_p[small], may_need_sort=False
-        ),
+        nucleus.apply_top_k_top_p(logits[small], top_k[small], top_p[small], may_need_sort=False),
         fast[small],
     )
     for i in range(len(_FILTER_ROWS)):

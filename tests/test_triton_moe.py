@@ -13,7 +13,6 @@ import os
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on numpy, on the CPU
 
-import importlib  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from types import ModuleType  # noqa: E402
 
@@ -22,6 +21,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_modules import interpreted  # noqa: E402
+
 from deepinfer.ops.moe import torch_ref  # noqa: E402
 
 DIM, INTER, NUM_EXPERTS, LIMIT = 80, 48, 8, 1.5  # gate and up ~N(0, 1): the clamp bites
@@ -29,18 +30,8 @@ DIM, INTER, NUM_EXPERTS, LIMIT = 80, 48, 8, 1.5  # gate and up ~N(0, 1): the cla
 
 @pytest.fixture(scope="module")
 def moe_triton() -> Iterator[ModuleType]:
-    """The backend with interpreted kernels.
-
-    Triton picks interpreted or compiled when a kernel is decorated, i.e. when the module is
-    imported; the GPU tests may have imported it compiled in this session, so reload it here,
-    and leave TRITON_INTERPRET as this module found it for the tests that follow.
-    """
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield importlib.reload(importlib.import_module("deepinfer.ops.moe.triton"))
-    if _INTERPRET_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+    """The backend with interpreted kernels (the GPU tests may have imported it compiled)."""
+    yield from interpreted("deepinfer.ops.moe.triton", _INTERPRET_BEFORE)
 
 
 def _weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

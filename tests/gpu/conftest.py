@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +30,12 @@ def record_figure() -> Callable[[str], None]:
             f.write(text + "\n")
 
     return record
+
+
+@pytest.fixture
+def ieee_fp32() -> Iterator[None]:
+    """fp32 matmuls in IEEE fp32 (no TF32) for the duration of a test, as the engine's fp32."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before

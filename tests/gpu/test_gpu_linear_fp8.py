@@ -10,11 +10,9 @@ graph replays (what decode runs), against bf16 cuBLAS (F.linear) on the dequanti
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from triton_modules import compiled
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.layers import Fp8Linear
@@ -54,18 +53,8 @@ W8A8_TOL = 4e-2
 
 @pytest.fixture(scope="module")
 def linear_triton() -> ModuleType:
-    """The backend with compiled kernels (tests/test_linear_fp8.py sets TRITON_INTERPRET when
-    it is collected, and Triton reads it when a kernel is decorated): drop it and reload."""
-    os.environ.pop("TRITON_INTERPRET", None)
-    return importlib.reload(importlib.import_module("deepinfer.ops.linear.triton"))
-
-
-@pytest.fixture
-def ieee_fp32() -> Iterator[None]:
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
+    """The backend with compiled kernels."""
+    return compiled("deepinfer.ops.linear.triton")
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

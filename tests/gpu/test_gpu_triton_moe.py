@@ -9,13 +9,12 @@ fp32 reference computed from the same bf16 values, 32 experts' weights upcast at
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import torch
+from triton_modules import compiled
 
 from deepinfer.ops.moe import torch_ref
 
@@ -28,22 +27,8 @@ Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def moe_triton() -> ModuleType:
-    """The backend with compiled kernels.
-
-    tests/test_triton_moe.py sets TRITON_INTERPRET when it is collected, and Triton reads it
-    when a kernel is decorated, i.e. when the module is imported: drop it and reload.
-    """
-    os.environ.pop("TRITON_INTERPRET", None)
-    return importlib.reload(importlib.import_module("deepinfer.ops.moe.triton"))
-
-
-@pytest.fixture
-def ieee_fp32() -> Iterator[None]:
-    """fp32 matmuls in IEEE fp32 (no TF32) for the duration of a test, as the engine's fp32."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
+    """The backend with compiled kernels."""
+    return compiled("deepinfer.ops.moe.triton")
 
 
 def _experts(num_experts: int, dtype: torch.dtype, seed: int) -> Experts:
