@@ -202,15 +202,28 @@ def test_sparse_decode(
     assert torch.isfinite(out).all(), "non-finite output"
     if num_q > 1 and not case.with_lengths:
         assert not out[-1, -1].any(), "a token without keys must give zeros"
-    passed, cos_diff, max_abs = _compare(out, ref, OUT_ABS_TOL, OUT_REL_TOL)
-    us = do_bench(run) * 1e3
+    tolerances = (OUT_ABS_TOL, OUT_REL_TOL, COS_DIFF_TOL)
+    _check(f"sparse_decode {case}", out, ref, tolerances, do_bench(run), record_figure)
+
+
+def _check(
+    name: str,
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    tolerances: tuple[float, float, float],
+    ms: float,
+    record_figure: Callable[[str], None],
+) -> None:
+    """Record the comparison and its time; every element within (abs, rel), cos diff under."""
+    abs_tol, rel_tol, cos_tol = tolerances
+    passed, cos_diff, max_abs = _compare(out, ref, abs_tol, rel_tol)
     record_figure(
-        f"flashmla sparse_decode {case} H={NUM_HEADS} D={DIM} keys={WINDOW}+{TOPK}: "
+        f"flashmla {name} H={NUM_HEADS} D={DIM} keys={WINDOW}+{TOPK}: "
         f"{passed:.2%} within tol, cos diff {cos_diff:.2e}, max abs err {max_abs:.2e}, "
-        f"{us:.1f} us"
+        f"{ms * 1e3:.1f} us"
     )
     assert passed == 1.0, f"{1 - passed:.3%} of elements out of tolerance (max abs {max_abs:.2e})"
-    assert cos_diff < COS_DIFF_TOL, f"cos diff {cos_diff:.2e}"
+    assert cos_diff < cos_tol, f"cos diff {cos_diff:.2e}"
 
 
 def test_sparse_prefill(flash_mla: ModuleType, record_figure: Callable[[str], None]) -> None:
@@ -240,12 +253,5 @@ def test_sparse_prefill(flash_mla: ModuleType, record_figure: Callable[[str], No
     assert out.shape == (num_q, NUM_HEADS, DIM) and out.dtype == torch.bfloat16
     ref = torch_ref.sparse_attention(q.float(), [(kv.float(), idx)], sinks, scale)
     assert torch.isfinite(out).all(), "non-finite output"
-    passed, cos_diff, max_abs = _compare(out.float(), ref, PREFILL_ABS_TOL, PREFILL_REL_TOL)
-    us = do_bench(run) * 1e3
-    record_figure(
-        f"flashmla sparse_prefill T={num_q} H={NUM_HEADS} D={DIM} keys={WINDOW}+{TOPK}: "
-        f"{passed:.2%} within tol, cos diff {cos_diff:.2e}, max abs err {max_abs:.2e}, "
-        f"{us:.1f} us"
-    )
-    assert passed == 1.0, f"{1 - passed:.3%} of elements out of tolerance (max abs {max_abs:.2e})"
-    assert cos_diff < PREFILL_COS_DIFF_TOL, f"cos diff {cos_diff:.2e}"
+    tolerances = (PREFILL_ABS_TOL, PREFILL_REL_TOL, PREFILL_COS_DIFF_TOL)
+    _check(f"sparse_prefill T={num_q}", out.float(), ref, tolerances, do_bench(run), record_figure)
