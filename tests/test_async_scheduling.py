@@ -64,9 +64,9 @@ def _assert_nothing_held(llm: LLM) -> None:
 
 
 def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Shared prefixes (prefix-cache hits), and every option that makes steps wait for the
-    host while its request runs (a grammar, penalties, min_tokens: short requests here); the
-    rest then decode on placeholders."""
+    """Shared prefixes (prefix-cache hits), a grammar (its steps wait for the host while it
+    runs: a short request here), and penalties and min_tokens, which count a pending token on
+    the device; the rest decode on placeholders."""
     rng = random.Random(seed)
     shared = [0] + [rng.randrange(3, 128000) for _ in range(40)]
     prompts = [
@@ -103,7 +103,7 @@ def test_async_gives_the_tokens_of_sync(tiny_dir: Path, num_blocks: int | None) 
                 assert x.keys() == y.keys()
                 assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert spy.placeholders > 20, "decode steps were meant to run on placeholders"
-    assert spy.syncs > 0, "the grammar, penalty and min_tokens requests need synchronous steps"
+    assert spy.syncs > 0, "the grammar request needs synchronous steps"
     if num_blocks is not None:
         assert spy.preemptions > 0, "the small pool was meant to force preemption"
     _assert_nothing_held(async_llm)
@@ -154,3 +154,28 @@ def test_abort_while_a_step_is_in_flight(tiny_dir: Path) -> None:
     assert tokens["2"] == expected[2].outputs[0].token_ids
     engine.scheduler.check_integrity()
     assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_penalties_and_min_tokens_need_no_sync(tiny_dir: Path) -> None:
+    """Repetition, frequency and presence penalties and min_tokens count the token still on
+    the device: every decode step runs on placeholders, with the tokens of synchronous
+    scheduling (prefix caching off: its block boundaries are the other sync point)."""
+    prompts, _ = _workload(3)
+    # Penalties that favour repeats: the newest token (the pending one) is what they pull
+    # towards, so leaving it out changes the tokens.
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=0.5, max_tokens=16),
+        SamplingParams(temperature=0.9, seed=3, frequency_penalty=-2.0, max_tokens=16),
+        SamplingParams(temperature=0.0, presence_penalty=-2.0, max_tokens=16, logprobs=1),
+        SamplingParams(temperature=1.0, seed=8, min_tokens=12, max_tokens=16),
+    ]
+    kw = {"enable_prefix_caching": False}
+    expected = _llm(tiny_dir, False, **kw).generate(prompts[:4], params, use_tqdm=False)
+    llm = _llm(tiny_dir, True, **kw)
+    spy = _Spy(llm)
+    got = llm.generate(prompts[:4], params, use_tqdm=False)
+    for want, have in zip(expected, got, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+    assert spy.syncs == 0
+    assert spy.placeholders == sum(len(o.outputs[0].token_ids) - 1 for o in got)
+    _assert_nothing_held(llm)

@@ -345,3 +345,27 @@ def test_top_k_top_p_from_candidates_equals_a_full_sort(seed: int) -> None:
     for i in range(len(_FILTER_ROWS)):
         row = nucleus.apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(row, fast[i : i + 1])
+
+
+def test_a_pending_output_token_counts_as_if_it_were_listed() -> None:
+    """A row's newest output token given on the device (``pending``, asynchronous scheduling)
+    weighs in penalties and min_tokens exactly as the same token in the output history."""
+    logits = _random_logits(3, 64, seed=5)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=3),
+    ]
+    prompts = [[1, 2], [3], [4]]
+    outputs = [[7, 9], [logits[1].argmax().item(), 11], [5]]
+    full = SamplingMetadata.build(params, prompts, outputs, [9, 9, 9], 5, "cpu")
+    newest = torch.tensor([outputs[0][-1], outputs[1][-1]])
+    listed = [out[:-1] for out in outputs[:2]] + [outputs[2]]
+    split = SamplingMetadata.build(
+        params, prompts, listed, [9, 9, 9], 5, "cpu", pending=([0, 1], newest)
+    )
+    assert torch.equal(
+        apply_logits_processors(logits, full), apply_logits_processors(logits, split)
+    )
+    # Row 1 reaches min_tokens 2 only with its pending token; row 2 (one token of 3) does not.
+    assert (split.banned_rows.tolist(), split.banned_token_ids.tolist()) == ([2], [5])

@@ -11,8 +11,9 @@ is still on the device, then waits for step N's samples and applies them::
 
 A request whose step-N token is still on the device feeds a placeholder in step N+1 (the
 executor gathers the real id on the device). When the next schedule needs those tokens on the
-host (``Scheduler.needs_sampled_tokens``: grammars, penalties, min_tokens, prefix-cache block
-boundaries) the step first waits for step N, as a synchronous engine always does.
+host (``Scheduler.needs_sampled_tokens``: grammars, prefix-cache block boundaries) the step
+first waits for step N, as a synchronous engine always does. Penalties and min_tokens count a
+pending token on the device.
 """
 
 from __future__ import annotations

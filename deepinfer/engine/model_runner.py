@@ -332,6 +332,23 @@ class ModelRunner:
             index = to_device(torch.tensor([dst, src], dtype=torch.int64), self.device)
             input_ids[index[0]] = self._last_samples[0][index[1]]
 
+    def _pending_outputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The sampling rows whose newest output token is still on the device (fed in this step
+        as a placeholder), and those tokens, gathered from the previous launch's samples."""
+        rows, src = [], []
+        for j, sched in enumerate(scheduled):
+            if sched.start_pos + sched.num_tokens == sched.request.num_tokens:
+                continue
+            assert sched.token_ids[-1] == PLACEHOLDER_TOKEN_ID and self._last_samples is not None
+            rows.append(j)
+            src.append(self._last_samples[1][sched.request_id])
+        if not rows:
+            return None
+        index = to_device(torch.tensor(src, dtype=torch.int64), self.device)
+        return rows, self._last_samples[0][index]
+
     def _deterministic_rows(self, scheduler_output: SchedulerOutput) -> set[int]:
         """Scheduled requests whose tokens run one per forward: all in deterministic mode, else
         those that asked (SamplingParams.deterministic)."""
@@ -497,6 +514,7 @@ class ModelRunner:
             allowed_token_mask=allowed_token_mask(
                 [r.matcher for r in requests], logits.shape[-1], logits.device
             ),
+            pending=self._pending_outputs(scheduled),
         )
         rows = to_device(torch.tensor([row for _, row in sample_rows]), logits.device)
         return sampling.sample(logits[rows], metadata, self.generator)

@@ -57,6 +57,11 @@ class SamplingMetadata:
     prompt_weights: torch.Tensor | None  # [B, Lp] fp32, 1.0 on real tokens
     output_token_ids: torch.Tensor | None  # [B, Lo] int64
     output_weights: torch.Tensor | None  # [B, Lo] fp32
+    # Newest output tokens still on the device (asynchronous scheduling): row i of
+    # pending_rows [P] has output token pending_token_ids[i] [P] beyond output_token_ids.
+    # None when no row with penalties has one.
+    pending_rows: torch.Tensor | None
+    pending_token_ids: torch.Tensor | None
     bias_rows: torch.Tensor | None  # [nnz] int64 (row, token, bias) triples of logit_bias
     bias_token_ids: torch.Tensor | None  # [nnz] int64
     bias_values: torch.Tensor | None  # [nnz] fp32
@@ -89,12 +94,16 @@ class SamplingMetadata:
         eos_token_id: int | None,
         device: torch.device | str,
         allowed_token_mask: torch.Tensor | None = None,
+        pending: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata of ``len(params)`` rows.
 
         ``positions[i]`` is the absolute position of the token row ``i`` samples (its current
         number of tokens); it keys seeded randomness. ``allowed_token_mask`` [B, V] bool on
         ``device`` comes from the grammar matchers (deepinfer.constraints.allowed_token_mask).
+        ``pending``: (rows, token ids [len(rows)] int64 on ``device``): each of those rows has
+        one more output token than ``output_token_ids`` lists, known only on the device (the
+        previous step's sample, asynchronous scheduling); min_tokens and penalties count it.
         """
         num_rows = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(positions) == num_rows, (
@@ -108,12 +117,17 @@ class SamplingMetadata:
         is_greedy = [p.is_greedy for p in params]
         has_penalties = any(p.has_penalties for p in params)
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        pending_rows, pending_ids = pending if pending is not None else ([], None)
+        num_outputs = [len(out) for out in output_token_ids]
+        for i in pending_rows:
+            num_outputs[i] += 1
         banned = [
             (i, t)
-            for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True))
-            if len(out) < p.min_tokens
+            for i, (p, n) in enumerate(zip(params, num_outputs, strict=True))
+            if n < p.min_tokens
             for t in _min_tokens_banned_ids(p, eos_token_id)
         ]
+        has_pending_history = has_penalties and bool(pending_rows)
         seeded = [
             (i, seeded_key(p.seed, pos))
             for i, (p, pos) in enumerate(zip(params, positions, strict=True))
@@ -131,6 +145,8 @@ class SamplingMetadata:
             repetition_penalties=floats([p.repetition_penalty for p in params]),
             **_padded("prompt", params, prompt_token_ids, device),
             **_padded("output", params, output_token_ids, device),
+            pending_rows=_ids(pending_rows, device) if has_pending_history else None,
+            pending_token_ids=pending_ids if has_pending_history else None,
             bias_rows=_ids([i for i, _, _ in bias], device),
             bias_token_ids=_ids([t for _, t, _ in bias], device),
             bias_values=floats([b for _, _, b in bias]) if bias else None,
@@ -356,6 +372,10 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
     output_counts = torch.zeros_like(logits)
     output_counts.scatter_add_(1, metadata.output_token_ids, metadata.output_weights)
+    if metadata.pending_rows is not None:
+        ones = torch.ones_like(metadata.pending_token_ids, dtype=logits.dtype)
+        index = (metadata.pending_rows, metadata.pending_token_ids)
+        output_counts.index_put_(index, ones, accumulate=True)
     seen = output_counts.clone()
     seen.scatter_add_(1, metadata.prompt_token_ids, metadata.prompt_weights)
     repetition = metadata.repetition_penalties.unsqueeze(1)  # [B, 1]

@@ -268,16 +268,20 @@ def test_decode_graphs_on_and_off(
 def test_async_scheduling_on_and_off(
     dtype: str, oracle_hf_dir: Path, record_figure: Callable[[str], None]
 ) -> None:
-    """Asynchronous vs synchronous scheduling (graphs on, greedy and seeded top-p rows, whose
-    filter runs without a host sync on CUDA): identical tokens in fp32; bf16 reported (a
-    request retired one step later can change a step's batch, and with it bf16 rounding)."""
-    prompts = oracle_prompts()
-    params = [
-        _greedy()
-        if i % 2
-        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=NUM_NEW, logprobs=0)
-        for i in range(len(prompts))
+    """Asynchronous vs synchronous scheduling (graphs on; a seeded top-p row, whose filter runs
+    without a host sync on CUDA, a greedy one, and a penalised one with min_tokens, which count
+    the pending token on the device), each prompt once per kind: identical tokens in fp32;
+    bf16 reported (a request retired one step later can change a step's batch, and with it
+    bf16 rounding)."""
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=NUM_NEW, logprobs=0),
+        _greedy(),
+        SamplingParams(
+            temperature=0.0, presence_penalty=-2.0, min_tokens=8, max_tokens=NUM_NEW, logprobs=0
+        ),
     ]
+    prompts = [p for p in oracle_prompts() for _ in kinds]
+    params = kinds * len(oracle_prompts())
     runs = {}
     for mode in (True, False):
         llm = _llm(oracle_hf_dir, "cuda", dtype, async_scheduling=mode)
