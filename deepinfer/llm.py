@@ -118,6 +118,7 @@ class LLM:
                 if track.output.finished:
                     pending.discard(delta.request_id)
                     bar.update(1)
+        self.engine.complete_in_flight()  # only finished requests' dropped tokens are left
         bar.close()
 
 

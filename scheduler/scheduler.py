@@ -25,8 +25,8 @@ whether or not step N turns out to finish the request. ``update(N)`` then runs a
 was scheduled: a request that step N finished is freed at once (its N+1 token is dropped; the
 device runs steps in order, so whatever reuses its blocks runs after N+1 wrote them). A request
 whose pending token ends it by length is not scheduled again. ``needs_sampled_tokens()`` says
-when the next schedule needs the tokens on the host first (a grammar, a block boundary whose
-hash names the token).
+when the next schedule needs the tokens on the host first (a block boundary whose hash names
+the token).
 
 Preemption is by recompute: the victim drops its blocks and state slot and later runs again from
 position 0. A request never holds more than the whole KV pool, so a request finishes with
@@ -127,13 +127,14 @@ class Scheduler:
 
     def needs_sampled_tokens(self) -> bool:
         """True when scheduling the next step needs a running request's pending token on the host
-        first: its grammar must accept it, or the next chunk ends a block whose hash (for a
-        prefix-cache snapshot) covers it. (Penalties and min_tokens count it on the device.)"""
-        return any(r.num_pending_tokens and self._needs_host_token(r) for r in self._running)
-
-    def _needs_host_token(self, request: Request) -> bool:
-        return request.matcher is not None or (
-            self.prefix is not None and (request.num_computed_tokens + 1) % self.block_size == 0
+        first: with prefix caching, its next chunk ends a block whose hash (for a snapshot)
+        covers it. (Penalties and min_tokens count it on the device; a grammar needs it before
+        sampling only, see llm_engine.py.)"""
+        if self.prefix is None:
+            return False
+        return any(
+            r.num_pending_tokens and (r.num_computed_tokens + 1) % self.block_size == 0
+            for r in self._running
         )
 
     def get_request(self, request_id: str) -> Request | None:

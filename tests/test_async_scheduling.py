@@ -27,16 +27,27 @@ def _llm(folder: Path, async_scheduling: bool, **kw) -> LLM:
 
 
 class _Spy:
-    """Counts what the scheduler hands out: placeholders fed, samples scheduled per request,
-    and how often the engine had to wait for the step in flight before scheduling."""
+    """Counts what the scheduler hands out (placeholders fed, samples scheduled per request),
+    how often the engine waited for the step in flight before scheduling (``syncs``), and how
+    often it applied that step between a forward and its sampler (``mask_waits``: grammars)."""
 
     def __init__(self, llm: LLM) -> None:
-        scheduler = llm.engine.scheduler
+        engine = llm.engine
+        scheduler = engine.scheduler
         self.placeholders = 0
         self.samples: Counter[str] = Counter()
         self.syncs = 0
+        self.mask_waits = 0
         self.preemptions = 0
         schedule, needs = scheduler.schedule, scheduler.needs_sampled_tokens
+        launch = engine._launch
+        assert launch is not None, "the engine schedules synchronously"
+
+        def spy_launch(out: SchedulerOutput, before_sampling=None):
+            self.mask_waits += before_sampling is not None
+            return launch(out, before_sampling)
+
+        engine._launch = spy_launch
 
         def spy_schedule() -> SchedulerOutput:
             out = schedule()
@@ -64,9 +75,9 @@ def _assert_nothing_held(llm: LLM) -> None:
 
 
 def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Shared prefixes (prefix-cache hits), a grammar (its steps wait for the host while it
-    runs: a short request here), and penalties and min_tokens, which count a pending token on
-    the device; the rest decode on placeholders."""
+    """Shared prefixes (prefix-cache hits), a grammar (its masks need the previous step's
+    token: applied between each forward and its sampler), and penalties and min_tokens, which
+    count a pending token on the device; all decode on placeholders."""
     rng = random.Random(seed)
     shared = [0] + [rng.randrange(3, 128000) for _ in range(40)]
     prompts = [
@@ -103,7 +114,7 @@ def test_async_gives_the_tokens_of_sync(tiny_dir: Path, num_blocks: int | None) 
                 assert x.keys() == y.keys()
                 assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert spy.placeholders > 20, "decode steps were meant to run on placeholders"
-    assert spy.syncs > 0, "the grammar request needs synchronous steps"
+    assert spy.mask_waits > 0, "the grammar request's masks need the previous step's tokens"
     if num_blocks is not None:
         assert spy.preemptions > 0, "the small pool was meant to force preemption"
     _assert_nothing_held(async_llm)
@@ -176,6 +187,6 @@ def test_penalties_and_min_tokens_need_no_sync(tiny_dir: Path) -> None:
     got = llm.generate(prompts[:4], params, use_tqdm=False)
     for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
-    assert spy.syncs == 0
+    assert spy.syncs == spy.mask_waits == 0
     assert spy.placeholders == sum(len(o.outputs[0].token_ids) - 1 for o in got)
     _assert_nothing_held(llm)

@@ -127,6 +127,8 @@ def allowed_token_mask(
     """
     import torch
 
+    from deepinfer.device import to_device
+
     rows = [i for i, m in enumerate(matchers) if m is not None and m.is_active]
     if not rows:
         return None
@@ -140,7 +142,7 @@ def allowed_token_mask(
     # little-endian, so byte b of the row's bytes holds tokens 8b .. 8b+7. One gather of
     # [R, 4W] -> [R, 4W, 8] instead of 32 shifts per word.
     table = _byte_table(device)
-    row_bytes = bitmask.view(torch.uint8).to(device).long()  # [R, 4W]
+    row_bytes = to_device(bitmask.view(torch.uint8), device).long()  # [R, 4W]
     unpacked = table[row_bytes].view(len(rows), num_words * 32)[:, :vocab_size]
     allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool, device=device)
     allowed[torch.tensor(rows, device=device)] = unpacked

@@ -10,10 +10,12 @@ is still on the device, then waits for step N's samples and applies them::
     device  ... step N ......................| step N+1 ..................................| ...
 
 A request whose step-N token is still on the device feeds a placeholder in step N+1 (the
-executor gathers the real id on the device). When the next schedule needs those tokens on the
-host (``Scheduler.needs_sampled_tokens``: grammars, prefix-cache block boundaries) the step
-first waits for step N, as a synchronous engine always does. Penalties and min_tokens count a
-pending token on the device.
+executor gathers the real id on the device). Penalties and min_tokens count that token on the
+device. A grammar needs it on the host before step N+1 samples (its matcher must accept it
+before the next mask exists): then step N is applied between N+1's forward and its sampler,
+while the device runs the forward. When the schedule itself needs those tokens
+(``Scheduler.needs_sampled_tokens``: a prefix-cache block boundary) the step first waits for
+step N, as a synchronous engine always does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.output import ModelRunnerOutput, RequestOutputDelta, SchedulerOutput
+from deepinfer.scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    RequestOutputDelta,
+    SchedulerOutput,
+)
 from deepinfer.scheduler.prefix_reuse import PrefixCachingOptions
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.scheduler import Scheduler
@@ -71,7 +78,11 @@ class LaunchingExecutor(Executor, Protocol):
     asynchronous scheduling needs. A scheduled placeholder token stands for the request's
     token sampled by the previous launch."""
 
-    def launch(self, scheduler_output: SchedulerOutput) -> StepInFlight: ...
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> StepInFlight: ...
 
 
 class LLMEngine:
@@ -243,23 +254,42 @@ class LLMEngine:
             self._in_flight = None
             raise
 
-    def _step_async(
-        self, launch: Callable[[SchedulerOutput], StepInFlight]
-    ) -> list[RequestOutputDelta]:
+    def _step_async(self, launch: Callable[..., StepInFlight]) -> list[RequestOutputDelta]:
         deltas = []
         if self._in_flight is not None and self.scheduler.needs_sampled_tokens():
             deltas = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
         launched = None
         if not scheduler_output.is_empty:
-            launched = launch(scheduler_output)
+            before_sampling = None
+            if self._in_flight is not None and _masks_need_pending_tokens(scheduler_output):
+                # The grammar masks of this step need the previous step's tokens: apply it while
+                # this step's forward runs on the device.
+                def before_sampling() -> None:
+                    deltas.extend(self._complete_in_flight())
+
+            launched = launch(scheduler_output, before_sampling)
         deltas += self._complete_in_flight()
         if launched is not None:
             self._in_flight = (scheduler_output, launched)
         return deltas
+
+    def complete_in_flight(self) -> list[RequestOutputDelta]:
+        """Wait for the launched step (if any) and apply it, scheduling nothing new: what a
+        caller does when the requests it waits for are done but one step still runs (it
+        computed the token after a stop, which is dropped)."""
+        return self._complete_in_flight()
 
     def _complete_in_flight(self) -> list[RequestOutputDelta]:
         if self._in_flight is None:
             return []
         (scheduler_output, launched), self._in_flight = self._in_flight, None
         return self.scheduler.update(scheduler_output, launched.result())
+
+
+def _masks_need_pending_tokens(scheduler_output: SchedulerOutput) -> bool:
+    """Some request with a grammar samples this step on a token still on the device."""
+    return any(
+        s.do_sample and s.request.matcher is not None and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+        for s in scheduler_output.scheduled
+    )

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,13 +271,19 @@ class ModelRunner:
         """Run one step and return host-side samples and logprobs."""
         return self.launch(scheduler_output).result()
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> LaunchedStep:
         """Queue one step on the device; its samples come back through ``result()``.
 
         CUDA: nothing here waits for the device (except prompt logprobs, whose dicts are built
         at once), so the host can schedule the next step while this one runs. A placeholder
         token is the one this runner sampled for the same request in the previous launch: it is
-        gathered on the device, never read back first.
+        gathered on the device, never read back first. ``before_sampling`` runs on the host
+        once the forward is queued and before the sampler's inputs are built (the engine
+        applies the previous step there when grammar masks need its tokens).
         """
         if scheduler_output.is_empty:
             return LaunchedStep(ModelRunnerOutput())
@@ -300,6 +307,8 @@ class ModelRunner:
                 self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
         output = ModelRunnerOutput()
         self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
+        if before_sampling is not None:
+            before_sampling()
         samples = self._sample(scheduler_output, logits, sample_rows)
         if samples is None:
             self._last_samples = None
