@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_spies import record_preemptions
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.tiny import make_tiny_model
@@ -37,15 +38,7 @@ def test_alone_equals_batched_chunked_preempted(tiny_dir: Path, temperature: flo
     # 12 blocks of 16 tokens for five requests of up to 57 + 12 tokens: preemptions; chunks of
     # 23 tokens split prefills at odd offsets and mix them with decodes.
     busy = _llm(tiny_dir, num_blocks=12, max_num_batched_tokens=23)
-    preempted: list[str] = []
-    schedule = busy.engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        preempted.extend(out.preempted_request_ids)
-        return out
-
-    busy.engine.scheduler.schedule = spy
+    preempted = record_preemptions(busy)
     others = [_prompt(rng, rng.randrange(10, 57)) for _ in range(4)]
     other_params = SamplingParams(temperature=1.0, max_tokens=rng.randrange(4, 12))
     prompts = [*others[:2], target, *others[2:]]

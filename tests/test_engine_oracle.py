@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_spies import record_preemptions
 from oracle import (
     hf_greedy,
     hf_prompt_logprobs,
@@ -95,15 +96,7 @@ def test_batched_chunked_preempted_match_alone(llm_hf: LLM, oracle_hf_dir: Path)
         num_blocks=30,
         max_num_batched_tokens=37,
     )
-    preempted: list[str] = []
-    schedule = tight.engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        preempted.extend(out.preempted_request_ids)
-        return out
-
-    tight.engine.scheduler.schedule = spy
+    preempted = record_preemptions(tight)
     together = tight.generate(oracle_prompts(), _greedy(), use_tqdm=False)
     assert preempted, "the memory limit was meant to force a preemption"
     _assert_same(alone, together)

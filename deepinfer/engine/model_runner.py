@@ -327,36 +327,38 @@ class ModelRunner:
     ) -> None:
         """Write into ``input_ids`` (the flat batch of ``scheduled``) the tokens that stand in for
         the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token)."""
-        dst, src, offset = [], [], 0
+        dst, request_ids, offset = [], [], 0
         for sched in scheduled:
             offset += sched.num_tokens
-            if sched.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
-                continue
-            assert self._last_samples is not None, (
-                f"request {sched.request_id!r} feeds a placeholder but no step sampled before"
-            )
-            dst.append(offset - 1)
-            src.append(self._last_samples[1][sched.request_id])
+            if sched.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                dst.append(offset - 1)
+                request_ids.append(sched.request_id)
         if dst:
-            index = to_device(torch.tensor([dst, src], dtype=torch.int64), self.device)
-            input_ids[index[0]] = self._last_samples[0][index[1]]
+            input_ids[to_device(torch.tensor(dst), self.device)] = self._last_sampled(request_ids)
 
     def _pending_outputs(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[list[int], torch.Tensor] | None:
         """The sampling rows whose newest output token is still on the device (fed in this step
-        as a placeholder), and those tokens, gathered from the previous launch's samples."""
-        rows, src = [], []
-        for j, sched in enumerate(scheduled):
-            if sched.start_pos + sched.num_tokens == sched.request.num_tokens:
-                continue
-            assert sched.token_ids[-1] == PLACEHOLDER_TOKEN_ID and self._last_samples is not None
-            rows.append(j)
-            src.append(self._last_samples[1][sched.request_id])
+        as a placeholder), and those tokens."""
+        rows = [
+            j
+            for j, sched in enumerate(scheduled)
+            if sched.start_pos + sched.num_tokens != sched.request.num_tokens
+        ]
         if not rows:
             return None
-        index = to_device(torch.tensor(src, dtype=torch.int64), self.device)
-        return rows, self._last_samples[0][index]
+        return rows, self._last_sampled([scheduled[j].request_id for j in rows])
+
+    def _last_sampled(self, request_ids: list[str]) -> torch.Tensor:
+        """[len(request_ids)] int64 on the device: each request's token sampled by the previous
+        launch, gathered there (never read back)."""
+        assert self._last_samples is not None, (
+            f"requests {request_ids[:3]} wait for a token but no step sampled before"
+        )
+        tokens, row_of = self._last_samples
+        rows = torch.tensor([row_of[rid] for rid in request_ids], dtype=torch.int64)
+        return tokens[to_device(rows, self.device)]
 
     def _deterministic_rows(self, scheduler_output: SchedulerOutput) -> set[int]:
         """Scheduled requests whose tokens run one per forward: all in deterministic mode, else
