@@ -88,22 +88,27 @@ def _sources(
 ATTENTION_REL_TOL = 1e-5
 ATTENTION_ABS_TOL = 1e-5
 
-# (name, T, H, D, key count per source, SMs assumed): 132 is an H200's; 1 forces one split.
+# V4's 64 heads in one block of 64 (the bf16 tiles on the GPU), here with fp32 IEEE dots.
+WIDE = kernels.AttentionConfig(block_h=64, block_n=32, num_warps=8)
+
+# (name, T, H, D, key count per source, SMs assumed, tiles or None for attention_config's):
+# 132 SMs is an H200's; 1 forces one split.
 ATTENTION_CASES = [
-    ("one_source", 3, 4, 32, (37,), 132),
-    ("two_sources", 3, 4, 32, (5, 41), 132),
-    ("three_sources", 3, 4, 32, (3, 20, 45), 132),
-    ("three_sources_one_split", 3, 4, 32, (3, 20, 45), 1),
-    ("decode", 1, 8, 64, (1, 64, 200), 132),
-    ("prefill", 40, 4, 32, (8, 16, 24), 132),
-    ("prefill_one_split", 40, 4, 32, (8, 16, 24), 1),
-    ("two_head_blocks", 5, 20, 32, (4, 30), 132),
+    ("one_source", 3, 4, 32, (37,), 132, None),
+    ("two_sources", 3, 4, 32, (5, 41), 132, None),
+    ("three_sources", 3, 4, 32, (3, 20, 45), 132, None),
+    ("three_sources_one_split", 3, 4, 32, (3, 20, 45), 1, None),
+    ("decode", 1, 8, 64, (1, 64, 200), 132, None),
+    ("prefill", 40, 4, 32, (8, 16, 24), 132, None),
+    ("prefill_one_split", 40, 4, 32, (8, 16, 24), 1, None),
+    ("two_head_blocks", 5, 20, 32, (4, 30), 132, None),
+    ("wide_head_block", 3, 64, 16, (7, 40, 70), 132, WIDE),
 ]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
-    ("name", "num_q", "num_heads", "dim", "lengths", "num_sms"),
+    ("name", "num_q", "num_heads", "dim", "lengths", "num_sms", "tiles"),
     ATTENTION_CASES,
     ids=[case[0] for case in ATTENTION_CASES],
 )
@@ -116,6 +121,7 @@ def test_sparse_attention_matches_reference(
     dim: int,
     lengths: tuple[int, ...],
     num_sms: int,
+    tiles: kernels.AttentionConfig | None,
 ) -> None:
     monkeypatch.setattr(kernels, "_num_sms", lambda device: num_sms)
     gen = torch.Generator().manual_seed(seed)
@@ -129,14 +135,14 @@ def test_sparse_attention_matches_reference(
     sinks = torch.randn(num_heads, generator=gen)
     scale = dim**-0.5
 
-    config = kernels._attention_config(q.dtype, num_heads)
+    config = tiles or kernels.attention_config(q.dtype, num_heads)
     num_head_blocks = -(-num_heads // config.block_h)
     num_splits, _ = kernels._split_keys(
         num_q, num_head_blocks, sum(lengths), config.block_n, num_sms
     )
     assert (num_splits > 1) == (num_sms > 1), f"{name}: {num_splits} splits"
 
-    out = kernels.sparse_attention(q, sources, sinks, scale)
+    out = kernels.sparse_attention(q, sources, sinks, scale, config=tiles)
     expected = ref.sparse_attention(q, sources, sinks, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()

@@ -48,7 +48,9 @@ _M_INIT = tl.constexpr(-1e30)
 
 
 @dataclass(frozen=True)
-class _AttentionConfig:
+class AttentionConfig:
+    """Tiles of the sparse attention kernel (benchmarks/attention_tiles.py sweeps them)."""
+
     block_h: int  # heads per program (the M of the dots)
     block_n: int  # keys per tile
     num_warps: int
@@ -62,19 +64,23 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _attention_config(dtype: torch.dtype, num_heads: int) -> _AttentionConfig:
-    """Tiles that compile without register spills for D = 512 on sm_90 (ptxas -v, Triton 3.6).
+def attention_config(dtype: torch.dtype, num_heads: int) -> AttentionConfig:
+    """Tiles that compile without register spills in the loop for D = 512 on sm_90 (Triton 3.6).
 
-    A program keeps q [BLOCK_H, D] as the A operand of mma in registers in every warp, plus
-    acc [BLOCK_H, D] fp32: 16 heads x 32 keys over 4 warps spills (255 registers), 32 heads x
-    32 keys over 8 warps does not (~200), nor do 16 x 16 over 4 warps bf16 (~170) or 16 x 16
-    over 8 warps fp32 (~175, IEEE dots on CUDA cores).
+    64 heads a program make the dots' M a full wgmma (HGMMA in the SASS): q [64, D] and two
+    stages of kv tiles live in shared memory (128 KB at 32 keys), acc [64, D] fp32 in the
+    registers of two warpgroups (128 each); each tile's keys are then read once for all 64
+    heads. Below 64 heads Triton falls back to mma.sync (HMMA): 32 heads x 32 keys over 8
+    warps (~160 registers) and 16 x 16 over 4 warps do not spill. fp32 runs IEEE dots on CUDA
+    cores: 16 x 16 over 8 warps (~175).
     """
     if dtype == torch.float32:
-        return _AttentionConfig(block_h=16, block_n=16, num_warps=8)
+        return AttentionConfig(block_h=16, block_n=16, num_warps=8)
+    if num_heads >= 64:
+        return AttentionConfig(block_h=64, block_n=32, num_warps=8)
     if num_heads > 16:
-        return _AttentionConfig(block_h=32, block_n=32, num_warps=8)
-    return _AttentionConfig(block_h=16, block_n=16, num_warps=4)
+        return AttentionConfig(block_h=32, block_n=32, num_warps=8)
+    return AttentionConfig(block_h=16, block_n=16, num_warps=4)
 
 
 def _split_keys(
@@ -82,12 +88,13 @@ def _split_keys(
 ) -> tuple[int, int]:
     """(number of splits, keys per split) of every token's key list.
 
-    Enough splits that (tokens x head blocks x splits) programs fill the SMs, each split at least
-    one tile; splits get whole tiles and none is empty.
+    As many splits as keep (tokens x head blocks x splits) programs within one wave of the SMs
+    (a partial second wave would double the step for a few programs), each split at least one
+    tile; splits get whole tiles and none is empty.
     """
     num_tiles = max(triton.cdiv(num_keys, block_n), 1)
-    wanted = min(triton.cdiv(num_sms, num_q * num_head_blocks), num_tiles)
-    tiles_per_split = triton.cdiv(num_tiles, max(wanted, 1))
+    wanted = min(max(num_sms // (num_q * num_head_blocks), 1), num_tiles)
+    tiles_per_split = triton.cdiv(num_tiles, wanted)
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split * block_n
 
 
@@ -97,19 +104,47 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _gather_source(rows, kv_rows, pos, kv_ptr, idx_ptr, stride_kv, first, length):
-    """Rows of one source for the key positions pos [BLOCK_N] of the token's concatenated list.
+def _attend_source(
+    q,
+    m_i,
+    l_i,
+    acc,
+    kv_ptr,
+    idx_row,
+    stride_kv,
+    first,
+    length,
+    lo,
+    hi,
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold one source's keys at positions [lo, hi) of the token's list into (m_i, l_i, acc).
 
-    The source holds positions [first, first + length); idx_ptr points at the token's index row
-    of it. Positions elsewhere keep the rows (int64, -1 = no key) and row pointers kv_rows they
-    came with; only this source's positions load an index.
+    The source holds positions [first, first + length) of the concatenated list; idx_row points
+    at the token's index row of it. Holes (-1) load nothing and score -inf.
     """
-    local = pos - first
-    here = (local >= 0) & (local < length)
-    source_rows = tl.load(idx_ptr + local, mask=here, other=-1).to(tl.int64)
-    rows = tl.where(here, source_rows, rows)
-    kv_rows = tl.where(here, kv_ptr + source_rows * stride_kv, kv_rows)
-    return rows, kv_rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    begin = tl.maximum(lo, first) - first
+    end = tl.minimum(hi, first + length) - first
+    for tile in range(begin, end, BLOCK_N):
+        local = tile + offs_n
+        rows = tl.load(idx_row + local, mask=local < end, other=-1).to(tl.int64)
+        valid = rows >= 0
+        kv_rows = tl.multiple_of(kv_ptr + tl.where(valid, rows, 0) * stride_kv, 16)
+        kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -151,15 +186,14 @@ def _sparse_attention_kernel(
     (row stride stride_idx{s}, unit column stride). IS_SPLIT: write the partials m, l [T, H, S]
     and acc [T, H, S, D] (fp32) for the combine kernel; else apply the sink and write out.
 
-    One loop walks the split's positions of the concatenated key list: each tile gathers its
-    rows from whichever sources they fall in (a row pointer per key), so tiles stay full across
-    source boundaries and the loop is pipelined once. Holes (-1) load nothing and score -inf.
+    The split's positions of the concatenated key list are walked source by source, one loop
+    each: a loop that gathers rows from one source keeps one row pointer per key, where tiles
+    straddling sources would select among three and spill registers at 64 heads.
     """
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_mask = heads < num_heads
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
 
     q_ptrs = q_ptr + (t * num_heads + heads)[:, None] * D + offs_d[None, :]
@@ -168,37 +202,23 @@ def _sparse_attention_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
 
-    idx0_row = idx0_ptr + t * stride_idx0
-    idx1_row = idx1_ptr + t * stride_idx1
-    idx2_row = idx2_ptr + t * stride_idx2
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, len0 + len1 + len2)
-    for tile in range(0, keys_per_split, BLOCK_N):
-        pos = lo + tile + offs_n
-        pos = tl.where(pos < hi, pos, -1)  # past the split: in no source
-        rows = tl.full([BLOCK_N], -1, dtype=tl.int64)
-        # Row pointers start at kv0's row 0, not at rows * stride: a provably aligned base
-        # keeps the gather below vectorised (16-byte loads), where row -1 would not.
-        kv_rows = kv0_ptr + tl.zeros([BLOCK_N], dtype=tl.int64)
-        rows, kv_rows = _gather_source(rows, kv_rows, pos, kv0_ptr, idx0_row, stride_kv0, 0, len0)
-        if NUM_SOURCES > 1:
-            rows, kv_rows = _gather_source(
-                rows, kv_rows, pos, kv1_ptr, idx1_row, stride_kv1, len0, len1
-            )
-        if NUM_SOURCES > 2:
-            rows, kv_rows = _gather_source(
-                rows, kv_rows, pos, kv2_ptr, idx2_row, stride_kv2, len0 + len1, len2
-            )
-        valid = rows >= 0
-        kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # One loop over the sources, not one copy per source: three inlined copies keep their
+    # loop invariants live together and spill registers at 64 heads.
+    for source in range(NUM_SOURCES):
+        kv_ptr = tl.where(source == 0, kv0_ptr, tl.where(source == 1, kv1_ptr, kv2_ptr))
+        idx_ptr = tl.where(source == 0, idx0_ptr, tl.where(source == 1, idx1_ptr, idx2_ptr))
+        stride_kv = tl.where(source == 0, stride_kv0, tl.where(source == 1, stride_kv1, stride_kv2))
+        stride_idx = tl.where(
+            source == 0, stride_idx0, tl.where(source == 1, stride_idx1, stride_idx2)
+        )
+        first = tl.where(source == 0, 0, tl.where(source == 1, len0, len0 + len1))
+        length = tl.where(source == 0, len0, tl.where(source == 1, len1, len2))
+        m_i, l_i, acc = _attend_source(
+            q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length, lo,
+            hi, qk_scale, D, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
 
     if IS_SPLIT:
         num_splits = tl.num_programs(2)
@@ -260,12 +280,15 @@ def sparse_attention(
     sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
     sinks: torch.Tensor,
     scale: float,
+    *,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
     q: [T, H, D] bf16/fp16/fp32, D a power of two >= 16. sources: 1 to 3 (kv [N, D] in q's
     dtype with unit column stride, idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
-    Returns [T, H, D] in q's dtype; a query with no keys outputs zeros.
+    Returns [T, H, D] in q's dtype; a query with no keys outputs zeros. config: tiles other
+    than attention_config's (for tuning).
     """
     num_q, num_heads, dim = q.shape
     assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
@@ -275,13 +298,21 @@ def sparse_attention(
         return out
     q = q.contiguous()
     sinks = sinks.float().contiguous()
-    # Absent sources repeat the first with length 0: never read, as NUM_SOURCES is constexpr.
+    # The kernel picks a source's index pointer at run time, so all share one index dtype (the
+    # engine's are all int64 already).
+    if len({idx.dtype for _, idx in sources}) > 1:
+        sources = [(kv, idx.long()) for kv, idx in sources]
+    # Absent sources repeat the first with length 0: never read, as NUM_SOURCES bounds the loop.
     padded = [*sources] + [sources[0]] * (3 - len(sources))
     source_ptrs: list[torch.Tensor] = []
     source_sizes: list[int] = []
     for s, (kv, idx) in enumerate(padded):
         assert kv.dtype == q.dtype and kv.shape[1] == dim and kv.stride(1) == 1, (
             f"kv {tuple(kv.shape)} {kv.dtype} strides {kv.stride()} vs q {tuple(q.shape)} {q.dtype}"
+        )
+        # The kernel promises 16-byte aligned rows (tl.multiple_of) for vectorised gathers.
+        assert kv.data_ptr() % 16 == 0 and kv.stride(0) * kv.element_size() % 16 == 0, (
+            f"kv rows must be 16-byte aligned: data_ptr {kv.data_ptr()}, strides {kv.stride()}"
         )
         assert idx.shape[0] == num_q, f"idx {tuple(idx.shape)} for {num_q} query tokens"
         idx = idx if idx.stride(1) == 1 else idx.contiguous()
@@ -290,7 +321,7 @@ def sparse_attention(
     num_keys = sum(idx.shape[1] for _, idx in sources)
 
     num_sms = _num_sms(q.device)
-    config = _attention_config(q.dtype, num_heads)
+    config = config or attention_config(q.dtype, num_heads)
     num_head_blocks = triton.cdiv(num_heads, config.block_h)
     num_splits, keys_per_split = _split_keys(
         num_q, num_head_blocks, num_keys, config.block_n, num_sms

@@ -329,6 +329,8 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     limit: float,
+    *,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
 
@@ -336,6 +338,7 @@ def fused_moe(
     topk_ids: [T, k] int64; topk_weights: [T, k] fp32. Returns [T, D] in x's dtype. GEMMs
     accumulate in fp32; h and the weighted per-pair outputs are rounded to x's dtype before the
     fp32 combine. fp32 inputs use the IEEE dot, so they match the CPU reference to ~1e-6.
+    config: tiles other than pick_tile_config's (for tuning).
     """
     num_tokens, dim = x.shape
     num_experts, inter, _ = w1.shape
@@ -354,7 +357,7 @@ def fused_moe(
         return out
 
     num_pairs = num_tokens * top_k
-    config = pick_tile_config(num_pairs, x.dtype)
+    config = config or pick_tile_config(num_pairs, x.dtype)
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
     # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
