@@ -63,7 +63,7 @@ def main() -> None:
             (x.window_rows, x.window_idx.view(case.num_q, WINDOW)),
             (x.pool_rows, x.pool_idx.view(case.num_q, TOPK)),
         ]
-        chosen = ours.attention_config(q.dtype, NUM_HEADS)
+        chosen = ours.attention_config(q.dtype, NUM_HEADS, case.num_q)
         reference = ours.sparse_attention(q, sources, x.sinks, scale).float()
         row: dict = {"case": text, "chosen": list(vars(chosen).values()), "us": {}}
         for block_h, block_n, warps, stages in tiles:

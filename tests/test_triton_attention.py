@@ -135,7 +135,7 @@ def test_sparse_attention_matches_reference(
     sinks = torch.randn(num_heads, generator=gen)
     scale = dim**-0.5
 
-    config = tiles or kernels.attention_config(q.dtype, num_heads)
+    config = tiles or kernels.attention_config(q.dtype, num_heads, num_q)
     num_head_blocks = -(-num_heads // config.block_h)
     num_splits, _ = kernels._split_keys(
         num_q, num_head_blocks, sum(lengths), config.block_n, num_sms

@@ -64,23 +64,32 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attention_config(dtype: torch.dtype, num_heads: int) -> AttentionConfig:
-    """Tiles that compile without register spills in the loop for D = 512 on sm_90 (Triton 3.6).
+def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> AttentionConfig:
+    """Tiles for num_q query tokens of num_heads heads: the fastest of
+    benchmarks/attention_tiles.py on the H200 at V4's 64 heads of 512 (RESULTS.md, 2026-11-30).
 
-    64 heads a program make the dots' M a full wgmma (HGMMA in the SASS): q [64, D] and two
-    stages of kv tiles live in shared memory (128 KB at 32 keys), acc [64, D] fp32 in the
-    registers of two warpgroups (128 each); each tile's keys are then read once for all 64
-    heads. Below 64 heads Triton falls back to mma.sync (HMMA): 32 heads x 32 keys over 8
-    warps (~160 registers) and 16 x 16 over 4 warps do not spill. fp32 runs IEEE dots on CUDA
-    cores: 16 x 16 over 8 warps (~175).
+    64 heads a program make the dots' M a full wgmma (HGMMA in the SASS): q [64, D] and the
+    stages of kv tiles live in shared memory (about 192 KB at 64 keys a tile), acc [64, D] fp32
+    in the registers of two warpgroups (128 each), and each tile's keys are read once for all
+    64 heads. That wins from 64 query tokens up (1.1x the best 32-head tiles at 64, 1.7x from
+    128). Below, there are
+    too few programs to fill the SMs with 64-head blocks, and 32-head blocks (mma.sync, HMMA,
+    ~160 registers) win: 32 keys a tile at one to four tokens (more splits), 64 above. fp32
+    runs IEEE dots on CUDA cores: 16 x 16 over 8 warps (~175 registers).
     """
     if dtype == torch.float32:
         return AttentionConfig(block_h=16, block_n=16, num_warps=8)
-    if num_heads >= 64:
-        return AttentionConfig(block_h=64, block_n=32, num_warps=8)
-    if num_heads > 16:
+    if num_heads < 64:
+        if num_heads > 16:
+            return AttentionConfig(block_h=32, block_n=32, num_warps=8)
+        return AttentionConfig(block_h=16, block_n=16, num_warps=4)
+    if num_q <= 4:
         return AttentionConfig(block_h=32, block_n=32, num_warps=8)
-    return AttentionConfig(block_h=16, block_n=16, num_warps=4)
+    if num_q <= 32:
+        return AttentionConfig(block_h=32, block_n=64, num_warps=8)
+    # A third stage pays at decode batches (128-256 tokens: 4-5% faster), not in prefill chunks.
+    stages = 3 if 64 < num_q <= 512 else 2
+    return AttentionConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages)
 
 
 def _split_keys(
@@ -321,7 +330,7 @@ def sparse_attention(
     num_keys = sum(idx.shape[1] for _, idx in sources)
 
     num_sms = _num_sms(q.device)
-    config = config or attention_config(q.dtype, num_heads)
+    config = config or attention_config(q.dtype, num_heads, num_q)
     num_head_blocks = triton.cdiv(num_heads, config.block_h)
     num_splits, keys_per_split = _split_keys(
         num_q, num_head_blocks, num_keys, config.block_n, num_sms
