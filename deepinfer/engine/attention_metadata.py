@@ -264,7 +264,7 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 
 def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
-    return np.concatenate([a.astype(np.int64).ravel() for a in host.values()])
+    return np.concatenate([a.ravel() for a in host.values()], dtype=np.int64)
 
 
 def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -321,14 +321,20 @@ def _window_plan(
     window, ring = geometry.window, geometry.ring_size
     req, pos = reqs.token_req, reqs.positions
     start = reqs.start[req][:, None]
-    key = pos[:, None] - np.arange(window)[None, :]  # [T, window] key positions
-    valid = key >= reqs.floor[req][:, None]
-    new = key >= start
     max_new = int(reqs.num_tokens.max())
     # Columns past the widest window part are -1 everywhere: trimmed (decode: 1 step column).
-    step = key - start + reqs.offset[req][:, None]
-    win_step = np.where(valid & new, step, -1)[:, : min(window, max_new)]
-    win_ring = np.where(valid & ~new, reqs.slot[req][:, None] * ring + key % ring, -1)
+    cols = np.arange(window)[None, :]
+    key = pos[:, None] - cols[:, : min(window, max_new)]  # [T, step columns] key positions
+    valid = key >= np.maximum(reqs.floor[req][:, None], start)
+    win_step = np.where(valid, key - start + reqs.offset[req][:, None], -1)
+    # Ring keys are older than the step and at or after the floor. A step whose requests all
+    # start at their floor (a fresh prompt) has none: its [T, window] of -1 skips the arithmetic.
+    if (reqs.start > reqs.floor).any():
+        key = pos[:, None] - cols
+        old = (key < start) & (key >= reqs.floor[req][:, None])
+        win_ring = np.where(old, reqs.slot[req][:, None] * ring + key % ring, -1)
+    else:
+        win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
     kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
     return win_step, win_ring, kept, reqs.slot[req[kept]] * ring + pos[kept] % ring
 

@@ -9,7 +9,8 @@ and value for every head, so for one query token the heads form the M dimension 
 
 ``sparse_attention`` walks one query token's key list, the concatenation of its sources' index
 lists, in tiles of BLOCK_N positions with an online (flash) softmax in fp32; a tile may straddle
-two sources, as every key carries its own row pointer. Decode has too few (token, head block)
+two sources, as every key carries its own row pointer (wide tiles instead walk each source in
+its own tiles; the kernel says why). Decode has too few (token, head block)
 programs to fill the GPU, so the list is cut into splits (flash-decoding), each program writing
 a partial (max, sum, acc) in fp32 that a combine kernel merges with the sink::
 
@@ -113,6 +114,67 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _fold_tile(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Fold one gathered kv tile [BLOCK_N, D] (rows where ``valid``) into the online softmax."""
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _gather_source(rows, kv_rows, pos, kv_ptr, idx_ptr, stride_kv, first, length):
+    """Rows of one source for the key positions pos [BLOCK_N] of the token's concatenated list.
+
+    The source holds positions [first, first + length); idx_ptr points at the token's index row
+    of it. Positions elsewhere keep the rows (int64, -1 = no key) and row pointers kv_rows they
+    came with; only this source's positions load an index.
+    """
+    local = pos - first
+    here = (local >= 0) & (local < length)
+    source_rows = tl.load(idx_ptr + local, mask=here, other=-1).to(tl.int64)
+    rows = tl.where(here, source_rows, rows)
+    kv_rows = tl.where(here, kv_ptr + source_rows * stride_kv, kv_rows)
+    return rows, kv_rows
+
+
+@triton.jit
+def _attend_straddling(
+    q, m_i, l_i, acc, kv0_ptr, idx0_row, stride_kv0, len0, kv1_ptr, idx1_row, stride_kv1, len1,
+    kv2_ptr, idx2_row, stride_kv2, len2, lo, hi, qk_scale, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SOURCES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Positions [lo, hi) of the concatenated list in full tiles that may straddle sources: each
+    key carries its own row pointer, picked among the sources'."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + offs_n
+        pos = tl.where(pos < hi, pos, -1)  # past the split: in no source
+        rows = tl.full([BLOCK_N], -1, dtype=tl.int64)
+        # Row pointers start at kv0's row 0, not at rows * stride: a provably aligned base
+        # keeps the gather below vectorised (16-byte loads), where row -1 would not.
+        kv_rows = kv0_ptr + tl.zeros([BLOCK_N], dtype=tl.int64)
+        rows, kv_rows = _gather_source(rows, kv_rows, pos, kv0_ptr, idx0_row, stride_kv0, 0, len0)
+        if NUM_SOURCES > 1:
+            rows, kv_rows = _gather_source(
+                rows, kv_rows, pos, kv1_ptr, idx1_row, stride_kv1, len0, len1
+            )
+        if NUM_SOURCES > 2:
+            rows, kv_rows = _gather_source(
+                rows, kv_rows, pos, kv2_ptr, idx2_row, stride_kv2, len0 + len1, len2
+            )
+        valid = rows >= 0
+        kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _fold_tile(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend_source(
     q,
     m_i,
@@ -132,8 +194,8 @@ def _attend_source(
 ):
     """Fold one source's keys at positions [lo, hi) of the token's list into (m_i, l_i, acc).
 
-    The source holds positions [first, first + length) of the concatenated list; idx_row points
-    at the token's index row of it. Holes (-1) load nothing and score -inf.
+    The source holds positions [first, first + length); idx_row points at the token's index row
+    of it. Holes (-1) load nothing and score -inf.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -145,14 +207,7 @@ def _attend_source(
         valid = rows >= 0
         kv_rows = tl.multiple_of(kv_ptr + tl.where(valid, rows, 0) * stride_kv, 16)
         kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _fold_tile(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -187,6 +242,7 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    PER_SOURCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (T, cdiv(H, BLOCK_H), S): token, head block, split of the token's key list.
@@ -195,9 +251,13 @@ def _sparse_attention_kernel(
     (row stride stride_idx{s}, unit column stride). IS_SPLIT: write the partials m, l [T, H, S]
     and acc [T, H, S, D] (fp32) for the combine kernel; else apply the sink and write out.
 
-    The split's positions of the concatenated key list are walked source by source, one loop
-    each: a loop that gathers rows from one source keeps one row pointer per key, where tiles
-    straddling sources would select among three and spill registers at 64 heads.
+    The split's positions of the concatenated key list are walked in full tiles that may
+    straddle sources, or, with PER_SOURCE, source by source: one loop whose tiles end at source
+    boundaries (a partial tile more per boundary) and gather from one source each. At 64 heads
+    or 64 keys a tile the straddling loop, which picks every key's row pointer among three,
+    spills registers (650-750 bytes at 64 x 64, ptxas, sm_90a), the per-source one only ~60 in
+    the epilogue; for narrower tiles straddling wastes no tile on short sources (decode's step
+    has one key of its own).
     """
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -213,20 +273,29 @@ def _sparse_attention_kernel(
 
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, len0 + len1 + len2)
-    # One loop over the sources, not one copy per source: three inlined copies keep their
-    # loop invariants live together and spill registers at 64 heads.
-    for source in range(NUM_SOURCES):
-        kv_ptr = tl.where(source == 0, kv0_ptr, tl.where(source == 1, kv1_ptr, kv2_ptr))
-        idx_ptr = tl.where(source == 0, idx0_ptr, tl.where(source == 1, idx1_ptr, idx2_ptr))
-        stride_kv = tl.where(source == 0, stride_kv0, tl.where(source == 1, stride_kv1, stride_kv2))
-        stride_idx = tl.where(
-            source == 0, stride_idx0, tl.where(source == 1, stride_idx1, stride_idx2)
-        )
-        first = tl.where(source == 0, 0, tl.where(source == 1, len0, len0 + len1))
-        length = tl.where(source == 0, len0, tl.where(source == 1, len1, len2))
-        m_i, l_i, acc = _attend_source(
-            q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length, lo,
-            hi, qk_scale, D, BLOCK_N, DOT_PRECISION,
+    if PER_SOURCE:
+        # One loop over the sources, not one inlined copy per source: three copies keep their
+        # loop invariants live together and spill.
+        for source in range(NUM_SOURCES):
+            kv_ptr = tl.where(source == 0, kv0_ptr, tl.where(source == 1, kv1_ptr, kv2_ptr))
+            idx_ptr = tl.where(source == 0, idx0_ptr, tl.where(source == 1, idx1_ptr, idx2_ptr))
+            stride_kv = tl.where(
+                source == 0, stride_kv0, tl.where(source == 1, stride_kv1, stride_kv2)
+            )
+            stride_idx = tl.where(
+                source == 0, stride_idx0, tl.where(source == 1, stride_idx1, stride_idx2)
+            )
+            first = tl.where(source == 0, 0, tl.where(source == 1, len0, len0 + len1))
+            length = tl.where(source == 0, len0, tl.where(source == 1, len1, len2))
+            m_i, l_i, acc = _attend_source(
+                q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length,
+                lo, hi, qk_scale, D, BLOCK_N, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_straddling(
+            q, m_i, l_i, acc, kv0_ptr, idx0_ptr + t * stride_idx0, stride_kv0, len0, kv1_ptr,
+            idx1_ptr + t * stride_idx1, stride_kv1, len1, kv2_ptr, idx2_ptr + t * stride_idx2,
+            stride_kv2, len2, lo, hi, qk_scale, D, BLOCK_N, NUM_SOURCES, DOT_PRECISION,
         )  # fmt: skip
 
     if IS_SPLIT:
@@ -361,6 +430,7 @@ def sparse_attention(
         BLOCK_N=config.block_n,
         NUM_SOURCES=len(sources),
         IS_SPLIT=is_split,
+        PER_SOURCE=config.block_h >= 64 or config.block_n >= 64,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -45,8 +45,10 @@ __all__ = ["apply_rope", "hc_post", "hc_pre", "rms_norm", "rope_cos_sin", "rope_
 RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
 # Tiles of the hc kernels; module attributes so that the CPU tests can shrink them to reach the
 # split and loop paths at tiny shapes.
+HC_BLOCK_T = 64  # tokens a program of the mix (prefill); 8 warps at 64 and above, else 4
 HC_BLOCK_K = 32  # with BLOCK_T 64 and 8 warps: no register spills on sm_90
 HC_BLOCK_D = 512
+HC_SINKHORN_WARPS = 4
 HC_MAX_SPLIT_K = 64
 # apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
@@ -402,7 +404,7 @@ def hc_pre(
         return post, comb, collapsed
     num_sms = _num_sms(x.device)
 
-    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot needs >= 16
+    block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
     block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
     num_t_blocks, num_k_blocks = triton.cdiv(num_tokens, block_t), triton.cdiv(k, block_k)
     split_k = 1
@@ -424,7 +426,7 @@ def hc_pre(
         BLOCK_K=block_k,
         K_PER_SPLIT=triton.cdiv(num_k_blocks, split_k) * block_k,
         PRECISION=_dot_precision(x.dtype),
-        num_warps=8 if block_t == 64 else 4,
+        num_warps=8 if block_t >= 64 else 4,
     )
 
     block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
@@ -449,7 +451,7 @@ def hc_pre(
         SINKHORN_ITERS=sinkhorn_iters,
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=4,
+        num_warps=HC_SINKHORN_WARPS,
     )
     return post, comb, collapsed
 
