@@ -5,7 +5,8 @@
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
 kernel's tokens and K a program (HC_BLOCK_T, HC_BLOCK_K) and the Sinkhorn/collapse kernel's
-warps (HC_SINKHORN_WARPS). Every candidate's output is checked against the current attributes'
+warps (HC_SINKHORN_WARPS and HC_SPLIT_SINKHORN_WARPS both), and for the module's own attributes
+("current"). Every candidate's output is checked against the current attributes'
 (the same arithmetic up to summation order); timing as flashmla_vs_triton.py (CUDA-graph
 replays, L2 cleared before each, median). Bound = bytes (x read, the collapsed output written,
 fn read once) / copy bandwidth measured in the run.
@@ -68,8 +69,10 @@ def main() -> None:
     fn = torch.randn((mix, HC * DIM), generator=gen, device=setup.device) * 0.01
     scale = torch.rand(3, generator=gen, device=setup.device)
     base = torch.randn(mix, generator=gen, device=setup.device) * 0.1
-    current = (ours.HC_BLOCK_T, ours.HC_BLOCK_K, ours.HC_SINKHORN_WARPS)
-    names = ["t{} k{} w{}".format(*c) for c in CANDIDATES]
+    attrs = ("HC_BLOCK_T", "HC_BLOCK_K", "HC_SINKHORN_WARPS", "HC_SPLIT_SINKHORN_WARPS")
+    current = tuple(getattr(ours, a) for a in attrs)
+    tile_sets = [(t, k, w, w) for t, k, w in CANDIDATES] + [current]
+    names = ["t{} k{} w{}".format(*c) for c in CANDIDATES] + ["current"]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     for num_tokens in parse_ints(ns.tokens):
@@ -78,8 +81,9 @@ def main() -> None:
         reference = [t.float() for t in run()]
         bytes_ = x.numel() * 2 + num_tokens * DIM * 2 + fn.numel() * 4
         row: dict = {"tokens": num_tokens, "bound_s": bytes_ / bandwidth, "us": {}}
-        for name, tiles in zip(names, CANDIDATES, strict=True):
-            ours.HC_BLOCK_T, ours.HC_BLOCK_K, ours.HC_SINKHORN_WARPS = tiles
+        for name, tiles in zip(names, tile_sets, strict=True):
+            for attr, value in zip(attrs, tiles, strict=True):
+                setattr(ours, attr, value)
             try:
                 for out, ref in zip(run(), reference, strict=True):
                     diff = ((out.float() - ref).norm() / ref.norm()).item()
@@ -92,7 +96,8 @@ def main() -> None:
                 row["us"][name] = seconds * 1e6
             shown = row["us"][name]
             print(f"  T={num_tokens:5} {name}: {shown}")
-        ours.HC_BLOCK_T, ours.HC_BLOCK_K, ours.HC_SINKHORN_WARPS = current
+        for attr, value in zip(attrs, current, strict=True):
+            setattr(ours, attr, value)
         timed = {n: v for n, v in row["us"].items() if isinstance(v, float)}
         row["best"] = min(timed, key=timed.get)
         rows.append(row)
@@ -100,7 +105,7 @@ def main() -> None:
         del x, run, reference
         release()
 
-    current_name = "t{} k{} w{}".format(*current)
+    current_name = "current"
     headers = ["T", "bound µs", *names, "fastest", "current / fastest", "fastest / bound"]
     body = [
         [

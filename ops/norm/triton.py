@@ -45,10 +45,17 @@ __all__ = ["apply_rope", "hc_post", "hc_pre", "rms_norm", "rope_cos_sin", "rope_
 RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
 # Tiles of the hc kernels; module attributes so that the CPU tests can shrink them to reach the
 # split and loop paths at tiny shapes.
-HC_BLOCK_T = 64  # tokens a program of the mix (prefill); 8 warps at 64 and above, else 4
-HC_BLOCK_K = 32  # with BLOCK_T 64 and 8 warps: no register spills on sm_90
+# The mix: tokens and K a program (8 warps from 64 tokens up, else 4); no register spills on
+# sm_90 up to 128 x 64 or 64 x 128. The Sinkhorn/collapse kernel: one warp when a program takes
+# a whole token (prefill), so that the 4 x 4 reductions of its 20 iterations stay in-warp
+# shuffles; four when decode splits a token's D over programs, which then collapse faster.
+# benchmarks/hc_tiles.py on the H200 (RESULTS.md 2026-11-30): hc_pre at T = 8192 in 405 µs
+# instead of 818 (64 x 32, four warps); within 4% of the fastest at T = 1 and 128.
+HC_BLOCK_T = 128
+HC_BLOCK_K = 64
 HC_BLOCK_D = 512
-HC_SINKHORN_WARPS = 4
+HC_SINKHORN_WARPS = 1
+HC_SPLIT_SINKHORN_WARPS = 4
 HC_MAX_SPLIT_K = 64
 # apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
@@ -451,7 +458,7 @@ def hc_pre(
         SINKHORN_ITERS=sinkhorn_iters,
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=HC_SINKHORN_WARPS,
+        num_warps=HC_SINKHORN_WARPS if num_d_programs == 1 else HC_SPLIT_SINKHORN_WARPS,
     )
     return post, comb, collapsed
 
