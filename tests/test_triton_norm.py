@@ -265,3 +265,38 @@ def test_no_tokens(norm_triton: ModuleType) -> None:
     assert norm_triton.rms_norm(collapsed, None, EPS).shape == (0, 32)
     empty_rope = torch.empty(0, 8)
     assert norm_triton.apply_rope(x, empty_rope, empty_rope).shape == (0, HC, 32)
+
+
+def _pool_inputs(
+    windows: int, slots: int, dim: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kv, gate logits with a few -inf (empty) slots, as the overlap's first window has, and
+    a norm weight; none zero."""
+    kv = torch.randn(windows, slots, dim, generator=gen)
+    gate = 2 * torch.randn(windows, slots, dim, generator=gen)
+    gate[0, : slots // 2] = float("-inf")  # a request's window 0: no previous window's half
+    weight = 0.5 + torch.rand(dim, generator=gen)
+    return kv, gate, weight
+
+
+@pytest.mark.parametrize(
+    ("windows", "slots", "dim", "block_s"),
+    [(5, 8, 32, 8), (3, 4, 48, 8), (4, 8, 32, 2), (2, 12, 16, 4)],
+    ids=["csa", "uneven_dim", "chunks_of_2", "partial_chunk"],
+)
+def test_gated_pool(
+    norm_triton: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    windows: int,
+    slots: int,
+    dim: int,
+    block_s: int,
+) -> None:
+    """Softmax over the slots online in chunks of block_s (one chunk, several, a masked tail),
+    D not a power of two, and empty slots: the reference's values in fp32."""
+    monkeypatch.setattr(norm_triton, "POOL_BLOCK_S", block_s)
+    gen = torch.Generator().manual_seed(windows * 100 + slots)
+    kv, gate, weight = _pool_inputs(windows, slots, dim, gen)
+    out = norm_triton.gated_pool(kv, gate, weight, EPS)
+    assert _rel_err(out, torch_ref.gated_pool(kv, gate, weight, EPS)) < FP32_TOL
+    assert norm_triton.gated_pool(kv[:0], gate[:0], weight, EPS).shape == (0, dim)

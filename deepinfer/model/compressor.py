@@ -60,8 +60,7 @@ class Compressor(nn.Module):
             win_gate = raw_gate + self.ape
             if self.overlap:
                 win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
-            weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-            pooled = self.norm((win_kv * weights).sum(dim=1))  # [W, dim]
+            pooled = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
             pooled = self.norm_ops.apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
             pool[plan.entry_dst] = pooled[plan.keep_windows].to(pool.dtype)
         buf_kv[plan.left_dst] = src_kv[plan.left_src]

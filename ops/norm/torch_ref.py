@@ -23,6 +23,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xf.to(dtype)
 
 
+def gated_pool(
+    kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
+
+    kv: [W, S, D] (a window of S slots); gate: [W, S, D] logits (any float dtype, -inf = an
+    empty slot), softmaxed over the slots per channel in fp32; weight: [D] the norm's. The
+    weights are rounded to kv's dtype before the product, as the model's reference does.
+    Returns [W, D] in kv's dtype.
+    """
+    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    return rms_norm((kv * weights).sum(dim=1), weight, eps)
+
+
 def rope_inv_freq(rope: RopeArgs, rope_dim: int) -> torch.Tensor:
     """Inverse frequencies [rope_dim / 2] fp32: plain RoPE, or YaRN without mscale.
 

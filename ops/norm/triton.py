@@ -24,9 +24,10 @@ Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB 
 D over several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few
 hundred flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
 
-Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's nope width) are
-constexpr: the interpreter cannot loop to a runtime bound under numpy 2, and they take few values
-(a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4), each compiled once.
+Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's nope width,
+gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime bound under numpy 2,
+and they take few values (a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4;
+4 x 2 or 128 slots), each compiled once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
 
-__all__ = ["apply_rope", "hc_post", "hc_pre", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+__all__ = [
+    "apply_rope",
+    "gated_pool",
+    "hc_post",
+    "hc_pre",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+]
 
 RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
 # Tiles of the hc kernels; module attributes so that the CPU tests can shrink them to reach the
@@ -61,6 +70,8 @@ HC_MAX_SPLIT_K = 64
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
 ROPE_BLOCK_D = 1024
 ROPE_TILE = 4096
+# gated_pool: slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
+POOL_BLOCK_S = 8
 
 
 @functools.lru_cache
@@ -532,3 +543,95 @@ def hc_post(
         num_warps=4,
     )
     return new
+
+
+@triton.jit
+def _gated_pool_kernel(
+    kv_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_kw,
+    stride_ks,
+    stride_gw,
+    stride_gs,
+    dim,
+    eps,
+    NUM_SLOTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One window: the softmax over its slots per channel, online over chunks of BLOCK_S slots
+    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row."""
+    w = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, NUM_SLOTS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask = (offs_s < NUM_SLOTS)[:, None] & d_mask[None, :]
+        g = tl.load(
+            gate_ptr + w * stride_gw + offs_s[:, None] * stride_gs + offs_d[None, :],
+            mask=mask,
+            other=float("-inf"),
+        ).to(tl.float32)
+        kv = tl.load(
+            kv_ptr + w * stride_kw + offs_s[:, None] * stride_ks + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(g, axis=0))
+        # A channel whose slots so far are all empty keeps m = -inf: rescale by 1, add 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        e = tl.exp(g - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e * kv, axis=0)
+        m_i = m_new
+    pooled = _div_rn(acc, l_i)
+    pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference's rounding
+    pooled = tl.where(d_mask, pooled, 0.0)
+    pooled = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
+    weight = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0)
+    tl.store(out_ptr + w * dim + offs_d, (weight * pooled).to(out_ptr.dtype.element_ty), d_mask)
+
+
+def gated_pool(
+    kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
+
+    kv: [W, S, D]; gate: [W, S, D] logits (-inf = an empty slot); weight: [D]. Returns [W, D]
+    in kv's dtype, as torch_ref.gated_pool up to rounding: the softmax is online over chunks of
+    slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
+    dtype first); only the pooled row is rounded before the norm, as there.
+    """
+    num_windows, num_slots, dim = kv.shape
+    assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
+    assert weight.shape == (dim,), f"gated_pool: weight {tuple(weight.shape)}, D = {dim}"
+    out = torch.empty((num_windows, dim), dtype=kv.dtype, device=kv.device)
+    if num_windows == 0:
+        return out
+    kv = kv if kv.stride(2) == 1 else kv.contiguous()
+    gate = gate if gate.stride(2) == 1 else gate.contiguous()
+    block_d = triton.next_power_of_2(dim)
+    block_s = min(POOL_BLOCK_S, triton.next_power_of_2(num_slots))
+    _gated_pool_kernel[(num_windows,)](
+        kv,
+        gate,
+        weight.float().contiguous(),
+        out,
+        kv.stride(0),
+        kv.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        dim,
+        eps,
+        NUM_SLOTS=num_slots,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=min(8, max(1, block_s * block_d // 512)),
+    )
+    return out

@@ -47,6 +47,13 @@ ROPE_BF16_TOL = 2**-8
 ROPE_DIM, ROPE_THETA = 64, 10000.0
 ROPE_SHAPES = {"q": (64, 512), "kv": (512,), "index_q": (64, 128)}  # x [T, *shape]
 ROPE_NUM_TOKENS = [1, 128, 4096]
+# gated_pool, bf16: the reference rounds the softmax weights and each product to bf16 before
+# summing; the kernel keeps them fp32 and rounds the pooled row once, then the norm's output:
+# a few bf16 roundings apart, each <= 2^-8.
+POOL_BF16_TOL = 1e-2
+# (windows, slots, dim): CSA's overlapped windows (2 x 4 slots of 512), HCA's 128 slots of 512,
+# the indexer's CSA windows of 128; windows as a decode step of 128 requests or a prefill.
+POOL_SHAPES = [(128, 8, 512), (2048, 8, 512), (64, 128, 512), (2048, 8, 128)]
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +258,21 @@ def test_apply_rope_time(
     )
     if num_tokens == 4096 and kind == "q":
         assert fused < reference
+
+
+@pytest.mark.parametrize("shape", POOL_SHAPES, ids=["csa", "csa_prefill", "hca", "indexer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_pool(
+    norm_triton: ModuleType, shape: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    windows, slots, dim = shape
+    gen = torch.Generator().manual_seed(slots * dim)
+    kv = _bf16(windows, slots, dim, gen=gen)
+    gate = 2 * torch.randn(windows, slots, dim, generator=gen)  # fp32: the model adds fp32 ape
+    gate[0, : slots // 2] = float("-inf")  # an empty previous window
+    weight = 0.5 + torch.rand(dim, generator=gen)
+    out = norm_triton.gated_pool(kv.to("cuda", dtype), gate.cuda(), weight.cuda(), NORM_EPS)
+    assert out.dtype == dtype
+    ref = torch_ref.gated_pool(kv.to(dtype), gate, weight, NORM_EPS).float()
+    tol = FP32_TOL if dtype == torch.float32 else POOL_BF16_TOL
+    assert _rel_err(out, ref) < tol
