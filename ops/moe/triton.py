@@ -67,7 +67,8 @@ class TileConfig:
 # Prefill fills M blocks (E = 256 experts: ~T * k / 256 pairs each) and wants larger tiles.
 # Shared memory per stage of the gate/up kernel is (BM * BK + 2 * BK * BN) * 2 bytes. On the
 # H200 at V4-Flash's shapes (benchmarks/moe_tiles.py, RESULTS.md 2026-11-30) each row is within
-# 3% of the fastest candidate for its token counts; 128 x 256 tiles spill registers.
+# 3% of the fastest candidate for its token counts; 128 x 256 tiles need 240 KB of shared
+# memory, over the 227 KB an SM has.
 _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     # max T * k          block_m, block_n, block_k, group_m, num_warps, num_stages
     (1024, TileConfig(16, 64, 128, 1, 4, 3)),
