@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +164,25 @@ def kernel_seconds(fn: Callable[[], object]) -> tuple[float, str]:
     seconds = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / 1e3
     del graph
     return seconds, "graph"
+
+
+def candidate_us(
+    fn: Callable[[], object], reference: Sequence[torch.Tensor], tolerance: float
+) -> float | str:
+    """µs of ``fn`` (kernel_seconds) once each of its outputs (a tensor or a tuple of them) is
+    within ``tolerance`` (relative norm) of ``reference``'s; else why it could not run. A tile
+    set that fails to compile, to launch or to match is a finding of a sweep, not a crash."""
+    try:
+        outputs = fn()
+        outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+        for out, ref in zip(outputs, reference, strict=True):
+            diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert diff < tolerance, f"rel diff {diff:.2e} from the reference"
+        seconds, _ = kernel_seconds(fn)
+    except Exception as error:  # reported in the table, not raised
+        torch.cuda.synchronize()
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return seconds * 1e6
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from flashmla_vs_triton import kernel_seconds
+from flashmla_vs_triton import candidate_us
 from v4_flash import V4_FLASH, make_setup, parse_ints, release
 from v4_flash_report import (
     copy_bandwidth,
@@ -86,21 +86,6 @@ def grouped_mm_moe(
     return out.to(x.dtype)
 
 
-def time_case(row: dict, name: str, fn, reference: torch.Tensor) -> None:
-    """row["us"][name] = µs of ``fn`` (checked against ``reference`` first), or why it failed."""
-    try:
-        diff = (fn().float() - reference).norm() / reference.norm()
-        assert diff < 2e-2, f"rel diff {diff:.2e} from pick_tile_config's tiles"
-        seconds, _ = kernel_seconds(fn)
-    except Exception as error:  # a tile set that cannot run is a finding, not a crash
-        row["us"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-        torch.cuda.synchronize()
-    else:
-        row["us"][name] = seconds * 1e6
-    shown = row["us"][name]
-    print(f"  T={row['tokens']:5} {name}: {shown if isinstance(shown, str) else f'{shown:.1f} us'}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
@@ -145,9 +130,11 @@ def main() -> None:
             run = functools.partial(
                 ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT, config=config
             )
-            time_case(row, name, run, reference)
+            row["us"][name] = candidate_us(run, [reference], 2e-2)
+            print(f"  T={num_tokens:5} {name}: {row['us'][name]}")
         run = functools.partial(grouped_mm_moe, x, w13_t, w2_t, topk_ids, topk_weights)
-        time_case(row, "grouped_mm", run, reference)
+        row["us"]["grouped_mm"] = candidate_us(run, [reference], 2e-2)
+        print(f"  T={num_tokens:5} grouped_mm: {row['us']['grouped_mm']}")
         ours_timed = {n: row["us"][n] for n in names if isinstance(row["us"][n], float)}
         best = min(ours_timed, key=ours_timed.get)
         chosen_name = "{}x{}x{} g{} w{} s{}".format(*vars(chosen).values())
