@@ -57,6 +57,11 @@ class AttentionConfig:
     num_warps: int
     num_stages: int = 2
 
+    @property
+    def per_source(self) -> bool:
+        """Walk each key source in its own tiles (the kernel's PER_SOURCE says why)."""
+        return self.block_h >= 64 or self.block_n >= 64
+
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
@@ -73,18 +78,15 @@ def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> Attentio
     stages of kv tiles live in shared memory (about 192 KB at 64 keys a tile), acc [64, D] fp32
     in the registers of two warpgroups (128 each), and each tile's keys are read once for all
     64 heads. That wins from 64 query tokens up (1.1x the best 32-head tiles at 64, 1.7x from
-    128). Below, there are
-    too few programs to fill the SMs with 64-head blocks, and 32-head blocks (mma.sync, HMMA,
-    ~160 registers) win: 32 keys a tile at one to four tokens (more splits), 64 above. fp32
-    runs IEEE dots on CUDA cores: 16 x 16 over 8 warps (~175 registers).
+    128). Below, there are too few programs to fill the SMs with 64-head blocks, and 32-head
+    blocks (mma.sync, HMMA, ~160 registers) win: 32 keys a tile at one to four tokens (more
+    splits), 64 above. fp32 runs IEEE dots on CUDA cores: 16 x 16 over 8 warps (~175).
     """
     if dtype == torch.float32:
         return AttentionConfig(block_h=16, block_n=16, num_warps=8)
-    if num_heads < 64:
-        if num_heads > 16:
-            return AttentionConfig(block_h=32, block_n=32, num_warps=8)
+    if num_heads <= 16:
         return AttentionConfig(block_h=16, block_n=16, num_warps=4)
-    if num_q <= 4:
+    if num_heads < 64 or num_q <= 4:
         return AttentionConfig(block_h=32, block_n=32, num_warps=8)
     if num_q <= 32:
         return AttentionConfig(block_h=32, block_n=64, num_warps=8)
@@ -172,6 +174,12 @@ def _attend_straddling(
         kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _fold_tile(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _pick(source, first, second, third):
+    """The value of source 0, 1 or 2 (``source`` known only at run time)."""
+    return tl.where(source == 0, first, tl.where(source == 1, second, third))
 
 
 @triton.jit
@@ -277,16 +285,12 @@ def _sparse_attention_kernel(
         # One loop over the sources, not one inlined copy per source: three copies keep their
         # loop invariants live together and spill.
         for source in range(NUM_SOURCES):
-            kv_ptr = tl.where(source == 0, kv0_ptr, tl.where(source == 1, kv1_ptr, kv2_ptr))
-            idx_ptr = tl.where(source == 0, idx0_ptr, tl.where(source == 1, idx1_ptr, idx2_ptr))
-            stride_kv = tl.where(
-                source == 0, stride_kv0, tl.where(source == 1, stride_kv1, stride_kv2)
-            )
-            stride_idx = tl.where(
-                source == 0, stride_idx0, tl.where(source == 1, stride_idx1, stride_idx2)
-            )
-            first = tl.where(source == 0, 0, tl.where(source == 1, len0, len0 + len1))
-            length = tl.where(source == 0, len0, tl.where(source == 1, len1, len2))
+            kv_ptr = _pick(source, kv0_ptr, kv1_ptr, kv2_ptr)
+            idx_ptr = _pick(source, idx0_ptr, idx1_ptr, idx2_ptr)
+            stride_kv = _pick(source, stride_kv0, stride_kv1, stride_kv2)
+            stride_idx = _pick(source, stride_idx0, stride_idx1, stride_idx2)
+            first = _pick(source, 0, len0, len0 + len1)
+            length = _pick(source, len0, len1, len2)
             m_i, l_i, acc = _attend_source(
                 q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length,
                 lo, hi, qk_scale, D, BLOCK_N, DOT_PRECISION,
@@ -430,7 +434,7 @@ def sparse_attention(
         BLOCK_N=config.block_n,
         NUM_SOURCES=len(sources),
         IS_SPLIT=is_split,
-        PER_SOURCE=config.block_h >= 64 or config.block_n >= 64,
+        PER_SOURCE=config.per_source,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
