@@ -267,3 +267,47 @@ async def test_drain_returns_when_the_streams_finish() -> None:
     await asyncio.wait_for(engine.drain(5.0), 1.0)
     assert stream_shape(await task)[-1] == ([EOS], "stop")
     await engine.stop()
+
+
+class _CancellingEngine(AsyncEngine):
+    """Cancels a consumer in the window that killed the loop: its add is queued behind a step,
+    the consumer's task is cancelled (its ``added`` future with it), and the add is applied
+    before the task has run its cleanup."""
+
+    victim: asyncio.Task | None = None
+
+    def _apply_commands(self) -> None:
+        if self.victim is not None and self._commands:
+            self.victim.cancel()
+            self.victim = None
+        super()._apply_commands()
+
+
+async def test_a_consumer_cancelled_while_its_add_is_queued_leaves_the_loop_alive() -> None:
+    config = Config(
+        cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+    )
+    executor = ScriptedExecutor(SCRIPTS, eos_token_id=EOS, step_delay_s=0.005)
+    engine = _CancellingEngine(LLMEngine(config, executor=executor))
+    await engine.start()
+    long = engine.generate("long", [9], greedy(max_tokens=300))
+    await anext(long)  # steps are running: the next add is queued
+    for request_id in ("a", "b"):  # a plain add, then one whose add fails (empty prompt)
+        prompt = [7] if request_id == "a" else []
+        task = asyncio.create_task(collect(engine, request_id, prompt))
+        while not engine._commands:
+            await asyncio.sleep(0)
+        engine.victim = task
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)
+    await long.aclose()
+    await wait_until_idle(engine)
+    assert engine.is_turning
+    assert stream_shape(await collect(engine, "c", [8])) == [
+        ([20], None),
+        ([21], None),
+        ([EOS], "stop"),
+    ]
+    assert_all_freed(engine)
+    await engine.stop()

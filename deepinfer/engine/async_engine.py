@@ -253,7 +253,14 @@ class AsyncEngine:
 
     def _apply_commands(self) -> None:
         while self._commands:
-            self._commands.popleft()()
+            command = self._commands.popleft()
+            try:
+                command()
+            except Exception:
+                # A command is the scheduler's bookkeeping for one request; if its books no
+                # longer add up, _check_or_break stops serving rather than corrupt others.
+                logger.exception("an engine command failed")
+                self._check_or_break("an engine command failed")
 
     def _add(
         self,
@@ -264,7 +271,9 @@ class AsyncEngine:
         added: asyncio.Future[None],
         compiled_grammar: Any = None,
     ) -> None:
-        if stream.is_finished:  # the consumer left before the add was applied
+        # The consumer may have left before the add was applied: its task was cancelled (which
+        # cancels ``added`` at once) and may not have run its cleanup yet.
+        if stream.is_finished or added.done():
             added.cancel()
             return
         try:
@@ -404,15 +413,24 @@ class AsyncEngine:
         ]
         try:
             self.engine.abort_requests([s.request_id for s in failed])
+        except Exception:
+            logger.exception("aborting the requests of a failed step failed")
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        self._fail_streams(failed, message)
+        self._unscheduled = deque(s for s in self._unscheduled if not s.is_finished)
+        self._check_or_break(message)
+
+    def _check_or_break(self, message: str = "engine state is inconsistent") -> None:
+        """Check the scheduler's books; when they no longer add up, serving on would corrupt
+        other requests: the engine breaks (refuses new requests, /ready 503) and every open
+        stream ends with an error."""
+        try:
             self.engine.scheduler.check_integrity()
         except Exception:
-            # The scheduler's books no longer add up: serving on would corrupt other requests.
-            logger.exception("engine state is inconsistent after a failed step; giving up")
+            logger.exception("engine state is inconsistent; the engine stops serving")
             self._is_broken = True
             self._is_stopping = True
-            failed = [s for s in self._streams.values() if not s.is_finished]
-        self._fail_streams(failed, f"engine step failed: {type(error).__name__}: {error}")
-        self._unscheduled = deque(s for s in self._unscheduled if not s.is_finished)
+            self._fail_streams([s for s in self._streams.values() if not s.is_finished], message)
 
     def _fail_streams(self, streams: list[_Stream], message: str) -> None:
         for stream in streams:

@@ -6,10 +6,13 @@
 A decode step's launches depend only on the number of requests and the widest entry list, so
 one graph per (batch bucket, context bucket) serves every such step: the requests are padded to
 the bucket with requests on the cache's scratch slot and block, and the entry lists to the
-context bucket (a power of two). Inputs (token ids, positions and every index plan) live in one
-static int64 buffer per graph, refilled with one copy before each replay. Graphs are captured
-the first time their shape is seen, on scratch-only inputs (so capture and its warm-up touch no
-request's cache), and share one memory pool.
+context bucket (MIN_CONTEXT x 4^k, up to the model's context: 7 buckets for a 1M context).
+Inputs (token ids, positions and every index plan) live in one static int64 buffer per graph,
+refilled with one copy before each replay. Every (batch, context) graph is captured at start-up
+(``capture_all``, before the node reports ready), on scratch-only inputs (so capture and its
+warm-up touch no request's cache), and they share one memory pool. A shape missed there is
+captured when first seen, counted in ``num_captures_while_serving`` and logged as a warning:
+capture takes 0.1-4 s, which every request in the step waits for.
 
 Memory: a graph keeps only its input buffer of its own. Its intermediates are freed at the end
 of its capture and reused by the next capture into the shared pool (graphs never run at the same
@@ -37,6 +40,7 @@ from deepinfer.scheduler.output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 MIN_CONTEXT = 256  # smallest context bucket, tokens
+CONTEXT_GROWTH = 4  # each context bucket is this many times the previous one
 
 
 @dataclass
@@ -57,14 +61,24 @@ class DecodeGraphs:
     """Producer of decode logits for the model runner; device: the model's CUDA device."""
 
     def __init__(
-        self, model: DeepseekV4, cache: KVCache, max_batch: int, capture: bool = True
+        self,
+        model: DeepseekV4,
+        cache: KVCache,
+        max_batch: int,
+        capture: bool = True,
+        max_positions: int | None = None,
     ) -> None:
         """``capture`` False runs the same padded steps eagerly (on any device: the tests check
-        the padded plans on the CPU this way)."""
+        the padded plans on the CPU this way). ``max_positions``: the longest request (the
+        context limit); None leaves the context buckets unbounded."""
         self.model, self.cache, self.capture = model, cache, capture
         self.device = cache.device
         self.buckets = [b for b in (1, 2, 4, 8) if b < max_batch]
         self.buckets += [*range(16, max_batch, 16), max_batch]
+        self.max_positions = max_positions
+        self.num_captures_while_serving = 0  # captures after capture_all(): should stay 0
+        self.num_replays = 0
+        self._is_warm = False  # capture_all() ran
         self._graphs: dict[tuple[int, int], _Graph] = {}
         if capture:
             self._pool = torch.cuda.graph_pool_handle()
@@ -112,23 +126,73 @@ class DecodeGraphs:
             return self.model(batch, self.cache)[:num_reqs]
         graph = self._graphs.get((bucket, context))
         if graph is None:
+            if self._is_warm:
+                self.num_captures_while_serving += 1
+                logger.warning(
+                    "capturing the decode graph for %d requests, context <= %d while serving "
+                    "(missed at start-up)",
+                    bucket,
+                    context,
+                )
             graph = self._capture(bucket, context)
         self._copy_in(flatten(host), graph.inputs)
         if fill_placeholders is not None:
             fill_placeholders(graph.batch.input_ids)
         graph.graph.replay()
+        self.num_replays += 1
         return graph.logits[:num_reqs]
 
     def context_bucket(self, num_positions: int) -> int:
-        """The context bound of a step whose longest request spans ``num_positions``: a power of
-        two, at least MIN_CONTEXT and a block (the padded requests sit at the scratch block's
-        last position)."""
+        """The context bound of a step whose longest request spans ``num_positions``:
+        MIN_CONTEXT x CONTEXT_GROWTH^k, at least a block (the padded requests sit at the scratch
+        block's last position), and no more than ``max_positions`` rounded up to a block
+        (steps never span more)."""
         longest = max(num_positions, self.cache.block_size)
-        return max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
+        bucket = MIN_CONTEXT
+        while bucket < longest:
+            bucket *= CONTEXT_GROWTH
+        if self.max_positions is not None:
+            block = self.cache.block_size
+            bucket = min(bucket, max(MIN_CONTEXT, -(-self.max_positions // block) * block))
+        return max(bucket, longest)
+
+    @property
+    def context_buckets(self) -> list[int]:
+        """Every context bucket a step can fall in (needs ``max_positions``)."""
+        assert self.max_positions is not None, "context_buckets needs max_positions"
+        buckets = [self.context_bucket(1)]
+        while buckets[-1] < self.context_bucket(self.max_positions):
+            buckets.append(self.context_bucket(buckets[-1] + 1))
+        return buckets
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """(batch bucket, context bucket) of every graph, smallest first."""
+        return [(b, c) for c in self.context_buckets for b in self.buckets]
 
     def capture_largest(self, max_positions: int) -> None:
         """Capture the graph of the most requests at the longest context (memory sizing)."""
         self._capture(self.max_batch, self.context_bucket(max_positions))
+
+    def capture_all(self) -> None:
+        """Capture every graph now (start-up), with a progress bar; logs the time and memory."""
+        from tqdm import tqdm
+
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        shapes = [shape for shape in self.shapes if shape not in self._graphs]
+        for bucket, context in tqdm(shapes, desc="capturing decode graphs", unit="graph"):
+            self._capture(bucket, context, quiet=True)
+        self._is_warm = True
+        logger.info(
+            "captured %d decode graphs (batch buckets %s x context buckets %s) in %.1f s, "
+            "%+.1f MiB reserved",
+            len(shapes),
+            self.buckets,
+            self.context_buckets,
+            time.perf_counter() - started,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+        )
 
     def _plan(
         self, seqs: list[SeqSpan], token_ids: list[int], bucket: int, context: int
@@ -144,7 +208,7 @@ class DecodeGraphs:
         token_ids = token_ids + [0] * len(pad)
         return step_arrays(seqs + pad, token_ids, list(range(bucket)), cache.geometry, context)
 
-    def _capture(self, bucket: int, context: int) -> _Graph:
+    def _capture(self, bucket: int, context: int, quiet: bool = False) -> _Graph:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         host = self._plan([], [], bucket, context)
@@ -164,7 +228,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         captured = _Graph(graph, inputs, logits, batch)
         self._graphs[bucket, context] = captured
-        logger.info(
+        (logger.debug if quiet else logger.info)(
             "captured the decode graph for %d requests, context <= %d: %.0f ms, %+.1f MiB "
             "reserved (%d graphs)",
             bucket,

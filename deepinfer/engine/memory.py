@@ -184,7 +184,7 @@ def _graph_pool_bytes(model: DeepseekV4, scratch: KVCache, graph_batch: int, con
     device = scratch.device
     torch.cuda.synchronize(device)
     reserved = torch.cuda.memory_reserved(device)
-    graphs = DecodeGraphs(model, scratch, graph_batch)
+    graphs = DecodeGraphs(model, scratch, graph_batch, max_positions=context)
     graphs.capture_largest(context)
     pool = torch.cuda.memory_reserved(device) - reserved
     del graphs

@@ -226,11 +226,14 @@ class ModelRunner:
         return min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
 
     def _init_graphs(self) -> None:
-        """CUDA: decode-only steps replay captured graphs (cuda_graphs.py), captured lazily."""
+        """CUDA: decode-only steps replay graphs (cuda_graphs.py), all captured here, at start-up,
+        so that no request waits for a capture."""
         self.graphs: DecodeGraphs | None = None
         if self._graph_batch > 0:
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self._graph_batch)
-            logger.info("decode CUDA graphs: batch buckets %s", self.graphs.buckets)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, self._graph_batch, max_positions=self.max_model_len
+            )
+            self.graphs.capture_all()
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""

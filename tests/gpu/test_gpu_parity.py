@@ -250,7 +250,10 @@ def test_decode_graphs_on_and_off(
     off = _llm(oracle_hf_dir, "cuda", dtype, cuda_graph_max_batch=0)
     with_graphs, eager = _batched(on), _batched(off)
     graphs = on.engine.executor.graphs
-    assert graphs is not None and graphs._graphs, "no decode step replayed a graph"
+    assert graphs is not None and graphs.num_replays > 0, "no decode step replayed a graph"
+    # Every shape was captured at start-up: none while serving.
+    assert graphs.num_captures_while_serving == 0
+    assert sorted(graphs._graphs) == sorted(graphs.shapes)
     same = [
         a.outputs[0].token_ids == b.outputs[0].token_ids
         for a, b in zip(with_graphs, eager, strict=True)
