@@ -160,6 +160,8 @@ class ServerConfig:
     request_timeout_s: float = 1800.0  # whole request, queueing included
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight requests may still run
     heartbeat_timeout_s: float = 10.0  # a node silent this long leaves the rotation
+    # Static nodes, and nodes a request found unreachable, are probed (GET /ready) this often.
+    node_probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -178,7 +180,12 @@ class ServerConfig:
             _check_positive(f"server.{key}", getattr(self, key))
         if self.retry_after_s < 0:
             raise ValueError(f"server.retry_after_s must be >= 0, got {self.retry_after_s}")
-        for key in ("request_timeout_s", "drain_timeout_s", "heartbeat_timeout_s"):
+        for key in (
+            "request_timeout_s",
+            "drain_timeout_s",
+            "heartbeat_timeout_s",
+            "node_probe_interval_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key} must be > 0, got {getattr(self, key)}")
 

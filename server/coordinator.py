@@ -8,7 +8,8 @@
 Routes (one table, ``_routes``): the OpenAI, Responses and Anthropic APIs under /v1, health and
 readiness, Prometheus metrics, and the nodes' /internal/register and /internal/heartbeat.
 Soft state only: the node registry (heartbeats), the admission queue, the metrics. Background
-work runs in ``cleanup_ctx``: the HTTP session for node clients and the heartbeat reaper.
+work runs in ``cleanup_ctx``: the HTTP session for node clients and the node monitor (heartbeat
+expiry, probes).
 ``serve_coordinator`` runs an app until SIGTERM/SIGINT, then drains it (stop admitting, let
 in-flight streams finish up to ``server.drain_timeout_s``, abort the rest) and returns 0.
 """
@@ -88,7 +89,10 @@ def create_coordinator_app(
         image_url_allowlist=config.image_url_allowlist,
     )
     registry = NodeRegistry(
-        config.heartbeat_timeout_s, backend_factory or _node_client_factory(app, config), policy
+        config.heartbeat_timeout_s,
+        backend_factory or _node_client_factory(app, config),
+        policy,
+        probe_timeout_s=max(config.node_probe_interval_s, 1.0),
     )
     for i, backend in enumerate(backends):
         assert max_model_len is not None
@@ -120,7 +124,7 @@ def create_coordinator_app(
         )
     )
     app.cleanup_ctx.append(_http_session_ctx)
-    app.cleanup_ctx.append(_heartbeat_reaper_ctx)
+    app.cleanup_ctx.append(_node_monitor_ctx)
     return app
 
 
@@ -262,21 +266,26 @@ async def _http_session_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-async def _heartbeat_reaper_ctx(app: web.Application) -> AsyncIterator[None]:
-    registry = app[REGISTRY]
+async def _node_monitor_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Every ``server.node_probe_interval_s`` (or a quarter of the heartbeat timeout, if
+    shorter): registered nodes whose heartbeats stopped leave rotation; static and unresponsive
+    nodes are probed (out of rotation, or back in)."""
+    config, registry = app[CONFIG], app[REGISTRY]
+    interval = min(config.node_probe_interval_s, config.heartbeat_timeout_s / 4)
 
-    async def reap() -> None:
+    async def monitor() -> None:
         while True:
-            await asyncio.sleep(registry.heartbeat_timeout_s / 4)
+            await asyncio.sleep(interval)
             registry.expire()
+            await registry.probe()
 
-    task = asyncio.get_running_loop().create_task(reap())
+    task = asyncio.get_running_loop().create_task(monitor(), name="deepinfer-node-monitor")
     yield
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
-        logger.debug("heartbeat reaper stopped")
+        logger.debug("node monitor stopped")
 
 
 # ---- running: `deepinfer coordinator` -----------------------------------------------------------

@@ -86,6 +86,12 @@ class CoordinatorMetrics:
             m,
             registry=r,
         ).labels(model_name)
+        self.retries = Counter(
+            "deepinfer_num_request_retries",
+            "Requests sent to another node after theirs failed before their first token.",
+            m,
+            registry=r,
+        ).labels(model_name)
         self._rejections = Counter(
             "deepinfer_admission_rejections",
             "Requests refused by admission control.",

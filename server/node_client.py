@@ -98,9 +98,15 @@ class NodeClient:
                     yield frame
                     if is_done:
                         return
-            raise NodeError(502, f"node {self.base_url}: stream ended before the request finished")
+            raise NodeError(
+                502,
+                f"node {self.base_url}: stream ended before the request finished",
+                is_node_failure=True,
+            )
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise NodeError(503, f"node {self.base_url}: stream broke: {e!r}") from e
+            raise NodeError(
+                503, f"node {self.base_url}: stream broke: {e!r}", is_node_failure=True
+            ) from e
         finally:
             if is_done:
                 response.release()
@@ -139,7 +145,9 @@ class NodeClient:
                 self.base_url + path, data=body, headers=self._headers, timeout=timeout
             )
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise NodeError(503, f"node {self.base_url} unreachable: {e!r}") from e
+            raise NodeError(
+                503, f"node {self.base_url} unreachable: {e!r}", is_node_failure=True
+            ) from e
 
     async def _call(self, path: str, body: bytes) -> None:
         response = await self._post(path, body, _CALL_TIMEOUT)
@@ -167,4 +175,5 @@ async def _error_from(response: aiohttp.ClientResponse) -> NodeError:
     except msgspec.DecodeError:
         text = body.decode(errors="replace")[:500]
         return NodeError(response.status, text or response.reason or "no body")
-    return NodeError(error.status, error.message)
+    # 503: the node's engine failed or the node is draining; either way it takes no requests.
+    return NodeError(error.status, error.message, is_node_failure=error.status == 503)

@@ -37,7 +37,7 @@ class OpenAIApi:
         served = self.frontend.served_model_name
         names = [served, *(n for n in self.frontend.model_names if n != served)]
         registry = self.service.registry
-        max_model_len = min((n.max_model_len for n in registry.ready_nodes()), default=None)
+        max_model_len = max((n.max_model_len for n in registry.ready_nodes()), default=None)
         data = [
             {
                 "id": name,

@@ -2,20 +2,28 @@
 
     node ──NodeRegistration──▶ NodeRegistry.register   (POST /internal/register)
     node ──NodeHeartbeat─────▶ NodeRegistry.heartbeat  (POST /internal/heartbeat)
-    reaper task ─────────────▶ NodeRegistry.expire     (every heartbeat_timeout_s / 4)
-    request ─────────────────▶ NodeRegistry.select     (a RoutingPolicy over the ready nodes)
+    monitor task ────────────▶ NodeRegistry.expire     (every node_probe_interval_s)
+                          └──▶ NodeRegistry.probe      (static and unresponsive nodes' /ready)
+    request ─────────────────▶ NodeRegistry.select     (a RoutingPolicy over the nodes in
+                                                         rotation whose context the request fits)
+    a failed request ────────▶ NodeRegistry.mark_unresponsive
 
-A registered node that misses heartbeats for ``heartbeat_timeout_s`` is taken out of rotation
-(kept, so that its next heartbeat brings it back); a heartbeat from a node never registered is
-refused so that the node registers again. Static nodes (given at construction, e.g. the
-in-process node of ``deepinfer serve``) never expire.
+A node is in rotation while all of these hold: its heartbeats arrive (``is_ready``; a
+registered node that misses them for ``heartbeat_timeout_s`` is kept, so that its next
+heartbeat brings it back), it answered its last request or probe (``is_responsive``: a node
+whose connection fails, or whose engine refuses work, leaves at once and is probed back in),
+its engine turns (``load.is_healthy``, carried by every heartbeat), and it is not draining. A
+heartbeat from a node never registered is refused so that the node registers again. Static
+nodes (given at construction, e.g. the in-process node of ``deepinfer serve``) send no
+heartbeats: they are probed every interval instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,6 +43,10 @@ class NoReadyNodeError(RuntimeError):
     """No node is in rotation."""
 
 
+class NoFittingNodeError(ValueError):
+    """Nodes are in rotation, but the request is longer than every one's context limit."""
+
+
 @dataclass
 class NodeEntry:
     """One node in the registry. ``num_inflight`` counts this coordinator's requests there."""
@@ -48,8 +60,20 @@ class NodeEntry:
     is_static: bool = False
     load: NodeLoad = field(default_factory=NodeLoad)
     last_heartbeat: float = 0.0
-    is_ready: bool = True
+    is_ready: bool = True  # heartbeats arrive (static nodes: always)
+    is_responsive: bool = True  # its last request or probe reached it and found it ready
     num_inflight: int = 0
+
+    @property
+    def is_in_rotation(self) -> bool:
+        # Prefill/decode nodes join once P/D pairing exists; today only mixed nodes serve alone.
+        return (
+            self.is_ready
+            and self.is_responsive
+            and self.load.is_healthy
+            and not self.load.is_draining
+            and self.role == "mixed"
+        )
 
     @property
     def load_score(self) -> int:
@@ -63,8 +87,10 @@ class NodeRegistry:
         backend_factory: BackendFactory | None = None,
         policy: RoutingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        probe_timeout_s: float = 5.0,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.probe_timeout_s = probe_timeout_s
         self.backend_factory = backend_factory
         self.policy: RoutingPolicy = policy or LeastLoadedPolicy()
         self._clock = clock
@@ -100,6 +126,7 @@ class NodeRegistry:
         entry.load = registration.load
         entry.last_heartbeat = self._clock()
         entry.is_ready = True
+        entry.is_responsive = True
         logger.info(
             "node %s registered: %s role=%s model=%s max_model_len=%d",
             entry.node_id,
@@ -114,12 +141,46 @@ class NodeRegistry:
         entry = self._nodes.get(heartbeat.node_id)
         if entry is None:
             raise UnknownNodeError(heartbeat.node_id)
+        if heartbeat.load.is_healthy != entry.load.is_healthy:
+            if heartbeat.load.is_healthy:
+                logger.info("node %s reports its engine healthy again", entry.node_id)
+            else:
+                logger.warning("node %s reports its engine failed: out of rotation", entry.node_id)
         entry.load = heartbeat.load
         entry.last_heartbeat = self._clock()
         if not entry.is_ready:
-            logger.info("node %s is back in rotation", entry.node_id)
+            logger.info("node %s heartbeats again", entry.node_id)
             entry.is_ready = True
         return entry
+
+    def mark_unresponsive(self, entry: NodeEntry, reason: str) -> None:
+        """A request found the node unreachable or refusing work: out of rotation until a
+        probe finds it ready."""
+        if entry.is_responsive:
+            logger.warning("node %s out of rotation (%s); probing it", entry.node_id, reason)
+            entry.is_responsive = False
+
+    async def probe(self) -> None:
+        """Ask the static nodes and the unresponsive ones whether they are ready (concurrently,
+        each bounded by ``probe_timeout_s``), and set ``is_responsive`` from the answer."""
+        entries = [e for e in self._nodes.values() if e.is_static or not e.is_responsive]
+        answers = await asyncio.gather(*(self._probe(e) for e in entries))
+        for entry, is_ready in zip(entries, answers, strict=True):
+            if is_ready and not entry.is_responsive:
+                logger.info("node %s answers its probe: back in rotation", entry.node_id)
+            elif not is_ready and entry.is_responsive:
+                logger.warning("node %s is not ready when probed: out of rotation", entry.node_id)
+            entry.is_responsive = is_ready
+
+    async def _probe(self, entry: NodeEntry) -> bool:
+        try:
+            return await asyncio.wait_for(entry.backend.ready(), self.probe_timeout_s)
+        except TimeoutError:
+            return False
+        except Exception as e:
+            # A backend bug must not stop the monitor: the node just stays out of rotation.
+            logger.warning("probing node %s failed: %s: %s", entry.node_id, type(e).__name__, e)
+            return False
 
     def expire(self) -> list[str]:
         """Take nodes whose last heartbeat is too old out of rotation; return their ids."""
@@ -145,32 +206,43 @@ class NodeRegistry:
         return list(self._nodes.values())
 
     def ready_nodes(self) -> list[NodeEntry]:
-        # Prefill/decode nodes join once P/D pairing exists; today only mixed nodes serve alone.
-        return [
-            n
-            for n in self._nodes.values()
-            if n.is_ready and n.role == "mixed" and not n.load.is_draining
-        ]
+        return [n for n in self._nodes.values() if n.is_in_rotation]
 
     @property
     def has_ready_node(self) -> bool:
         return bool(self.ready_nodes())
 
     def max_model_len(self) -> int:
-        """The context limit a request must fit: the smallest of the ready nodes', so that any
-        of them can take it. Raises NoReadyNodeError."""
+        """The longest context a request may ask for: the largest of the nodes' in rotation
+        (``select`` then picks one whose limit the request fits). Raises NoReadyNodeError."""
         ready = self.ready_nodes()
         if not ready:
             raise NoReadyNodeError("no node is ready")
-        return min(n.max_model_len for n in ready)
+        return max(n.max_model_len for n in ready)
+
+    def has_candidate(self, num_tokens: int, exclude: Container[str] = ()) -> bool:
+        """Whether ``select(num_tokens, exclude)`` would find a node."""
+        return any(
+            n.max_model_len >= num_tokens and n.node_id not in exclude for n in self.ready_nodes()
+        )
 
     @contextmanager
-    def select(self, num_prompt_tokens: int) -> Iterator[NodeEntry]:
-        """Pick a node and count the request against it while the block runs."""
-        ready = self.ready_nodes()
+    def select(self, num_tokens: int, exclude: Container[str] = ()) -> Iterator[NodeEntry]:
+        """Pick a node for a request of ``num_tokens`` (prompt + the most it may generate)
+        among those in rotation whose context it fits, not in ``exclude``, and count the
+        request against it while the block runs. Raises NoReadyNodeError (none in rotation,
+        or all excluded) or NoFittingNodeError (every limit is too small)."""
+        ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
         if not ready:
             raise NoReadyNodeError("no node is ready")
-        entry = self.policy.select(ready, num_prompt_tokens)
+        fitting = [n for n in ready if n.max_model_len >= num_tokens]
+        if not fitting:
+            raise NoFittingNodeError(
+                f"This model's maximum context length is "
+                f"{max(n.max_model_len for n in ready)} tokens. However, you requested "
+                f"{num_tokens} tokens. Please reduce the length of the prompt or completion."
+            )
+        entry = self.policy.select(fitting, num_tokens)
         entry.num_inflight += 1
         try:
             yield entry

@@ -24,12 +24,17 @@ if TYPE_CHECKING:
 
 class NodeError(Exception):
     """A node refused or failed a request; ``status`` is the HTTP status the API should answer
-    (e.g. 400 for an unsupported output constraint, 503 for a node shutting down)."""
+    (e.g. 400 for an unsupported output constraint, 503 for a node shutting down).
 
-    def __init__(self, status: int, message: str) -> None:
+    ``is_node_failure``: the node itself failed, not the request (unreachable, the connection
+    broke, its engine stopped or is draining): it leaves rotation, and a request that got no
+    token yet may be retried on another node."""
+
+    def __init__(self, status: int, message: str, *, is_node_failure: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.is_node_failure = is_node_failure
 
 
 @runtime_checkable
@@ -50,6 +55,11 @@ class NodeBackend(Protocol):
     async def finish(self, request_id: str, stop_reason: int | str | None) -> None:
         """End a request as finished with reason "stop" (a stop string matched on the
         coordinator's text side); ``stop_reason`` is the matched string when known."""
+        ...
+
+    async def ready(self) -> bool:
+        """Whether the node takes requests now (its engine turns, it is not draining); False
+        when it cannot be reached. The registry probes static and unresponsive nodes with it."""
         ...
 
 

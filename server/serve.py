@@ -59,7 +59,7 @@ class LocalNode:
             except ValueError as e:
                 raise NodeError(400, str(e)) from e
             except EngineClosedError as e:
-                raise NodeError(503, str(e)) from e
+                raise NodeError(503, str(e), is_node_failure=True) from e
             except EngineStepError as e:
                 raise NodeError(500, str(e)) from e
             engine_request = self.engine.get_request(rid)
@@ -77,6 +77,9 @@ class LocalNode:
 
     async def finish(self, request_id: str, stop_reason: int | str | None) -> None:
         self.engine.finish(request_id, stop_reason)
+
+    async def ready(self) -> bool:
+        return self.engine.is_turning and not self.engine.is_draining
 
 
 async def _node_metrics(request: web.Request) -> web.Response:

@@ -16,13 +16,19 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
 from deepinfer.server.errors import ApiError
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
-from deepinfer.server.registry import NodeEntry, NodeRegistry, NoReadyNodeError
+from deepinfer.server.registry import (
+    NodeEntry,
+    NodeRegistry,
+    NoFittingNodeError,
+    NoReadyNodeError,
+)
 from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
@@ -64,12 +70,18 @@ class ApiRequest:
     node: NodeEntry | None = None
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_deltas: int = 0  # token deltas passed to the handler (a retry needs none)
     first_token_time: float | None = None
     last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """The most positions the request can take: its prompt and its output limit."""
+        return self.num_prompt_tokens + (self.sampling.max_tokens or 1)
 
 
 class CoordinatorService:
@@ -101,7 +113,9 @@ class CoordinatorService:
     async def generate(self, req: ApiRequest) -> AsyncIterator[TokenDelta]:
         """The request's token deltas; the last one has ``finish_reason``.
 
-        Raises ApiError: 429/503 from admission or routing, the node's status on NodeError.
+        A node that fails before sending anything (unreachable, engine stopped) leaves rotation
+        and the request is retried once on another node. Raises ApiError: 429/503 from
+        admission or routing, 400 when no node's context fits, the node's status on NodeError.
         """
         task = asyncio.current_task()
         if task is not None:  # so that a drain that times out can cancel it, queued or running
@@ -109,19 +123,16 @@ class CoordinatorService:
         try:
             async with self.admission.admit(req.num_prompt_tokens) as admission:
                 self.metrics.queue_time.observe(admission.queue_time)
-                with self.registry.select(req.num_prompt_tokens) as node:
-                    req.node = node
-                    req.status = RequestStatus.RUNNING
-                    async for delta in node.backend.generate(self._generate_request(req)):
-                        self._observe(req, delta)
-                        if delta.finish_reason is not None:
-                            req.status = _NODE_FINISH.get(
-                                delta.finish_reason, RequestStatus.FINISHED_ERROR
-                            )
-                        yield delta
-                        if req.status.is_finished:
-                            return
-                    raise NodeError(502, "The node's stream ended before the request finished")
+                failed_nodes: list[str] = []
+                while True:
+                    try:
+                        async with aclosing(self._generate_on_a_node(req, failed_nodes)) as deltas:
+                            async for delta in deltas:
+                                yield delta
+                        return
+                    except NodeError as e:
+                        if not self._retries(req, e, failed_nodes):
+                            raise
         except AdmissionError as e:
             self.metrics.rejected("draining" if isinstance(e, DrainingError) else "queue_full")
             raise ApiError(
@@ -132,6 +143,8 @@ class CoordinatorService:
             raise ApiError(
                 503, "No inference node is ready; retry shortly", retry_after=5
             ) from None
+        except NoFittingNodeError as e:
+            raise ApiError(400, str(e), param="max_tokens", code="invalid_request_error") from None
         except NodeError as e:
             logger.info("request %s failed on its node: %d %s", req.request_id, e.status, e.message)
             if req.status is RequestStatus.RUNNING and req.node is not None:
@@ -145,6 +158,50 @@ class CoordinatorService:
                 self._abort(req)
             if req.node is not None:
                 self._record_finish(req)
+
+    async def _generate_on_a_node(
+        self, req: ApiRequest, exclude: list[str]
+    ) -> AsyncIterator[TokenDelta]:
+        """Route the request to a node (not in ``exclude``) and stream its deltas there."""
+        with self.registry.select(req.num_tokens, exclude) as node:
+            req.node = node
+            req.status = RequestStatus.RUNNING
+            stream = node.backend.generate(self._generate_request(req))
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    self._observe(req, delta)
+                    req.num_deltas += 1
+                    if delta.finish_reason is not None:
+                        req.status = _NODE_FINISH.get(
+                            delta.finish_reason, RequestStatus.FINISHED_ERROR
+                        )
+                    yield delta
+                    if req.status.is_finished:
+                        return
+            raise NodeError(
+                502, "The node's stream ended before the request finished", is_node_failure=True
+            )
+
+    def _retries(self, req: ApiRequest, error: NodeError, failed_nodes: list[str]) -> bool:
+        """After a NodeError: take a failed node out of rotation, and say whether the request
+        goes to another one (once, and only if the client has been sent nothing yet)."""
+        if not error.is_node_failure or req.node is None:
+            return False
+        self.registry.mark_unresponsive(req.node, error.message)
+        failed_nodes.append(req.node.node_id)
+        if req.num_deltas or len(failed_nodes) > 1:
+            return False
+        if not self.registry.has_candidate(req.num_tokens, failed_nodes):
+            return False
+        logger.warning(
+            "request %s: node %s failed before its first token (%d %s); retrying on another node",
+            req.request_id,
+            req.node.node_id,
+            error.status,
+            error.message,
+        )
+        self.metrics.retries.inc()
+        return True
 
     async def finish_stopped(self, req: ApiRequest, stop_reason: int | str | None) -> None:
         """A stop string matched on the text side: end the request on its node as stopped."""

@@ -72,6 +72,7 @@ class FakeBackend:
     aborted: list[str] = field(default_factory=list)
     finished: list[tuple[str, int | str | None]] = field(default_factory=list)
     aborted_event: asyncio.Event = field(default_factory=asyncio.Event)
+    is_ready: bool = True  # what ready() answers (the registry probes static nodes)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)
@@ -103,3 +104,6 @@ class FakeBackend:
 
     async def finish(self, request_id: str, stop_reason: int | str | None) -> None:
         self.finished.append((request_id, stop_reason))
+
+    async def ready(self) -> bool:
+        return self.is_ready

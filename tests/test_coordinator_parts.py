@@ -17,7 +17,7 @@ from coordinator_fakes import TOKENIZER_PATH, FakeBackend
 from deepinfer.server.admission import AdmissionController, DrainingError, QueueFullError
 from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event
 from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
-from deepinfer.server.registry import NodeEntry, NodeRegistry, NoReadyNodeError
+from deepinfer.server.registry import NodeEntry, NodeRegistry, NoFittingNodeError, NoReadyNodeError
 from deepinfer.server.routing import LeastLoadedPolicy
 
 # ---- admission -------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     registry.register(NodeRegistration(node_id="p", url="http://p", role="prefill", model="m",
                                        max_model_len=99))  # fmt: skip
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1"]
-    assert registry.max_model_len() == 2048
+    assert registry.max_model_len() == 4096  # the largest: select() finds a node that fits
     with registry.select(10) as chosen:
         assert chosen is entry  # both idle: the lower node id
         assert registry.register(registration) is entry  # re-registration keeps the entry...
@@ -121,6 +121,39 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     assert entry.is_ready and entry.load.num_waiting == 3
     with pytest.raises(KeyError):
         registry.heartbeat(NodeHeartbeat(node_id="zz", load=NodeLoad()))
+
+
+@pytest.mark.asyncio
+async def test_registry_routes_by_limit_health_and_probes() -> None:
+    registry = NodeRegistry(heartbeat_timeout_s=10.0, backend_factory=lambda url: FakeBackend())
+    static = FakeBackend()
+    registry.add_static("static-0", static, 4096)
+    small = registry.register(
+        NodeRegistration(node_id="n1", url="http://n1", role="mixed", model="m", max_model_len=2)
+    )
+    # A node with a tiny limit takes what fits it, and limits no one else.
+    with registry.select(2) as chosen:
+        assert chosen is small
+    with registry.select(3) as chosen:
+        assert chosen.node_id == "static-0"
+    with pytest.raises(NoFittingNodeError, match="maximum context length is 4096 tokens"):
+        registry.select(4097).__enter__()
+    # Engine health rides on heartbeats: a failed engine leaves rotation at once.
+    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad(is_healthy=False)))
+    assert [n.node_id for n in registry.ready_nodes()] == ["static-0"]
+    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad()))
+    # A request that found a node unreachable takes it out; a probe that finds it ready brings
+    # it back. Static nodes are probed every time.
+    registry.mark_unresponsive(small, "connection refused")
+    small.backend.is_ready = static.is_ready = False
+    await registry.probe()
+    assert registry.ready_nodes() == []
+    assert not registry.has_candidate(2)
+    small.backend.is_ready = static.is_ready = True
+    await registry.probe()
+    assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1"]
+    assert registry.has_candidate(2, exclude=["static-0"])
+    assert not registry.has_candidate(3, exclude=["static-0"])
 
 
 # ---- SSE error events ------------------------------------------------------------------------

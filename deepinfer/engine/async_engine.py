@@ -163,6 +163,7 @@ class AsyncEngine:
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_total_blocks=scheduler.block_manager.num_blocks,
             is_draining=self._is_draining,
+            is_healthy=self.is_turning,
         )
 
     # -- requests ----------------------------------------------------------------------------------
