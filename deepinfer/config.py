@@ -34,8 +34,13 @@ class ModelConfig:
     # CUDA: keep the checkpoint's FP8 linear weights FP8 (block-scaled W8A8 GEMMs, kernel.linear)
     # instead of dequantizing them to dtype; ignored on other devices.
     fp8_weights: bool = False
+    # The most top alternatives a request may ask for (logprobs, prompt_logprobs), as OpenAI
+    # and vLLM cap them: each costs a [V] sort row and bytes on the wire per token.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"model.max_logprobs must be >= 0, got {self.max_logprobs}")
         _check_choice("model.device", self.device, ("auto", "cpu", "cuda", "npu"))
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -5,9 +5,12 @@ Defaults follow vLLM's ``SamplingParams`` so that code written for it carries ov
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_MAX_INT32 = 2**31 - 1
 
 
 @dataclass
@@ -61,6 +64,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_types()
         if self.n != 1:
             raise ValueError(f"n must be 1 for now, got {self.n}")
         if self.temperature < 0.0:
@@ -77,22 +81,61 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= _MAX_INT32:
+            raise ValueError(f"max_tokens must be in [1, 2**31 - 1], got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= _MAX_INT32:
+            raise ValueError(f"min_tokens must be in [0, 2**31 - 1], got {self.min_tokens}")
+        if self.top_k > _MAX_INT32:
+            raise ValueError(f"top_k must be at most 2**31 - 1, got {self.top_k}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value < 0:
+            if value is not None and not 0 <= value <= _MAX_INT32:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if any(not 0 <= t <= _MAX_INT32 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.constraint is not None:
             self._validate_constraint()
+
+    def _validate_types(self) -> None:
+        """Integers are ints (not bools), numbers are finite: NaN passes every range check."""
+        for name in ("n", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            _check_number(name, getattr(self, name))
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict, got {type(self.logit_bias).__name__}")
+            for token_id, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token_id)
+                _check_number(f"logit_bias[{token_id}]", bias)
+
+    def check_limits(self, *, max_logprobs: int) -> None:
+        """The engine's limits (LLMEngine.add_request): raises ValueError past them."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name} asks for {value} alternatives; at most {max_logprobs} "
+                    "(model.max_logprobs)"
+                )
 
     def _validate_constraint(self) -> None:
         from deepinfer.constraints import check_constraint_kind
@@ -120,3 +163,15 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

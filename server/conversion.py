@@ -121,9 +121,11 @@ class Frontend:
         if not raw:
             raise bad_request("Request body is empty; expected a JSON object")
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_refuse_constant)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad_request(f"Invalid JSON body: {e}") from None
+        except RecursionError:
+            raise bad_request("Invalid JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -155,6 +157,12 @@ class Frontend:
             request = _REQUEST_CLASSES[kind](body)
         except ValueError as e:  # serde: wrong types, missing fields, unknown enum values
             raise bad_request(str(e)) from None
+        except OverflowError:  # an integer anywhere in the body past what JSON numbers hold
+            raise bad_request(
+                "Invalid request body: an integer is out of range (at most 2^64 - 1)"
+            ) from None
+        except RecursionError:
+            raise bad_request("Invalid request body: nested too deeply") from None
         extras: dict[str, Any] = {}
         try:
             if kind is ApiKind.RESPONSES:
@@ -230,6 +238,11 @@ class Frontend:
                     "Image inputs are not supported by this server yet",
                     source.path.lstrip(".") or None,
                 )
+
+
+def _refuse_constant(name: str) -> None:
+    """json.loads takes NaN and Infinity, which are not JSON: every range check passes them."""
+    raise bad_request(f"Invalid JSON body: {name} is not a valid JSON number")
 
 
 @functools.lru_cache(maxsize=4)

@@ -334,6 +334,21 @@ BAD_INPUT = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": "x"}, 400,
      "temperature", "temperature"),
     ("/v1/nothing", {}, 404, "Not Found", None),
+    # Values JSON (and the recipe's number types) cannot hold, and what json.loads lets through.
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**64}, 400, "out of range", None),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, 400, "out of range", None),
+    ("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2**64}, 400,
+     "out of range", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2**64}, 400, "seed", "seed"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [], "temperature": NaN}', 400,
+     "NaN is not a valid JSON number", None),
+    ("/v1/responses", b'{"model": "m", "input": "x", "top_p": Infinity}', 400,
+     "Infinity is not a valid JSON number", None),
+    ("/v1/completions", b'{"model": "m", "prompt": "a", "repetition_penalty": NaN}', 400,
+     "NaN is not a valid JSON number", None),
+    ("/v1/chat/completions", b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     400, "nested too deeply", None),
+    ("/v1/completions", b'{"a": ' * 5000 + b"1" + b"}" * 5000, 400, "nested too deeply", None),
 ]  # fmt: skip
 BAD_MESSAGES = [
     ("/v1/messages", b"{oops", 400, "Invalid JSON body"),
@@ -343,6 +358,11 @@ BAD_MESSAGES = [
      "maximum context length"),
     ("/v1/messages", {**M, "top_k": -5}, 400, "top_k"),
     ("/v1/messages/count_tokens", b"", 400, "body is empty"),
+    ("/v1/messages", {**M, "max_tokens": 2**64}, 400, "out of range"),
+    ("/v1/messages", b'{"model": "m", "max_tokens": 5, "temperature": -Infinity}', 400,
+     "-Infinity is not a valid JSON number"),
+    ("/v1/messages/count_tokens", b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000
+     + b"}", 400, "nested too deeply"),
 ]  # fmt: skip
 
 

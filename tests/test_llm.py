@@ -3,6 +3,7 @@ errors, the default model's creation, and abort/cleanup."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -105,6 +106,21 @@ def test_bad_input_errors(llm: LLM) -> None:
         llm.generate([[0, 200000]], _greedy(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    bad_params = [
+        ({"temperature": math.nan}, "temperature must be a finite number, got nan"),
+        ({"top_p": math.inf}, "top_p must be a finite number, got inf"),
+        ({"presence_penalty": math.nan}, "presence_penalty must be a finite number"),
+        ({"logit_bias": {5: math.nan}}, r"logit_bias\[5\] must be a finite number"),
+        ({"max_tokens": 2**64}, r"max_tokens must be in \[1, 2\*\*31 - 1\]"),
+        ({"seed": 2**64}, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": True}, "seed must be an integer, got True"),
+        ({"top_k": 1.5}, "top_k must be an integer, got 1.5"),
+    ]
+    for kwargs, message in bad_params:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=r"at most 20 \(model.max_logprobs\)"):
+        llm.generate([PROMPT], _greedy(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="must not be empty"):
         llm.generate([[]], _greedy(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError):

@@ -202,6 +202,11 @@ async def test_refused_requests(aiohttp_client: Callable[..., Any]) -> None:
         (gen_request("a", [7], temperature=-1.0), "temperature must be >= 0, got -1.0"),
         (gen_request("a", [5] * 4096), "max_model_len is 4096"),
         (gen_request("a", [200000]), "token ids [200000] are outside [0, 129280)"),
+        # NaN passes every range check: refused as not finite. Big asks for alternatives are
+        # capped (model.max_logprobs), or 129,279 of them would be megabytes per token.
+        (gen_request("a", [7], repetition_penalty=float("nan")), "must be a finite number"),
+        (gen_request("a", [7], logprobs=129279), "at most 20 (model.max_logprobs)"),
+        (gen_request("a", [7], prompt_logprobs=21), "at most 20 (model.max_logprobs)"),
     ]
     for request, message in cases:
         with pytest.raises(NodeError) as info:

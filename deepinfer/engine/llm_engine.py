@@ -173,6 +173,7 @@ class LLMEngine:
         """Admit a request. A constrained request's grammar is ``compiled_grammar`` (compiled off
         the engine thread, as AsyncEngine does) or compiled here, synchronously. Raises
         ValueError (ConstraintError for a bad constraint) before anything is admitted."""
+        sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
