@@ -287,3 +287,25 @@ def test_disk_stale_temp_files_are_cleaned_at_start(tmp_path: Path) -> None:
     with DiskTier(tmp_path, 1 << 20, SALT) as tier:
         assert len(tier) == 0
     assert not stale.exists() and fresh.exists()
+
+
+def test_disk_fifo_at_a_key_neither_blocks_nor_is_read(tmp_path: Path, caplog) -> None:
+    """Opening a FIFO for reading waits for a writer: a get() on the scheduling path would hang
+    every request. Only regular files are opened, and the open itself does not wait."""
+    with DiskTier(tmp_path, 1 << 20, SALT) as tier:
+        path = tier.path("block", key(1))
+        path.parent.mkdir(parents=True)
+        os.mkfifo(path)
+        results: list[object] = []
+        reader = threading.Thread(target=lambda: results.append(tier.get("block", key(1))))
+        with caplog.at_level(logging.WARNING):
+            reader.start()
+            reader.join(timeout=5.0)
+        assert not reader.is_alive(), "get() blocked on a FIFO"
+        assert results == [None]
+        assert "not a regular file" in caplog.text and "left in place" in caplog.text
+        assert path.is_fifo() and tier.stats.corrupt_files == 1
+        # A put over it replaces it with a real file that reads back.
+        tier.put("block", key(1), block(1))
+        tier.flush()
+        assert_same(tier.get("block", key(1)), block(1))

@@ -32,6 +32,7 @@ import os
 import queue
 import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -325,7 +326,7 @@ class DiskTier:
     def _remove(self, victims: list[Path]) -> None:
         for path in victims:
             try:
-                with open(path, "rb") as f:
+                with _open_regular(path) as f:
                     is_ours = f.read(len(MAGIC)) == MAGIC
             except FileNotFoundError:
                 continue  # another node evicted it first
@@ -342,9 +343,26 @@ def _subdirs(directory: Path) -> list[Path]:
     return [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
 
 
+def _open_regular(path: Path):
+    """Open ``path`` for reading only if it is a regular file: whatever else sits at a key's
+    path on a shared directory (a FIFO, a device) must not block the step that reads it, so
+    the open does not wait (O_NONBLOCK) and the file's type is checked before any read.
+    Raises OSError (FileNotFoundError when absent)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"not a regular file (mode {stat.filemode(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_all(path: Path) -> bytearray:
     """The whole file in a writable buffer (decode hands out zero-copy tensor views of it)."""
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         buf = bytearray(os.fstat(f.fileno()).st_size)
         view, filled = memoryview(buf), 0
         while filled < len(buf) and (n := f.readinto(view[filled:])):
