@@ -140,10 +140,15 @@ class NodeClient:
     async def _post(
         self, path: str, body: bytes, timeout: aiohttp.ClientTimeout
     ) -> aiohttp.ClientResponse:
+        post = self._get_session().post
+        url = self.base_url + path
         try:
-            return await self._get_session().post(
-                self.base_url + path, data=body, headers=self._headers, timeout=timeout
-            )
+            try:
+                return await post(url, data=body, headers=self._headers, timeout=timeout)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the node had closed: no response came, so the
+                # node saw at most a disconnect (which aborts there). Once more, on a new one.
+                return await post(url, data=body, headers=self._headers, timeout=timeout)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise NodeError(
                 503, f"node {self.base_url} unreachable: {e!r}", is_node_failure=True

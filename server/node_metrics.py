@@ -54,6 +54,7 @@ class NodeMetrics:
         self.num_waiting = gauge("deepinfer_requests_waiting", "Requests waiting for admission")
         self.kv_blocks_used = gauge("deepinfer_kv_blocks_used", "KV cache blocks in use")
         self.kv_usage = gauge("deepinfer_kv_cache_usage_ratio", "Fraction of KV blocks in use")
+        self.state_slots_used = gauge("deepinfer_state_slots_used", "Request state slots in use")
 
     def _init_counters(self, node_id: str) -> None:
         def counter(name: str, doc: str) -> Counter:
@@ -122,6 +123,7 @@ class NodeMetrics:
         self.num_waiting.set(load.num_waiting)
         num_used = load.num_total_blocks - load.num_free_blocks
         self.kv_blocks_used.set(num_used)
+        self.state_slots_used.set(load.num_used_slots)
         self.kv_usage.set(num_used / load.num_total_blocks if load.num_total_blocks else 0.0)
         return generate_latest(self.registry)
 

@@ -110,6 +110,7 @@ class NodeLoad(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_used_slots: int = 0
     is_draining: bool = False
     is_healthy: bool = True
 

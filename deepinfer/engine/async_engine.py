@@ -162,6 +162,7 @@ class AsyncEngine:
             num_waiting=scheduler.num_waiting,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_total_blocks=scheduler.block_manager.num_blocks,
+            num_used_slots=scheduler.state_slots.num_used_slots,
             is_draining=self._is_draining,
             is_healthy=self.is_turning,
         )
