@@ -31,10 +31,10 @@ from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model.tiny import make_tiny_model
+from deepinfer.server.errors import ApiError
+from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.serve import create_serve_app
 from deepinfer.tokenizer import Tokenizer
-
-pytestmark = pytest.mark.asyncio
 
 MODEL = "deepinfer-tiny"
 MAX_MODEL_LEN = 4096  # ScriptedExecutor's
@@ -112,6 +112,7 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
 # ---- 1. max_completion_tokens -------------------------------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_max_completion_tokens_is_honoured_and_wins_over_max_tokens(serve) -> None:
     served = await serve()
     messages = [{"role": "user", "content": "talk"}]
@@ -134,6 +135,7 @@ async def test_max_completion_tokens_is_honoured_and_wins_over_max_tokens(serve)
 # ---- 2. default max_tokens, the range against the context, Messages' required max_tokens -------
 
 
+@pytest.mark.asyncio
 async def test_default_max_tokens_range_and_messages_require_max_tokens(serve) -> None:
     served = await serve(default_max_tokens=7)
     messages = [{"role": "user", "content": "talk"}]
@@ -158,6 +160,7 @@ async def test_default_max_tokens_range_and_messages_require_max_tokens(serve) -
 # ---- 3. Anthropic tool_choice any ----------------------------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_tool_choice_any_is_a_required_tool_call(serve) -> None:
     served = await serve()
     kw: dict[str, Any] = dict(
@@ -192,6 +195,7 @@ async def test_tool_choice_any_is_a_required_tool_call(serve) -> None:
 # ---- 4. Responses: thinking, previous_response_id, store, GET ------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_responses_take_thinking_as_chat_does(serve) -> None:
     served = await serve()
     plain = await served.oai.responses.create(
@@ -210,6 +214,7 @@ async def test_responses_take_thinking_as_chat_does(serve) -> None:
         )
 
 
+@pytest.mark.asyncio
 async def test_responses_are_stored_continued_and_retrieved(serve) -> None:
     served = await serve()
     first = await served.oai.responses.create(model=MODEL, input="Say hi, zebra")
@@ -244,6 +249,41 @@ async def test_responses_are_stored_continued_and_retrieved(serve) -> None:
         await served.oai.responses.create(model=MODEL, input="x", previous_response_id="resp_x")
 
 
+def test_response_store_bounds_its_bytes_least_recently_used_first() -> None:
+    def response(response_id: str) -> dict[str, Any]:
+        return {"id": response_id, "output": [{"type": "message", "content": response_id}]}
+
+    size = len(json.dumps([{"role": "user", "content": "q"}])) + len(json.dumps(response("r1")))
+    store = ResponseStore(max_bytes=2 * size + 1)
+    for response_id in ("r1", "r2"):
+        _, turn = store.begin({"input": "q"})
+        turn.finish(response(response_id))
+    store.get("r1")  # now r2 is the least recently used
+    body, turn = store.begin({"input": "again", "previous_response_id": "r1", "store": True})
+    assert body == {
+        "input": [
+            {"role": "user", "content": "q"},
+            {"type": "message", "content": "r1"},
+            {"role": "user", "content": "again"},
+        ],
+        "store": True,
+    }
+    _, unstored = store.begin({"input": "q", "store": False})
+    unstored.finish(response("r9"))
+    assert (len(store), store.num_bytes) == (2, 2 * size)
+    store.put([{"role": "user", "content": "q"}], response("r3"))
+    assert (len(store), store.num_bytes) == (2, 2 * size)
+    assert [store.get(r)["id"] for r in ("r1", "r3")] == ["r1", "r3"]
+    for missing in ("r2", "r9"):
+        with pytest.raises(ApiError, match=f"'{missing}' not found"):
+            store.get(missing)
+    turn.finish(response("r4"))  # its whole conversation outgrows the store: not kept
+    assert turn.input_items == body["input"] and len(store) == 2
+    with pytest.raises(ApiError, match="'r4' not found"):
+        store.get("r4")
+
+
+@pytest.mark.asyncio
 async def test_no_response_store_refuses_previous_response_id(serve) -> None:
     served = await serve(response_store_mib=0)
     first = await served.oai.responses.create(model=MODEL, input="Say hi, zebra")
@@ -268,6 +308,7 @@ STRUCTURED_REFUSALS = [
 ]  # fmt: skip
 
 
+@pytest.mark.asyncio
 async def test_structured_output_fields_that_cannot_be_honoured_are_refused(serve) -> None:
     served = await serve()
     messages = [{"role": "user", "content": "json please"}]
@@ -284,6 +325,7 @@ async def test_structured_output_fields_that_cannot_be_honoured_are_refused(serv
 # ---- 6. vLLM's endpoints and GET /v1/models/{id} -----------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_tokenize_detokenize_version_ping_and_one_model(serve) -> None:
     served = await serve()
     status, body = await served.post(
@@ -343,6 +385,7 @@ async def tiny(tiny_engine: LLMEngine) -> AsyncIterator[Served]:
         yield Served(server, tiny_engine)
 
 
+@pytest.mark.asyncio
 async def test_vllm_structured_output_fields_are_enforced(tiny: Served) -> None:
     off = {"thinking": {"type": "disabled"}}
     messages = [{"role": "user", "content": "Pick one."}]
@@ -374,6 +417,7 @@ async def test_vllm_structured_output_fields_are_enforced(tiny: Served) -> None:
     assert completion.choices[0].text in ("yes", "no")
 
 
+@pytest.mark.asyncio
 async def test_guidellm_concurrent_profile_completes_every_request(
     tiny: Served, tmp_path: Path
 ) -> None:
