@@ -181,19 +181,20 @@ async def respond(
     return await _collect(prepared, req, events, timeout, turn)
 
 
-def _event_data(event: Any, name: str | None, turn: StoredTurn | None) -> str:
-    """An event's JSON; a Responses turn echoes its previous_response_id on the response
-    objects and finishes with the last one."""
+def _format_event(event: Any, response_cls: Any, turn: StoredTurn | None) -> str:
+    """One recipe event as SSE; a Responses turn echoes its previous_response_id on the
+    response objects and finishes with the last one."""
+    name = response_cls.sse_event_name(event)
     data = event.to_json()
     is_final = name in _FINAL_RESPONSE_EVENTS
-    if turn is None or not (is_final or (name in _RESPONSE_EVENTS and turn.previous_response_id)):
-        return data
-    payload = json.loads(data)
-    if is_final:
-        turn.finish(payload["response"])
-    else:
-        turn.echo(payload["response"])
-    return dumps(payload)
+    if turn is not None and (is_final or (name in _RESPONSE_EVENTS and turn.previous_response_id)):
+        payload = json.loads(data)
+        if is_final:
+            turn.finish(payload["response"])
+        else:
+            turn.echo(payload["response"])
+        data = dumps(payload)
+    return format_event(data, name)
 
 
 async def _stream(
@@ -208,11 +209,7 @@ async def _stream(
     try:
         async with asyncio.timeout(timeout), aclosing(events):
             async for step in events:
-                names = [response_cls.sse_event_name(e) for e in step]
-                text = "".join(
-                    format_event(_event_data(e, name, turn), name)
-                    for e, name in zip(step, names, strict=True)
-                )
+                text = "".join(_format_event(e, response_cls, turn) for e in step)
                 await sse.write(text, len(step))
         done = response_cls.sse_done_data()
         await sse.write(format_event(done) if done is not None else "", 0)

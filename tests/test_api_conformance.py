@@ -356,6 +356,9 @@ async def test_tokenize_detokenize_version_ping_and_one_model(serve) -> None:
         for method in ("GET", "POST"):
             async with session.request(method, f"{served.url}/ping") as r:
                 assert (r.status, await r.read()) == (200, b"")
+    keyed = await serve(api_keys="secret")
+    status, body = await keyed.post("/tokenize", {"prompt": "Hello world"})
+    assert status == 401 and "API key" in body["error"]["message"]
     model = await served.oai.models.retrieve(MODEL)
     assert (model.id, model.model_extra["max_model_len"]) == (MODEL, MAX_MODEL_LEN)
     with pytest.raises(openai.NotFoundError, match="`gpt-x` does not exist"):
