@@ -49,7 +49,7 @@ def read_output_constraint(
                 "Invalid structured_outputs: expected an object", "structured_outputs"
             )
         for key, value in outputs.items():
-            if value is None:
+            if value is None or value is False:  # not asked for (vLLM's defaults)
                 continue
             name = f"structured_outputs.{key}"
             if key not in _STRUCTURED_OUTPUTS_KEYS:
@@ -74,7 +74,7 @@ def _constraint(name: str, key: str, value: Any) -> OutputConstraint:
         return OutputConstraint(kind="json", schema=_schema_text(name, value))
     if key == "json_object":
         if value is not True:
-            raise bad_request(f"Invalid {name}: expected true", name)
+            raise bad_request(f"Invalid {name}: expected a boolean", name)
         return OutputConstraint(kind="json_object")
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):

@@ -409,7 +409,8 @@ async def test_vllm_structured_output_fields_are_enforced(tiny: Served) -> None:
         response_format={"type": "json_schema", "json_schema": schema}, extra_body=off
     )
     assert json.loads(strict) in choices
-    code = await chat(extra_body={**off, "structured_outputs": {"regex": "[a-c]{2}-[0-9]"}})
+    outputs = {"regex": "[a-c]{2}-[0-9]", "json_object": False, "grammar": None}
+    code = await chat(extra_body={**off, "structured_outputs": outputs})
     assert len(code) == 4 and code[:2] in {a + b for a in "abc" for b in "abc"} and code[2] == "-"
     completion = await tiny.oai.completions.create(
         model="tiny",
