@@ -154,6 +154,10 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     default_thinking_mode: bool = True  # requests without `thinking` reason first
+    # max_tokens of a chat or Responses request that sets none; None: DeepSeek's API default
+    # (8192 without thinking, 65536 in thinking mode, 131072 at max effort). Either way at most
+    # the context left after the prompt.
+    default_max_tokens: int | None = None
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     node_token: str | None = None  # shared secret between the coordinator and its nodes
     image_url_allowlist: tuple[str, ...] = ()  # hosts whose image URLs may be fetched
@@ -167,6 +171,9 @@ class ServerConfig:
     heartbeat_timeout_s: float = 10.0  # a node silent this long leaves the rotation
     # Static nodes, and nodes a request found unreachable, are probed (GET /ready) this often.
     node_probe_interval_s: float = 1.0
+    # Responses kept for `previous_response_id` and GET /v1/responses/{id}, least recently used
+    # evicted beyond this size; 0 stores none.
+    response_store_mib: float = 256.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -183,8 +190,14 @@ class ServerConfig:
             "max_queued_prompt_tokens",
         ):
             _check_positive(f"server.{key}", getattr(self, key))
+        if self.default_max_tokens is not None:
+            _check_positive("server.default_max_tokens", self.default_max_tokens)
         if self.retry_after_s < 0:
             raise ValueError(f"server.retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.response_store_mib < 0:
+            raise ValueError(
+                f"server.response_store_mib must be >= 0, got {self.response_store_mib}"
+            )
         for key in (
             "request_timeout_s",
             "drain_timeout_s",

@@ -1,8 +1,9 @@
 """/v1/completions: a raw prompt (text or token ids) continued as is, OpenAI-shaped.
 
 The recipe covers chat-style APIs only, so this endpoint is ours: no chat template, no reasoning
-or tool parsing. Its text side is the engine's own (``deepinfer.tokenizer``): an incremental
-detokenizer and the stop-string matcher, which holds back text that could start a stop string.
+or tool parsing; structured output in vLLM's fields (server/structured_output.py). Its text
+side is the engine's own (``deepinfer.tokenizer``): an incremental detokenizer and the
+stop-string matcher, which holds back text that could start a stop string.
 
     body --parse_completion--> prompt ids + SamplingOptions --CoordinatorService.generate-->
         TokenDelta --IncrementalDetokenizer + StopStringMatcher--> text_completion chunks
@@ -28,6 +29,7 @@ from deepinfer.server.sampling import build_sampling_options, read_extra_samplin
 from deepinfer.server.service import ApiRequest, CoordinatorService
 from deepinfer.server.sse import DONE, SSEStream, dumps, format_event
 from deepinfer.server.streaming import write_stream_error
+from deepinfer.server.structured_output import read_output_constraint
 from deepinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -128,6 +130,7 @@ def parse_completion(
         endpoint="completions",
         prompt_token_ids=prompt_ids,
         sampling=sampling,
+        constraint=read_output_constraint(body, None),
         cache_salt=extra.cache_salt,
     )
     return completion, req

@@ -1,17 +1,24 @@
 """Request conversion: an HTTP body -> what a node runs (prompt token ids + sampling options).
 
-    body (JSON) --recipe *Request(body).convert(options)--> ConversationRequest
+    body (JSON) --_recipe_body--> --recipe *Request(body).convert(options)--> ConversationRequest
+        --_require_tool_call (Messages' tool_choice any)--> Converted
         --DeepseekV4Encoding.encode--> prompt_token_ids --resolve_max_tokens--> max_tokens
-        + extras from the raw body (server/sampling.py) --> Prepared (-> ApiRequest, processor)
+        + extras from the raw body (server/sampling.py, server/structured_output.py)
+        --> Prepared (-> ApiRequest, processor)
 
 deepseek-recipe does the protocol work (validation, chat template, tool/response-format handling,
 thinking mode, DeepSeek's error messages); this module adds what is ours: the served model name,
-the model check (404), the image-URL policy, and the node-side options. ``prepare`` is CPU work
-(tokenization of up to a million-token prompt), so handlers run it in a worker thread.
+the model check (404), the image-URL policy, the node-side options, and what recipe 0.2.0 drops
+or misreads: ``max_completion_tokens``, ``thinking`` on Responses, strict schemas whose root is
+not an object, Messages without ``max_tokens`` (a 400, as Anthropic's API) and with
+``tool_choice: any`` (a required tool call). The ``max_tokens`` bound is the context limit where
+that is below DeepSeek's 384K. ``prepare`` is CPU work (tokenization of up to a million-token
+prompt), so handlers run it in a worker thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -26,7 +33,8 @@ import tokenizers
 
 from deepinfer.server.errors import ApiError, bad_request
 from deepinfer.server.protocol import OutputConstraint, SamplingOptions
-from deepinfer.server.sampling import build_sampling_options, read_extra_sampling
+from deepinfer.server.sampling import _integer, build_sampling_options, read_extra_sampling
+from deepinfer.server.structured_output import accept_strict_schema, read_output_constraint
 from deepinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +61,25 @@ _MODEL_VERSIONS = {
 # The constraint kinds the recipe produces; a node enforces each with a grammar.
 _ENFORCED_CONSTRAINTS = ("json", "regex", "tool_call_required", "tool_call")
 
+# DeepSeek's largest max_tokens (384K), the recipe's default bound in both modes.
+_MAX_TOKENS_BOUND = recipe.ConversionOptions().thinking_max_tokens_upper_bound
+
+# The recipe's refusal of a forced tool call in thinking mode (the prompt cannot open one).
+_THINKING_TOOL_CHOICE = "Thinking mode does not support this tool_choice"
+
+
+@dataclass
+class Converted:
+    """A body as the recipe converted it, with our corrections. Producer: ``Frontend.convert``;
+    consumers: ``Frontend.prepare``, ``count_tokens``, ``/tokenize``."""
+
+    request: recipe.ConversationRequest  # inference options, stream, the chunk generator
+    conversation: recipe.Conversation  # what is encoded: the request's, or a corrected one
+    parsing_options: recipe.ParsingOptions
+    constraint: OutputConstraint | None
+    echo: recipe.ResponsesEcho | None = None  # Responses only
+    namespace_tool_map: dict[str, tuple[str, str]] | None = None  # Responses only
+
 
 @dataclass
 class Prepared:
@@ -62,6 +89,7 @@ class Prepared:
     kind: ApiKind
     model: str  # the requested name, echoed in responses
     conversation_request: recipe.ConversationRequest
+    parsing_options: recipe.ParsingOptions
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     constraint: OutputConstraint | None
@@ -84,6 +112,7 @@ class Frontend:
         *,
         model_type: str = "deepseek_v4",
         default_thinking_mode: bool = True,
+        default_max_tokens: int | None = None,
         image_url_allowlist: tuple[str, ...] = (),
     ) -> None:
         if model_type not in _MODEL_VERSIONS:
@@ -95,6 +124,7 @@ class Frontend:
             path = path / "tokenizer.json"
         self.served_model_name = served_model_name
         self.model_type = model_type
+        self.default_max_tokens = default_max_tokens
         self.image_url_allowlist = frozenset(h.lower() for h in image_url_allowlist)
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
         version, encoding_cls = _MODEL_VERSIONS[model_type]
@@ -149,10 +179,12 @@ class Frontend:
     # ---- conversion (worker thread) ---------------------------------------------------------
 
     def convert(
-        self, kind: ApiKind, body: dict[str, Any]
-    ) -> tuple[recipe.ConversationRequest, Any]:
-        """(the recipe's ConversationRequest, the protocol request read before conversion)."""
+        self, kind: ApiKind, body: dict[str, Any], context_limit: int | None = None
+    ) -> Converted:
+        """The recipe's conversion of ``body``; ``context_limit`` bounds ``max_tokens``."""
         self.check_model(body.get("model"))
+        bound = min(_MAX_TOKENS_BOUND, context_limit or _MAX_TOKENS_BOUND)
+        body = _recipe_body(kind, body, bound)
         try:
             request = _REQUEST_CLASSES[kind](body)
         except ValueError as e:  # serde: wrong types, missing fields, unknown enum values
@@ -163,33 +195,55 @@ class Frontend:
             ) from None
         except RecursionError:
             raise bad_request("Invalid request body: nested too deeply") from None
-        extras: dict[str, Any] = {}
+        options = self.options.with_thinking_max_tokens_upper_bound(
+            bound
+        ).with_non_thinking_max_tokens_upper_bound(bound)
         try:
+            extras = {}
             if kind is ApiKind.RESPONSES:
                 extras["echo"] = request.echo()
                 extras["namespace_tool_map"] = request.namespace_tool_map(self.options)
-            return request.convert(self.options), extras
+            conversation_request = request.convert(options)
         except recipe.ConversionError as e:
             raise _from_conversion_error(e) from None
+        constraint = conversation_request.inference_options.output_constraint
+        converted = Converted(
+            request=conversation_request,
+            conversation=conversation_request.conversation,
+            parsing_options=conversation_request.parsing_options,
+            constraint=(
+                OutputConstraint(kind=constraint.kind, schema=constraint.schema)
+                if constraint is not None and constraint.kind in _ENFORCED_CONSTRAINTS
+                else None
+            ),
+            **extras,
+        )
+        if kind is ApiKind.MESSAGES and _tool_choice_type(body) == "any":
+            return _require_tool_call(converted)
+        return converted
 
-    def encode(self, conversation_request: recipe.ConversationRequest) -> list[int]:
-        self._check_images(conversation_request.conversation)
+    def encode(self, conversation: recipe.Conversation) -> list[int]:
+        self._check_images(conversation)
         try:
-            return self.encoding.encode(conversation_request.conversation)
+            return self.encoding.encode(conversation)
         except RuntimeError as e:
             raise bad_request(f"The conversation cannot be encoded: {e}") from None
 
     def prepare(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> Prepared:
         """Everything from the body to the node's options. Raises ApiError (4xx)."""
-        conversation_request, extras = self.convert(kind, body)
-        prompt_token_ids = self.encode(conversation_request)
+        if kind is ApiKind.MESSAGES and body.get("max_tokens") is None:
+            raise bad_request("max_tokens: Field required", "max_tokens")  # Anthropic's words
+        converted = self.convert(kind, body, context_limit)
+        conversation_request = converted.request
+        prompt_token_ids = self.encode(converted.conversation)
+        num_prompt = len(prompt_token_ids)
         try:
-            max_tokens = conversation_request.resolve_max_tokens(
-                len(prompt_token_ids), context_limit
-            )
+            max_tokens = conversation_request.resolve_max_tokens(num_prompt, context_limit)
         except recipe.ConversionError as e:  # prompt (+ max_tokens) longer than the context
             raise _from_conversion_error(e) from None
         inference = conversation_request.inference_options
+        if inference.max_tokens is None and self.default_max_tokens is not None:
+            max_tokens = max(1, min(self.default_max_tokens, context_limit - num_prompt))
         extra = read_extra_sampling(body, self.vocab_size)
         logprobs = (inference.top_logprobs or 0) if inference.logprobs else None
         sampling = build_sampling_options(
@@ -200,25 +254,21 @@ class Frontend:
             logprobs=logprobs,
             extra=extra,
         )
-        constraint = inference.output_constraint
         return Prepared(
             kind=kind,
             model=body["model"],
             conversation_request=conversation_request,
+            parsing_options=converted.parsing_options,
             prompt_token_ids=prompt_token_ids,
             sampling=sampling,
-            constraint=(
-                OutputConstraint(kind=constraint.kind, schema=constraint.schema)
-                if constraint is not None and constraint.kind in _ENFORCED_CONSTRAINTS
-                else None
-            ),
+            constraint=read_output_constraint(body, converted.constraint),
             cache_salt=extra.cache_salt,
-            **extras,
+            echo=converted.echo,
+            namespace_tool_map=converted.namespace_tool_map,
         )
 
     def count_tokens(self, kind: ApiKind, body: dict[str, Any]) -> int:
-        conversation_request, _ = self.convert(kind, body)
-        return len(self.encode(conversation_request))
+        return len(self.encode(self.convert(kind, body).conversation))
 
     def _check_images(self, conversation: recipe.Conversation) -> None:
         """Image URLs are fetched by the server, so they are an SSRF risk: only allow-listed
@@ -243,6 +293,83 @@ class Frontend:
 def _refuse_constant(name: str) -> None:
     """json.loads takes NaN and Infinity, which are not JSON: every range check passes them."""
     raise bad_request(f"Invalid JSON body: {name} is not a valid JSON number")
+
+
+def _recipe_body(kind: ApiKind, body: dict[str, Any], max_tokens_bound: int) -> dict[str, Any]:
+    """``body`` with the fields recipe 0.2.0 drops or refuses put in the terms it reads."""
+    body = dict(body)
+    if kind is ApiKind.CHAT:
+        # OpenAI's current name; it wins over max_tokens, as in vLLM.
+        limit = _integer(body, "max_completion_tokens", 1, max_tokens_bound)
+        body.pop("max_completion_tokens", None)
+        if limit is not None:
+            body["max_tokens"] = limit
+        response_format = body.get("response_format")
+        if isinstance(response_format, dict) and "json_schema" in response_format:
+            schema = accept_strict_schema(response_format["json_schema"])
+            body["response_format"] = {**response_format, "json_schema": schema}
+    elif kind is ApiKind.RESPONSES:
+        if body.get("thinking") is not None:
+            body["reasoning"] = _reasoning_of(body.pop("thinking"), body.get("reasoning"))
+        text = body.get("text")
+        if isinstance(text, dict) and isinstance(text.get("format"), dict):
+            body["text"] = {**text, "format": accept_strict_schema(text["format"])}
+    return body
+
+
+def _reasoning_of(thinking: Any, reasoning: Any) -> Any:
+    """DeepSeek's ``thinking`` on Responses, as chat reads it: it decides whether the model
+    reasons (over an effort: off is ``effort: none``), ``reasoning.effort`` how much."""
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled"):
+        raise bad_request(
+            f'Invalid thinking {thinking!r}: expected {{"type": "enabled"}} or '
+            '{"type": "disabled"}',
+            "thinking",
+        )
+    if reasoning is not None and not isinstance(reasoning, dict):
+        return reasoning  # the recipe names the type error
+    reasoning = dict(reasoning or {})
+    if kind == "disabled":
+        reasoning["effort"] = "none"
+    elif reasoning.get("effort") in (None, "none"):
+        reasoning["effort"] = "high"  # thinking mode's default effort
+    return reasoning
+
+
+def _tool_choice_type(body: dict[str, Any]) -> Any:
+    tool_choice = body.get("tool_choice")
+    return tool_choice.get("type") if isinstance(tool_choice, dict) else None
+
+
+def _require_tool_call(converted: Converted) -> Converted:
+    """Anthropic's ``tool_choice: {"type": "any"}`` (call one of the tools), which recipe 0.2.0
+    reads as auto: a required tool call, as OpenAI's ``"required"`` converts (the prompt opens
+    the DSML block, parsing starts inside it, the grammar enforces the calls), and refused in
+    thinking mode as the recipe refuses ``{"type": "tool"}``."""
+    conversation = converted.conversation
+    if conversation.thinking_mode:
+        raise bad_request(_THINKING_TOOL_CHOICE, "tool_choice")
+    if not conversation.tools:
+        raise bad_request("tool_choice any needs tools", "tool_choice")
+    assert converted.constraint is not None and converted.constraint.kind == "tool_call", (
+        f"the recipe's constraint for tool_choice any: {converted.constraint!r}"
+    )
+    assert conversation.response_format == "text", conversation.response_format
+    parsing_options = converted.parsing_options
+    parsing_options.starts_in_tool_calls = True
+    return dataclasses.replace(
+        converted,
+        conversation=recipe.Conversation(
+            conversation.messages,
+            thinking_mode=False,
+            tools=conversation.tools,
+            tool_choice="required",
+            reasoning_effort=conversation.reasoning_effort,
+        ),
+        parsing_options=parsing_options,
+        constraint=OutputConstraint(kind="tool_call_required", schema=converted.constraint.schema),
+    )
 
 
 @functools.lru_cache(maxsize=4)

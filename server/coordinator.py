@@ -5,9 +5,10 @@
                           handler: parse → convert + encode (worker thread) → admit → route
                                    → stream (deepseek-recipe StreamProcessor) → SSE / JSON
 
-Routes (one table, ``_routes``): the OpenAI, Responses and Anthropic APIs under /v1, health and
-readiness, Prometheus metrics, and the nodes' /internal/register and /internal/heartbeat.
-Soft state only: the node registry (heartbeats), the admission queue, the metrics. Background
+Routes (one table, ``_routes``): the OpenAI, Responses and Anthropic APIs under /v1, vLLM's
+/tokenize, /detokenize, /version and /ping, health and readiness, Prometheus metrics, and the
+nodes' /internal/register and /internal/heartbeat. Soft state only: the node registry
+(heartbeats), the admission queue, the stored Responses, the metrics. Background
 work runs in ``cleanup_ctx``: the HTTP session for node clients and the node monitor (heartbeat
 expiry, probes).
 ``serve_coordinator`` runs an app until SIGTERM/SIGINT, then drains it (stop admitting, let
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import signal
@@ -41,8 +43,10 @@ from deepinfer.server.metrics import CONTENT_TYPE, CoordinatorMetrics
 from deepinfer.server.openai_api import OpenAIApi
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
 from deepinfer.server.registry import BackendFactory, NodeRegistry, UnknownNodeError
+from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.routing import NodeBackend, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
+from deepinfer.server.tokenization import TokenizationApi
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ METRICS = web.AppKey("metrics", CoordinatorMetrics)
 HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
 
 _DEFAULT_SERVED_MODEL_NAME = "deepinfer-tiny"  # the built-in model's name
+_VERSION = importlib.metadata.version("deepinfer")
 _M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
 
 
@@ -86,6 +91,7 @@ def create_coordinator_app(
         served_model_name,
         model_type=model_type,
         default_thinking_mode=config.default_thinking_mode,
+        default_max_tokens=config.default_max_tokens,
         image_url_allowlist=config.image_url_allowlist,
     )
     registry = NodeRegistry(
@@ -110,6 +116,7 @@ def create_coordinator_app(
         lambda: len(registry.ready_nodes()),
     )
     service = CoordinatorService(registry, admission, metrics)
+    response_store = ResponseStore(int(config.response_store_mib * 2**20))
     app[CONFIG] = config
     app[FRONTEND] = frontend
     app[REGISTRY] = registry
@@ -118,9 +125,10 @@ def create_coordinator_app(
     timeout = config.request_timeout_s
     app.add_routes(
         _routes(
-            OpenAIApi(frontend, service, timeout),
+            OpenAIApi(frontend, service, timeout, response_store),
             CompletionsApi(frontend, service, timeout),
             AnthropicApi(frontend, service, timeout),
+            TokenizationApi(frontend, service),
         )
     )
     app.cleanup_ctx.append(_http_session_ctx)
@@ -128,14 +136,26 @@ def create_coordinator_app(
     return app
 
 
-def _routes(openai: OpenAIApi, completions: CompletionsApi, anthropic: AnthropicApi) -> list:
+def _routes(
+    openai: OpenAIApi,
+    completions: CompletionsApi,
+    anthropic: AnthropicApi,
+    tokenization: TokenizationApi,
+) -> list:
     return [
         web.post("/v1/chat/completions", openai.chat_completions),
         web.post("/v1/responses", openai.responses),
+        web.get("/v1/responses/{response_id}", openai.get_response),
         web.post("/v1/completions", completions.completions),
         web.post("/v1/messages", anthropic.messages),
         web.post("/v1/messages/count_tokens", anthropic.count_tokens),
         web.get("/v1/models", openai.models),
+        web.get("/v1/models/{model:.+}", openai.model),
+        web.post("/tokenize", tokenization.tokenize),
+        web.post("/detokenize", tokenization.detokenize),
+        web.get("/version", _version),
+        web.get("/ping", _ping),
+        web.post("/ping", _ping),
         web.get("/health", _health),
         web.get("/ready", _ready),
         web.get("/metrics", _metrics),
@@ -162,11 +182,17 @@ def _key_matches(presented: str | None, accepted: Sequence[str]) -> bool:
     return any(matches)
 
 
+# Public paths outside /v1 that do a client's work, so they need a client key as /v1 does.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """/v1/* needs one of ``server.api_keys`` (when set); /internal/* needs the node token."""
+    """/v1/*, /tokenize and /detokenize need one of ``server.api_keys`` (when set); /internal/*
+    needs the node token."""
     config = request.app[CONFIG]
-    if request.path.startswith("/v1/") and config.api_keys:
+    is_keyed = request.path.startswith("/v1/") or request.path in _KEYED_PATHS
+    if is_keyed and config.api_keys:
         if not _key_matches(_presented_key(request), config.api_keys):
             raise ApiError(
                 401,
@@ -185,6 +211,15 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def _ping(request: web.Request) -> web.Response:
+    """vLLM's (and SageMaker's) liveness probe: 200, no body."""
+    return web.Response()
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _VERSION})
 
 
 async def _ready(request: web.Request) -> web.Response:

@@ -7,12 +7,14 @@
 The recipe owns the text side: detokenization, reasoning (``<think>``) and DSML tool-call
 parsing, stop strings, finish reasons and usage. Its first input is a ``ready`` chunk carrying
 the prompt usage, sent with the first delta, which is when the node has told us how many prompt
-tokens came from its cache.
+tokens came from its cache. A Responses request's response objects also pass through its
+StoredTurn (server/response_store.py), which echoes ``previous_response_id`` and stores the last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -26,8 +28,9 @@ from aiohttp import web
 from deepinfer.server.conversion import ApiKind, Frontend, Prepared
 from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event, timeout_error
 from deepinfer.server.protocol import TokenDelta
+from deepinfer.server.response_store import ResponseStore, StoredTurn
 from deepinfer.server.service import ApiRequest, CoordinatorService
-from deepinfer.server.sse import SSEStream, format_event
+from deepinfer.server.sse import SSEStream, dumps, format_event
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,9 @@ FLAVORS = {
     ApiKind.RESPONSES: ErrorFlavor.RESPONSES,
     ApiKind.MESSAGES: ErrorFlavor.ANTHROPIC,
 }
+# Responses events that carry the response object; the final ones end it.
+_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete")
+_RESPONSE_EVENTS = ("response.created", "response.in_progress", *_FINAL_RESPONSE_EVENTS)
 # Output tokens decoded, beyond the last delta, to tell which stop string matched.
 _STOP_LOOKBACK_TOKENS = 32
 
@@ -65,9 +71,7 @@ def make_processor(
         generator = generator.with_namespace_tool_map(prepared.namespace_tool_map or {})
         if prepared.echo is not None:
             generator = generator.with_echo(prepared.echo)
-    return recipe.StreamProcessor(
-        generator, conversation_request.parsing_options, frontend.recipe_tokenizer
-    )
+    return recipe.StreamProcessor(generator, prepared.parsing_options, frontend.recipe_tokenizer)
 
 
 def _recipe_logprobs(
@@ -165,27 +169,47 @@ async def respond(
     prepared: Prepared,
     req: ApiRequest,
     timeout: float,
+    turn: StoredTurn | None = None,
 ) -> web.StreamResponse:
-    """Run the request and answer: SSE when it asked for a stream, else one JSON body."""
+    """Run the request and answer: SSE when it asked for a stream, else one JSON body. A
+    Responses ``turn`` gets the response objects sent (server/response_store.py)."""
     processor = make_processor(frontend, prepared, req.request_id)
-    stops = list(prepared.conversation_request.parsing_options.stop_sequences)
+    stops = list(prepared.parsing_options.stop_sequences)
     events = recipe_events(service, frontend, req, processor, stops)
     if prepared.stream:
-        return await _stream(request, prepared.kind, events, timeout)
-    return await _collect(prepared, req, events, timeout)
+        return await _stream(request, prepared.kind, events, timeout, turn)
+    return await _collect(prepared, req, events, timeout, turn)
+
+
+def _format_event(event: Any, response_cls: Any, turn: StoredTurn | None) -> str:
+    """One recipe event as SSE; a Responses turn echoes its previous_response_id on the
+    response objects and finishes with the last one."""
+    name = response_cls.sse_event_name(event)
+    data = event.to_json()
+    is_final = name in _FINAL_RESPONSE_EVENTS
+    if turn is not None and (is_final or (name in _RESPONSE_EVENTS and turn.previous_response_id)):
+        payload = json.loads(data)
+        if is_final:
+            turn.finish(payload["response"])
+        else:
+            turn.echo(payload["response"])
+        data = dumps(payload)
+    return format_event(data, name)
 
 
 async def _stream(
-    request: web.Request, kind: ApiKind, events: AsyncIterator[list[Any]], timeout: float
+    request: web.Request,
+    kind: ApiKind,
+    events: AsyncIterator[list[Any]],
+    timeout: float,
+    turn: StoredTurn | None,
 ) -> web.StreamResponse:
     response_cls = _RESPONSE_CLASSES[kind]
     sse = SSEStream(request)
     try:
         async with asyncio.timeout(timeout), aclosing(events):
             async for step in events:
-                text = "".join(
-                    format_event(e.to_json(), response_cls.sse_event_name(e)) for e in step
-                )
+                text = "".join(_format_event(e, response_cls, turn) for e in step)
                 await sse.write(text, len(step))
         done = response_cls.sse_done_data()
         await sse.write(format_event(done) if done is not None else "", 0)
@@ -211,7 +235,11 @@ async def write_stream_error(sse: SSEStream, flavor: ErrorFlavor, err: ApiError)
 
 
 async def _collect(
-    prepared: Prepared, req: ApiRequest, events: AsyncIterator[list[Any]], timeout: float
+    prepared: Prepared,
+    req: ApiRequest,
+    events: AsyncIterator[list[Any]],
+    timeout: float,
+    turn: StoredTurn | None,
 ) -> web.Response:
     collected: list[Any] = []
     try:
@@ -229,7 +257,12 @@ async def _collect(
     )
     for event in collected:
         response.accumulate(event)
-    return web.Response(text=response.to_json(), content_type="application/json")
+    text = response.to_json()
+    if turn is not None:
+        payload = json.loads(text)
+        turn.finish(payload)
+        text = dumps(payload)
+    return web.Response(text=text, content_type="application/json")
 
 
 # ---- the shared handler body of /v1/chat/completions, /v1/responses and /v1/messages ----------
@@ -244,14 +277,21 @@ async def serve_recipe_request(
     frontend: Frontend,
     service: CoordinatorService,
     timeout: float,
+    store: ResponseStore | None = None,
 ) -> web.StreamResponse:
-    """parse -> convert + encode (worker thread) -> submit -> stream."""
+    """parse -> convert + encode (worker thread) -> submit -> stream. Responses go through
+    ``store`` (previous_response_id in, the response object out)."""
     arrival_time = time.monotonic()
     raw = await request.read()
     context_limit = service.context_limit()
-    prepared = await asyncio.to_thread(
-        lambda: frontend.prepare(kind, frontend.parse_json(raw), context_limit)
-    )
+    turn = None
+    if store is None:
+        prepared = await asyncio.to_thread(
+            lambda: frontend.prepare(kind, frontend.parse_json(raw), context_limit)
+        )
+    else:  # the store lives on the event loop
+        body, turn = store.begin(await asyncio.to_thread(frontend.parse_json, raw))
+        prepared = await asyncio.to_thread(frontend.prepare, kind, body, context_limit)
     req = ApiRequest(
         request_id=f"{_ID_PREFIXES[kind]}{uuid.uuid4().hex}",
         endpoint=kind.value,
@@ -261,4 +301,4 @@ async def serve_recipe_request(
         cache_salt=prepared.cache_salt,
         arrival_time=arrival_time,
     )
-    return await respond(request, service, frontend, prepared, req, timeout)
+    return await respond(request, service, frontend, prepared, req, timeout, turn)
