@@ -77,7 +77,7 @@ def create_node_app(
     ``node.coordinator_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
     metrics = NodeMetrics(node_id)
-    metrics.watch_cache(engine.engine.cache_stats)
+    metrics.watch_engine(engine.engine)
     engine.observer = metrics
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
     app[ENGINE] = engine

@@ -20,6 +20,7 @@ process without name clashes in the global registry.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -27,6 +28,9 @@ from prometheus_client.core import CounterMetricFamily
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
 from deepinfer.server.protocol import NodeLoad
+
+if TYPE_CHECKING:
+    from deepinfer.engine.llm_engine import LLMEngine
 
 _QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
@@ -42,9 +46,11 @@ class NodeMetrics:
         self._init_counters(node_id)
         self._init_histograms(node_id)
 
-    def watch_cache(self, stats: Callable[[], dict]) -> None:
-        """Export prefix-cache and tier counters (LLMEngine.cache_stats) at every scrape."""
-        self.registry.register(CacheStatsCollector(self._node_id, stats))
+    def watch_engine(self, engine: LLMEngine) -> None:
+        """Export the engine's prefix-cache and tier counters (LLMEngine.cache_stats) and its
+        decode-graph captures (LLMEngine.graph_stats) at every scrape."""
+        self.registry.register(CacheStatsCollector(self._node_id, engine.cache_stats))
+        self._graph_stats = engine.graph_stats
 
     def _init_gauges(self, node_id: str) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -55,6 +61,13 @@ class NodeMetrics:
         self.kv_blocks_used = gauge("deepinfer_kv_blocks_used", "KV cache blocks in use")
         self.kv_usage = gauge("deepinfer_kv_cache_usage_ratio", "Fraction of KV blocks in use")
         self.state_slots_used = gauge("deepinfer_state_slots_used", "Request state slots in use")
+        self._graph_captures = Gauge(
+            "deepinfer_decode_graph_captures",
+            "Decode CUDA graphs captured, at start-up or while serving (which requests wait for)",
+            ["node", "phase"],
+            registry=self.registry,
+        )
+        self._graph_stats: Callable[[], dict[str, int]] = dict
 
     def _init_counters(self, node_id: str) -> None:
         def counter(name: str, doc: str) -> Counter:
@@ -124,6 +137,8 @@ class NodeMetrics:
         num_used = load.num_total_blocks - load.num_free_blocks
         self.kv_blocks_used.set(num_used)
         self.state_slots_used.set(load.num_used_slots)
+        for phase, count in self._graph_stats().items():
+            self._graph_captures.labels(self._node_id, phase).set(count)
         self.kv_usage.set(num_used / load.num_total_blocks if load.num_total_blocks else 0.0)
         return generate_latest(self.registry)
 

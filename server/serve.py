@@ -97,7 +97,7 @@ def create_serve_app(
 
     node_id, _ = node_identity(config.node)
     metrics = NodeMetrics(node_id)
-    metrics.watch_cache(engine.engine.cache_stats)
+    metrics.watch_engine(engine.engine)
     engine.observer = metrics
     local = LocalNode(engine, metrics)
     if tokenizer_path is None:

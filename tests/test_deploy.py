@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,6 +30,7 @@ from deepinfer.config import Config
 from deepinfer.server import systemd
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.node_metrics import NodeMetrics
+from deepinfer.server.protocol import NodeLoad
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 UNITS = {
@@ -352,7 +354,9 @@ def _exported_metric_names() -> set[str]:
         "snapshots_evicted": 0,
         "tiers": {"host": TierStats()},
     }
-    node.watch_cache(lambda: stats)
+    engine = SimpleNamespace(cache_stats=lambda: stats, graph_stats=lambda: {"startup": 1})
+    node.watch_engine(engine)
+    node.render(NodeLoad())
     names = set()
     for registry in (coordinator.registry, node.registry):
         for family in registry.collect():

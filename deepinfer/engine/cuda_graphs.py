@@ -89,6 +89,10 @@ class DecodeGraphs:
             self._logits = torch.empty(self.max_batch, vocab_size, device=self.device)
 
     @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 

@@ -237,6 +237,14 @@ class LLMEngine:
             "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
+    def graph_stats(self) -> dict[str, int]:
+        """Decode CUDA graphs captured at start-up and while serving (empty without graphs)."""
+        graphs = getattr(self.executor, "graphs", None)
+        if graphs is None or not graphs.capture:
+            return {}
+        serving = graphs.num_captures_while_serving
+        return {"startup": graphs.num_graphs - serving, "serving": serving}
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a launched step whose results are not applied yet."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
