@@ -58,7 +58,10 @@ METRICS = web.AppKey("metrics", CoordinatorMetrics)
 HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
 
 _DEFAULT_SERVED_MODEL_NAME = "deepinfer-tiny"  # the built-in model's name
-_VERSION = importlib.metadata.version("deepinfer")
+try:
+    _VERSION = importlib.metadata.version("deepinfer")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    _VERSION = "unknown"
 _M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
 
 
