@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
@@ -62,6 +63,7 @@ class ModelRunner:
         self._init_kv_cache()
         self._init_staging()
         self._init_graphs()
+        self._warm_up_eager()
         self.cache_salt = self._cache_salt(model_dir)
         # The sampler draws unseeded rows from this generator on the logits' device.
         self.generator = torch.Generator(device=self.device)
@@ -234,6 +236,56 @@ class ModelRunner:
                 self.model, self.kv_cache, self._graph_batch, max_positions=self.max_model_len
             )
             self.graphs.capture_all()
+
+    def _warm_up_eager(self) -> None:
+        """CUDA: run the eager (prefill and mixed) step shapes once at start-up, on the cache's
+        scratch slot and block, so that the kernels' first compilations (Triton JIT, a second
+        or more each, per tile class and alignment) happen before the node reports ready rather
+        than inside the first requests' steps."""
+        if self.device.type != "cuda":
+            return
+        cache, budget = self.kv_cache, self.config.scheduler.max_num_batched_tokens
+        started = time.perf_counter()
+        # Each tile class of the kernels (by token count), aligned to 16 and not.
+        sizes = sorted({n for n in (1, 3, 4, 7, 16, 24, 32, 48, 64, 100, 128, 200, 256, 512,
+                                    1000, 1024, 2000, 2048) if n <= budget} | {budget})  # fmt: skip
+        max_decodes = min(self.config.scheduler.max_num_seqs - 1, 63)
+        shapes = [(n, 0) for n in sizes] + [
+            (n, d) for n in sizes for d in (1, max_decodes) if d > 0 and n + d <= budget
+        ]
+        for num_tokens, num_decodes in tqdm(shapes, desc="warming up prefill steps", unit="step"):
+            self._warm_up_step(cache, num_tokens, num_decodes)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "warmed up %d eager step shapes (a prefill chunk of %s tokens, alone and beside "
+            "decodes) in %.1f s",
+            len(shapes),
+            sizes,
+            time.perf_counter() - started,
+        )
+
+    def _warm_up_step(self, cache: KVCache, num_tokens: int, num_decodes: int) -> None:
+        """A fresh prompt chunk of ``num_tokens`` and ``num_decodes`` one-token decodes at the
+        end of a block, all on the scratch slot and block (their values do not matter)."""
+        block = cache.block_size
+        chunk = SeqSpan(0, num_tokens, 0, cache.scratch_slot, [cache.scratch_block] * -(
+            -num_tokens // block))  # fmt: skip
+        decodes = [
+            SeqSpan(num_tokens + i, 1, block - 1, cache.scratch_slot, [cache.scratch_block])
+            for i in range(num_decodes)
+        ]
+        positions = list(range(num_tokens)) + [block - 1] * num_decodes
+        total = num_tokens + num_decodes
+        batch = ForwardBatch(
+            input_ids=torch.zeros(total, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            seqs=[chunk, *decodes],
+            logits_indices=torch.tensor(
+                [num_tokens - 1, *range(num_tokens, total)], device=self.device
+            ),
+        )
+        with torch.inference_mode():
+            self.model(batch, cache)
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
