@@ -16,9 +16,9 @@ capture takes 0.1-4 s, which every request in the step waits for.
 
 Memory: a graph keeps only its input buffer of its own. Its intermediates are freed at the end
 of its capture and reused by the next capture into the shared pool (graphs never run at the same
-time), and every graph writes its logits into one buffer of [max_batch, V] fp32. So all the
-graphs together take about what the largest one does: ``profile_memory`` captures that one on
-the scratch cache at start and keeps its size out of the KV cache.
+time), and every graph writes its logits into one buffer of [max_batch, V] fp32. Each graph
+also keeps buffers of its own (about 25 MiB on V4-Flash shapes), so ``profile_memory`` captures
+them all on the scratch cache at start and keeps what they take out of the KV cache.
 """
 
 from __future__ import annotations
@@ -174,23 +174,22 @@ class DecodeGraphs:
         """(batch bucket, context bucket) of every graph, smallest first."""
         return [(b, c) for c in self.context_buckets for b in self.buckets]
 
-    def capture_largest(self, max_positions: int) -> None:
-        """Capture the graph of the most requests at the longest context (memory sizing)."""
-        self._capture(self.max_batch, self.context_bucket(max_positions))
-
-    def capture_all(self) -> None:
-        """Capture every graph now (start-up), with a progress bar; logs the time and memory."""
+    def capture_all(self, purpose: str = "captured") -> None:
+        """Capture every graph now (start-up, or the memory profile on a scratch cache), with a
+        progress bar; logs the time and memory."""
         from tqdm import tqdm
 
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         shapes = [shape for shape in self.shapes if shape not in self._graphs]
-        for bucket, context in tqdm(shapes, desc="capturing decode graphs", unit="graph"):
+        desc = "capturing decode graphs" if purpose == "captured" else f"{purpose} decode graphs"
+        for bucket, context in tqdm(shapes, desc=desc, unit="graph"):
             self._capture(bucket, context, quiet=True)
         self._is_warm = True
         logger.info(
-            "captured %d decode graphs (batch buckets %s x context buckets %s) in %.1f s, "
+            "%s %d decode graphs (batch buckets %s x context buckets %s) in %.1f s, "
             "%+.1f MiB reserved",
+            purpose,
             len(shapes),
             self.buckets,
             self.context_buckets,

@@ -9,8 +9,9 @@
     |         | (the profile step) | pool         |        | + blocks (what the others leave)   |
     +---------+--------------------+--------------+--------+------------------------------------+
 
-The graph pool is measured by capturing the largest decode graph (most requests, longest
-context) on the scratch cache and freeing it again (cuda_graphs.py: all graphs share one pool).
+The decode graphs are measured by capturing all of them on the scratch cache and freeing them
+again: they share one pool for their intermediates, but each keeps buffers of its own (about
+25 MiB a graph on V4-Flash shapes), so the largest alone undercounts them.
 
 The budget is per engine (two engines at 0.45 can share a device); it is also capped by what is
 free on the device after the profile, less the activations the steps will need again.
@@ -54,7 +55,7 @@ class MemoryProfile:
     utilization: float
     weights: int
     activations: int  # peak of the profile step above what was allocated before it
-    graphs: int  # reserved by the largest decode graph's capture (0: no graphs)
+    graphs: int  # reserved by capturing every decode graph (0: no graphs)
     margin: int
     free: int
     kv_budget: int
@@ -88,7 +89,7 @@ def profile_memory(
     per request, and the requests of a step run one after another inside each layer.
 
     ``graph_batch`` > 0: decode steps of up to that many requests replay CUDA graphs; the pool
-    of the largest one is measured and kept out of the budget.
+    of all of them is measured and kept out of the budget.
     """
     device = scratch.device
     total = torch.cuda.get_device_properties(device).total_memory
@@ -179,13 +180,14 @@ def _run_profile_step(
 
 
 def _graph_pool_bytes(model: DeepseekV4, scratch: KVCache, graph_batch: int, context: int) -> int:
-    """Device memory the decode graphs reserve: the largest one's capture (pool + the shared
+    """Device memory the decode graphs reserve: all of their captures (pool + the shared
     logits buffer), measured on ``scratch`` and freed again."""
     device = scratch.device
     torch.cuda.synchronize(device)
     reserved = torch.cuda.memory_reserved(device)
+    # Every graph keeps buffers of its own besides the shared pool, so all of them are measured.
     graphs = DecodeGraphs(model, scratch, graph_batch, max_positions=context)
-    graphs.capture_largest(context)
+    graphs.capture_all(purpose="measuring")
     pool = torch.cuda.memory_reserved(device) - reserved
     del graphs
     gc.collect()
