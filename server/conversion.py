@@ -7,7 +7,14 @@
 deepseek-recipe does the protocol work (validation, chat template, tool/response-format handling,
 thinking mode, DeepSeek's error messages); this module adds what is ours: the served model name,
 the model check (404), the image-URL policy, and the node-side options. ``prepare`` is CPU work
-(tokenization of up to a million-token prompt), so handlers run it in a worker thread.
+(tokenization of up to a million-token prompt), so handlers run it on the preparation pool
+(server/preparation.py).
+
+Before tokenizing, the rendered prompt's length in characters is checked against the context:
+no token spells more than ``max_token_chars`` characters, so a prompt of ``n`` characters has at
+least ``ceil(n / max_token_chars)`` tokens, and one that cannot fit is refused without tokenizing.
+The bound is exact, never refusing a prompt that fits, hence loose (V4's longest tokens are runs
+of 128 spaces or dots): it stops absurd bodies, and the pool bounds the rest.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class Frontend:
         self.model_type = model_type
         self.image_url_allowlist = frozenset(h.lower() for h in image_url_allowlist)
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
+        self.max_token_chars = _max_token_chars(self.tokenizer)
         version, encoding_cls = _MODEL_VERSIONS[model_type]
         self.encoding = encoding_cls().with_tokenizer(self.recipe_tokenizer)
         self.options = recipe.ConversionOptions(
@@ -164,17 +172,37 @@ class Frontend:
         except recipe.ConversionError as e:
             raise _from_conversion_error(e) from None
 
-    def encode(self, conversation_request: recipe.ConversationRequest) -> list[int]:
-        self._check_images(conversation_request.conversation)
+    def encode(
+        self, conversation_request: recipe.ConversationRequest, context_limit: int
+    ) -> list[int]:
+        """The prompt's token ids; refused (400) without tokenizing when its characters alone
+        prove it longer than ``context_limit`` tokens."""
+        conversation = conversation_request.conversation
+        self._check_images(conversation)
         try:
-            return self.encoding.encode(conversation_request.conversation)
+            num_chars = len(self.encoding.render_conversation(conversation).prompt)
+            self.check_prompt_chars(num_chars, context_limit)
+            return self.encoding.encode(conversation)
         except RuntimeError as e:
             raise bad_request(f"The conversation cannot be encoded: {e}") from None
+
+    def check_prompt_chars(
+        self, num_chars: int, context_limit: int, param: str | None = None
+    ) -> None:
+        """Raises ApiError (400) when ``num_chars`` characters are more tokens than fit."""
+        min_tokens = -(-num_chars // self.max_token_chars)
+        if min_tokens > context_limit:
+            raise bad_request(
+                f"This model's maximum context length is {context_limit} tokens. However, your "
+                f"prompt has at least {min_tokens} tokens ({num_chars} characters, and no token "
+                f"is longer than {self.max_token_chars}). Please reduce the length of the prompt.",
+                param,
+            )
 
     def prepare(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> Prepared:
         """Everything from the body to the node's options. Raises ApiError (4xx)."""
         conversation_request, extras = self.convert(kind, body)
-        prompt_token_ids = self.encode(conversation_request)
+        prompt_token_ids = self.encode(conversation_request, context_limit)
         try:
             max_tokens = conversation_request.resolve_max_tokens(
                 len(prompt_token_ids), context_limit
@@ -208,9 +236,10 @@ class Frontend:
             **extras,
         )
 
-    def count_tokens(self, kind: ApiKind, body: dict[str, Any]) -> int:
+    def count_tokens(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> int:
+        """The prompt's token count; a prompt that cannot fit the context is refused (400)."""
         conversation_request, _ = self.convert(kind, body)
-        return len(self.encode(conversation_request))
+        return len(self.encode(conversation_request, context_limit))
 
     def _check_images(self, conversation: recipe.Conversation) -> None:
         """Image URLs are fetched by the server, so they are an SSRF risk: only allow-listed
@@ -241,6 +270,12 @@ def _load_tokenizers(path: Path) -> tuple[recipe.Tokenizer, Tokenizer]:
     if ours.path != path:
         ours = Tokenizer(tokenizers.Tokenizer.from_file(str(path)), path)
     return recipe.Tokenizer.from_file(str(path)), ours
+
+
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for. Vocabulary strings of a byte-level BPE
+    spell one character per byte, which is at least one decoded character."""
+    return max(len(token) for token in tokenizer.backend.get_vocab(with_added_tokens=True))
 
 
 def _from_conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:

@@ -16,8 +16,8 @@ from coordinator_fakes import EOS, THINK_END, TOKENIZER_PATH, FakeBackend, Scrip
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.config import ServerConfig
-from deepinfer.server.coordinator import SERVICE, create_coordinator_app
-from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
+from deepinfer.server.coordinator import INTERNAL_APP, SERVICE, create_coordinator_app
+from deepinfer.server.protocol import NodeHeartbeat, NodeLease, NodeLoad, NodeRegistration
 
 pytestmark = pytest.mark.asyncio
 
@@ -202,34 +202,39 @@ async def test_request_timeout_aborts(make_client, backend) -> None:
     await asyncio.wait_for(backend.aborted_event.wait(), 2)
 
 
-async def test_no_node_is_503_and_ready_follows_registration(make_client) -> None:
+async def test_no_node_is_503_and_ready_follows_registration(make_client, aiohttp_client) -> None:
     client = await make_client(backends=[], heartbeat_timeout_s=0.2)
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
     assert (await client.get("/health")).status == 200
     assert (await client.get("/ready")).status == 503
     resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 503 and "Retry-After" in resp.headers
+    resp = await client.post("/v1/messages/count_tokens", json=M)
     assert resp.status == 503 and "Retry-After" in resp.headers
 
     registration = NodeRegistration(
         node_id="n1", url="http://node", role="mixed", model=MODEL, max_model_len=2048
     )
-    resp = await client.post(
+    resp = await internal.post(
         "/internal/register",
         data=msgspec.msgpack.encode(registration),
         headers={"Content-Type": "application/msgpack"},
     )
     assert resp.status == 200
+    lease = msgspec.msgpack.decode(await resp.read(), type=NodeLease)
+    assert (lease.node_id, lease.heartbeat_timeout_s, len(lease.lease_id)) == ("n1", 0.2, 22)
     assert (await client.get("/ready")).status == 200
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
-    heartbeat = NodeHeartbeat(node_id="n1", load=NodeLoad(num_running=1))
-    resp = await client.post("/internal/heartbeat", data=msgspec.json.encode(heartbeat),
-                             headers={"Content-Type": "application/json"})  # fmt: skip
+    heartbeat = NodeHeartbeat(node_id="n1", load=NodeLoad(num_running=1), lease_id=lease.lease_id)
+    resp = await internal.post("/internal/heartbeat", data=msgspec.json.encode(heartbeat),
+                               headers={"Content-Type": "application/json"})  # fmt: skip
     assert resp.status == 200
     unknown = NodeHeartbeat(node_id="n2", load=NodeLoad())
-    resp = await client.post("/internal/heartbeat", data=msgspec.msgpack.encode(unknown))
+    resp = await internal.post("/internal/heartbeat", data=msgspec.msgpack.encode(unknown))
     assert resp.status == 404
     await asyncio.sleep(0.35)  # no heartbeat for longer than heartbeat_timeout_s
     assert (await client.get("/ready")).status == 503
-    resp = await client.post("/internal/heartbeat", data=msgspec.msgpack.encode(heartbeat))
+    resp = await internal.post("/internal/heartbeat", data=msgspec.msgpack.encode(heartbeat))
     assert (await client.get("/ready")).status == 200
 
 
@@ -406,8 +411,9 @@ async def test_image_urls_need_the_allow_list(aiohttp_client, backend) -> None:
 # ---- authentication ----------------------------------------------------------------------------
 
 
-async def test_api_keys_and_node_token(make_client) -> None:
+async def test_api_keys_and_node_token(make_client, aiohttp_client) -> None:
     client = await make_client(api_keys=("k1", "k2"), node_token="secret")
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
     resp = await client.post("/v1/chat/completions", json=CHAT)
     assert resp.status == 401
     assert (await resp.json())["error"]["code"] == "invalid_api_key"
@@ -422,8 +428,14 @@ async def test_api_keys_and_node_token(make_client) -> None:
     assert (await client.get("/health")).status == 200
     assert (await client.get("/metrics")).status == 200
     heartbeat = msgspec.msgpack.encode(NodeHeartbeat(node_id="x", load=NodeLoad()))
-    assert (await client.post("/internal/heartbeat", data=heartbeat)).status == 401
-    resp = await client.post(
+    for token in (None, "k1", "secre"):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        resp = await internal.post("/internal/heartbeat", data=heartbeat, headers=headers)
+        assert resp.status == 401, token
+        assert (await resp.json())["error"]["message"] == (
+            "Authentication failed: wrong or missing node token"
+        )
+    resp = await internal.post(
         "/internal/heartbeat", data=heartbeat, headers={"Authorization": "Bearer secret"}
     )
     assert resp.status == 404  # authenticated; the node is just unknown

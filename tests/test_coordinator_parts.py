@@ -4,6 +4,7 @@ events, and `deepinfer coordinator` exiting 0 on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +18,14 @@ from coordinator_fakes import TOKENIZER_PATH, FakeBackend
 from deepinfer.server.admission import AdmissionController, DrainingError, QueueFullError
 from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event
 from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
-from deepinfer.server.registry import NodeEntry, NodeRegistry, NoReadyNodeError
+from deepinfer.server.registry import (
+    IdentityConflictError,
+    NodeEntry,
+    NodeRegistry,
+    NoReadyNodeError,
+    RegistryFullError,
+    WrongLeaseError,
+)
 from deepinfer.server.routing import LeastLoadedPolicy
 
 # ---- admission -------------------------------------------------------------------------------
@@ -117,10 +125,64 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     now[0] += 10.5
     assert registry.expire() == ["n1", "p"]
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0"]
-    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad(num_waiting=3)))
+    registry.heartbeat(
+        NodeHeartbeat(node_id="n1", load=NodeLoad(num_waiting=3), lease_id=entry.lease_id)
+    )
     assert entry.is_ready and entry.load.num_waiting == 3
     with pytest.raises(KeyError):
         registry.heartbeat(NodeHeartbeat(node_id="zz", load=NodeLoad()))
+
+
+def _registration(node_id: str, url: str, max_num_seqs: int = 8) -> NodeRegistration:
+    return NodeRegistration(
+        node_id=node_id, url=url, role="mixed", model="m", max_model_len=64,
+        max_num_seqs=max_num_seqs,
+    )  # fmt: skip
+
+
+def test_registry_identity_leases_and_size_cap() -> None:
+    now = [0.0]
+    registry = NodeRegistry(10.0, lambda url: FakeBackend(), clock=lambda: now[0], max_nodes=2)
+    registry.add_static("static-0", FakeBackend(), 64, max_num_seqs=16)
+    with pytest.raises(IdentityConflictError, match="'static-0' belongs to a static node"):
+        registry.register(_registration("static-0", "http://evil"))
+    a = registry.register(_registration("a", "http://a"))
+    assert registry.max_num_seqs() == 16 + 8
+    with pytest.raises(IdentityConflictError, match="'a' is held by a live node at another URL"):
+        registry.register(_registration("a", "http://evil"))
+    # Only a's own lease speaks for it: not a guess, not another node's, not the static node.
+    b = registry.register(_registration("b", "http://b", max_num_seqs=4))
+    for node_id, lease_id in (("a", ""), ("a", "guess"), ("a", b.lease_id), ("static-0", "")):
+        heartbeat = NodeHeartbeat(
+            node_id=node_id, load=NodeLoad(is_draining=True), lease_id=lease_id
+        )
+        with pytest.raises(WrongLeaseError):
+            registry.heartbeat(heartbeat)
+    assert not a.load.is_draining and registry.max_num_seqs() == 16 + 8 + 4
+    old_lease = a.lease_id
+    assert registry.register(_registration("a", "http://a")) is a  # a restarted: a new lease
+    assert a.lease_id != old_lease
+    with pytest.raises(WrongLeaseError):
+        registry.heartbeat(NodeHeartbeat(node_id="a", load=NodeLoad(), lease_id=old_lease))
+    full = "2 live nodes (server.max_registered_nodes = 2)"
+    with pytest.raises(RegistryFullError, match=re.escape(full)):
+        registry.register(_registration("c", "http://c"))
+    now[0] = 5.0
+    registry.heartbeat(NodeHeartbeat(node_id="b", load=NodeLoad(), lease_id=b.lease_id))
+    now[0] = 12.0  # a silent for 12 s, b for 7 s
+    c = registry.register(_registration("c", "http://c"))  # replaces a, the expired one
+    assert [n.node_id for n in registry.nodes] == ["static-0", "b", "c"]
+    now[0] = 16.0  # b silent for 11 s: its id may move to another URL
+    assert registry.register(_registration("b", "http://b2")).url == "http://b2"
+    for bad, message in (
+        (_registration("", "http://x"), "node_id must be 1 to 128 printable characters"),
+        (_registration("x\n", "http://x"), "node_id must be 1 to 128 printable characters"),
+        (_registration("x", "file:///etc"), "url must be an http:// or https:// URL"),
+        (_registration("x", "http://x", max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            registry.register(bad)
+    assert c.is_ready
 
 
 # ---- SSE error events ------------------------------------------------------------------------
@@ -146,9 +208,7 @@ def test_sse_error_events_exact() -> None:
 
 
 def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, internal_port = _free_port(), _free_port()
     code = (
         "import argparse, sys\n"
         "from deepinfer.logger import init_logging\n"
@@ -157,7 +217,8 @@ def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
         "init_logging('INFO')\n"
         "sys.exit(run_coordinator(p.parse_args(sys.argv[1:])))\n"
     )
-    args = ["--port", str(port), "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]
+    args = ["--port", str(port), "--internal-port", str(internal_port),
+            "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args],
         cwd=tmp_path,
@@ -174,6 +235,12 @@ def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
         proc.kill()
     assert proc.returncode == 0, output
     assert "drain complete" in output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def _wait_until_serving(port: int) -> tuple[int, int]:

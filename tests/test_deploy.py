@@ -512,6 +512,8 @@ def test_process_notifies_ready_and_stopping(
     }
     env = {k: v for k, v in env.items() if not k.startswith("DEEPINFER_")}
     argv = [sys.executable, "-m", "deepinfer.cli", command, "--port", str(port)]
+    if command != "node":
+        argv += ["--internal-port", str(_free_port())]
     if command != "coordinator":
         argv += ["--device", "cpu"]
     log_path = tmp_path / "process.log"
