@@ -169,12 +169,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where exceptions become HTTP statuses and error bodies. A refusal that
-    left the body unread (429 before reading, 408, 413) closes the connection rather than
-    reading the rest of it."""
+    """The one place where exceptions become HTTP statuses and error bodies.
+
+    A refusal that left the body unread (429 before reading it, 413) ends the connection after
+    aiohttp's lingering read of the rest (so that a client still sending gets the answer, not a
+    reset); a 408 (the body came too slowly) ends it at once: lingering would wait on the same
+    slow client."""
     response = await _handle(request, handler)
     if response.status >= 400 and not request.content.at_eof():
         response.force_close()
+        if response.status == 408:
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()  # the answer is written; the transport flushes it
     return response
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import time
 import aiohttp
 import pytest
 from coordinator_fakes import TOKENIZER_PATH, FakeBackend
+from processes import free_port
 
 from deepinfer.server.admission import AdmissionController, DrainingError, QueueFullError
 from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event
@@ -208,7 +208,7 @@ def test_sse_error_events_exact() -> None:
 
 
 def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
-    port, internal_port = _free_port(), _free_port()
+    port, internal_port = free_port(), free_port()
     code = (
         "import argparse, sys\n"
         "from deepinfer.logger import init_logging\n"
@@ -235,12 +235,6 @@ def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
         proc.kill()
     assert proc.returncode == 0, output
     assert "drain complete" in output
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _wait_until_serving(port: int) -> tuple[int, int]:

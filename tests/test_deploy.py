@@ -18,12 +18,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from processes import free_port, http_status
 
 from deepinfer.config import Config
 from deepinfer.server import systemd
@@ -441,22 +440,6 @@ def xdg_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("xdg-cache")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _http_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return None  # not listening yet
-
-
 @pytest.mark.parametrize(
     ("command", "ready_path", "expected"),
     [
@@ -504,7 +487,7 @@ def test_process_notifies_ready_and_stopping(
     xdg_cache_home: Path,
     tmp_path: Path,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "XDG_CACHE_HOME": str(xdg_cache_home),
@@ -513,7 +496,7 @@ def test_process_notifies_ready_and_stopping(
     env = {k: v for k, v in env.items() if not k.startswith("DEEPINFER_")}
     argv = [sys.executable, "-m", "deepinfer.cli", command, "--port", str(port)]
     if command != "node":
-        argv += ["--internal-port", str(_free_port())]
+        argv += ["--internal-port", str(free_port())]
     if command != "coordinator":
         argv += ["--device", "cpu"]
     log_path = tmp_path / "process.log"
@@ -522,7 +505,7 @@ def test_process_notifies_ready_and_stopping(
         process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 45.0
-        while _http_status(f"http://127.0.0.1:{port}{ready_path}") != 200:
+        while http_status(f"http://127.0.0.1:{port}{ready_path}") != 200:
             assert process.poll() is None, log_path.read_text(errors="replace")
             assert time.monotonic() < deadline, log_path.read_text(errors="replace")
             time.sleep(0.1)
