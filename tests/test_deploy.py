@@ -494,9 +494,10 @@ def test_process_notifies_ready_and_stopping(
         "WATCHDOG_USEC": "500000",  # a ping every 0.25 s
     }
     env = {k: v for k, v in env.items() if not k.startswith("DEEPINFER_")}
+    internal_port = free_port()
     argv = [sys.executable, "-m", "deepinfer.cli", command, "--port", str(port)]
-    if command != "node":
-        argv += ["--internal-port", str(free_port())]
+    if command != "node":  # serve runs the internal listener too, so remote nodes can join
+        argv += ["--internal-port", str(internal_port)]
     if command != "coordinator":
         argv += ["--device", "cpu"]
     log_path = tmp_path / "process.log"
@@ -512,6 +513,8 @@ def test_process_notifies_ready_and_stopping(
         datagrams = _received(notify_socket)
         # Sent before the loop could answer any request.
         assert b"READY=1" in datagrams, datagrams
+        internal_status = http_status(f"http://127.0.0.1:{internal_port}/health")
+        assert internal_status == (None if command == "node" else 200)
         deadline = time.monotonic() + 5.0
         while b"WATCHDOG=1" not in datagrams:
             assert time.monotonic() < deadline, datagrams
