@@ -33,6 +33,7 @@ import sys
 import time
 
 import aiohttp
+from coordinator_throughput import free_port, wait_ready  # benchmarks/ is on sys.path
 
 SMALL_CHAT = {
     "model": "deepinfer-tiny",
@@ -44,34 +45,12 @@ SMALL_CHAT = {
 _WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "数据", "内容"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _peak_rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM")
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, seconds: float = 180) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def _large_text(num_bytes: int) -> str:
@@ -190,7 +169,7 @@ def main() -> None:
     ap.add_argument("--slow-wait-s", type=float, default=13.0)
     ap.add_argument("--num-overload", type=int, default=400)
     ns = ap.parse_args()
-    node_port, port, internal_port = _free_port(), _free_port(), _free_port()
+    node_port, port, internal_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     env |= {
         "DEEPINFER_LOG_LEVEL": "WARNING",
@@ -213,8 +192,8 @@ def main() -> None:
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(f"http://127.0.0.1:{node_port}/ready", node)
-        _wait_ready(f"{base}/ready", coordinator)
+        wait_ready(f"http://127.0.0.1:{node_port}/ready", node)
+        wait_ready(f"{base}/ready", coordinator)
         asyncio.run(overload(base, argparse.Namespace(num_overload=4)))  # warm-up
         rss_before = _peak_rss_mib(coordinator.pid)
         figures = {"stall": asyncio.run(stall(base, ns))}

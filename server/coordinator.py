@@ -26,7 +26,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -73,6 +73,10 @@ INTERNAL_APP = web.AppKey("internal_app", web.Application)
 
 _DEFAULT_SERVED_MODEL_NAME = "deepinfer-tiny"  # the built-in model's name
 _METRICS_PATHS = ("/metrics", "/node/metrics")
+_METRICS_KEY_MESSAGE = (
+    "Authentication failed: a valid metrics key is required "
+    "(Authorization: Bearer <server.metrics_key>)"
+)
 _MAX_NODE_MESSAGE_BYTES = 1 << 20  # a registration or heartbeat is a few hundred bytes
 _M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
 
@@ -144,17 +148,11 @@ def create_coordinator_app(
         lambda: len(registry.ready_nodes()),
     )
     service = CoordinatorService(registry, admission, metrics, preparation)
-    internal = web.Application(
-        middlewares=[error_middleware, _internal_auth_middleware],
-        client_max_size=_MAX_NODE_MESSAGE_BYTES,
-    )
-    for shared in (app, internal):
-        shared[CONFIG] = config
-        shared[FRONTEND] = frontend
-        shared[REGISTRY] = registry
-        shared[SERVICE] = service
-        shared[METRICS] = metrics
-    app[INTERNAL_APP] = internal
+    app[CONFIG] = config
+    app[FRONTEND] = frontend
+    app[REGISTRY] = registry
+    app[SERVICE] = service
+    app[METRICS] = metrics
     timeout = config.request_timeout_s
     app.add_routes(
         _api_routes(
@@ -166,6 +164,26 @@ def create_coordinator_app(
     observability_routes = [*_observability_routes(), *observability]
     if config.public_observability:
         app.add_routes(observability_routes)
+    app[INTERNAL_APP] = _create_internal_app(app, observability_routes)
+    app.cleanup_ctx.append(_http_session_ctx)
+    app.cleanup_ctx.append(_heartbeat_reaper_ctx)
+    app.cleanup_ctx.append(_preparation_ctx)
+    return app
+
+
+def _create_internal_app(
+    public: web.Application, observability_routes: Sequence[web.RouteDef]
+) -> web.Application:
+    """The nodes' control plane, on the public app's registry, service and metrics."""
+    internal = web.Application(
+        middlewares=[error_middleware, _internal_auth_middleware],
+        client_max_size=_MAX_NODE_MESSAGE_BYTES,
+    )
+    internal[CONFIG] = public[CONFIG]
+    internal[FRONTEND] = public[FRONTEND]
+    internal[REGISTRY] = public[REGISTRY]
+    internal[SERVICE] = public[SERVICE]
+    internal[METRICS] = public[METRICS]
     internal.add_routes(
         [
             web.post("/internal/register", _register),
@@ -173,10 +191,7 @@ def create_coordinator_app(
             *observability_routes,
         ]
     )
-    app.cleanup_ctx.append(_http_session_ctx)
-    app.cleanup_ctx.append(_heartbeat_reaper_ctx)
-    app.cleanup_ctx.append(_preparation_ctx)
-    return app
+    return internal
 
 
 def _api_routes(openai: OpenAIApi, completions: CompletionsApi, anthropic: AnthropicApi) -> list:
@@ -222,42 +237,37 @@ def _metrics_keys(config: ServerConfig) -> tuple[str, ...]:
     return (config.metrics_key,) if config.metrics_key else ()
 
 
-def _metrics_key_error() -> ApiError:
-    return ApiError(
-        401,
-        "Authentication failed: a valid metrics key is required "
-        "(Authorization: Bearer <server.metrics_key>)",
-    )
+def _auth_middleware(
+    prefix: str, accepted: Callable[[ServerConfig], Sequence[str]], message: str, code: str | None
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Paths under ``prefix`` need one of ``accepted(config)`` (when there are any); /metrics
+    needs the metrics key (when set)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        config = request.app[CONFIG]
+        if request.path in _METRICS_PATHS:
+            _require_key(request, _metrics_keys(config), ApiError(401, _METRICS_KEY_MESSAGE))
+        elif request.path.startswith(prefix):
+            _require_key(request, accepted(config), ApiError(401, message, code=code))
+        return await handler(request)
+
+    return check
 
 
-@web.middleware
-async def _public_auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """/v1/* needs one of ``server.api_keys`` (when set); /metrics the metrics key."""
-    config = request.app[CONFIG]
-    if request.path in _METRICS_PATHS:
-        _require_key(request, _metrics_keys(config), _metrics_key_error())
-    elif request.path.startswith("/v1/"):
-        error = ApiError(
-            401,
-            "Authentication failed: a valid API key is required "
-            "(Authorization: Bearer <key> or x-api-key: <key>)",
-            code="invalid_api_key",
-        )
-        _require_key(request, config.api_keys, error)
-    return await handler(request)
-
-
-@web.middleware
-async def _internal_auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """/internal/* needs the node token (when set); /metrics the metrics key."""
-    config = request.app[CONFIG]
-    if request.path in _METRICS_PATHS:
-        _require_key(request, _metrics_keys(config), _metrics_key_error())
-    elif request.path.startswith("/internal/"):
-        tokens = (config.node_token,) if config.node_token else ()
-        error = ApiError(401, "Authentication failed: wrong or missing node token")
-        _require_key(request, tokens, error)
-    return await handler(request)
+_public_auth_middleware = _auth_middleware(
+    "/v1/",
+    lambda config: config.api_keys,
+    "Authentication failed: a valid API key is required "
+    "(Authorization: Bearer <key> or x-api-key: <key>)",
+    "invalid_api_key",
+)
+_internal_auth_middleware = _auth_middleware(
+    "/internal/",
+    lambda config: (config.node_token,) if config.node_token else (),
+    "Authentication failed: wrong or missing node token",
+    None,
+)
 
 
 async def _health(request: web.Request) -> web.Response:
