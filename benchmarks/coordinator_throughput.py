@@ -26,7 +26,7 @@ import aiohttp
 FAKE_TOKEN = 1601  # a plain word piece, so the stream carries text
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -100,7 +100,7 @@ async def _client(base: str, concurrency: int, requests: int, output_len: int) -
         return sum(await asyncio.gather(*(bounded() for _ in range(requests))))
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
     import urllib.request
 
     deadline = time.monotonic() + seconds
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--coordinator-core", type=int, default=1)
     ns = ap.parse_args()
-    node_port, coord_port = _free_port(), _free_port()
+    node_port, coord_port = free_port(), free_port()
     env = {**os.environ, "DEEPINFER_LOG_LEVEL": "WARNING"}
     node = subprocess.Popen(
         [sys.executable, __file__, "_node", str(node_port)], env=env, stdout=subprocess.DEVNULL
@@ -131,14 +131,14 @@ def main() -> None:
     coordinator = subprocess.Popen(
         ["taskset", "-c", str(ns.coordinator_core), sys.executable, "-m", "deepinfer.cli",
          "coordinator", "--node", f"http://127.0.0.1:{node_port}", "--port", str(coord_port),
-         "--max-model-len", "8192"],
+         "--internal-port", str(free_port()), "--max-model-len", "8192"],
         env=env,
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _wait_ready(f"http://127.0.0.1:{node_port}/ready", node)
+        wait_ready(f"http://127.0.0.1:{node_port}/ready", node)
         base = f"http://127.0.0.1:{coord_port}"
-        _wait_ready(f"{base}/ready", coordinator)
+        wait_ready(f"{base}/ready", coordinator)
         asyncio.run(_client(base, 4, 8, 16))  # warm-up
         cpu0, t0 = _cpu_seconds(coordinator.pid), time.perf_counter()
         tokens = asyncio.run(_client(base, ns.concurrency, ns.requests, ns.output_len))

@@ -130,7 +130,7 @@ def _config_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="config.toml to resolve")
 
 
-_SECRETS = {"api_keys", "node_token", "auth_token"}
+_SECRETS = {"api_keys", "node_token", "metrics_key"}
 
 
 def _show_config(ns: argparse.Namespace) -> int:

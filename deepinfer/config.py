@@ -8,6 +8,7 @@ file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit override
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 import typing
@@ -144,14 +145,20 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The public HTTP API (`deepinfer coordinator`, and `deepinfer serve`).
+    """The coordinator (`deepinfer coordinator`, and `deepinfer serve`): the public HTTP API on
+    ``host:port`` and the nodes' control plane (/internal/register, /internal/heartbeat) on
+    ``internal_host:internal_port``. Nodes read ``node_token`` and ``metrics_key`` too.
 
     List-valued keys (``api_keys``, ``image_url_allowlist``) also take one comma-separated string,
-    as environment variables give them.
+    as environment variables give them. Admission limits left unset (None) follow the ready
+    nodes: ``max_running_requests`` their ``scheduler.max_num_seqs`` summed,
+    ``max_queued_requests`` as many again.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
+    internal_host: str = "127.0.0.1"  # not a loopback address: node_token is required
+    internal_port: int = 8001
     served_model_name: str | None = None
     default_thinking_mode: bool = True  # requests without `thinking` reason first
     # max_tokens of a chat or Responses request that sets none; None: DeepSeek's API default
@@ -159,11 +166,18 @@ class ServerConfig:
     # the context left after the prompt.
     default_max_tokens: int | None = None
     api_keys: tuple[str, ...] = ()  # empty: no authentication
-    node_token: str | None = None  # shared secret between the coordinator and its nodes
+    # The control plane's one shared secret: nodes present it on the internal listener, the
+    # coordinator presents it to the nodes' /internal/* API.
+    node_token: str | None = None
+    metrics_key: str | None = None  # set: /metrics needs "Authorization: Bearer <key>"
+    public_observability: bool = True  # False: /health, /ready, /metrics on the internal listener
     image_url_allowlist: tuple[str, ...] = ()  # hosts whose image URLs may be fetched
     max_body_bytes: int = 64 * 1024 * 1024
-    max_running_requests: int = 1024  # in flight to nodes, all nodes together
-    max_queued_requests: int = 1024  # waiting for a running slot; beyond: 429
+    body_read_timeout_s: float = 30.0  # a body not received in this time: 408, connection closed
+    num_prepare_threads: int = 2  # threads that parse, convert and tokenize request bodies
+    max_preparing_bytes: int = 256 * 1024 * 1024  # bodies being read or prepared; beyond: 429
+    max_running_requests: int | None = None  # in flight to nodes, all nodes together
+    max_queued_requests: int | None = None  # waiting for a running slot; beyond: 429
     max_queued_prompt_tokens: int = 4 * 1024 * 1024  # prompt tokens waiting; beyond: 429
     retry_after_s: int = 1  # Retry-After of a 429
     request_timeout_s: float = 1800.0  # whole request, queueing included
@@ -174,10 +188,20 @@ class ServerConfig:
     # Responses kept for `previous_response_id` and GET /v1/responses/{id}, least recently used
     # evicted beyond this size; 0 stores none.
     response_store_mib: float = 256.0
+    max_registered_nodes: int = 256  # registrations beyond it are refused
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"server.port must be in 1..65535, got {self.port}")
+        for key in ("port", "internal_port"):
+            if not 0 < getattr(self, key) < 65536:
+                raise ValueError(f"server.{key} must be in 1..65535, got {getattr(self, key)}")
+        if self.internal_port == self.port:
+            raise ValueError(f"server.internal_port must differ from server.port ({self.port})")
+        if not is_loopback(self.internal_host) and not self.node_token:
+            raise ValueError(
+                f"server.internal_host = {self.internal_host!r} is not a loopback address: set "
+                "server.node_token (DEEPINFER_SERVER_NODE_TOKEN) so that only nodes holding it "
+                "can register, or keep the internal listener on 127.0.0.1"
+            )
         for key in ("api_keys", "image_url_allowlist"):
             value = getattr(self, key)
             if isinstance(value, str):
@@ -185,13 +209,22 @@ class ServerConfig:
             object.__setattr__(self, key, tuple(value))
         for key in (
             "max_body_bytes",
-            "max_running_requests",
-            "max_queued_requests",
+            "num_prepare_threads",
+            "max_preparing_bytes",
             "max_queued_prompt_tokens",
+            "max_registered_nodes",
         ):
             _check_positive(f"server.{key}", getattr(self, key))
         if self.default_max_tokens is not None:
             _check_positive("server.default_max_tokens", self.default_max_tokens)
+        for key in ("max_running_requests", "max_queued_requests"):
+            if getattr(self, key) is not None:
+                _check_positive(f"server.{key}", getattr(self, key))
+        if self.max_preparing_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"server.max_preparing_bytes ({self.max_preparing_bytes}) must be >= "
+                f"server.max_body_bytes ({self.max_body_bytes}), or no body of that size fits"
+            )
         if self.retry_after_s < 0:
             raise ValueError(f"server.retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.response_store_mib < 0:
@@ -203,6 +236,7 @@ class ServerConfig:
             "drain_timeout_s",
             "heartbeat_timeout_s",
             "node_probe_interval_s",
+            "body_read_timeout_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key} must be > 0, got {getattr(self, key)}")
@@ -217,9 +251,10 @@ class NodeConfig:
     role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
     node_id: str | None = None  # None: "<hostname>:<port>"
     advertise_url: str | None = None  # None: http://<host>:<port> (the hostname for 0.0.0.0)
-    # Shared secret for /internal/* ("Authorization: Bearer <token>"); None: no check.
-    auth_token: str | None = None
-    coordinator_url: str | None = None  # None: no registration or heartbeats
+    # The coordinator's internal listener (server.internal_host:internal_port), where the node
+    # registers and heartbeats; None: no registration (the coordinator is given the node's URL).
+    # The node's /internal/* API and its calls there carry server.node_token.
+    coordinator_internal_url: str | None = None
     heartbeat_interval_s: float = 2.0
     max_step_s: float = 30.0  # /ready answers 503 while one engine step runs longer than this
     drain_timeout_s: float = 30.0  # SIGTERM: time in-flight requests get before they are aborted
@@ -286,6 +321,24 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+# Keys that were renamed: an old name in a file or the environment is an error naming the new one
+# (an ignored token would leave a node's API open).
+_RENAMED = {
+    "node.auth_token": "server.node_token",
+    "node.coordinator_url": "node.coordinator_internal_url",
+}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve to any interface
+
+
 def replace_given(section: Any, **values: Any) -> Any:
     """A copy of a config section with the values that were given (not None), e.g. CLI flags."""
     return dataclasses.replace(section, **{k: v for k, v in values.items() if v is not None})
@@ -294,6 +347,8 @@ def replace_given(section: Any, **values: Any) -> Any:
 def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(section_cls)}
     for key in values:
+        if f"{name}.{key}" in _RENAMED:
+            raise ValueError(f"[{name}].{key} was renamed to {_RENAMED[f'{name}.{key}']}")
         if key not in known:
             raise ValueError(f"unknown config key [{name}].{key}; known keys: {sorted(known)}")
     return section_cls(**values)
@@ -301,12 +356,20 @@ def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
 
 def _from_env(section: str, section_cls: type, env: typing.Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for old, new in _RENAMED.items():
+        if old.startswith(f"{section}.") and _env_var(old) in env:
+            raise ValueError(f"{_env_var(old)} was renamed to {_env_var(new)}")
     hints = typing.get_type_hints(section_cls)
     for f in dataclasses.fields(section_cls):
-        var = f"DEEPINFER_{section.upper()}_{f.name.upper()}"
+        var = _env_var(f"{section}.{f.name}")
         if var in env:
             out[f.name] = _parse_env(var, env[var], hints[f.name])
     return out
+
+
+def _env_var(key: str) -> str:
+    """A key's environment variable: server.node_token -> DEEPINFER_SERVER_NODE_TOKEN."""
+    return "DEEPINFER_" + key.upper().replace(".", "_")
 
 
 def _parse_env(var: str, raw: str, hint: Any) -> Any:

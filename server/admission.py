@@ -8,6 +8,10 @@ At most ``max_running`` requests are in flight to the nodes; beyond that, reques
 arrival order, so that an overload shows up as fast 429s instead of unbounded queues and
 timeouts (users' complaint: vLLM #49445, SGLang #33858). A slot freed by a finishing request is
 handed directly to the oldest waiter, so a newcomer cannot overtake the queue.
+
+Limits left None follow ``capacity()``, what the ready nodes run at once (their
+``max_num_seqs`` summed): as many running, and as many again waiting. More running than the
+nodes run would only queue on the nodes, out of sight of this queue and its 429s.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -51,13 +55,15 @@ class Admission:
 class AdmissionController:
     def __init__(
         self,
-        max_running: int,
-        max_queued_requests: int,
+        max_running: int | None,
+        max_queued_requests: int | None,
         max_queued_prompt_tokens: int,
         retry_after_s: int = 1,
+        capacity: Callable[[], int] = lambda: 0,
     ) -> None:
-        self.max_running = max_running
-        self.max_queued_requests = max_queued_requests
+        self._max_running = max_running
+        self._max_queued_requests = max_queued_requests
+        self._capacity = capacity
         self.max_queued_prompt_tokens = max_queued_prompt_tokens
         self.retry_after_s = retry_after_s
         self.num_running = 0
@@ -68,8 +74,30 @@ class AdmissionController:
         self._idle.set()
 
     @property
+    def max_running(self) -> int:
+        return self._max_running if self._max_running is not None else self._capacity()
+
+    @property
+    def max_queued_requests(self) -> int:
+        if self._max_queued_requests is not None:
+            return self._max_queued_requests
+        return self.max_running
+
+    @property
     def num_waiting(self) -> int:
         return len(self._waiters)
+
+    def check_room(self, num_preparing: int = 0) -> None:
+        """Raises QueueFullError when every running and waiting place is taken, counting
+        ``num_preparing`` requests that are still being prepared for admission."""
+        num_admitted = self.num_running + self.num_waiting + num_preparing
+        limit = self.max_running + self.max_queued_requests
+        if num_admitted >= limit:
+            raise QueueFullError(
+                f"Too many requests: {num_admitted} running, waiting or being prepared "
+                f"(server.max_running_requests + server.max_queued_requests = {limit})",
+                self.retry_after_s,
+            )
 
     @asynccontextmanager
     async def admit(self, num_prompt_tokens: int) -> AsyncIterator[Admission]:
@@ -91,10 +119,11 @@ class AdmissionController:
             self._release()
 
     async def _wait_for_slot(self, num_prompt_tokens: int) -> None:
-        if len(self._waiters) >= self.max_queued_requests:
+        max_queued_requests = self.max_queued_requests
+        if len(self._waiters) >= max_queued_requests:
             raise QueueFullError(
                 f"Too many requests: {len(self._waiters)} already waiting "
-                f"(server.max_queued_requests = {self.max_queued_requests})",
+                f"(server.max_queued_requests = {max_queued_requests})",
                 self.retry_after_s,
             )
         if self.num_waiting_tokens + num_prompt_tokens > self.max_queued_prompt_tokens:

@@ -6,8 +6,6 @@ Shapes are deepseek-recipe's (DeepSeek's Anthropic API); errors are Anthropic-sh
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from deepinfer.server.conversion import ApiKind, Frontend
@@ -27,10 +25,13 @@ class AnthropicApi:
         )
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        """The prompt's token count as the model would see it (no node involved)."""
-        raw = await request.read()
+        """The prompt's token count as the model would see it. No node runs it, but it is
+        admitted and prepared as a request is, and one that cannot fit the context is a 400."""
         frontend = self.frontend
-        num_tokens = await asyncio.to_thread(
-            lambda: frontend.count_tokens(ApiKind.MESSAGES, frontend.parse_json(raw))
+        num_tokens = await self.service.prepare(
+            request,
+            lambda body, limit: frontend.count_tokens(
+                ApiKind.MESSAGES, frontend.parse_json(body), limit
+            ),
         )
         return web.json_response({"input_tokens": num_tokens})

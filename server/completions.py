@@ -48,10 +48,12 @@ class CompletionRequest:
     stop: list[str]
 
 
-def _prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+def _prompt_ids(prompt: Any, frontend: Frontend, context_limit: int) -> list[int]:
+    tokenizer = frontend.tokenizer
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        frontend.check_prompt_chars(len(prompt), context_limit, "prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.vocab_size
@@ -81,7 +83,7 @@ def parse_completion(
             raise bad_request(f"{name}={body[name]!r} is not supported", name)
     if "prompt" not in body:
         raise bad_request("Missing required parameter: prompt", "prompt")
-    prompt_ids = _prompt_ids(body["prompt"], frontend.tokenizer)
+    prompt_ids = _prompt_ids(body["prompt"], frontend, context_limit)
     max_tokens = _opt(body, "max_tokens", int, _DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
         raise bad_request(f"Invalid max_tokens value {max_tokens}: must be >= 1", "max_tokens")
@@ -163,12 +165,12 @@ class CompletionsApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival_time = time.monotonic()
-        raw = await request.read()
-        context_limit = self.service.context_limit()
         frontend = self.frontend
-        completion, req = await asyncio.to_thread(
-            lambda: parse_completion(frontend, frontend.parse_json(raw), context_limit)
-        )
+
+        def parse(body: bytes, context_limit: int) -> tuple[CompletionRequest, ApiRequest]:
+            return parse_completion(frontend, frontend.parse_json(body), context_limit)
+
+        completion, req = await self.service.prepare(request, parse)
         req.arrival_time = arrival_time
         steps = self._steps(completion, req)
         if completion.stream:

@@ -13,7 +13,13 @@ or misreads: ``max_completion_tokens``, ``thinking`` on Responses, strict schema
 not an object, Messages without ``max_tokens`` (a 400, as Anthropic's API) and with
 ``tool_choice: any`` (a required tool call). The ``max_tokens`` bound is the context limit where
 that is below DeepSeek's 384K. ``prepare`` is CPU work (tokenization of up to a million-token
-prompt), so handlers run it in a worker thread.
+prompt), so handlers run it on the preparation pool (server/preparation.py).
+
+Before tokenizing, the rendered prompt's length in characters is checked against the context:
+no token spells more than ``max_token_chars`` characters, so a prompt of ``n`` characters has at
+least ``ceil(n / max_token_chars)`` tokens, and one that cannot fit is refused without tokenizing.
+The bound is exact, never refusing a prompt that fits, hence loose (V4's longest tokens are runs
+of 128 spaces or dots): it stops absurd bodies, and the pool bounds the rest.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ class Frontend:
         self.default_max_tokens = default_max_tokens
         self.image_url_allowlist = frozenset(h.lower() for h in image_url_allowlist)
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
+        self.max_token_chars = _max_token_chars(self.tokenizer)
         version, encoding_cls = _MODEL_VERSIONS[model_type]
         self.encoding = encoding_cls().with_tokenizer(self.recipe_tokenizer)
         self.options = recipe.ConversionOptions(
@@ -222,12 +229,29 @@ class Frontend:
             return _require_tool_call(converted)
         return converted
 
-    def encode(self, conversation: recipe.Conversation) -> list[int]:
+    def encode(self, conversation: recipe.Conversation, context_limit: int) -> list[int]:
+        """The prompt's token ids; refused (400) without tokenizing when its characters alone
+        prove it longer than ``context_limit`` tokens."""
         self._check_images(conversation)
         try:
+            num_chars = len(self.encoding.render_conversation(conversation).prompt)
+            self.check_prompt_chars(num_chars, context_limit)
             return self.encoding.encode(conversation)
         except RuntimeError as e:
             raise bad_request(f"The conversation cannot be encoded: {e}") from None
+
+    def check_prompt_chars(
+        self, num_chars: int, context_limit: int, param: str | None = None
+    ) -> None:
+        """Raises ApiError (400) when ``num_chars`` characters are more tokens than fit."""
+        min_tokens = -(-num_chars // self.max_token_chars)
+        if min_tokens > context_limit:
+            raise bad_request(
+                f"This model's maximum context length is {context_limit} tokens. However, your "
+                f"prompt has at least {min_tokens} tokens ({num_chars} characters, and no token "
+                f"is longer than {self.max_token_chars}). Please reduce the length of the prompt.",
+                param,
+            )
 
     def prepare(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> Prepared:
         """Everything from the body to the node's options. Raises ApiError (4xx)."""
@@ -235,7 +259,7 @@ class Frontend:
             raise bad_request("max_tokens: Field required", "max_tokens")  # Anthropic's words
         converted = self.convert(kind, body, context_limit)
         conversation_request = converted.request
-        prompt_token_ids = self.encode(converted.conversation)
+        prompt_token_ids = self.encode(converted.conversation, context_limit)
         num_prompt = len(prompt_token_ids)
         try:
             max_tokens = conversation_request.resolve_max_tokens(num_prompt, context_limit)
@@ -267,8 +291,9 @@ class Frontend:
             namespace_tool_map=converted.namespace_tool_map,
         )
 
-    def count_tokens(self, kind: ApiKind, body: dict[str, Any]) -> int:
-        return len(self.encode(self.convert(kind, body).conversation))
+    def count_tokens(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> int:
+        """The prompt's token count; a prompt that cannot fit the context is refused (400)."""
+        return len(self.encode(self.convert(kind, body).conversation, context_limit))
 
     def _check_images(self, conversation: recipe.Conversation) -> None:
         """Image URLs are fetched by the server, so they are an SSRF risk: only allow-listed
@@ -381,6 +406,12 @@ def _load_tokenizers(path: Path) -> tuple[recipe.Tokenizer, Tokenizer]:
     if ours.path != path:
         ours = Tokenizer(tokenizers.Tokenizer.from_file(str(path)), path)
     return recipe.Tokenizer.from_file(str(path)), ours
+
+
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for. Vocabulary strings of a byte-level BPE
+    spell one character per byte, which is at least one decoded character."""
+    return max(len(token) for token in tokenizer.backend.get_vocab(with_added_tokens=True))
 
 
 def _from_conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:

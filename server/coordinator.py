@@ -1,18 +1,22 @@
 """The coordinator: DeepInfer's public HTTP API (`deepinfer coordinator`).
 
-    client ──HTTP/SSE──▶ coordinator app ──NodeBackend (server/routing.py)──▶ nodes
-                          error_middleware → auth_middleware → handler
-                          handler: parse → convert + encode (worker thread) → admit → route
+    client ──HTTP/SSE──▶ public app (server.host:port) ──NodeBackend (server/routing.py)──▶ nodes
+                          error_middleware → auth (API keys) → handler
+                          handler: parse → prepare (preparation pool) → admit → route
                                    → stream (deepseek-recipe StreamProcessor) → SSE / JSON
+    node ──msgpack──▶ internal app (server.internal_host:internal_port)
+                          error_middleware → auth (node token) → /internal/register, /heartbeat
 
-Routes (one table, ``_routes``): the OpenAI, Responses and Anthropic APIs under /v1, vLLM's
-/tokenize, /detokenize, /version and /ping, health and readiness, Prometheus metrics, and the
-nodes' /internal/register and /internal/heartbeat. Soft state only: the node registry
-(heartbeats), the admission queue, the stored Responses, the metrics. Background
-work runs in ``cleanup_ctx``: the HTTP session for node clients and the node monitor (heartbeat
-expiry, probes).
-``serve_coordinator`` runs an app until SIGTERM/SIGINT, then drains it (stop admitting, let
-in-flight streams finish up to ``server.drain_timeout_s``, abort the rest) and returns 0.
+Two apps on two listeners, sharing one registry, service and metrics: the public one serves the
+OpenAI, Responses and Anthropic APIs under /v1 and vLLM's /tokenize, /detokenize, /version and
+/ping; the internal one is the nodes' control plane and never answers on the public port (there
+/internal/* is a 404). Both serve /health, /ready and /metrics, the public one only while
+``server.public_observability``; ``server.metrics_key`` guards /metrics on both. Soft state
+only: the node registry (heartbeats), the admission queue, the stored Responses, the metrics.
+Background work runs in ``cleanup_ctx``: the HTTP session for node clients, the node monitor
+(heartbeat expiry, probes), the preparation pool. ``serve_coordinator`` runs both apps until
+SIGTERM/SIGINT, then drains (stop admitting, let in-flight streams finish up to
+``server.drain_timeout_s``, abort the rest) and returns 0.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import importlib.metadata
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,7 +36,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from deepinfer.config import Config, ServerConfig
+from deepinfer.config import Config, SchedulerConfig, ServerConfig
 from deepinfer.server import systemd
 from deepinfer.server.admission import AdmissionController
 from deepinfer.server.anthropic_api import AnthropicApi
@@ -41,8 +45,21 @@ from deepinfer.server.conversion import Frontend
 from deepinfer.server.errors import ApiError, Handler, error_middleware
 from deepinfer.server.metrics import CONTENT_TYPE, CoordinatorMetrics
 from deepinfer.server.openai_api import OpenAIApi
-from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
-from deepinfer.server.registry import BackendFactory, NodeRegistry, UnknownNodeError
+from deepinfer.server.preparation import PreparationPool, read_body
+from deepinfer.server.protocol import (
+    MESSAGE_CONTENT_TYPE,
+    NodeHeartbeat,
+    NodeLease,
+    NodeRegistration,
+)
+from deepinfer.server.registry import (
+    BackendFactory,
+    IdentityConflictError,
+    NodeRegistry,
+    RegistryFullError,
+    UnknownNodeError,
+    WrongLeaseError,
+)
 from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.routing import NodeBackend, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
@@ -56,12 +73,19 @@ REGISTRY = web.AppKey("registry", NodeRegistry)
 SERVICE = web.AppKey("service", CoordinatorService)
 METRICS = web.AppKey("metrics", CoordinatorMetrics)
 HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
+INTERNAL_APP = web.AppKey("internal_app", web.Application)
 
 _DEFAULT_SERVED_MODEL_NAME = "deepinfer-tiny"  # the built-in model's name
 try:
     _VERSION = importlib.metadata.version("deepinfer")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
     _VERSION = "unknown"
+_METRICS_PATHS = ("/metrics", "/node/metrics")
+_METRICS_KEY_MESSAGE = (
+    "Authentication failed: a valid metrics key is required "
+    "(Authorization: Bearer <server.metrics_key>)"
+)
+_MAX_NODE_MESSAGE_BYTES = 1 << 20  # a registration or heartbeat is a few hundred bytes
 _M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
 
 
@@ -73,21 +97,27 @@ def create_coordinator_app(
     model_type: str = "deepseek_v4",
     backends: Sequence[NodeBackend] = (),
     max_model_len: int | None = None,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
     backend_factory: BackendFactory | None = None,
     policy: RoutingPolicy | None = None,
+    observability: Sequence[web.RouteDef] = (),
 ) -> web.Application:
-    """The coordinator's aiohttp app.
+    """The coordinator's public app; its internal app (the nodes' control plane) is
+    ``app[INTERNAL_APP]``.
 
     ``backends`` are static nodes (e.g. ``deepinfer serve``'s in-process node), always in
-    rotation, with context limit ``max_model_len``. Nodes may also register over HTTP; their
-    backends come from ``backend_factory(url)`` (default: ``NodeClient`` with
-    ``config.node_token`` on a shared session). ``policy`` picks a node per request (default:
-    least loaded). ``model_type`` is the checkpoint's (``deepseek_v4`` | ``deepseek_v41``).
+    rotation, with context limit ``max_model_len`` and ``max_num_seqs`` requests at once each.
+    Nodes may also register on the internal app; their backends come from
+    ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
+    session). ``policy`` picks a node per request (default: least loaded). ``model_type`` is the
+    checkpoint's (``deepseek_v4`` | ``deepseek_v41``). ``observability`` are more routes served
+    beside /health, /ready and /metrics (``serve``'s /node/metrics).
     """
     if backends and max_model_len is None:
         raise ValueError("max_model_len is required with static backends")
     app = web.Application(
-        middlewares=[error_middleware, _auth_middleware], client_max_size=config.max_body_bytes
+        middlewares=[error_middleware, _public_auth_middleware],
+        client_max_size=config.max_body_bytes,
     )
     frontend = Frontend(
         tokenizer_path,
@@ -102,15 +132,24 @@ def create_coordinator_app(
         backend_factory or _node_client_factory(app, config),
         policy,
         probe_timeout_s=max(config.node_probe_interval_s, 1.0),
+        max_nodes=config.max_registered_nodes,
     )
     for i, backend in enumerate(backends):
         assert max_model_len is not None
-        registry.add_static(f"static-{i}", backend, max_model_len)
+        registry.add_static(f"static-{i}", backend, max_model_len, max_num_seqs)
     admission = AdmissionController(
         config.max_running_requests,
         config.max_queued_requests,
         config.max_queued_prompt_tokens,
         config.retry_after_s,
+        capacity=registry.max_num_seqs,
+    )
+    preparation = PreparationPool(
+        admission,
+        config.num_prepare_threads,
+        config.max_preparing_bytes,
+        config.max_body_bytes,
+        config.body_read_timeout_s,
     )
     metrics = CoordinatorMetrics(served_model_name)
     metrics.bind_gauges(
@@ -118,7 +157,7 @@ def create_coordinator_app(
         lambda: admission.num_waiting,
         lambda: len(registry.ready_nodes()),
     )
-    service = CoordinatorService(registry, admission, metrics)
+    service = CoordinatorService(registry, admission, metrics, preparation)
     response_store = ResponseStore(int(config.response_store_mib * 2**20))
     app[CONFIG] = config
     app[FRONTEND] = frontend
@@ -127,19 +166,47 @@ def create_coordinator_app(
     app[METRICS] = metrics
     timeout = config.request_timeout_s
     app.add_routes(
-        _routes(
+        _api_routes(
             OpenAIApi(frontend, service, timeout, response_store),
             CompletionsApi(frontend, service, timeout),
             AnthropicApi(frontend, service, timeout),
             TokenizationApi(frontend, service),
         )
     )
+    observability_routes = [*_observability_routes(), *observability]
+    if config.public_observability:
+        app.add_routes(observability_routes)
+    app[INTERNAL_APP] = _create_internal_app(app, observability_routes)
     app.cleanup_ctx.append(_http_session_ctx)
     app.cleanup_ctx.append(_node_monitor_ctx)
+    app.cleanup_ctx.append(_preparation_ctx)
     return app
 
 
-def _routes(
+def _create_internal_app(
+    public: web.Application, observability_routes: Sequence[web.RouteDef]
+) -> web.Application:
+    """The nodes' control plane, on the public app's registry, service and metrics."""
+    internal = web.Application(
+        middlewares=[error_middleware, _internal_auth_middleware],
+        client_max_size=_MAX_NODE_MESSAGE_BYTES,
+    )
+    internal[CONFIG] = public[CONFIG]
+    internal[FRONTEND] = public[FRONTEND]
+    internal[REGISTRY] = public[REGISTRY]
+    internal[SERVICE] = public[SERVICE]
+    internal[METRICS] = public[METRICS]
+    internal.add_routes(
+        [
+            web.post("/internal/register", _register),
+            web.post("/internal/heartbeat", _heartbeat),
+            *observability_routes,
+        ]
+    )
+    return internal
+
+
+def _api_routes(
     openai: OpenAIApi,
     completions: CompletionsApi,
     anthropic: AnthropicApi,
@@ -159,12 +226,11 @@ def _routes(
         web.get("/version", _version),
         web.get("/ping", _ping),
         web.post("/ping", _ping),
-        web.get("/health", _health),
-        web.get("/ready", _ready),
-        web.get("/metrics", _metrics),
-        web.post("/internal/register", _register),
-        web.post("/internal/heartbeat", _heartbeat),
     ]
+
+
+def _observability_routes() -> list[web.RouteDef]:
+    return [web.get("/health", _health), web.get("/ready", _ready), web.get("/metrics", _metrics)]
 
 
 # ---- middleware, health, metrics -------------------------------------------------------------
@@ -185,31 +251,51 @@ def _key_matches(presented: str | None, accepted: Sequence[str]) -> bool:
     return any(matches)
 
 
-# Public paths outside /v1 that do a client's work, so they need a client key as /v1 does.
-_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+def _require_key(request: web.Request, accepted: Sequence[str], error: ApiError) -> None:
+    """Raises ``error`` unless the request presents one of ``accepted`` (none: open)."""
+    if accepted and not _key_matches(_presented_key(request), accepted):
+        raise error
 
 
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """/v1/*, /tokenize and /detokenize need one of ``server.api_keys`` (when set); /internal/*
-    needs the node token."""
-    config = request.app[CONFIG]
-    is_keyed = request.path.startswith("/v1/") or request.path in _KEYED_PATHS
-    if is_keyed and config.api_keys:
-        if not _key_matches(_presented_key(request), config.api_keys):
-            raise ApiError(
-                401,
-                "Authentication failed: a valid API key is required "
-                "(Authorization: Bearer <key> or x-api-key: <key>)",
-                code="invalid_api_key",
-            )
-    elif (
-        request.path.startswith("/internal/")
-        and config.node_token
-        and not _key_matches(_presented_key(request), [config.node_token])
-    ):
-        raise ApiError(401, "Authentication failed: wrong or missing node token")
-    return await handler(request)
+def _metrics_keys(config: ServerConfig) -> tuple[str, ...]:
+    return (config.metrics_key,) if config.metrics_key else ()
+
+
+def _auth_middleware(
+    prefixes: tuple[str, ...],
+    accepted: Callable[[ServerConfig], Sequence[str]],
+    message: str,
+    code: str | None,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Paths under ``prefixes`` need one of ``accepted(config)`` (when there are any); /metrics
+    needs the metrics key (when set)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        config = request.app[CONFIG]
+        if request.path in _METRICS_PATHS:
+            _require_key(request, _metrics_keys(config), ApiError(401, _METRICS_KEY_MESSAGE))
+        elif request.path.startswith(prefixes):
+            _require_key(request, accepted(config), ApiError(401, message, code=code))
+        return await handler(request)
+
+    return check
+
+
+# /tokenize and /detokenize do a client's work outside /v1, so they need a client key too.
+_public_auth_middleware = _auth_middleware(
+    ("/v1/", "/tokenize", "/detokenize"),
+    lambda config: config.api_keys,
+    "Authentication failed: a valid API key is required "
+    "(Authorization: Bearer <key> or x-api-key: <key>)",
+    "invalid_api_key",
+)
+_internal_auth_middleware = _auth_middleware(
+    ("/internal/",),
+    lambda config: (config.node_token,) if config.node_token else (),
+    "Authentication failed: wrong or missing node token",
+    None,
+)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -243,15 +329,26 @@ async def _metrics(request: web.Request) -> web.Response:
 # ---- internal: node registration and heartbeats ----------------------------------------------
 
 
+def _is_json(request: web.Request) -> bool:
+    return request.content_type == "application/json"
+
+
 async def _decode_node_message(request: web.Request, kind: type[_M]) -> _M:
     """msgpack (the nodes' encoding, server/protocol.py) or JSON, by Content-Type."""
-    raw = await request.read()
+    raw = await read_body(request, request.app[CONFIG].body_read_timeout_s)
     try:
-        if request.content_type == "application/json":
+        if _is_json(request):
             return msgspec.json.decode(raw, type=kind)
         return msgspec.msgpack.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ApiError(400, f"Invalid {kind.__name__}: {e}") from None
+
+
+def _node_reply(request: web.Request, message: msgspec.Struct) -> web.Response:
+    """``message`` in the encoding the node spoke."""
+    if _is_json(request):
+        return web.Response(body=msgspec.json.encode(message), content_type="application/json")
+    return web.Response(body=msgspec.msgpack.encode(message), content_type=MESSAGE_CONTENT_TYPE)
 
 
 async def _register(request: web.Request) -> web.Response:
@@ -265,11 +362,20 @@ async def _register(request: web.Request) -> web.Response:
             served,
         )
     try:
-        request.app[REGISTRY].register(registration)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        entry = request.app[REGISTRY].register(registration)
+    except (IdentityConflictError, RegistryFullError, ValueError) as e:
+        status = {IdentityConflictError: 409, RegistryFullError: 503}.get(type(e), 400)
+        logger.warning(
+            "registration of node %r (%s) from %s refused: %s",
+            registration.node_id,
+            registration.url,
+            request.remote,
+            e,
+        )
+        raise ApiError(status, f"Registration refused: {e}") from None
     timeout = request.app[CONFIG].heartbeat_timeout_s
-    return web.json_response({"node_id": registration.node_id, "heartbeat_timeout_s": timeout})
+    lease = NodeLease(node_id=entry.node_id, lease_id=entry.lease_id, heartbeat_timeout_s=timeout)
+    return _node_reply(request, lease)
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
@@ -278,6 +384,15 @@ async def _heartbeat(request: web.Request) -> web.Response:
         request.app[REGISTRY].heartbeat(heartbeat)
     except UnknownNodeError:
         raise ApiError(404, f"Unknown node {heartbeat.node_id!r}; register first") from None
+    except WrongLeaseError:
+        logger.warning(
+            "heartbeat for node %r from %s refused: not its registration's lease",
+            heartbeat.node_id,
+            request.remote,
+        )
+        raise ApiError(
+            403, f"This heartbeat does not carry node {heartbeat.node_id!r}'s lease; register"
+        ) from None
     return web.json_response({"node_id": heartbeat.node_id})
 
 
@@ -302,6 +417,11 @@ async def _http_session_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[SERVICE].wait_background()  # aborts still being sent
     await session.close()
+
+
+async def _preparation_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[SERVICE].preparation.close()
 
 
 async def _node_monitor_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -330,27 +450,44 @@ async def _node_monitor_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def serve_coordinator(
-    app: web.Application, host: str, port: int, *, is_healthy: Callable[[], bool] = lambda: True
+    app: web.Application, *, is_healthy: Callable[[], bool] = lambda: True
 ) -> int:
-    """Serve ``app`` until SIGTERM or SIGINT, then drain it; returns the exit code (0).
+    """Serve ``app`` on ``server.host:port`` and its internal app on
+    ``server.internal_host:internal_port`` until SIGTERM or SIGINT, then drain; returns the exit
+    code (0).
 
     Under systemd it reports readiness, stopping and status, and pings the watchdog while
     ``is_healthy()`` (the event loop turning is health enough for a coordinator alone)."""
+    config = app[CONFIG]
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on its node even while it waits for its first token.
     runner = web.AppRunner(app, handler_cancellation=True)
+    internal_runner = web.AppRunner(app[INTERNAL_APP], handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    await internal_runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        await web.TCPSite(internal_runner, config.internal_host, config.internal_port).start()
+        name = app[FRONTEND].served_model_name
+        where = f"http://{config.host}:{config.port}"
+        internal = f"http://{config.internal_host}:{config.internal_port}"
+        logger.info("coordinator serving %s on %s, nodes register on %s", name, where, internal)
+        await _serve_until_signal(app, is_healthy, f"serving {name} on {where}")
+    finally:
+        await internal_runner.cleanup()
+        await runner.cleanup()
+    return 0
+
+
+async def _serve_until_signal(
+    app: web.Application, is_healthy: Callable[[], bool], status: str
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.info(
-        "coordinator serving %s on http://%s:%d", app[FRONTEND].served_model_name, host, port
-    )
     systemd.ready()
-    systemd.status(f"serving {app[FRONTEND].served_model_name} on http://{host}:{port}")
+    systemd.status(status)
     try:
         async with systemd.watchdog(is_healthy):
             await stop.wait()
@@ -362,14 +499,13 @@ async def serve_coordinator(
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
-    return 0
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="config.toml (default: ./config.toml)")
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)
+    add_internal_listener_arguments(parser)
     parser.add_argument(
         "--model", default=None, help="checkpoint folder: its tokenizer.json and config.json"
     )
@@ -388,6 +524,12 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_internal_listener_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where nodes register (`coordinator` and `serve`)."""
+    parser.add_argument("--internal-host", default=None, help="server.internal_host")
+    parser.add_argument("--internal-port", type=int, default=None, help="server.internal_port")
+
+
 def run_coordinator(ns: argparse.Namespace) -> int:
     import uvloop
 
@@ -398,6 +540,8 @@ def run_coordinator(ns: argparse.Namespace) -> int:
             "server": {
                 "host": ns.host,
                 "port": ns.port,
+                "internal_host": ns.internal_host,
+                "internal_port": ns.internal_port,
                 "served_model_name": ns.served_model_name,
                 "default_thinking_mode": ns.default_thinking_mode,
             },
@@ -413,13 +557,11 @@ def run_coordinator(ns: argparse.Namespace) -> int:
     max_model_len = config.model.max_model_len or checkpoint.get("max_position_embeddings")
     if ns.node and max_model_len is None:
         raise ValueError("--node needs the context limit: give --max-model-len or --model")
-    return uvloop.run(
-        _run(config.server, ns.node, tokenizer_path, served, checkpoint, max_model_len)
-    )
+    return uvloop.run(_run(config, ns.node, tokenizer_path, served, checkpoint, max_model_len))
 
 
 async def _run(
-    config: ServerConfig,
+    config: Config,
     node_urls: list[str],
     tokenizer_path: Path,
     served: str,
@@ -428,17 +570,19 @@ async def _run(
 ) -> int:
     from deepinfer.server.node_client import NodeClient
 
-    backends = [NodeClient(url, token=config.node_token) for url in node_urls]
+    backends = [NodeClient(url, token=config.server.node_token) for url in node_urls]
     app = create_coordinator_app(
-        config,
+        config.server,
         tokenizer_path=tokenizer_path,
         served_model_name=served,
         model_type=checkpoint.get("model_type", "deepseek_v4"),
         backends=backends,
         max_model_len=max_model_len,
+        # --node nodes are taken to run this config's [scheduler] max_num_seqs.
+        max_num_seqs=config.scheduler.max_num_seqs,
     )
     try:
-        return await serve_coordinator(app, config.host, config.port)
+        return await serve_coordinator(app)
     finally:
         for backend in backends:
             await backend.close()  # each owns its HTTP session

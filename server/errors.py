@@ -5,11 +5,16 @@ edge; ``error_middleware`` turns it into an OpenAI-shaped body
 (``{"error": {"message", "type", "param", "code"}}``) or, under ``/v1/messages``, an
 Anthropic-shaped one (``{"type": "error", "error": {"type", "message"}}``). Streams that already
 sent their headers report the same error as one SSE event (``sse_error_event``).
+
+What goes wrong inside (a node unreachable or failing, a bug) reaches the client as a stable
+message and a request id (``internal_error``); the details (node, URL, exception) are logged
+under that id, never sent.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from enum import Enum
 
@@ -93,6 +98,22 @@ def timeout_error(timeout: float) -> ApiError:
     )
 
 
+_INTERNAL_MESSAGES = {
+    500: "The server failed to process the request",
+    502: "The inference node failed to process the request",
+    503: "No inference node could take the request; retry shortly",
+    504: "The inference node did not answer in time",
+}
+
+
+def internal_error(status: int, request_id: str) -> ApiError:
+    """A failure inside the service, as clients see it: the status, a stable message and the
+    request id under which the log holds the details."""
+    status = status if status in _INTERNAL_MESSAGES else 502
+    message = f"{_INTERNAL_MESSAGES[status]} (request id {request_id})"
+    return ApiError(status, message, retry_after=1 if status == 503 else None)
+
+
 def openai_body(err: ApiError) -> dict:
     return {
         "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
@@ -148,7 +169,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where exceptions become HTTP statuses and error bodies."""
+    """The one place where exceptions become HTTP statuses and error bodies.
+
+    A refusal that left the body unread (429 before reading it, 413) ends the connection after
+    aiohttp's lingering read of the rest (so that a client still sending gets the answer, not a
+    reset); a 408 (the body came too slowly) ends it at once: lingering would wait on the same
+    slow client."""
+    response = await _handle(request, handler)
+    if response.status >= 400 and not request.content.at_eof():
+        response.force_close()
+        if response.status == 408:
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()  # the answer is written; the transport flushes it
+    return response
+
+
+async def _handle(request: web.Request, handler: Handler) -> web.StreamResponse:
     flavor = flavor_of(request.path)
     try:
         return await handler(request)
@@ -168,5 +205,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             response.headers["Allow"] = e.headers["Allow"]
         return response
     except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError(500, "Internal server error"), flavor)
+        error_id = f"err-{uuid.uuid4().hex}"
+        logger.exception("unhandled error %s in %s %s", error_id, request.method, request.path)
+        return error_response(internal_error(500, error_id), flavor)

@@ -6,14 +6,19 @@
     POST /internal/finish     msgpack FinishRequest -> 204 (a stop string matched on the text side)
     GET  /health              200 while the process runs
     GET  /ready               200 while the engine loop turns and the node is not draining, else 503
-    GET  /metrics             Prometheus text format (server/node_metrics.py)
+    GET  /metrics             Prometheus text format (server/node_metrics.py); with
+                              ``server.metrics_key`` set, only with "Authorization: Bearer <key>"
 
 Errors before streaming (bad body, bad sampling options, invalid output constraint, prompt too
 long, id in use) are an HTTP 400 (413: body too large; 503: draining) whose body is one msgpack
 StreamError; once the stream began, a failure is a StreamError frame and the stream ends. A client
 that disconnects aborts its request (the handler is cancelled, or its next write fails), which
-frees the request's blocks. With ``node.auth_token`` set, every /internal/* call must carry
-``Authorization: Bearer <token>`` (else 401), and the node sends it to the coordinator too.
+frees the request's blocks. With ``server.node_token`` set, every /internal/* call must carry
+``Authorization: Bearer <token>`` (else 401), and the node sends it to the coordinator too; a node
+bound to an address other than loopback refuses to start without it.
+
+With ``node.coordinator_internal_url`` set the node registers on the coordinator's internal
+listener and heartbeats there with the lease its registration got (server/protocol.py NodeLease).
 
 Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine).
 """
@@ -36,7 +41,7 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config, NodeConfig, replace_given
+from deepinfer.config import Config, NodeConfig, is_loopback, replace_given
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
@@ -50,6 +55,7 @@ from deepinfer.server.protocol import (
     FinishRequest,
     GenerateRequest,
     NodeHeartbeat,
+    NodeLease,
     NodeRegistration,
     OutputConstraint,
     StreamError,
@@ -62,6 +68,7 @@ from deepinfer.server.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", AsyncEngine)
+CONFIG = web.AppKey("config", Config)
 NODE_CONFIG = web.AppKey("node_config", NodeConfig)
 METRICS = web.AppKey("metrics", NodeMetrics)
 REGISTRATION = web.AppKey("registration", NodeRegistration)
@@ -74,13 +81,14 @@ def create_node_app(
     engine: AsyncEngine, config: Config, *, model_name: str | None = None
 ) -> web.Application:
     """The node app. Its cleanup_ctx starts and stops ``engine`` (and registration when
-    ``node.coordinator_url`` is set); its NodeMetrics becomes the engine's observer."""
+    ``node.coordinator_internal_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
     metrics = NodeMetrics(node_id)
     metrics.watch_engine(engine.engine)
     engine.observer = metrics
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
     app[ENGINE] = engine
+    app[CONFIG] = config
     app[NODE_CONFIG] = config.node
     app[METRICS] = metrics
     app[REGISTRATION] = NodeRegistration(
@@ -89,6 +97,7 @@ def create_node_app(
         role=config.node.role,
         model=model_name or served_model_name(config),
         max_model_len=engine.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
     )
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_registration_ctx)
@@ -238,8 +247,13 @@ def _error_response(status: int, request_id: str, message: str) -> web.Response:
 async def _check_token(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    token = request.app[NODE_CONFIG].auth_token
-    if token is not None and request.path.startswith("/internal/"):
+    """/internal/* needs server.node_token, /metrics server.metrics_key (each when set)."""
+    server = request.app[CONFIG].server
+    if request.path.startswith("/internal/"):
+        token = server.node_token
+    else:
+        token = server.metrics_key if request.path == "/metrics" else None
+    if token:
         supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
         if not hmac.compare_digest(supplied, f"Bearer {token}".encode()):
             response = _error_response(401, "", "missing or wrong bearer token")
@@ -258,7 +272,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
-    if app[NODE_CONFIG].coordinator_url is None:
+    if app[NODE_CONFIG].coordinator_internal_url is None:
         yield
         return
     task = asyncio.create_task(_register_and_heartbeat(app), name="deepinfer-node-heartbeat")
@@ -269,50 +283,80 @@ async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _register_and_heartbeat(app: web.Application) -> None:
-    """Register, then heartbeat every ``heartbeat_interval_s``; on failure retry with
-    exponential backoff (logged). A heartbeat answered 404 (the coordinator forgot us, e.g. it
-    restarted) registers again. Never raises: the node serves whether or not this works."""
-    node, engine, registration = app[NODE_CONFIG], app[ENGINE], app[REGISTRATION]
-    assert node.coordinator_url is not None
-    base = node.coordinator_url.rstrip("/")
+    """Register, then heartbeat every ``heartbeat_interval_s`` with the lease the registration
+    got; on failure retry with exponential backoff (logged). A heartbeat answered 404 (the
+    coordinator forgot us, e.g. it restarted) or 403 (our lease is no longer the node id's)
+    registers again. Never raises: the node serves whether or not this works."""
+    config, engine, registration = app[CONFIG], app[ENGINE], app[REGISTRATION]
+    node = config.node
+    assert node.coordinator_internal_url is not None
+    base = node.coordinator_internal_url.rstrip("/")
     headers = {hdrs.CONTENT_TYPE: MESSAGE_CONTENT_TYPE}
-    if node.auth_token is not None:
-        headers[hdrs.AUTHORIZATION] = f"Bearer {node.auth_token}"
+    if config.server.node_token:
+        headers[hdrs.AUTHORIZATION] = f"Bearer {config.server.node_token}"
     timeout = aiohttp.ClientTimeout(total=max(5.0, node.heartbeat_interval_s))
-    is_registered = False
+    lease: NodeLease | None = None
     backoff_s = node.heartbeat_interval_s
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
         while True:
             try:
-                if is_registered:
-                    beat = NodeHeartbeat(node_id=registration.node_id, load=engine.load())
+                if lease is not None:
+                    beat = NodeHeartbeat(
+                        node_id=lease.node_id, load=engine.load(), lease_id=lease.lease_id
+                    )
                     async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
-                        if r.status == 404:
-                            logger.warning("coordinator %s forgot this node; registering", base)
-                            is_registered = False
+                        if r.status in (403, 404):
+                            logger.warning(
+                                "coordinator %s no longer holds this node's lease (%d); "
+                                "registering",
+                                base,
+                                r.status,
+                            )
+                            lease = None
                             continue
                         r.raise_for_status()
                 else:
                     message = msgspec.structs.replace(registration, load=engine.load())
                     async with session.post(f"{base}/internal/register", data=encode(message)) as r:
                         r.raise_for_status()
-                    is_registered = True
-                    logger.info("registered as %r with coordinator %s", registration.node_id, base)
+                        lease = decode(await r.read(), NodeLease)
+                    logger.info("registered as %r with coordinator %s", lease.node_id, base)
                 backoff_s = node.heartbeat_interval_s
                 await asyncio.sleep(node.heartbeat_interval_s)
             except Exception as e:
                 # Any failure (network, coordinator, a bug here) is retried, never fatal.
-                action = "heartbeat to" if is_registered else "registration with"
+                action = "heartbeat to" if lease is not None else "registration with"
                 logger.warning(
-                    "%s coordinator %s failed (%r); retrying in %.1f s",
+                    "%s coordinator %s failed (%s); retrying in %.1f s",
                     action,
                     base,
-                    e,
+                    _describe_failure(e),
                     backoff_s,
-                    exc_info=not isinstance(e, aiohttp.ClientError | TimeoutError),
+                    exc_info=not isinstance(
+                        e, aiohttp.ClientError | TimeoutError | msgspec.DecodeError
+                    ),
                 )
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, _MAX_RETRY_S)
+
+
+def _describe_failure(e: Exception) -> str:
+    """What went wrong, without the request: the repr of aiohttp's ClientResponseError carries
+    the request's headers, the bearer token among them."""
+    if isinstance(e, aiohttp.ClientResponseError):
+        return f"HTTP {e.status} {e.message}"
+    return f"{type(e).__name__}: {e}"
+
+
+def check_exposure(config: Config) -> None:
+    """A node's /internal/* API runs prompts: bound beyond loopback, it needs the node token.
+    Raises ValueError naming the keys."""
+    if not is_loopback(config.node.host) and not config.server.node_token:
+        raise ValueError(
+            f"node.host = {config.node.host!r} is not a loopback address: set server.node_token "
+            "(DEEPINFER_SERVER_NODE_TOKEN, the coordinator's too) so that only the coordinator "
+            "can use this node, or bind it to 127.0.0.1"
+        )
 
 
 # -- `deepinfer node` --------------------------------------------------------------------------
@@ -328,7 +372,11 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", default=None, choices=["mixed", "prefill", "decode"])
     parser.add_argument("--node-id", default=None, help="node.node_id")
     parser.add_argument("--advertise-url", default=None, help="node.advertise_url")
-    parser.add_argument("--coordinator-url", default=None, help="node.coordinator_url")
+    parser.add_argument(
+        "--coordinator-internal-url",
+        default=None,
+        help="node.coordinator_internal_url: the coordinator's internal listener",
+    )
 
 
 def run_node(ns: argparse.Namespace) -> int:
@@ -344,10 +392,11 @@ def run_node(ns: argparse.Namespace) -> int:
         "role": ns.role,
         "node_id": ns.node_id,
         "advertise_url": ns.advertise_url,
-        "coordinator_url": ns.coordinator_url,
+        "coordinator_internal_url": ns.coordinator_internal_url,
     }
-    node = replace_given(config.node, **flags)
-    return uvloop.run(_serve_node(dataclasses.replace(config, node=node)))
+    config = dataclasses.replace(config, node=replace_given(config.node, **flags))
+    check_exposure(config)
+    return uvloop.run(_serve_node(config))
 
 
 async def load_engine(config: Config) -> AsyncEngine:

@@ -4,8 +4,8 @@
     coordinator <--Frame stream---- node   response body: length-prefixed msgpack frames
     coordinator --AbortRequest-----> node  POST /internal/abort
     coordinator --FinishRequest----> node  POST /internal/finish    (a stop string matched on text)
-    node --NodeRegistration / NodeHeartbeat--> coordinator
-                                           POST /internal/register, /internal/heartbeat
+    node --NodeRegistration--> coordinator POST /internal/register  (reply: NodeLease)
+    node --NodeHeartbeat-----> coordinator POST /internal/heartbeat (carries the lease id)
 
 Frames on the generate stream: 4-byte big-endian length, then one msgpack-encoded ``StreamFrame``
 (a tagged union of TokenDelta and StreamError). Token ids only: nodes never see text.
@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import msgspec
 
+from deepinfer.config import SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -121,12 +122,24 @@ class NodeRegistration(msgspec.Struct, kw_only=True):
     role: str  # "mixed" | "prefill" | "decode"
     model: str  # the checkpoint's served name
     max_model_len: int
+    max_num_seqs: int = SchedulerConfig.max_num_seqs  # requests it runs at once
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)
+
+
+class NodeLease(msgspec.Struct, kw_only=True):
+    """The coordinator's answer to a registration. Producer: NodeRegistry.register; consumer:
+    the node's heartbeat loop. Only heartbeats carrying ``lease_id`` speak for ``node_id``; a
+    later registration of the same node (a restart) gets a new lease."""
+
+    node_id: str
+    lease_id: str
+    heartbeat_timeout_s: float
 
 
 class NodeHeartbeat(msgspec.Struct, kw_only=True):
     node_id: str
     load: NodeLoad
+    lease_id: str = ""  # from the node's NodeLease
 
 
 class FinishRequest(msgspec.Struct, kw_only=True):

@@ -16,17 +16,28 @@ its engine turns (``load.is_healthy``, carried by every heartbeat), and it is no
 heartbeat from a node never registered is refused so that the node registers again. Static
 nodes (given at construction, e.g. the in-process node of ``deepinfer serve``) send no
 heartbeats: they are probed every interval instead.
+
+Who may speak for a node id (every node holds the same node token, so the registry, not the
+token, tells them apart):
+
+- a registration may not take a static node's id, nor the id of a live node (heartbeats within
+  ``heartbeat_timeout_s``) at another URL; the same URL again is that node restarted;
+- each registration gets a fresh lease id, and only heartbeats carrying it count;
+- at most ``max_nodes`` registered nodes: a new one replaces the longest-silent expired node,
+  or is refused when none has expired.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from deepinfer.config import SchedulerConfig
 from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
 from deepinfer.server.routing import LeastLoadedPolicy, NodeBackend, RoutingPolicy
 
@@ -47,6 +58,18 @@ class NoFittingNodeError(ValueError):
     """Nodes are in rotation, but the request is longer than every one's context limit."""
 
 
+class IdentityConflictError(Exception):
+    """A registration for a node id that a static or another live node holds."""
+
+
+class RegistryFullError(Exception):
+    """A registration beyond ``max_nodes`` while every registered node is live."""
+
+
+class WrongLeaseError(Exception):
+    """A heartbeat for a node id without that node's current lease."""
+
+
 @dataclass
 class NodeEntry:
     """One node in the registry. ``num_inflight`` counts this coordinator's requests there."""
@@ -54,10 +77,12 @@ class NodeEntry:
     node_id: str
     backend: NodeBackend
     max_model_len: int
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     role: str = "mixed"
     model: str = ""
     url: str = ""
     is_static: bool = False
+    lease_id: str = ""
     load: NodeLoad = field(default_factory=NodeLoad)
     last_heartbeat: float = 0.0
     is_ready: bool = True  # heartbeats arrive (static nodes: always)
@@ -88,9 +113,11 @@ class NodeRegistry:
         policy: RoutingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         probe_timeout_s: float = 5.0,
+        max_nodes: int = 256,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.probe_timeout_s = probe_timeout_s
+        self.max_nodes = max_nodes
         self.backend_factory = backend_factory
         self.policy: RoutingPolicy = policy or LeastLoadedPolicy()
         self._clock = clock
@@ -98,28 +125,42 @@ class NodeRegistry:
 
     # ---- membership -----------------------------------------------------------------------
 
-    def add_static(self, node_id: str, backend: NodeBackend, max_model_len: int) -> NodeEntry:
-        entry = NodeEntry(node_id, backend, max_model_len, is_static=True)
+    def add_static(
+        self,
+        node_id: str,
+        backend: NodeBackend,
+        max_model_len: int,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    ) -> NodeEntry:
+        entry = NodeEntry(node_id, backend, max_model_len, max_num_seqs, is_static=True)
         self._nodes[node_id] = entry
         logger.info("static node %s in rotation (max_model_len=%d)", node_id, max_model_len)
         return entry
 
     def register(self, registration: NodeRegistration) -> NodeEntry:
-        """Add a node, or refresh one that registers again (restarted, or expired and back).
+        """Add a node, or refresh one that registers again (restarted, or expired and back);
+        the entry's ``lease_id`` is new either way.
 
-        Raises ValueError when this registry makes no backends (static nodes only).
+        Raises ValueError (a malformed registration, or this registry makes no backends),
+        IdentityConflictError, RegistryFullError.
         """
+        _check_registration(registration)
         entry = self._nodes.get(registration.node_id)
+        self._check_identity(entry, registration)
         if entry is None or entry.url != registration.url:
             if self.backend_factory is None:
                 raise ValueError("this coordinator takes no node registrations (static nodes only)")
+            if entry is None:
+                self._make_room()
             backend = self.backend_factory(registration.url)
             if entry is None:
                 entry = NodeEntry(registration.node_id, backend, registration.max_model_len)
                 self._nodes[registration.node_id] = entry
             entry.backend = backend
         # Updated in place: requests in flight hold this entry and count themselves off it.
+        entry.lease_id = secrets.token_urlsafe(16)
         entry.max_model_len = registration.max_model_len
+        entry.max_num_seqs = registration.max_num_seqs
         entry.role = registration.role
         entry.model = registration.model
         entry.url = registration.url
@@ -137,10 +178,41 @@ class NodeRegistry:
         )
         return entry
 
+    def _check_identity(self, entry: NodeEntry | None, registration: NodeRegistration) -> None:
+        if entry is None:
+            return
+        if entry.is_static:
+            raise IdentityConflictError(f"node id {entry.node_id!r} belongs to a static node")
+        if entry.url != registration.url and self._is_live(entry):
+            raise IdentityConflictError(
+                f"node id {entry.node_id!r} is held by a live node at another URL; give this "
+                "node another node.node_id"
+            )
+
+    def _is_live(self, entry: NodeEntry) -> bool:
+        return self._clock() - entry.last_heartbeat <= self.heartbeat_timeout_s
+
+    def _make_room(self) -> None:
+        registered = [n for n in self._nodes.values() if not n.is_static]
+        if len(registered) < self.max_nodes:
+            return
+        expired = [n for n in registered if not self._is_live(n)]
+        if not expired:
+            raise RegistryFullError(
+                f"the node registry is full: {len(registered)} live nodes "
+                f"(server.max_registered_nodes = {self.max_nodes})"
+            )
+        oldest = min(expired, key=lambda n: n.last_heartbeat)
+        del self._nodes[oldest.node_id]
+        logger.info("node %s forgotten to make room for a new registration", oldest.node_id)
+
     def heartbeat(self, heartbeat: NodeHeartbeat) -> NodeEntry:
+        """Raises UnknownNodeError (register first) or WrongLeaseError."""
         entry = self._nodes.get(heartbeat.node_id)
         if entry is None:
             raise UnknownNodeError(heartbeat.node_id)
+        if entry.is_static or not secrets.compare_digest(entry.lease_id, heartbeat.lease_id):
+            raise WrongLeaseError(heartbeat.node_id)
         if heartbeat.load.is_healthy != entry.load.is_healthy:
             if heartbeat.load.is_healthy:
                 logger.info("node %s reports its engine healthy again", entry.node_id)
@@ -226,6 +298,10 @@ class NodeRegistry:
             n.max_model_len >= num_tokens and n.node_id not in exclude for n in self.ready_nodes()
         )
 
+    def max_num_seqs(self) -> int:
+        """How many requests the ready nodes run at once, all together (0: none is ready)."""
+        return sum(n.max_num_seqs for n in self.ready_nodes())
+
     @contextmanager
     def select(self, num_tokens: int, exclude: Container[str] = ()) -> Iterator[NodeEntry]:
         """Pick a node for a request of ``num_tokens`` (prompt + the most it may generate)
@@ -248,3 +324,17 @@ class NodeRegistry:
             yield entry
         finally:
             entry.num_inflight -= 1
+
+
+_MAX_NODE_ID_CHARS = 128
+
+
+def _check_registration(registration: NodeRegistration) -> None:
+    node_id, url = registration.node_id, registration.url
+    if not 0 < len(node_id) <= _MAX_NODE_ID_CHARS or not node_id.isprintable():
+        raise ValueError(f"node_id must be 1 to {_MAX_NODE_ID_CHARS} printable characters")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError("url must be an http:// or https:// URL")
+    for key in ("max_model_len", "max_num_seqs"):
+        if getattr(registration, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(registration, key)}")

@@ -5,7 +5,8 @@
 
 LocalNode implements the coordinator's NodeBackend directly on the AsyncEngine, with the same
 validation and frames as the HTTP node (server/node.py). The node's metrics are served at
-``/node/metrics`` beside the coordinator's ``/metrics`` (same names, other labels).
+``/node/metrics`` beside the coordinator's ``/metrics`` (same names, other labels). The
+coordinator's internal listener runs too, so that remote nodes can join the in-process one.
 """
 
 from __future__ import annotations
@@ -82,12 +83,6 @@ class LocalNode:
         return self.engine.is_turning and not self.engine.is_draining
 
 
-async def _node_metrics(request: web.Request) -> web.Response:
-    node = request.app[LOCAL_NODE]
-    body = node.metrics.render(node.engine.load())
-    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
-
-
 def create_serve_app(
     engine: AsyncEngine, config: Config, *, tokenizer_path: Path | None = None
 ) -> web.Application:
@@ -108,6 +103,11 @@ def create_serve_app(
     model_type = "deepseek_v4"
     if model_dir is not None and (model_dir / "config.json").is_file():
         model_type = msgspec.json.decode((model_dir / "config.json").read_bytes())["model_type"]
+
+    async def node_metrics(request: web.Request) -> web.Response:
+        body = metrics.render(engine.load())
+        return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+
     app = create_coordinator_app(
         config.server,
         tokenizer_path=tokenizer_path,
@@ -115,9 +115,10 @@ def create_serve_app(
         model_type=model_type,
         backends=[local],
         max_model_len=engine.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        observability=[web.get("/node/metrics", node_metrics)],
     )
     app[LOCAL_NODE] = local
-    app.router.add_get("/node/metrics", _node_metrics)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
@@ -130,10 +131,12 @@ def create_serve_app(
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from deepinfer.cli import add_engine_args
+    from deepinfer.server.coordinator import add_internal_listener_arguments
 
     add_engine_args(parser)
     parser.add_argument("--host", default=None, help="server.host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="server.port (default 8000)")
+    add_internal_listener_arguments(parser)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", action="append", default=None, help="repeatable")
 
@@ -147,6 +150,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     flags = {
         "host": ns.host,
         "port": ns.port,
+        "internal_host": ns.internal_host,
+        "internal_port": ns.internal_port,
         "served_model_name": ns.served_model_name,
         "api_keys": tuple(ns.api_key) if ns.api_key else None,
     }
@@ -160,6 +165,4 @@ async def _serve(config: Config) -> int:
     engine = await load_engine(config)
     app = create_serve_app(engine, config)
     # The watchdog follows the in-process engine: a stuck step gets the unit restarted.
-    return await serve_coordinator(
-        app, config.server.host, config.server.port, is_healthy=lambda: engine.is_turning
-    )
+    return await serve_coordinator(app, is_healthy=lambda: engine.is_turning)

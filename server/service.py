@@ -1,5 +1,7 @@
 """One public request's life on the coordinator, from admission to its last token delta.
 
+    handler --CoordinatorService.prepare(request, work)--> checks that need no work, then the
+        body -> work (parse, convert, tokenize) on the preparation pool (server/preparation.py)
     handler --ApiRequest--> CoordinatorService.generate
         admission (bounded queue) -> registry.select (routing policy) -> NodeBackend.generate
         <-- TokenDelta per engine step (metrics observed here) -- handler turns them into text
@@ -15,13 +17,17 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
 
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
-from deepinfer.server.errors import ApiError
+from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
+from deepinfer.server.preparation import PreparationPool
 from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
 from deepinfer.server.registry import (
     NodeEntry,
@@ -32,6 +38,11 @@ from deepinfer.server.registry import (
 from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Node statuses that describe the request itself (our own validation on the node, e.g. a bad
+# sampling option or output schema): their messages reach the client as they are.
+_CLIENT_FAULTS = (400, 413)
 
 
 class RequestStatus(enum.Enum):
@@ -90,10 +101,12 @@ class CoordinatorService:
         registry: NodeRegistry,
         admission: AdmissionController,
         metrics: CoordinatorMetrics,
+        preparation: PreparationPool,
     ) -> None:
         self.registry = registry
         self.admission = admission
         self.metrics = metrics
+        self.preparation = preparation
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its handler's task
         self._background: set[asyncio.Task] = set()
 
@@ -110,6 +123,15 @@ class CoordinatorService:
                 503, "No inference node is ready; retry shortly", retry_after=5
             ) from None
 
+    async def prepare(self, request: web.Request, work: Callable[[bytes, int], T]) -> T:
+        """``work(body, context_limit)`` on the preparation pool, once the request is admitted
+        there. Raises ApiError: 503 (draining, no node), 429, 408, 413, or ``work``'s."""
+        context_limit = self.context_limit()
+        try:
+            return await self.preparation.run(request, lambda body: work(body, context_limit))
+        except AdmissionError as e:
+            raise self._refused(e) from None
+
     async def generate(self, req: ApiRequest) -> AsyncIterator[TokenDelta]:
         """The request's token deltas; the last one has ``finish_reason``.
 
@@ -121,6 +143,8 @@ class CoordinatorService:
         if task is not None:  # so that a drain that times out can cancel it, queued or running
             self._tasks[req.request_id] = task
         try:
+            if not self.registry.has_ready_node:  # not a 429: the derived limits are 0 then
+                raise NoReadyNodeError("no node is ready")
             async with self.admission.admit(req.num_prompt_tokens) as admission:
                 self.metrics.queue_time.observe(admission.queue_time)
                 failed_nodes: list[str] = []
@@ -134,10 +158,7 @@ class CoordinatorService:
                         if not self._retries(req, e, failed_nodes):
                             raise
         except AdmissionError as e:
-            self.metrics.rejected("draining" if isinstance(e, DrainingError) else "queue_full")
-            raise ApiError(
-                503 if isinstance(e, DrainingError) else 429, e.message, retry_after=e.retry_after
-            ) from None
+            raise self._refused(e) from None
         except NoReadyNodeError:
             self.metrics.rejected("no_node")
             raise ApiError(
@@ -146,12 +167,17 @@ class CoordinatorService:
         except NoFittingNodeError as e:
             raise ApiError(400, str(e), param="max_tokens", code="invalid_request_error") from None
         except NodeError as e:
-            logger.info("request %s failed on its node: %d %s", req.request_id, e.status, e.message)
+            node_id = req.node.node_id if req.node is not None else None
+            logger.warning(
+                "request %s failed on node %s: %d %s", req.request_id, node_id, e.status, e.message
+            )
             if req.status is RequestStatus.RUNNING and req.node is not None:
                 # Usually already gone there; the abort makes sure its blocks are freed.
                 self._send_abort_task(req.node, req.request_id)
             req.status = RequestStatus.FINISHED_ERROR
-            raise ApiError(e.status, e.message) from None
+            if e.status in _CLIENT_FAULTS:
+                raise ApiError(e.status, e.message) from None
+            raise internal_error(e.status, req.request_id) from None
         finally:
             self._tasks.pop(req.request_id, None)
             if req.status is RequestStatus.RUNNING:  # left early: client gone, timeout, drain
@@ -202,6 +228,11 @@ class CoordinatorService:
         )
         self.metrics.retries.inc()
         return True
+
+    def _refused(self, e: AdmissionError) -> ApiError:
+        is_draining = isinstance(e, DrainingError)
+        self.metrics.rejected("draining" if is_draining else "queue_full")
+        return ApiError(503 if is_draining else 429, e.message, retry_after=e.retry_after)
 
     async def finish_stopped(self, req: ApiRequest, stop_reason: int | str | None) -> None:
         """A stop string matched on the text side: end the request on its node as stopped."""

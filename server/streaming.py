@@ -26,7 +26,13 @@ import deepseek_recipe as recipe
 from aiohttp import web
 
 from deepinfer.server.conversion import ApiKind, Frontend, Prepared
-from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event, timeout_error
+from deepinfer.server.errors import (
+    ApiError,
+    ErrorFlavor,
+    internal_error,
+    sse_error_event,
+    timeout_error,
+)
 from deepinfer.server.protocol import TokenDelta
 from deepinfer.server.response_store import ResponseStore, StoredTurn
 from deepinfer.server.service import ApiRequest, CoordinatorService
@@ -129,13 +135,19 @@ async def recipe_events(
                 if delta.finish_reason is not None:
                     reason = _FINISH_REASONS.get(delta.finish_reason)
                     if reason is None:
-                        raise ApiError(502, f"Unknown finish reason {delta.finish_reason!r}")
+                        logger.warning(
+                            "request %s: unknown finish reason %r from node %s",
+                            req.request_id,
+                            delta.finish_reason,
+                            req.node.node_id if req.node is not None else None,
+                        )
+                        raise internal_error(502, req.request_id)
                     events += processor.push(recipe.InferenceChunk.finish(reason))
                     events += processor.finish()
                 yield events
-    except RuntimeError as e:  # the processor failed to decode or parse
+    except RuntimeError:  # the processor failed to decode or parse
         logger.exception("stream processing failed for %s", req.request_id)
-        raise ApiError(500, f"Failed to process the model output: {e}") from None
+        raise internal_error(500, req.request_id) from None
     finally:
         if not processor.finished:
             processor.close()
@@ -279,19 +291,18 @@ async def serve_recipe_request(
     timeout: float,
     store: ResponseStore | None = None,
 ) -> web.StreamResponse:
-    """parse -> convert + encode (worker thread) -> submit -> stream. Responses go through
+    """parse -> convert + encode (preparation pool) -> submit -> stream. Responses go through
     ``store`` (previous_response_id in, the response object out)."""
     arrival_time = time.monotonic()
-    raw = await request.read()
-    context_limit = service.context_limit()
     turn = None
     if store is None:
-        prepared = await asyncio.to_thread(
-            lambda: frontend.prepare(kind, frontend.parse_json(raw), context_limit)
+        prepared = await service.prepare(
+            request, lambda body, limit: frontend.prepare(kind, frontend.parse_json(body), limit)
         )
-    else:  # the store lives on the event loop
-        body, turn = store.begin(await asyncio.to_thread(frontend.parse_json, raw))
-        prepared = await asyncio.to_thread(frontend.prepare, kind, body, context_limit)
+    else:  # the store lives on the event loop: parse on the pool, continue here, then prepare
+        parsed = await service.prepare(request, lambda body, limit: frontend.parse_json(body))
+        body, turn = store.begin(parsed)
+        prepared = await asyncio.to_thread(frontend.prepare, kind, body, service.context_limit())
     req = ApiRequest(
         request_id=f"{_ID_PREFIXES[kind]}{uuid.uuid4().hex}",
         endpoint=kind.value,

@@ -78,7 +78,8 @@ class TokenizationApi:
                 if body.get(name, value) != value:
                     raise bad_request(f"{name}={body[name]!r} is not supported", name)
             chat = {"model": self.frontend.served_model_name, **body}
-            tokens = self.frontend.encode(self.frontend.convert(ApiKind.CHAT, chat).conversation)
+            conversation = self.frontend.convert(ApiKind.CHAT, chat).conversation
+            tokens = self.frontend.encode(conversation, context_limit=_NO_LIMIT)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -91,6 +92,9 @@ class TokenizationApi:
     def _check_model(self, body: dict[str, Any]) -> None:
         if body.get("model") is not None:
             self.frontend.check_model(body["model"])
+
+
+_NO_LIMIT = 2**62  # /tokenize counts any prompt; the body size limit bounds it
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

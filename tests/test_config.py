@@ -43,6 +43,17 @@ def test_precedence_file_env_overrides(tmp_path: Path) -> None:
             r"unknown config key \[scheduler\].max_num_sequences",
         ),
         ("[nope]\nx = 1\n", r"unknown config section \[nope\]"),
+        ("[node]\nauth_token = 't'\n", r"\[node\].auth_token was renamed to server.node_token"),
+        (
+            "[node]\ncoordinator_url = 'http://c'\n",
+            r"\[node\].coordinator_url was renamed to node.coordinator_internal_url",
+        ),
+        (
+            "[server]\ninternal_host = '0.0.0.0'\n",
+            r"server.internal_host = '0.0.0.0' is not a loopback address: set server.node_token",
+        ),
+        ("[server]\ninternal_port = 8000\n", r"server.internal_port must differ from server.port"),
+        ("[server]\nmax_queued_requests = 0\n", "server.max_queued_requests must be >= 1, got 0"),
     ],
 )
 def test_bad_values_are_named(tmp_path: Path, text: str, message: str) -> None:
@@ -55,6 +66,30 @@ def test_bad_values_are_named(tmp_path: Path, text: str, message: str) -> None:
 def test_bad_environment_value_is_named() -> None:
     with pytest.raises(ValueError, match="DEEPINFER_SCHEDULER_MAX_NUM_SEQS='many'"):
         Config.load(environ={"DEEPINFER_SCHEDULER_MAX_NUM_SEQS": "many"})
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("DEEPINFER_NODE_AUTH_TOKEN", "DEEPINFER_SERVER_NODE_TOKEN"),
+        ("DEEPINFER_NODE_COORDINATOR_URL", "DEEPINFER_NODE_COORDINATOR_INTERNAL_URL"),
+    ],
+)
+def test_renamed_environment_variable_is_an_error(old: str, new: str) -> None:
+    """Ignoring an old token variable would leave a node's API open: refuse to start."""
+    with pytest.raises(ValueError, match=f"^{old} was renamed to {new}$"):
+        Config.load(environ={old: "x"})
+
+
+def test_internal_listener_beyond_loopback_needs_the_node_token() -> None:
+    for host in ("localhost", "127.0.0.2", "::1", "[::1]"):
+        env = {"DEEPINFER_SERVER_INTERNAL_HOST": host}
+        assert Config.load(environ=env).server.internal_host == host
+    env = {"DEEPINFER_SERVER_INTERNAL_HOST": "10.0.0.5", "DEEPINFER_SERVER_NODE_TOKEN": "t"}
+    assert Config.load(environ=env).server.node_token == "t"
+    for host in ("10.0.0.5", "0.0.0.0", "::", "coordinator.internal"):
+        with pytest.raises(ValueError, match="is not a loopback address"):
+            Config.load(environ={"DEEPINFER_SERVER_INTERNAL_HOST": host})
 
 
 def test_torch_free_imports() -> None:

@@ -8,6 +8,7 @@ calls are the DSML that deepseek-recipe renders, and EOS (1) ends a stopped requ
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 
 import anthropic
@@ -224,21 +225,31 @@ async def test_json_response_format_is_sent_and_node_refusal_is_a_400(oai, backe
     assert constraint is not None and constraint.kind == "json"
 
 
-async def test_node_failure_mid_stream_is_an_error_event(oai, claude, backend) -> None:
+async def test_node_failure_mid_stream_is_an_error_event(oai, claude, backend, caplog) -> None:
+    """The client gets a stable message and the request id; the log has the node's details."""
     failure = NodeError(500, "device error in step")
+    stable = r"^The server failed to process the request \(request id ((chatcmpl-|msg_)\w{32})\)$"
     backend.scripts.append(Script(steps=[ids("Hi"), ids(" there")], error=failure, error_at=1))
     stream = await oai.chat.completions.create(model=MODEL, messages=USER, stream=True)
     received = []
-    with pytest.raises(openai.APIError, match="device error in step"):
+    with pytest.raises(openai.APIError, match=stable) as openai_error:
         async for chunk in stream:
             received.append(chunk.choices[0].delta.model_extra.get("reasoning_content"))
     assert received == ["", "Hi"]
 
     backend.scripts.append(Script(steps=[ids("Hi"), ids(" there")], error=failure, error_at=1))
-    with pytest.raises(anthropic.APIStatusError, match="device error in step"):
+    with pytest.raises(anthropic.APIStatusError) as anthropic_error:
         async with claude.messages.stream(model=MODEL, max_tokens=10, messages=USER) as stream:
             async for _ in stream:
                 pass
+    message = anthropic_error.value.body["error"]["message"]
+    for request_id in (
+        re.match(stable, openai_error.value.message)[1],
+        re.match(stable, message)[1],
+    ):
+        assert (
+            f"request {request_id} failed on node static-0: 500 device error in step" in caplog.text
+        )
 
 
 # ---- responses, messages, completions, models ------------------------------------------------

@@ -4,6 +4,7 @@ control, bad input, authentication, metrics, node registration and drain."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -16,8 +17,9 @@ from coordinator_fakes import EOS, THINK_END, TOKENIZER_PATH, FakeBackend, Scrip
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.config import ServerConfig
-from deepinfer.server.coordinator import SERVICE, create_coordinator_app
-from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
+from deepinfer.server.coordinator import FRONTEND, INTERNAL_APP, SERVICE, create_coordinator_app
+from deepinfer.server.protocol import NodeHeartbeat, NodeLease, NodeLoad, NodeRegistration
+from deepinfer.server.routing import NodeError
 
 pytestmark = pytest.mark.asyncio
 
@@ -202,34 +204,39 @@ async def test_request_timeout_aborts(make_client, backend) -> None:
     await asyncio.wait_for(backend.aborted_event.wait(), 2)
 
 
-async def test_no_node_is_503_and_ready_follows_registration(make_client) -> None:
+async def test_no_node_is_503_and_ready_follows_registration(make_client, aiohttp_client) -> None:
     client = await make_client(backends=[], heartbeat_timeout_s=0.2)
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
     assert (await client.get("/health")).status == 200
     assert (await client.get("/ready")).status == 503
     resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 503 and "Retry-After" in resp.headers
+    resp = await client.post("/v1/messages/count_tokens", json=M)
     assert resp.status == 503 and "Retry-After" in resp.headers
 
     registration = NodeRegistration(
         node_id="n1", url="http://node", role="mixed", model=MODEL, max_model_len=2048
     )
-    resp = await client.post(
+    resp = await internal.post(
         "/internal/register",
         data=msgspec.msgpack.encode(registration),
         headers={"Content-Type": "application/msgpack"},
     )
     assert resp.status == 200
+    lease = msgspec.msgpack.decode(await resp.read(), type=NodeLease)
+    assert (lease.node_id, lease.heartbeat_timeout_s, len(lease.lease_id)) == ("n1", 0.2, 22)
     assert (await client.get("/ready")).status == 200
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
-    heartbeat = NodeHeartbeat(node_id="n1", load=NodeLoad(num_running=1))
-    resp = await client.post("/internal/heartbeat", data=msgspec.json.encode(heartbeat),
-                             headers={"Content-Type": "application/json"})  # fmt: skip
+    heartbeat = NodeHeartbeat(node_id="n1", load=NodeLoad(num_running=1), lease_id=lease.lease_id)
+    resp = await internal.post("/internal/heartbeat", data=msgspec.json.encode(heartbeat),
+                               headers={"Content-Type": "application/json"})  # fmt: skip
     assert resp.status == 200
     unknown = NodeHeartbeat(node_id="n2", load=NodeLoad())
-    resp = await client.post("/internal/heartbeat", data=msgspec.msgpack.encode(unknown))
+    resp = await internal.post("/internal/heartbeat", data=msgspec.msgpack.encode(unknown))
     assert resp.status == 404
     await asyncio.sleep(0.35)  # no heartbeat for longer than heartbeat_timeout_s
     assert (await client.get("/ready")).status == 503
-    resp = await client.post("/internal/heartbeat", data=msgspec.msgpack.encode(heartbeat))
+    resp = await internal.post("/internal/heartbeat", data=msgspec.msgpack.encode(heartbeat))
     assert (await client.get("/ready")).status == 200
 
 
@@ -426,8 +433,9 @@ async def test_image_urls_need_the_allow_list(aiohttp_client, backend) -> None:
 # ---- authentication ----------------------------------------------------------------------------
 
 
-async def test_api_keys_and_node_token(make_client) -> None:
+async def test_api_keys_and_node_token(make_client, aiohttp_client) -> None:
     client = await make_client(api_keys=("k1", "k2"), node_token="secret")
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
     resp = await client.post("/v1/chat/completions", json=CHAT)
     assert resp.status == 401
     assert (await resp.json())["error"]["code"] == "invalid_api_key"
@@ -442,11 +450,212 @@ async def test_api_keys_and_node_token(make_client) -> None:
     assert (await client.get("/health")).status == 200
     assert (await client.get("/metrics")).status == 200
     heartbeat = msgspec.msgpack.encode(NodeHeartbeat(node_id="x", load=NodeLoad()))
-    assert (await client.post("/internal/heartbeat", data=heartbeat)).status == 401
-    resp = await client.post(
+    for token in (None, "k1", "secre"):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        resp = await internal.post("/internal/heartbeat", data=heartbeat, headers=headers)
+        assert resp.status == 401, token
+        assert (await resp.json())["error"]["message"] == (
+            "Authentication failed: wrong or missing node token"
+        )
+    resp = await internal.post(
         "/internal/heartbeat", data=heartbeat, headers={"Authorization": "Bearer secret"}
     )
     assert resp.status == 404  # authenticated; the node is just unknown
+
+
+def _registration(node_id: str, url: str = "http://node") -> bytes:
+    return msgspec.msgpack.encode(
+        NodeRegistration(node_id=node_id, url=url, role="mixed", model=MODEL, max_model_len=2048)
+    )
+
+
+async def test_control_plane_is_not_on_the_public_port(make_client, aiohttp_client) -> None:
+    client = await make_client(node_token="secret", max_registered_nodes=1)
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
+    token = {"Authorization": "Bearer secret"}
+    heartbeat = msgspec.msgpack.encode(NodeHeartbeat(node_id="n1", load=NodeLoad()))
+    for headers in ({}, token):
+        for path, body in (("/internal/register", _registration("n1")),
+                           ("/internal/heartbeat", heartbeat)):  # fmt: skip
+            assert (await client.post(path, data=body, headers=headers)).status == 404
+    assert (await internal.post("/v1/chat/completions", json=CHAT)).status == 404
+
+    async def register(body: bytes) -> tuple[int, str]:
+        resp = await internal.post("/internal/register", data=body, headers=token)
+        return resp.status, (await resp.json())["error"]["message"] if resp.status != 200 else ""
+
+    assert await register(_registration("static-0")) == (
+        409,
+        "Registration refused: node id 'static-0' belongs to a static node",
+    )
+    assert await register(_registration("n1")) == (200, "")
+    assert await register(_registration("n1", "http://elsewhere")) == (
+        409,
+        "Registration refused: node id 'n1' is held by a live node at another URL; give this "
+        "node another node.node_id",
+    )
+    assert await register(_registration("n2")) == (
+        503,
+        "Registration refused: the node registry is full: 1 live nodes "
+        "(server.max_registered_nodes = 1)",
+    )
+    assert await register(_registration("")) == (
+        400,
+        "Registration refused: node_id must be 1 to 128 printable characters",
+    )
+    # A heartbeat without n1's lease cannot take it out of rotation.
+    draining = NodeHeartbeat(node_id="n1", load=NodeLoad(is_draining=True), lease_id="guess")
+    resp = await internal.post(
+        "/internal/heartbeat", data=msgspec.msgpack.encode(draining), headers=token
+    )
+    assert resp.status == 403
+    assert (await resp.json())["error"]["message"] == (
+        "This heartbeat does not carry node 'n1''s lease; register"
+    )
+    assert (await client.get("/ready")).status == 200
+    assert [n.node_id for n in client.app[SERVICE].registry.ready_nodes()] == ["static-0", "n1"]
+
+
+async def test_observability_behind_a_key_or_on_the_internal_listener(
+    make_client, aiohttp_client
+) -> None:
+    client = await make_client(metrics_key="mk")
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
+    for app_client in (client, internal):
+        resp = await app_client.get("/metrics")
+        assert resp.status == 401
+        assert (await resp.json())["error"]["message"] == (
+            "Authentication failed: a valid metrics key is required "
+            "(Authorization: Bearer <server.metrics_key>)"
+        )
+        assert (await app_client.get("/metrics", headers={"x-api-key": "nope"})).status == 401
+        resp = await app_client.get("/metrics", headers={"Authorization": "Bearer mk"})
+        assert resp.status == 200 and "deepinfer_num_nodes_ready" in await resp.text()
+        assert [(await app_client.get(p)).status for p in ("/health", "/ready")] == [200, 200]
+
+    client = await make_client(public_observability=False)
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
+    for path in ("/health", "/ready", "/metrics"):
+        assert ((await client.get(path)).status, (await internal.get(path)).status) == (404, 200)
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+
+
+async def test_node_failures_reach_clients_as_a_stable_message(
+    make_client, backend, caplog
+) -> None:
+    """No node URL or exception text leaves the server: the client gets the status, a stable
+    message and the request id; the log has the details under that id."""
+    client = await make_client()
+    leaky = "node http://10.9.8.7:8100 unreachable: ClientConnectorError(ConnectionKey(...))"
+    cases = [
+        (NodeError(503, leaky), 503, "No inference node could take the request; retry shortly"),
+        (NodeError(401, "missing or wrong bearer token"), 502,
+         "The inference node failed to process the request"),
+        (RuntimeError("parser broke on http://10.9.8.7"), 500,
+         "The server failed to process the request"),
+    ]  # fmt: skip
+    for error, status, message in cases:
+        backend.scripts.append(Script(steps=[ids("a"), [EOS]], error=error, error_at=1))
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        text = (await resp.json())["error"]["message"]
+        request_id = backend.requests[-1].request_id
+        assert (resp.status, text) == (status, f"{message} (request id {request_id})")
+        assert request_id in caplog.text and str(error) in caplog.text
+    assert client.app[SERVICE].admission.num_running == 0
+    backend.scripts.append(Script(steps=[[EOS]], error=NodeError(400, "temperature must be >= 0")))
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert (resp.status, (await resp.json())["error"]["message"]) == (
+        400,
+        "temperature must be >= 0",  # the request's own fault, in our words: passed on
+    )
+
+
+class _NoTokenizing:
+    """A prompt encoding that renders but must not tokenize."""
+
+    def __init__(self, encoding: Any) -> None:
+        self.render_conversation = encoding.render_conversation
+
+    def encode(self, conversation: Any) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+
+async def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(make_client) -> None:
+    client = await make_client()
+    frontend = client.app[FRONTEND]
+    assert frontend.max_token_chars == 128  # V4's longest tokens: 128 spaces, 128 dots
+    frontend.encoding = _NoTokenizing(frontend.encoding)
+    text = "x" * (MAX_MODEL_LEN * 128)
+    body = {**M, "messages": [{"role": "user", "content": text}]}
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        resp = await client.post(path, json=body)
+        payload = await resp.json()
+        assert resp.status == 400, payload
+        match = re.fullmatch(
+            r"This model's maximum context length is 4096 tokens\. However, your prompt has at "
+            r"least (\d+) tokens \((\d+) characters, and no token is longer than 128\)\. "
+            r"Please reduce the length of the prompt\.",
+            payload["error"]["message"],
+        )
+        num_tokens, num_chars = int(match[1]), int(match[2])
+        # The rendered prompt: the text and the template's few hundred characters.
+        assert len(text) < num_chars < len(text) + 1000 and num_tokens == -(-num_chars // 128)
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": text + "x"})
+    error = (await resp.json())["error"]
+    assert (resp.status, error["param"]) == (400, "prompt")
+    assert "at least 4097 tokens (524289 characters" in error["message"]
+
+
+async def test_default_limits_follow_the_nodes(make_client, backend) -> None:
+    """The default config with one node of the default max_num_seqs (64): 64 run, 64 wait, and
+    of k more concurrent requests exactly k get 429 with Retry-After."""
+    client = await make_client()
+    client.session.connector._limit = 0  # every request concurrently
+    admission = client.app[SERVICE].admission
+    assert (admission.max_running, admission.max_queued_requests) == (64, 64)
+    gate = asyncio.Event()
+    k = 5
+    backend.default = Script(steps=[ids("a"), [EOS]], gate=gate)
+    tasks = [
+        asyncio.create_task(client.post("/v1/chat/completions", json=CHAT)) for _ in range(128 + k)
+    ]
+    for _ in range(500):
+        if (admission.num_running, admission.num_waiting) == (64, 64):
+            break
+        await asyncio.sleep(0.01)
+    refused = [t for t in tasks if t.done()]
+    while len(refused) < k:
+        await asyncio.sleep(0.01)
+        refused = [t for t in tasks if t.done()]
+    assert (admission.num_running, admission.num_waiting, len(refused)) == (64, 64, k)
+    for task in refused:
+        resp = task.result()
+        assert (resp.status, resp.headers["Retry-After"]) == (429, "1")
+    gate.set()
+    statuses = [(await t).status for t in tasks]
+    assert (statuses.count(200), statuses.count(429)) == (128, k)
+
+
+async def test_a_slow_body_is_cut_off(make_client) -> None:
+    client = await make_client(body_read_timeout_s=0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n" + b'{"model": '
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5.0)  # until the server closes
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert b"Connection: close" in head
+    assert json.loads(body)["error"] == {
+        "message": "The request body did not arrive within 0.3 s (server.body_read_timeout_s)",
+        "type": "timeout_error",
+        "param": None,
+        "code": "request_timeout",
+    }
+    writer.close()
+    assert client.app[SERVICE].preparation.num_requests == 0
 
 
 # ---- metrics -----------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ events, and `deepinfer coordinator` exiting 0 on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +13,20 @@ import time
 import aiohttp
 import pytest
 from coordinator_fakes import TOKENIZER_PATH, FakeBackend
+from processes import free_port
 
 from deepinfer.server.admission import AdmissionController, DrainingError, QueueFullError
 from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event
 from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
-from deepinfer.server.registry import NodeEntry, NodeRegistry, NoFittingNodeError, NoReadyNodeError
+from deepinfer.server.registry import (
+    IdentityConflictError,
+    NodeEntry,
+    NodeRegistry,
+    NoFittingNodeError,
+    NoReadyNodeError,
+    RegistryFullError,
+    WrongLeaseError,
+)
 from deepinfer.server.routing import LeastLoadedPolicy
 
 # ---- admission -------------------------------------------------------------------------------
@@ -117,7 +126,9 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     now[0] += 10.5
     assert registry.expire() == ["n1", "p"]
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0"]
-    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad(num_waiting=3)))
+    registry.heartbeat(
+        NodeHeartbeat(node_id="n1", load=NodeLoad(num_waiting=3), lease_id=entry.lease_id)
+    )
     assert entry.is_ready and entry.load.num_waiting == 3
     with pytest.raises(KeyError):
         registry.heartbeat(NodeHeartbeat(node_id="zz", load=NodeLoad()))
@@ -139,9 +150,11 @@ async def test_registry_routes_by_limit_health_and_probes() -> None:
     with pytest.raises(NoFittingNodeError, match="maximum context length is 4096 tokens"):
         registry.select(4097).__enter__()
     # Engine health rides on heartbeats: a failed engine leaves rotation at once.
-    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad(is_healthy=False)))
+    registry.heartbeat(
+        NodeHeartbeat(node_id="n1", lease_id=small.lease_id, load=NodeLoad(is_healthy=False))
+    )
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0"]
-    registry.heartbeat(NodeHeartbeat(node_id="n1", load=NodeLoad()))
+    registry.heartbeat(NodeHeartbeat(node_id="n1", lease_id=small.lease_id, load=NodeLoad()))
     # A request that found a node unreachable takes it out; a probe that finds it ready brings
     # it back. Static nodes are probed every time.
     registry.mark_unresponsive(small, "connection refused")
@@ -154,6 +167,58 @@ async def test_registry_routes_by_limit_health_and_probes() -> None:
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1"]
     assert registry.has_candidate(2, exclude=["static-0"])
     assert not registry.has_candidate(3, exclude=["static-0"])
+
+
+def _registration(node_id: str, url: str, max_num_seqs: int = 8) -> NodeRegistration:
+    return NodeRegistration(
+        node_id=node_id, url=url, role="mixed", model="m", max_model_len=64,
+        max_num_seqs=max_num_seqs,
+    )  # fmt: skip
+
+
+def test_registry_identity_leases_and_size_cap() -> None:
+    now = [0.0]
+    registry = NodeRegistry(10.0, lambda url: FakeBackend(), clock=lambda: now[0], max_nodes=2)
+    registry.add_static("static-0", FakeBackend(), 64, max_num_seqs=16)
+    with pytest.raises(IdentityConflictError, match="'static-0' belongs to a static node"):
+        registry.register(_registration("static-0", "http://evil"))
+    a = registry.register(_registration("a", "http://a"))
+    assert registry.max_num_seqs() == 16 + 8
+    with pytest.raises(IdentityConflictError, match="'a' is held by a live node at another URL"):
+        registry.register(_registration("a", "http://evil"))
+    # Only a's own lease speaks for it: not a guess, not another node's, not the static node.
+    b = registry.register(_registration("b", "http://b", max_num_seqs=4))
+    for node_id, lease_id in (("a", ""), ("a", "guess"), ("a", b.lease_id), ("static-0", "")):
+        heartbeat = NodeHeartbeat(
+            node_id=node_id, load=NodeLoad(is_draining=True), lease_id=lease_id
+        )
+        with pytest.raises(WrongLeaseError):
+            registry.heartbeat(heartbeat)
+    assert not a.load.is_draining and registry.max_num_seqs() == 16 + 8 + 4
+    old_lease = a.lease_id
+    assert registry.register(_registration("a", "http://a")) is a  # a restarted: a new lease
+    assert a.lease_id != old_lease
+    with pytest.raises(WrongLeaseError):
+        registry.heartbeat(NodeHeartbeat(node_id="a", load=NodeLoad(), lease_id=old_lease))
+    full = "2 live nodes (server.max_registered_nodes = 2)"
+    with pytest.raises(RegistryFullError, match=re.escape(full)):
+        registry.register(_registration("c", "http://c"))
+    now[0] = 5.0
+    registry.heartbeat(NodeHeartbeat(node_id="b", load=NodeLoad(), lease_id=b.lease_id))
+    now[0] = 12.0  # a silent for 12 s, b for 7 s
+    c = registry.register(_registration("c", "http://c"))  # replaces a, the expired one
+    assert [n.node_id for n in registry.nodes] == ["static-0", "b", "c"]
+    now[0] = 16.0  # b silent for 11 s: its id may move to another URL
+    assert registry.register(_registration("b", "http://b2")).url == "http://b2"
+    for bad, message in (
+        (_registration("", "http://x"), "node_id must be 1 to 128 printable characters"),
+        (_registration("x\n", "http://x"), "node_id must be 1 to 128 printable characters"),
+        (_registration("x", "file:///etc"), "url must be an http:// or https:// URL"),
+        (_registration("x", "http://x", max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            registry.register(bad)
+    assert c.is_ready
 
 
 # ---- SSE error events ------------------------------------------------------------------------
@@ -179,9 +244,7 @@ def test_sse_error_events_exact() -> None:
 
 
 def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, internal_port = free_port(), free_port()
     code = (
         "import argparse, sys\n"
         "from deepinfer.logger import init_logging\n"
@@ -190,7 +253,8 @@ def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
         "init_logging('INFO')\n"
         "sys.exit(run_coordinator(p.parse_args(sys.argv[1:])))\n"
     )
-    args = ["--port", str(port), "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]
+    args = ["--port", str(port), "--internal-port", str(internal_port),
+            "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args],
         cwd=tmp_path,

@@ -18,13 +18,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from processes import free_port, http_status
 
 from deepinfer.config import Config
 from deepinfer.server import systemd
@@ -445,22 +444,6 @@ def xdg_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("xdg-cache")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _http_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return None  # not listening yet
-
-
 @pytest.mark.parametrize(
     ("command", "ready_path", "expected"),
     [
@@ -508,14 +491,17 @@ def test_process_notifies_ready_and_stopping(
     xdg_cache_home: Path,
     tmp_path: Path,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "XDG_CACHE_HOME": str(xdg_cache_home),
         "WATCHDOG_USEC": "500000",  # a ping every 0.25 s
     }
     env = {k: v for k, v in env.items() if not k.startswith("DEEPINFER_")}
+    internal_port = free_port()
     argv = [sys.executable, "-m", "deepinfer.cli", command, "--port", str(port)]
+    if command != "node":  # serve runs the internal listener too, so remote nodes can join
+        argv += ["--internal-port", str(internal_port)]
     if command != "coordinator":
         argv += ["--device", "cpu"]
     log_path = tmp_path / "process.log"
@@ -524,13 +510,15 @@ def test_process_notifies_ready_and_stopping(
         process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 45.0
-        while _http_status(f"http://127.0.0.1:{port}{ready_path}") != 200:
+        while http_status(f"http://127.0.0.1:{port}{ready_path}") != 200:
             assert process.poll() is None, log_path.read_text(errors="replace")
             assert time.monotonic() < deadline, log_path.read_text(errors="replace")
             time.sleep(0.1)
         datagrams = _received(notify_socket)
         # Sent before the loop could answer any request.
         assert b"READY=1" in datagrams, datagrams
+        internal_status = http_status(f"http://127.0.0.1:{internal_port}/health")
+        assert internal_status == (None if command == "node" else 200)
         deadline = time.monotonic() + 5.0
         while b"WATCHDOG=1" not in datagrams:
             assert time.monotonic() < deadline, datagrams

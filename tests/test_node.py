@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,16 +19,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from scripted_executor import ScriptedExecutor
 from test_async_engine import assert_all_freed, wait_until_idle
 
-from deepinfer.config import CacheConfig, Config, NodeConfig, SchedulerConfig
+from deepinfer.config import CacheConfig, Config, NodeConfig, SchedulerConfig, ServerConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.server.node import create_node_app
 from deepinfer.server.node_client import NodeClient, NodeError
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
+    MESSAGE_CONTENT_TYPE,
     FrameReader,
     GenerateRequest,
     NodeHeartbeat,
+    NodeLease,
     NodeRegistration,
     OutputConstraint,
     SamplingOptions,
@@ -55,19 +58,20 @@ async def start_node(
     aiohttp_client: Callable[..., Any],
     executor: ScriptedExecutor | None = None,
     num_blocks: int = 64,
+    server: ServerConfig | None = None,
     **node_keys: Any,
 ) -> Node:
     executor = executor or ScriptedExecutor(SCRIPTS, eos_token_id=EOS, num_blocks=num_blocks)
     config = Config(
         cache=CacheConfig(block_size=16),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=64),
+        server=server or ServerConfig(),
         node=NodeConfig(node_id="n0", **node_keys),
     )
     engine = AsyncEngine(LLMEngine(config, executor=executor), max_step_s=config.node.max_step_s)
     client = await aiohttp_client(create_node_app(engine, config))
-    api = NodeClient(
-        str(client.make_url("")), token=node_keys.get("auth_token"), session=client.session
-    )
+    token = config.server.node_token
+    api = NodeClient(str(client.make_url("")), token=token, session=client.session)
     return Node(client, engine, executor, api)
 
 
@@ -156,8 +160,8 @@ async def test_client_disconnect_frees_every_block(aiohttp_client: Callable[...,
     assert samples["deepinfer_aborted_requests_total", ()] == 2
 
 
-async def test_auth_token_is_required_when_configured(aiohttp_client: Callable[..., Any]) -> None:
-    node = await start_node(aiohttp_client, auth_token=TOKEN)
+async def test_node_token_is_required_when_configured(aiohttp_client: Callable[..., Any]) -> None:
+    node = await start_node(aiohttp_client, server=ServerConfig(node_token=TOKEN))
     assert len(await collect(node.api, gen_request("a", [8]))) == 3
     anonymous = NodeClient(node.api.base_url, session=node.client.session)
     wrong = NodeClient(node.api.base_url, token="guess", session=node.client.session)
@@ -169,6 +173,16 @@ async def test_auth_token_is_required_when_configured(aiohttp_client: Callable[.
             await api.abort(["a"])
         assert info.value.status == 401
     assert await anonymous.health() and await anonymous.ready()  # probes stay open
+
+
+async def test_metrics_key_guards_metrics(aiohttp_client: Callable[..., Any]) -> None:
+    node = await start_node(aiohttp_client, server=ServerConfig(metrics_key="mk"))
+    for headers, status in (({}, 401), ({"Authorization": "Bearer mk2"}, 401)):
+        response = await node.client.get("/metrics", headers=headers)
+        assert (response.status, response.headers["WWW-Authenticate"]) == (status, "Bearer")
+    assert (await node.client.get("/metrics", headers={"Authorization": "Bearer mk"})).status == 200
+    assert [(await node.client.get(path)).status for path in ("/health", "/ready")] == [200, 200]
+    assert len(await collect(node.api, gen_request("a", [8]))) == 3  # no node token: open
 
 
 @pytest.mark.parametrize(
@@ -325,21 +339,29 @@ async def test_unreachable_node_is_a_503() -> None:
 
 
 async def test_registration_and_heartbeats(
-    aiohttp_client: Callable[..., Any], aiohttp_server: Callable[..., Any]
+    aiohttp_client: Callable[..., Any],
+    aiohttp_server: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Register fails once (500, retried), then a heartbeat is answered 404 (the coordinator
-    forgot the node), so the node registers again before heartbeating on."""
+    """Register is refused once (401, retried), a heartbeat is answered 404 (the coordinator
+    forgot the node), another 403 (its lease was replaced): each time the node registers again,
+    and every heartbeat carries the lease of the registration before it. The refusal is logged
+    without the bearer token."""
     seen: list[tuple[str, Any, str | None]] = []
-    statuses = {"register": [500, 200, 200], "heartbeat": [404, 200, 200, 200]}
+    statuses = {"register": [401, 200, 200, 200], "heartbeat": [404, 403, 200]}
     done = asyncio.Event()
 
     def endpoint(kind: str, message_type: type) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.Response:
             message = decode(await request.read(), message_type)
             seen.append((kind, message, request.headers.get("Authorization")))
-            if len(seen) == 5:
+            status = statuses[kind].pop(0) if statuses[kind] else 200
+            if len(seen) == 7:
                 done.set()
-            return web.Response(status=statuses[kind].pop(0) if statuses[kind] else 200)
+            if kind == "register" and status == 200:
+                lease = NodeLease(node_id="n0", lease_id=f"L{len(seen)}", heartbeat_timeout_s=1)
+                return web.Response(body=encode(lease), content_type=MESSAGE_CONTENT_TYPE)
+            return web.Response(status=status)
 
         return handle
 
@@ -347,21 +369,17 @@ async def test_registration_and_heartbeats(
     coordinator.router.add_post("/internal/register", endpoint("register", NodeRegistration))
     coordinator.router.add_post("/internal/heartbeat", endpoint("heartbeat", NodeHeartbeat))
     server = await aiohttp_server(coordinator)
-    node = await start_node(
-        aiohttp_client,
-        coordinator_url=str(server.make_url("")),
-        heartbeat_interval_s=0.01,
-        auth_token=TOKEN,
-        advertise_url="http://node0:8100",
-    )
-    await asyncio.wait_for(done.wait(), 2.0)
-    assert [kind for kind, _, _ in seen[:5]] == [
-        "register",
-        "register",
-        "heartbeat",
-        "register",
-        "heartbeat",
-    ]
+    with caplog.at_level(logging.INFO, logger="deepinfer.server.node"):
+        node = await start_node(
+            aiohttp_client,
+            server=ServerConfig(node_token=TOKEN),
+            coordinator_internal_url=str(server.make_url("")),
+            heartbeat_interval_s=0.01,
+            advertise_url="http://node0:8100",
+        )
+        await asyncio.wait_for(done.wait(), 2.0)
+    kinds = ["register", "register", "heartbeat", "register", "heartbeat", "register", "heartbeat"]
+    assert [kind for kind, _, _ in seen[:7]] == kinds
     assert {auth for _, _, auth in seen} == {f"Bearer {TOKEN}"}
     registration = seen[0][1]
     assert (registration.node_id, registration.url, registration.role) == (
@@ -369,10 +387,25 @@ async def test_registration_and_heartbeats(
         "http://node0:8100",
         "mixed",
     )
-    assert (registration.model, registration.max_model_len) == ("deepinfer-tiny", 4096)
-    heartbeat = seen[4][1]
-    assert heartbeat.node_id == "n0" and heartbeat.load.num_total_blocks == 64
+    assert (registration.model, registration.max_model_len, registration.max_num_seqs) == (
+        "deepinfer-tiny",
+        4096,
+        48,
+    )
+    heartbeats = [message for kind, message, _ in seen[:7] if kind == "heartbeat"]
+    assert [(h.node_id, h.lease_id) for h in heartbeats] == [
+        ("n0", "L2"),
+        ("n0", "L4"),
+        ("n0", "L6"),
+    ]
+    assert heartbeats[0].load.num_total_blocks == 64
     assert node.engine.is_turning
+    base = str(server.make_url("")).rstrip("/")
+    assert (
+        f"registration with coordinator {base} failed (HTTP 401 Unauthorized); retrying in 0.0 s"
+        in caplog.text
+    )
+    assert TOKEN not in caplog.text
 
 
 async def test_built_in_tiny_model_through_the_node(aiohttp_client: Callable[..., Any]) -> None:
