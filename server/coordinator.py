@@ -40,7 +40,7 @@ from deepinfer.server.errors import ApiError, Handler, error_middleware
 from deepinfer.server.metrics import CONTENT_TYPE, CoordinatorMetrics
 from deepinfer.server.openai_api import OpenAIApi
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
-from deepinfer.server.registry import BackendFactory, NodeRegistry, UnknownNodeError
+from deepinfer.server.registry import BackendFactory, NodeEntry, NodeRegistry, UnknownNodeError
 from deepinfer.server.routing import NodeBackend, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
 from deepinfer.tokenizer import tokenizer_json
@@ -186,14 +186,27 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    """200 once a node is in rotation and while not draining; load balancers route on it."""
+    """200 once a node is in rotation and while not draining; load balancers route on it.
+    ``nodes_not_ready`` says why each registered node out of rotation is not used."""
     service = request.app[SERVICE]
-    num_ready = len(service.registry.ready_nodes())
+    ready = service.registry.ready_nodes()
+    ready_ids = {n.node_id for n in ready}
+    nodes = service.registry.nodes
+    not_ready = {n.node_id: _why_not_ready(n) for n in nodes if n.node_id not in ready_ids}
+    body = {"num_ready_nodes": len(ready), "nodes_not_ready": not_ready}
     if service.admission.is_draining:
-        return web.json_response({"status": "draining", "num_ready_nodes": num_ready}, status=503)
-    if num_ready == 0:
-        return web.json_response({"status": "no node ready", "num_ready_nodes": 0}, status=503)
-    return web.json_response({"status": "ready", "num_ready_nodes": num_ready})
+        return web.json_response({"status": "draining", **body}, status=503)
+    if not ready:
+        return web.json_response({"status": "no node ready", **body}, status=503)
+    return web.json_response({"status": "ready", **body})
+
+
+def _why_not_ready(node: NodeEntry) -> str:
+    if node.role != "mixed":
+        return f"role {node.role}: no traffic until prefill/decode disaggregation lands"
+    if not node.is_ready:
+        return "missed heartbeats"
+    return "draining"
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -215,14 +228,23 @@ async def _decode_node_message(request: web.Request, kind: type[_M]) -> _M:
 
 
 async def _register(request: web.Request) -> web.Response:
+    """Refuse a node of another model (409); accept a prefill/decode one with a warning: it
+    gets no traffic until prefill/decode disaggregation lands, and /ready says so."""
     registration = await _decode_node_message(request, NodeRegistration)
     served = request.app[FRONTEND].served_model_name
     if registration.model and registration.model != served:
+        message = (
+            f"node {registration.node_id} serves {registration.model!r} but this coordinator "
+            f"serves {served!r}: refused (set the node's server.served_model_name)"
+        )
+        logger.warning("%s", message)
+        raise ApiError(409, message)
+    if registration.role != "mixed":
         logger.warning(
-            "node %s serves %r but this coordinator serves %r",
+            "node %s has role %r: registered, but it gets no traffic until prefill/decode "
+            "disaggregation lands (run it with --role mixed)",
             registration.node_id,
-            registration.model,
-            served,
+            registration.role,
         )
     try:
         request.app[REGISTRY].register(registration)

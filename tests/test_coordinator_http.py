@@ -4,6 +4,7 @@ control, bad input, authentication, metrics, node registration and drain."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -455,3 +456,48 @@ async def test_metrics_parse_and_move(make_client, backend) -> None:
     assert after[("deepinfer_e2e_request_latency_seconds_count", ())] == 1
     assert after[("deepinfer_num_requests_running", ())] == 0
     assert after[("deepinfer_num_requests_waiting", ())] == 0
+
+
+async def _register(client: TestClient, **fields: Any) -> Any:
+    registration = NodeRegistration(
+        **{"node_id": "n1", "url": "http://node", "role": "mixed", "model": MODEL,
+           "max_model_len": 2048, **fields}
+    )  # fmt: skip
+    return await client.post("/internal/register", data=msgspec.msgpack.encode(registration))
+
+
+async def test_a_node_of_another_model_is_refused(make_client) -> None:
+    client = await make_client(backends=[])
+    resp = await _register(client, model="other-model")
+    assert resp.status == 409
+    assert (await resp.json())["error"]["message"] == (
+        "node n1 serves 'other-model' but this coordinator serves 'm': refused "
+        "(set the node's server.served_model_name)"
+    )
+    ready = await client.get("/ready")
+    assert (ready.status, await ready.json()) == (
+        503, {"status": "no node ready", "num_ready_nodes": 0, "nodes_not_ready": {}}
+    )  # fmt: skip
+
+
+async def test_prefill_node_is_accepted_and_ready_says_why_it_is_unused(
+    make_client, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_client(backends=[])
+    with caplog.at_level(logging.WARNING, logger="deepinfer.server.coordinator"):
+        assert (await _register(client, role="prefill")).status == 200
+    assert "node n1 has role 'prefill': registered, but it gets no traffic" in caplog.text
+    ready = await client.get("/ready")
+    assert (ready.status, await ready.json()) == (
+        503,
+        {
+            "status": "no node ready",
+            "num_ready_nodes": 0,
+            "nodes_not_ready": {
+                "n1": "role prefill: no traffic until prefill/decode disaggregation lands"
+            },
+        },
+    )
+    assert (await _register(client, node_id="n2")).status == 200
+    ready = await client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["num_ready_nodes"] == 1
