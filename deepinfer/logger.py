@@ -15,14 +15,18 @@ def init_logging(config: LogConfig | None = None) -> None:
     ``DEEPINFER_LOG_LEVEL``, ``--log-format``, ...)."""
     config = config or LogConfig()
     handler = logging.StreamHandler()
-    if config.format == "json":
+    handler.setFormatter(formatter(config.format))
+    logging.basicConfig(level=config.level, handlers=[handler])
+
+
+def formatter(log_format: str) -> logging.Formatter:
+    """``text``: time, level, logger, message; ``json``: the same as keys ``timestamp`` (ISO
+    8601, UTC), ``level``, ``logger``, ``message`` (and ``exc_info``), one object a line."""
+    if log_format == "json":
         from pythonjsonlogger.json import JsonFormatter
 
         fields = {"levelname": "level", "name": "logger"}
-        formatter: logging.Formatter = JsonFormatter(
+        return JsonFormatter(
             "{levelname}{name}{message}", style="{", rename_fields=fields, timestamp=True
         )
-    else:
-        formatter = logging.Formatter(_FORMAT, datefmt="%H:%M:%S")
-    handler.setFormatter(formatter)
-    logging.basicConfig(level=config.level, handlers=[handler])
+    return logging.Formatter(_FORMAT, datefmt="%H:%M:%S")

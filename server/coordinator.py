@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -31,7 +32,8 @@ from aiohttp import web
 
 from deepinfer.config import Config, ServerConfig
 from deepinfer.flags import add_config_flags
-from deepinfer.server import systemd
+from deepinfer.server import listen, systemd
+from deepinfer.server.access_log import app_runner
 from deepinfer.server.admission import AdmissionController
 from deepinfer.server.anthropic_api import AnthropicApi
 from deepinfer.server.completions import CompletionsApi
@@ -307,17 +309,24 @@ async def _heartbeat_reaper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def serve_coordinator(
-    app: web.Application, host: str, port: int, *, is_healthy: Callable[[], bool] = lambda: True
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    sock: socket.socket | None = None,
+    is_healthy: Callable[[], bool] = lambda: True,
 ) -> int:
-    """Serve ``app`` until SIGTERM or SIGINT, then drain it; returns the exit code (0).
+    """Serve ``app`` on ``sock`` (bound to host:port; None: bind it here) until SIGTERM or
+    SIGINT, then drain it; returns the exit code (0).
 
     Under systemd it reports readiness, stopping and status, and pings the watchdog while
     ``is_healthy()`` (the event loop turning is health enough for a coordinator alone)."""
+    sock = sock or listen.bind(host, port, "server")
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on its node even while it waits for its first token.
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = app_runner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -43,7 +43,8 @@ from deepinfer.flags import add_config_flags
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
-from deepinfer.server import systemd
+from deepinfer.server import listen, systemd
+from deepinfer.server.access_log import app_runner
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
@@ -348,11 +349,12 @@ async def load_engine(config: Config) -> AsyncEngine:
 
 async def _serve_node(config: Config) -> int:
     loop = asyncio.get_running_loop()
+    sock = listen.bind(config.node.host, config.node.port, "node")  # before the weights load
     engine = await load_engine(config)
     app = create_node_app(engine, config)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+    runner = app_runner(app, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.node.host, config.node.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,7 @@ from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from deepinfer.flags import add_config_flags
+from deepinfer.server import listen
 from deepinfer.server.node import (
     load_engine,
     node_identity,
@@ -145,9 +146,10 @@ def run_serve(ns: argparse.Namespace, config: Config) -> int:
 async def _serve(config: Config) -> int:
     from deepinfer.server.coordinator import serve_coordinator
 
+    sock = listen.bind(config.server.host, config.server.port, "server")  # before the weights
     engine = await load_engine(config)
     app = create_serve_app(engine, config)
     # The watchdog follows the in-process engine: a stuck step gets the unit restarted.
     return await serve_coordinator(
-        app, config.server.host, config.server.port, is_healthy=lambda: engine.is_turning
+        app, config.server.host, config.server.port, sock=sock, is_healthy=lambda: engine.is_turning
     )
