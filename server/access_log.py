@@ -13,7 +13,7 @@ import logging
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/node/metrics", "/internal/heartbeat"})
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/internal/heartbeat"})
 
 
 class AccessLogger(AbstractAccessLogger):

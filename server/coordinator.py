@@ -70,6 +70,7 @@ def create_coordinator_app(
     max_model_len: int | None = None,
     backend_factory: BackendFactory | None = None,
     policy: RoutingPolicy | None = None,
+    export_vllm_names: bool = True,
 ) -> web.Application:
     """The coordinator's aiohttp app.
 
@@ -78,6 +79,7 @@ def create_coordinator_app(
     backends come from ``backend_factory(url)`` (default: ``NodeClient`` with
     ``config.node_token`` on a shared session). ``policy`` picks a node per request (default:
     least loaded). ``model_type`` is the checkpoint's (``deepseek_v4`` | ``deepseek_v41``).
+    ``export_vllm_names``: ``metrics.export_vllm_names``.
     """
     if backends and max_model_len is None:
         raise ValueError("max_model_len is required with static backends")
@@ -103,7 +105,7 @@ def create_coordinator_app(
         config.max_queued_prompt_tokens,
         config.retry_after_s,
     )
-    metrics = CoordinatorMetrics(served_model_name)
+    metrics = CoordinatorMetrics(served_model_name, export_vllm_names=export_vllm_names)
     metrics.bind_gauges(
         lambda: admission.num_running,
         lambda: admission.num_waiting,
@@ -387,13 +389,11 @@ def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
     max_model_len = config.model.max_model_len or checkpoint.get("max_position_embeddings")
     if ns.node and max_model_len is None:
         raise ValueError("--node needs the context limit: give --max-model-len or --model")
-    return uvloop.run(
-        _run(config.server, ns.node, tokenizer_path, served, checkpoint, max_model_len)
-    )
+    return uvloop.run(_run(config, ns.node, tokenizer_path, served, checkpoint, max_model_len))
 
 
 async def _run(
-    config: ServerConfig,
+    config: Config,
     node_urls: list[str],
     tokenizer_path: Path,
     served: str,
@@ -402,17 +402,19 @@ async def _run(
 ) -> int:
     from deepinfer.server.node_client import NodeClient
 
-    backends = [NodeClient(url, token=config.node_token) for url in node_urls]
+    server = config.server
+    backends = [NodeClient(url, token=server.node_token) for url in node_urls]
     app = create_coordinator_app(
-        config,
+        server,
         tokenizer_path=tokenizer_path,
         served_model_name=served,
         model_type=checkpoint.get("model_type", "deepseek_v4"),
         backends=backends,
         max_model_len=max_model_len,
+        export_vllm_names=config.metrics.export_vllm_names,
     )
     try:
-        return await serve_coordinator(app, config.host, config.port)
+        return await serve_coordinator(app, server.host, server.port)
     finally:
         for backend in backends:
             await backend.close()  # each owns its HTTP session

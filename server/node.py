@@ -79,7 +79,14 @@ def create_node_app(
     """The node app. Its cleanup_ctx starts and stops ``engine`` (and registration when
     ``node.coordinator_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
-    metrics = NodeMetrics(node_id)
+    model_name = model_name or served_model_name(config)
+    metrics = NodeMetrics(
+        node_id,
+        model_name,
+        engine.max_model_len,
+        engine.load,
+        export_vllm_names=config.metrics.export_vllm_names,
+    )
     metrics.watch_cache(engine.engine.cache_stats)
     engine.observer = metrics
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
@@ -90,7 +97,7 @@ def create_node_app(
         node_id=node_id,
         url=url,
         role=config.node.role,
-        model=model_name or served_model_name(config),
+        model=model_name,
         max_model_len=engine.max_model_len,
     )
     app.cleanup_ctx.append(_engine_ctx)
@@ -201,7 +208,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_text(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render(request.app[ENGINE].load())
+    body = request.app[METRICS].render()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 

@@ -4,8 +4,8 @@
                                                                   (no HTTP hop)   (engine thread)
 
 LocalNode implements the coordinator's NodeBackend directly on the AsyncEngine, with the same
-validation and frames as the HTTP node (server/node.py). The node's metrics are served at
-``/node/metrics`` beside the coordinator's ``/metrics`` (same names, other labels).
+validation and frames as the HTTP node (server/node.py). ``/metrics`` holds the coordinator's and
+the node's series in one scrape (``component`` tells them apart; server/metrics.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import msgspec
-from aiohttp import hdrs, web
-from prometheus_client import CONTENT_TYPE_LATEST
+from aiohttp import web
 
 from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config
@@ -38,15 +37,12 @@ from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
 
-LOCAL_NODE = web.AppKey("local_node", "LocalNode")
-
 
 class LocalNode:
     """A NodeBackend over an AsyncEngine in this process."""
 
-    def __init__(self, engine: AsyncEngine, metrics: NodeMetrics) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.metrics = metrics
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         try:
@@ -81,24 +77,22 @@ class LocalNode:
         self.engine.finish(request_id, stop_reason)
 
 
-async def _node_metrics(request: web.Request) -> web.Response:
-    node = request.app[LOCAL_NODE]
-    body = node.metrics.render(node.engine.load())
-    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
-
-
 def create_serve_app(
     engine: AsyncEngine, config: Config, *, tokenizer_path: Path | None = None
 ) -> web.Application:
     """The coordinator app with this process's engine as its only node. ``tokenizer_path``
     defaults to the model's (an engine built on a test double has none: pass one)."""
+    from deepinfer.server.coordinator import METRICS as COORDINATOR_METRICS
     from deepinfer.server.coordinator import create_coordinator_app
 
     node_id, _ = node_identity(config.node)
-    metrics = NodeMetrics(node_id)
+    model_name = served_model_name(config)
+    vllm = config.metrics.export_vllm_names
+    metrics = NodeMetrics(
+        node_id, model_name, engine.max_model_len, engine.load, export_vllm_names=vllm
+    )
     metrics.watch_cache(engine.engine.cache_stats)
     engine.observer = metrics
-    local = LocalNode(engine, metrics)
     if tokenizer_path is None:
         tokenizer = engine.engine.tokenizer
         assert tokenizer is not None, "serve needs a model with a tokenizer"
@@ -110,13 +104,13 @@ def create_serve_app(
     app = create_coordinator_app(
         config.server,
         tokenizer_path=tokenizer_path,
-        served_model_name=served_model_name(config),
+        served_model_name=model_name,
         model_type=model_type,
-        backends=[local],
+        backends=[LocalNode(engine)],
         max_model_len=engine.max_model_len,
+        export_vllm_names=vllm,
     )
-    app[LOCAL_NODE] = local
-    app.router.add_get("/node/metrics", _node_metrics)
+    app[COORDINATOR_METRICS].parts.append(metrics)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
