@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 logger = logging.getLogger(__name__)
 
 _V4_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 _V4_EOS_TOKEN = "<｜end▁of▁sentence｜>"
-# Prompt tokens decoded as left context of the first output token, as vLLM does: enough for the
-# byte-level decoder to see the start of a character split across the prompt's last tokens.
+# Prompt tokens decoded as left context of the first output token, as vLLM does (a tokenizer's
+# decoder may treat the first token of a text differently, e.g. strip a leading space).
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -112,18 +113,17 @@ def _read_bos_eos(config_path: Path) -> tuple[str | None, str | None]:
 
 
 class IncrementalDetokenizer:
-    """Turns one request's output token ids into text as they arrive.
+    """Turns one request's output token ids into text as they arrive (tokenizers' DecodeStream).
 
-    Keeps vLLM's two offsets into ``token_ids`` (prompt + output)::
+    The stream starts from the prompt's last ``_INITIAL_CONTEXT_TOKENS`` tokens as left context,
+    as vLLM does, so that the first output characters decode as they would after the prompt.
+    Each push returns the newly completed text; while the decode ends in U+FFFD (a UTF-8
+    character split across tokens) nothing is returned, so callers only ever see complete
+    characters; the held tokens are emitted with the next push that completes them.
 
-        token_ids:  [ ... prompt ... | out0 out1 out2 | out3 out4 ]
-                                     ^prefix_offset   ^read_offset
-        prefix window [prefix:read] was emitted last; [read:] is not emitted yet.
-
-    Each push decodes ``[prefix:]`` and returns what extends the decoded prefix window. While that
-    decode ends in U+FFFD (a UTF-8 character split across tokens) nothing is returned, so callers
-    only ever see complete characters; the held tokens are emitted with the next push that
-    completes them.
+    A prompt that ends mid-character (only a token-id prompt can) starts the stream before the
+    tokens of that character, and the output that completes it emits it whole: the prompt's
+    text up to that character plus the output text is the decode of both.
     """
 
     def __init__(
@@ -133,28 +133,30 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(self.read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        split: list[int] = []  # the prompt's last tokens of a character the output completes
+        while context and tokenizer.decode(context, skip_special_tokens).endswith(
+            _REPLACEMENT_CHAR
+        ):
+            split.insert(0, context.pop())
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # The split tokens' complete characters (a space before the split one, say) are the
+        # prompt's text: the first text the stream emits starts with them again.
+        self._num_prompt_chars = 0
+        if split:
+            self._stream.step(tokenizer.backend, split)  # None: the character is incomplete
+            prompt_text = tokenizer.decode(context + split, skip_special_tokens)
+            context_text = tokenizer.decode(context, skip_special_tokens)
+            self._num_prompt_chars = len(prompt_text) - 1 - len(context_text)
         self.text = ""  # output text emitted so far
 
     def push(self, new_token_ids: Iterable[int]) -> str:
         """Append output tokens; return the newly completed text ("" when none)."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        full_text = self._decode(self.prefix_offset, len(self.token_ids))
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        new_text = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        new_text = self._stream.step(self.tokenizer.backend, list(new_token_ids)) or ""
+        if new_text and self._num_prompt_chars:
+            new_text, self._num_prompt_chars = new_text[self._num_prompt_chars :], 0
         self.text += new_text
         return new_text
-
-    def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
 
 
 @dataclass(frozen=True)

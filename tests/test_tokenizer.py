@@ -99,6 +99,21 @@ def test_incremental_detokenization_of_special_tokens(
     assert deltas[-1] == ("" if skip_special_tokens else "<｜end▁of▁sentence｜>")
 
 
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_a_prompt_ending_mid_character_leaves_the_character_to_the_output(
+    tokenizer: Tokenizer, text: str
+):
+    ids = tokenizer.encode(text)
+    splits = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert splits  # the texts split a character across tokens
+    for k in splits:
+        detokenizer = IncrementalDetokenizer(tokenizer, ids[:k])
+        deltas = [detokenizer.push([token_id]) for token_id in ids[k:]]
+        prompt_text = tokenizer.decode(ids[:k]).removesuffix("\ufffd")
+        assert prompt_text + "".join(deltas) == text, (k, deltas)
+        assert not any("\ufffd" in delta for delta in deltas), deltas
+
+
 def _stream(
     tokenizer: Tokenizer, text: str, matcher: StopStringMatcher
 ) -> tuple[list[str], str, str | None]:
