@@ -258,7 +258,8 @@ class Config:
     ) -> Config:
         """Build a Config from a TOML file, the environment and explicit overrides.
 
-        ``overrides`` is ``{section: {key: value}}``; None values (a flag not given) are ignored.
+        ``overrides`` is ``{section: {key: value}}`` (flags, ``LLM(...)`` keywords); None values
+        are ignored.
         """
         data: dict[str, dict[str, Any]] = {}
         if path is not None:
@@ -285,11 +286,6 @@ class Config:
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
 }
-
-
-def replace_given(section: Any, **values: Any) -> Any:
-    """A copy of a config section with the values that were given (not None), e.g. CLI flags."""
-    return dataclasses.replace(section, **{k: v for k, v in values.items() if v is not None})
 
 
 def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:

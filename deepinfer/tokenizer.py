@@ -122,8 +122,9 @@ class IncrementalDetokenizer:
     characters; the held tokens are emitted with the next push that completes them.
 
     A prompt that ends mid-character (only a token-id prompt can) starts the stream before the
-    tokens of that character, and the output that completes it emits it whole: the prompt's
-    text up to that character plus the output text is the decode of both.
+    tokens of that character (DecodeStream would emit the whole context as output), and the
+    prompt's text, with its U+FFFD, is cut from the output: the output text is the decode of
+    prompt and output past the decode of the prompt, as vLLM's offsets give.
     """
 
     def __init__(
@@ -140,14 +141,14 @@ class IncrementalDetokenizer:
         ):
             split.insert(0, context.pop())
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        # The split tokens' complete characters (a space before the split one, say) are the
-        # prompt's text: the first text the stream emits starts with them again.
+        # The split tokens' text (up to and with its U+FFFD) is the prompt's: the first text the
+        # stream emits starts with as many characters of it.
         self._num_prompt_chars = 0
         if split:
             self._stream.step(tokenizer.backend, split)  # None: the character is incomplete
             prompt_text = tokenizer.decode(context + split, skip_special_tokens)
             context_text = tokenizer.decode(context, skip_special_tokens)
-            self._num_prompt_chars = len(prompt_text) - 1 - len(context_text)
+            self._num_prompt_chars = len(prompt_text) - len(context_text)
         self.text = ""  # output text emitted so far
 
     def push(self, new_token_ids: Iterable[int]) -> str:
