@@ -51,7 +51,7 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def _graph_captures(base: str) -> dict[str, float]:
-    _, text = _get(base + "/node/metrics")
+    _, text = _get(base + "/metrics")
     return {
         sample.labels["phase"]: sample.value
         for family in text_string_to_metric_families(text)

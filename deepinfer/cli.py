@@ -13,45 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deepinfer.config import Config
+from deepinfer.config import SECTIONS, Config
+from deepinfer.flags import add_config_flags, overrides
 from deepinfer.logger import init_logging
 
 _DEFAULT_CONFIG = Path("config.toml")
+# What the engine reads: `generate`, and with more, `node` and `serve`.
+ENGINE_USES = ("model", "cache", "scheduler", "kernel", "log")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local checkpoint folder (default: built-in)")
-    p.add_argument("--config", default=None, help="config.toml (default: ./config.toml if present)")
-    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "npu"])
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+    add_config_flags(p, ENGINE_USES)
 
 
 def load_config(ns: argparse.Namespace) -> Config:
-    path = ns.config
+    """``--config`` (or ./config.toml), the environment, then the flags that were given."""
+    path = getattr(ns, "config", None)
     if path is None and _DEFAULT_CONFIG.is_file():
         path = _DEFAULT_CONFIG
-    return Config.load(
-        path,
-        overrides={
-            "model": {
-                "path": ns.model,
-                "device": ns.device,
-                "dtype": ns.dtype,
-                "max_model_len": ns.max_model_len,
-            },
-            "scheduler": {
-                "max_num_seqs": ns.max_num_seqs,
-                "max_num_batched_tokens": ns.max_num_batched_tokens,
-            },
-            "cache": {"num_blocks": ns.num_blocks},
-            "kernel": {"num_threads": ns.threads},
-        },
-    )
+    return Config.load(path, overrides=overrides(ns))
 
 
 # ---- generate ----------------------------------------------------------------------------
@@ -68,11 +48,10 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def _generate(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
-    config = load_config(ns)
     llm = LLM(config=config)
     if ns.raw:
         prompt: str | list[int] = ns.message
@@ -113,9 +92,10 @@ def encode_chat(tokenizer_json: Path, message: str) -> list[int]:
 def _tiny_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder (created; must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
+    add_config_flags(p, ("log",))
 
 
-def _make_tiny(ns: argparse.Namespace) -> int:
+def _make_tiny(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.model.tiny import make_tiny_model
 
     path = make_tiny_model(Path(ns.dir), seed=ns.seed)
@@ -127,15 +107,13 @@ def _make_tiny(ns: argparse.Namespace) -> int:
 
 
 def _config_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="config.toml to resolve")
+    add_config_flags(p, tuple(SECTIONS))
 
 
 _SECRETS = {"api_keys", "node_token", "metrics_key"}
 
 
-def _show_config(ns: argparse.Namespace) -> int:
-    path = ns.config or (_DEFAULT_CONFIG if _DEFAULT_CONFIG.is_file() else None)
-    config = Config.load(path)
+def _show_config(ns: argparse.Namespace, config: Config) -> int:
     for section in dataclasses.fields(config):
         print(f"[{section.name}]")
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
@@ -165,10 +143,10 @@ def _node_parser(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p)
 
 
-def _node(ns: argparse.Namespace) -> int:
+def _node(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.server.node import run_node
 
-    return run_node(ns)
+    return run_node(ns, config)
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
@@ -177,10 +155,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     add_serve_arguments(p)
 
 
-def _serve(ns: argparse.Namespace) -> int:
+def _serve(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.server.serve import run_serve
 
-    return run_serve(ns)
+    return run_serve(ns, config)
 
 
 def _coordinator_parser(p: argparse.ArgumentParser) -> None:
@@ -189,28 +167,31 @@ def _coordinator_parser(p: argparse.ArgumentParser) -> None:
     add_coordinator_arguments(p)
 
 
-def _coordinator(ns: argparse.Namespace) -> int:
+def _coordinator(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.server.coordinator import run_coordinator
 
-    return run_coordinator(ns)
+    return run_coordinator(ns, config)
 
 
 def _bench_parser(p: argparse.ArgumentParser) -> None:
     from deepinfer.bench.serve import add_bench_serve_arguments
 
     sub = p.add_subparsers(dest="bench_command", required=True)
-    add_bench_serve_arguments(
-        sub.add_parser("serve", help="benchmark an OpenAI-compatible server (vLLM's flags)")
+    bench_serve = sub.add_parser(
+        "serve", help="benchmark an OpenAI-compatible server (vLLM's flags)"
     )
+    add_bench_serve_arguments(bench_serve)
+    add_config_flags(bench_serve, ("log",))
 
 
-def _bench(ns: argparse.Namespace) -> int:
+def _bench(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.bench.serve import main as bench_serve
 
     return bench_serve(ns)
 
 
-_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
+_Runner = Callable[[argparse.Namespace, Config], int]
+_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _Runner]] = {
     "serve": ("the API server with one in-process node (the default)", _serve_parser, _serve),
     "generate": ("generate a reply to one message", _generate_parser, _generate),
     "coordinator": ("run the public API in front of nodes", _coordinator_parser, _coordinator),
@@ -221,16 +202,21 @@ _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Ca
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
+    add_config_flags(parser, ("log",), config_file=False)  # also before the subcommand
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, build, _) in _SUBCOMMANDS.items():
-        build(sub.add_parser(name, help=help_text))
-    ns = parser.parse_args(argv)
-    init_logging(ns.log_level)
+        build(sub.add_parser(name, help=help_text, allow_abbrev=False))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     try:
-        return _SUBCOMMANDS[ns.command][2](ns)
+        config = load_config(ns)
+        init_logging(config.log)
+        return _SUBCOMMANDS[ns.command][2](ns, config)
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer {ns.command}: error: {e}", file=sys.stderr)
         return 2

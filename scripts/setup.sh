@@ -3,9 +3,9 @@
 #
 # torch: the right build depends on the machine, so it is installed here, not resolved by pip
 # from pyproject. DEEPINFER_TORCH_SPEC picks it (default "torch==2.13.0", which on our CPU
-# machines resolves to a local CPU build). On a GPU machine use e.g.
-#   DEEPINFER_TORCH_SPEC="torch==2.11.0" with PIP_INDEX_URL pointing at the CUDA wheel index,
-# or install torch into .venv yourself first: an importable torch is kept as it is.
+# machines resolves to a local CPU build). Elsewhere install torch into .venv yourself first
+# (README, "Choosing torch", has the lines for CPU, CUDA 12 and CUDA 13): an importable torch is
+# kept as it is. pip shows its progress: the first setup downloads a few hundred MB.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DEEPINFER_VENV:-$ROOT/.venv}"
@@ -19,12 +19,12 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 if ! python -c "import torch" 2>/dev/null; then
-  echo "setup: installing ${DEEPINFER_TORCH_SPEC:-torch==2.13.0}" >&2
-  pip install --quiet "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}"
+  echo "setup: installing ${DEEPINFER_TORCH_SPEC:-torch==2.13.0} (once; a few minutes)" >&2
+  pip install --progress-bar on "${DEEPINFER_TORCH_SPEC:-torch==2.13.0}"
 fi
 STAMP="$VENV/.deepinfer-installed${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   echo "setup: installing deepinfer${EXTRAS:+[$EXTRAS]} (editable)" >&2
-  pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  pip install --progress-bar on -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   touch "$STAMP"
 fi

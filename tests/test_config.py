@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from deepinfer.config import Config
+from deepinfer.cli import build_parser, main
+from deepinfer.config import SECTIONS, Config, env_var
+from deepinfer.flags import overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,3 +108,206 @@ def test_torch_free_imports() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- every key a flag (deepinfer/flags.py) ----------------------------------------------------
+
+# Valid non-default values of keys whose values the config checks against a list.
+_OTHER_VALUES = {
+    "model.device": "cpu",
+    "model.dtype": "float32",
+    "node.role": "decode",
+    "log.level": "DEBUG",
+    "log.format": "json",
+}
+
+
+def _subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> dict[tuple[str, str], argparse.Action]:
+    """(section, key) -> the flag's action, for every config key the parser has."""
+    out = {}
+    for action in parser._actions:
+        section, _, key = action.dest.partition(".")
+        if key and section in SECTIONS:
+            out[section, key] = action
+    return out
+
+
+def _other_value(section: str, key: str) -> Any:
+    """A valid value of ``section.key`` other than its default."""
+    if f"{section}.{key}" in _OTHER_VALUES:
+        return _OTHER_VALUES[f"{section}.{key}"]
+    default = getattr(SECTIONS[section](), key)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default / 2
+    if isinstance(default, tuple):
+        return ("k1", "k2")
+    hint = typing.get_type_hints(SECTIONS[section])[key]
+    return 3 if int in typing.get_args(hint) else "x"
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+def _argv(flags: dict[tuple[str, str], argparse.Action], values: dict) -> list[str]:
+    argv = []
+    for (section, key), value in values.items():
+        name = flags[section, key].option_strings[0]
+        if isinstance(value, bool):
+            argv.append(name if value else "--no-" + name.removeprefix("--"))
+        else:
+            argv += [name, _as_text(value)]
+    return argv
+
+
+def _toml(values: dict) -> str:
+    sections: dict[str, list[str]] = {}
+    for (section, key), value in values.items():
+        if isinstance(value, str):
+            text = json.dumps(value)
+        elif isinstance(value, tuple):
+            text = json.dumps(list(value))
+        else:
+            text = _as_text(value)
+        sections.setdefault(section, []).append(f"{key} = {text}")
+    return "".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in sections.items())
+
+
+def test_every_key_is_a_flag_of_a_subcommand_that_reads_it() -> None:
+    parsers = _subcommand_parsers()
+    every_key = {(s, f.name) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    running = ("serve", "node", "coordinator", "generate")
+    assert set().union(*(_config_flags(parsers[name]) for name in running)) == every_key
+    assert set(_config_flags(parsers["config"])) == every_key
+    # Each subcommand has exactly the keys it reads (its module's *_USES).
+    assert set(_config_flags(parsers["node"])) >= {("node", k) for s, k in every_key if s == "node"}
+    assert {k for s, k in _config_flags(parsers["serve"]) if s == "node"} == {
+        "node_id",
+        "max_step_s",
+    }
+    assert {s for s, _ in _config_flags(parsers["coordinator"])} == {
+        "server",
+        "metrics",
+        "log",
+        "model",
+        "scheduler",  # max_num_seqs: what a static --node runs at once (derived limits)
+    }
+    assert {s for s, _ in _config_flags(parsers["generate"])} == {
+        "model", "cache", "scheduler", "kernel", "log"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "dest"),
+    [
+        ("serve", "--gpu-memory-utilization", "cache.gpu_memory_utilization"),
+        ("serve", "--enable-prefix-caching", "cache.enable_prefix_caching"),
+        ("serve", "--block-size", "cache.block_size"),
+        ("serve", "--tokenizer", "model.tokenizer"),
+        ("serve", "--default-thinking-mode", "server.default_thinking_mode"),
+        ("serve", "--host", "server.host"),
+        ("serve", "--api-key", "server.api_keys"),  # today's flags stay, as aliases
+        ("serve", "--threads", "kernel.num_threads"),
+        ("serve", "--model", "model.path"),
+        ("serve", "--export-vllm-names", "metrics.export_vllm_names"),
+        ("node", "--host", "node.host"),
+        ("node", "--coordinator-internal-url", "node.coordinator_internal_url"),
+        ("node", "--served-model-name", "server.served_model_name"),
+        ("coordinator", "--tokenizer", "model.tokenizer"),
+        ("coordinator", "--max-model-len", "model.max_model_len"),
+        ("config", "--server-host", "server.host"),  # shared by two sections: prefixed
+        ("config", "--node-drain-timeout-s", "node.drain_timeout_s"),
+        ("bench", "--log-level", "log.level"),
+        ("make-tiny-model", "--log-format", "log.format"),
+    ],
+)
+def test_flag_names(command: str, flag: str, dest: str) -> None:
+    parser = _subcommand_parsers()[command]
+    if command == "bench":
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = parser.choices["serve"]
+    assert parser._option_string_actions[flag].dest == dest
+
+
+def test_help_text_is_the_fields_comment_with_the_default() -> None:
+    flags = _config_flags(_subcommand_parsers()["serve"])
+    assert flags["scheduler", "max_num_seqs"].help == (
+        "running requests per step (default: 64; env DEEPINFER_SCHEDULER_MAX_NUM_SEQS)"
+    )
+    assert flags["model", "path"].help.startswith("Local Hugging Face-style checkpoint folder")
+    assert flags["server", "api_keys"].help.endswith(
+        "(default: none; env DEEPINFER_SERVER_API_KEYS)"
+    )
+    for (section, key), action in _config_flags(_subcommand_parsers()["config"]).items():
+        assert action.help and not action.help.startswith("(default"), f"{section}.{key}: no help"
+
+
+@pytest.mark.parametrize("command", ["serve", "node", "coordinator", "generate", "config"])
+@pytest.mark.parametrize("flag_gives", ["other", "default"])
+def test_flags_override_the_file_and_the_environment(
+    tmp_path: Path, command: str, flag_gives: str
+) -> None:
+    """Every key at once: the flag's value wins over a different one in the file and the env."""
+    flags = _config_flags(_subcommand_parsers()[command])
+    other = {(s, k): _other_value(s, k) for s, k in flags}
+    default = {(s, k): getattr(SECTIONS[s](), k) for s, k in flags}
+    # A flag cannot unset a key (None) nor give an empty list.
+    default = {sk: v for sk, v in default.items() if v not in (None, ())}
+    given, elsewhere = (other, default) if flag_gives == "other" else (default, other)
+    path = tmp_path / "c.toml"
+    path.write_text(_toml({sk: v for sk, v in elsewhere.items() if sk in given}))
+    env = {env_var(s, k): _as_text(v) for (s, k), v in elsewhere.items() if (s, k) in given}
+    positional = ["hello"] if command == "generate" else []
+    ns = build_parser().parse_args([command, *positional, *_argv(flags, given)])
+    config = Config.load(path, overrides=overrides(ns), environ=env)
+    got = {(s, k): getattr(getattr(config, s), k) for s, k in given}
+    assert got == {sk: (v.upper() if sk == ("log", "level") else v) for sk, v in given.items()}
+
+
+def test_misspelt_environment_variable_is_named() -> None:
+    with pytest.raises(ValueError, match=re.escape(
+        "environment variable DEEPINFER_SCHEDULER_MAX_NUM_SEQ names no key of [scheduler]; "
+        "did you mean DEEPINFER_SCHEDULER_MAX_NUM_SEQS?"
+    )):  # fmt: skip
+        Config.load(environ={"DEEPINFER_SCHEDULER_MAX_NUM_SEQ": "8"})
+    # The scripts' own variables are not config keys.
+    env = {"DEEPINFER_TORCH_SPEC": "torch", "DEEPINFER_VENV": "/v", "DEEPINFER_LOG_LEVEL": "debug"}
+    assert Config.load(environ=env).log.level == "DEBUG"
+
+
+def test_cli_reports_a_misspelt_variable_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEEPINFER_CACHE_NUM_BLOKS", "8")
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "deepinfer config: error: environment variable DEEPINFER_CACHE_NUM_BLOKS names no key "
+        "of [cache]; did you mean DEEPINFER_CACHE_NUM_BLOCKS?\n"
+    )
+
+
+def test_config_subcommand_shows_flags_and_hides_secrets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["config", "--server-port", "9000", "--node-port", "9100", "--api-key", "a,b"]
+    assert main([*argv, "--no-enable-prefix-caching"]) == 0
+    out = capsys.readouterr().out
+    assert '[server]\nhost = "127.0.0.1"\nport = 9000\n' in out
+    assert '[node]\nhost = "127.0.0.1"\nport = 9100\n' in out
+    assert "enable_prefix_caching = false\n" in out
+    assert "# api_keys = (set, not shown)\n" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -53,11 +54,14 @@ def make_client(aiohttp_client, backend: FakeBackend) -> ClientFactory:
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    """Samples by (name, labels other than component and model_name), each carrying those."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            own = {k: s.labels.pop(k) for k in ("component", "model_name")}
+            assert own == {"component": "coordinator", "model_name": MODEL}, s
+            samples[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return samples
 
 
 # ---- SSE framing ------------------------------------------------------------------------------
@@ -136,9 +140,9 @@ async def test_client_disconnect_aborts_on_node(make_client, backend) -> None:
     await asyncio.wait_for(backend.aborted_event.wait(), 5)
     assert backend.aborted == [backend.requests[0].request_id]
     metrics = metric_samples(await (await client.get("/metrics")).text())
-    assert metrics[("deepinfer_num_aborted_requests_total", ())] == 1
+    assert metrics[("deepinfer_aborted_requests_total", ())] == 1
     labels = (("endpoint", "chat_completions"), ("finished_reason", "abort"))
-    assert metrics[("deepinfer_requests_total", labels)] == 1
+    assert metrics[("deepinfer_finished_requests_total", labels)] == 1
 
 
 async def test_queue_full_is_429_with_retry_after(make_client, backend) -> None:
@@ -678,9 +682,67 @@ async def test_metrics_parse_and_move(make_client, backend) -> None:
     assert after[("deepinfer_cached_prompt_tokens_total", ())] == 64
     assert after[("deepinfer_generation_tokens_total", ())] == 4  # EOS included: the node made it
     labels = (("endpoint", "chat_completions"), ("finished_reason", "stop"))
-    assert after[("deepinfer_requests_total", labels)] == 1
+    assert after[("deepinfer_finished_requests_total", labels)] == 1
     assert after[("deepinfer_time_to_first_token_seconds_count", ())] == 1
     assert after[("deepinfer_inter_token_latency_seconds_count", ())] == 3
     assert after[("deepinfer_e2e_request_latency_seconds_count", ())] == 1
     assert after[("deepinfer_num_requests_running", ())] == 0
     assert after[("deepinfer_num_requests_waiting", ())] == 0
+    # vLLM's names of the latency histograms, the same samples; no _created series.
+    vllm_names = {name for name, _ in after if name.startswith("vllm:")}
+    assert {name.rsplit("_", 1)[0] for name in vllm_names} == {
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+    }
+    assert after[("vllm:time_per_output_token_seconds_count", ())] == 3
+    assert after[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert not [name for name, _ in after if name.endswith("_created")]
+
+
+async def _register(client: TestClient, **fields: Any) -> Any:
+    registration = NodeRegistration(
+        **{"node_id": "n1", "url": "http://node", "role": "mixed", "model": MODEL,
+           "max_model_len": 2048, **fields}
+    )  # fmt: skip
+    return await client.post("/internal/register", data=msgspec.msgpack.encode(registration))
+
+
+async def test_a_node_of_another_model_is_refused(make_client, aiohttp_client) -> None:
+    client = await make_client(backends=[])
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
+    resp = await _register(internal, model="other-model")
+    assert resp.status == 409
+    assert (await resp.json())["error"]["message"] == (
+        "node n1 serves 'other-model' but this coordinator serves 'm': refused "
+        "(set the node's server.served_model_name)"
+    )
+    ready = await client.get("/ready")
+    assert (ready.status, await ready.json()) == (
+        503, {"status": "no node ready", "num_ready_nodes": 0, "nodes_not_ready": {}}
+    )  # fmt: skip
+
+
+async def test_prefill_node_is_accepted_and_ready_says_why_it_is_unused(
+    make_client, aiohttp_client, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_client(backends=[])
+    internal = await aiohttp_client(client.app[INTERNAL_APP])
+    with caplog.at_level(logging.WARNING, logger="deepinfer.server.coordinator"):
+        assert (await _register(internal, role="prefill")).status == 200
+    assert "node n1 has role 'prefill': registered, but it gets no traffic" in caplog.text
+    ready = await client.get("/ready")
+    assert (ready.status, await ready.json()) == (
+        503,
+        {
+            "status": "no node ready",
+            "num_ready_nodes": 0,
+            "nodes_not_ready": {
+                "n1": "role prefill: no traffic until prefill/decode disaggregation lands"
+            },
+        },
+    )
+    assert (await _register(internal, node_id="n2")).status == 200
+    ready = await client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["num_ready_nodes"] == 1

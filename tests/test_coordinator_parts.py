@@ -245,18 +245,10 @@ def test_sse_error_events_exact() -> None:
 
 def test_coordinator_process_exits_0_on_sigterm(tmp_path) -> None:
     port, internal_port = free_port(), free_port()
-    code = (
-        "import argparse, sys\n"
-        "from deepinfer.logger import init_logging\n"
-        "from deepinfer.server.coordinator import add_coordinator_arguments, run_coordinator\n"
-        "p = argparse.ArgumentParser(); add_coordinator_arguments(p)\n"
-        "init_logging('INFO')\n"
-        "sys.exit(run_coordinator(p.parse_args(sys.argv[1:])))\n"
-    )
     args = ["--port", str(port), "--internal-port", str(internal_port),
             "--tokenizer", str(TOKENIZER_PATH), "--served-model-name", "m"]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-m", "deepinfer.cli", "coordinator", "--log-level", "INFO", *args],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

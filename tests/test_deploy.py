@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from processes import free_port, http_status
@@ -341,7 +340,7 @@ def _exported_metric_names() -> set[str]:
     from deepinfer.kv_cache.tiers import TierStats
 
     coordinator = CoordinatorMetrics("m")
-    node = NodeMetrics("n")
+    node = NodeMetrics("n", "m", 4096, NodeLoad)
     # The tier/prefix families are produced at scrape time from the engine's cache_stats().
     stats = {
         "prefix_query_tokens": 0,
@@ -353,9 +352,8 @@ def _exported_metric_names() -> set[str]:
         "snapshots_evicted": 0,
         "tiers": {"host": TierStats()},
     }
-    engine = SimpleNamespace(cache_stats=lambda: stats, graph_stats=lambda: {"startup": 1})
-    node.watch_engine(engine)
-    node.render(NodeLoad())
+    node.watch_cache(lambda: stats)
+    node.watch_graphs(lambda: {"startup": 1, "serving": 0})
     names = set()
     for registry in (coordinator.registry, node.registry):
         for family in registry.collect():
@@ -401,7 +399,12 @@ def test_dashboard_uses_only_exported_metrics(dashboard: dict) -> None:
     for query in queries:
         assert _referenced_names(query) - {"node", "model_name"} <= exported, query
     for metric in (
-        "deepinfer_requests_total",
+        "deepinfer_finished_requests_total",
+        "deepinfer_iteration_tokens_bucket",
+        "deepinfer_request_prompt_tokens_bucket",
+        "deepinfer_request_generation_tokens_bucket",
+        "deepinfer_request_prefill_time_seconds_bucket",
+        "deepinfer_request_decode_time_seconds_bucket",
         "deepinfer_time_to_first_token_seconds_bucket",
         "deepinfer_inter_token_latency_seconds_bucket",
         "deepinfer_e2e_request_latency_seconds_bucket",
@@ -424,15 +427,21 @@ def test_dashboard_structure(dashboard: dict) -> None:
     assert variables["datasource"]["query"] == "prometheus"
     assert {"node", "model_name"} <= variables.keys()
     for name in ("node", "model_name"):
-        # ".+", not ".*": an "All" that matched an absent label would add the nodes'
-        # same-named series to the coordinator's panels (and the reverse).
         assert variables[name]["allValue"] == ".+"
+    # Coordinator and node share family names (server/metrics.py): every selector names its
+    # component, the coordinator's filtered by model, the nodes' by node.
+    by_component = {"coordinator": "$model_name", "node": "$node"}
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             for target in panel["targets"]:
-                expr = target["expr"]
-                assert ("$model_name" in expr) or ("$node" in expr), expr
+                selectors = re.findall(r"\{([^}]*)\}", target["expr"].replace("{{", ""))
+                assert selectors, target["expr"]
+                for selector in selectors:
+                    if selector.startswith("le"):
+                        continue
+                    component = re.match(r'component="(\w+)", ', selector)
+                    assert component and by_component[component[1]] in selector, selector
 
 
 # -- real processes ------------------------------------------------------------------------------

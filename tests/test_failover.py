@@ -126,8 +126,8 @@ async def test_cancel_storm_leaves_serve_serving(processes: Processes, tiny_dir:
     assert result.num_cancelled + result.num_completed == 400, (result, processes.logs())
     assert result.num_failed == 0 and result.num_long_ok == 2, result
     assert result.idle_gauges == {
-        "deepinfer_requests_running": 0.0,
-        "deepinfer_requests_waiting": 0.0,
+        "deepinfer_num_requests_running": 0.0,
+        "deepinfer_num_requests_waiting": 0.0,
         "deepinfer_kv_blocks_used": 0.0,
         "deepinfer_state_slots_used": 0.0,
     }
@@ -178,15 +178,15 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
         # Least loaded, ties to the lower id: a (static-0), then b, then a again.
         on_a = asyncio.create_task(_stream_text(session, chat_url, 2000))
         await _wait_metric(
-            session, f"http://127.0.0.1:{port_a}/metrics", "deepinfer_requests_running", 1
+            session, f"http://127.0.0.1:{port_a}/metrics", "deepinfer_num_requests_running", 1
         )
         on_b = asyncio.create_task(_stream_text(session, chat_url, 300))
         await _wait_metric(
-            session, f"http://127.0.0.1:{port_b}/metrics", "deepinfer_requests_running", 1
+            session, f"http://127.0.0.1:{port_b}/metrics", "deepinfer_num_requests_running", 1
         )
         queued = asyncio.create_task(_stream_text(session, chat_url, 8))
         await _wait_metric(
-            session, f"http://127.0.0.1:{port_a}/metrics", "deepinfer_requests_waiting", 1
+            session, f"http://127.0.0.1:{port_a}/metrics", "deepinfer_num_requests_waiting", 1
         )
 
         node_a.send_signal(signal.SIGKILL)
@@ -204,7 +204,7 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
         assert "[DONE]" in await on_b
         async with session.get(base + "/metrics") as response:
             samples = _samples(await response.text())
-        assert samples["deepinfer_num_request_retries_total"] == 1.0
+        assert samples["deepinfer_request_retries_total"] == 1.0
         async with session.get(base + "/ready") as response:
             assert (await response.json())["num_ready_nodes"] == 1  # b only: a is probed
 

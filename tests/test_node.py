@@ -24,6 +24,7 @@ from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.server.node import create_node_app
 from deepinfer.server.node_client import NodeClient, NodeError
+from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
@@ -87,14 +88,24 @@ async def collect(api: NodeClient, request: GenerateRequest) -> list[TokenDelta]
 
 
 async def scrape(node: Node) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Samples by (name, labels other than node); every sample must carry node="n0"."""
+    """deepinfer_* samples by (name, labels other than the node's own three), each carrying
+    them; every vllm:* sample equals its deepinfer_* one."""
     response = await node.client.get("/metrics")
     assert response.status == 200
-    samples = {}
+    samples, mirrored = {}, {}
+    own = {"component": "node", "model_name": "deepinfer-tiny", "node": "n0"}
     for family in text_string_to_metric_families(await response.text()):
         for sample in family.samples:
-            assert sample.labels.pop("node") == "n0", sample
-            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+            assert {k: sample.labels.pop(k) for k in own} == own, sample
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            (mirrored if sample.name.startswith("vllm:") else samples)[key] = sample.value
+    expected = {}
+    for (name, labels), value in samples.items():
+        for family, vllm_families in NodeMetrics.vllm_names.items():
+            suffix = name.removeprefix(family)
+            if suffix in ("", "_total", "_bucket", "_sum", "_count"):
+                expected |= {(vllm + suffix, labels): value for vllm in vllm_families}
+    assert mirrored == expected
     return samples
 
 
@@ -254,11 +265,20 @@ async def test_health_ready_and_metrics(aiohttp_client: Callable[..., Any]) -> N
     assert samples["deepinfer_prompt_tokens_total", ()] == 4
     assert samples["deepinfer_generation_tokens_total", ()] == 6
     assert samples["deepinfer_cached_prompt_tokens_total", (("tier", "device"),)] == 0
-    assert samples["deepinfer_finished_requests_total", (("finish_reason", "stop"),)] == 1
-    assert samples["deepinfer_finished_requests_total", (("finish_reason", "length"),)] == 1
+    assert samples["deepinfer_finished_requests_total", (("finished_reason", "stop"),)] == 1
+    assert samples["deepinfer_finished_requests_total", (("finished_reason", "length"),)] == 1
     assert samples["deepinfer_request_queue_time_seconds_count", ()] == 2
     assert samples["deepinfer_step_time_seconds_count", ()] == 6  # 5 steps for "a", 1 for "b"
-    assert samples["deepinfer_requests_running", ()] == 0
+    # One step of "a"'s 3 prompt tokens, 4 of one decode token, one of "b"'s prompt token.
+    assert samples["deepinfer_iteration_tokens_count", ()] == 6
+    assert samples["deepinfer_iteration_tokens_sum", ()] == 3 + 4 + 1
+    assert samples["deepinfer_iteration_tokens_bucket", (("le", "1.0"),)] == 5
+    assert samples["deepinfer_request_prompt_tokens_sum", ()] == 4
+    assert samples["deepinfer_request_prompt_tokens_bucket", (("le", "2.0"),)] == 1
+    assert samples["deepinfer_request_generation_tokens_sum", ()] == 6
+    for phase in ("prefill", "decode", "inference"):
+        assert samples[f"deepinfer_request_{phase}_time_seconds_count", ()] == 2
+    assert samples["deepinfer_num_requests_running", ()] == 0
     assert samples["deepinfer_kv_blocks_used", ()] == 0
     assert samples["deepinfer_preemptions_total", ()] == 0
     # The same 41-token prompt again: its 2 full blocks of 16 come from the prefix cache.
@@ -325,7 +345,7 @@ async def test_failed_step_is_an_error_frame_and_the_node_keeps_serving(
         EOS,
     ]
     samples = await scrape(node)
-    assert samples["deepinfer_finished_requests_total", (("finish_reason", "error"),)] == 1
+    assert samples["deepinfer_finished_requests_total", (("finished_reason", "error"),)] == 1
     assert_all_freed(node.engine)
 
 

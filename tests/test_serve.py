@@ -9,12 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import anthropic
 import openai
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 from coordinator_fakes import EOS, THINK_END, TOKENIZER_PATH, ids
+from prometheus_client.parser import text_string_to_metric_families
 from scripted_executor import ScriptedExecutor
 
 from deepinfer.config import Config
@@ -168,3 +170,77 @@ async def test_prefix_cache_hits_show_in_usage(tmp_path: Path) -> None:
         )
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize("export_vllm_names", [True, False])
+async def test_one_scrape_holds_the_coordinator_and_the_node(export_vllm_names: bool) -> None:
+    executor = ScriptedExecutor({MARKER: SCRIPT}, default_script=LONG_SCRIPT)
+    config = Config.load(
+        overrides={
+            "cache": {"block_size": 16},
+            "metrics": {"export_vllm_names": export_vllm_names},
+        },
+        environ={},
+    )
+    server = await _server(
+        LLMEngine(config, executor=executor), config, tokenizer_path=TOKENIZER_PATH
+    )
+    try:
+        client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k")
+        messages = [{"role": "user", "content": "Say hi, zebra"}]
+        await client.chat.completions.create(model="deepinfer-tiny", messages=messages)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(str(server.make_url("/metrics"))) as response,
+        ):
+            text = await response.text()
+    finally:
+        await server.close()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    components = {
+        name: sorted({s.labels.get("component") for s in f.samples}) for name, f in families.items()
+    }
+    # Both components' series of a family both have, in one family.
+    for name in ("deepinfer_num_requests_running", "deepinfer_prompt_tokens"):
+        assert components[name] == ["coordinator", "node"], name
+    assert components["deepinfer_step_time_seconds"] == ["node"]
+    assert components["deepinfer_time_to_first_token_seconds"] == ["coordinator"]
+    # (name, component) -> value, of the samples with no labels besides the series' own.
+    own = {"component", "model_name", "node"}
+    samples = {
+        (s.name, s.labels["component"]): s.value
+        for f in families.values()
+        for s in f.samples
+        if set(s.labels) <= own
+    }
+    assert samples["deepinfer_prompt_tokens_total", "node"] > 0
+    assert (
+        samples["deepinfer_prompt_tokens_total", "node"]
+        == samples["deepinfer_prompt_tokens_total", "coordinator"]
+    )
+    assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")]
+    vllm = {name for name in families if name.startswith("vllm:")}
+    if not export_vllm_names:
+        assert vllm == set()
+        return
+    assert vllm == {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
+        "vllm:request_success", "vllm:iteration_tokens_total", "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds", "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+    }  # fmt: skip
+    # Taken from the component vLLM measures them in: no series counted twice.
+    assert components["vllm:prompt_tokens"] == ["node"]
+    assert components["vllm:time_to_first_token_seconds"] == ["coordinator"]
+    assert (
+        samples["vllm:prompt_tokens_total", "node"]
+        == samples["deepinfer_prompt_tokens_total", "node"]
+    )
+    assert samples["vllm:request_prompt_tokens_count", "node"] == 1
+    success = families["vllm:request_success"].samples
+    assert [(s.labels["finished_reason"], s.value) for s in success] == [("stop", 1.0)]

@@ -99,6 +99,23 @@ def test_incremental_detokenization_of_special_tokens(
     assert deltas[-1] == ("" if skip_special_tokens else "<｜end▁of▁sentence｜>")
 
 
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_a_prompt_ending_mid_character(tokenizer: Tokenizer, text: str):
+    """The output is the decode of all past the decode of the prompt (vLLM's offsets): the
+    character split between them counts as the prompt's."""
+    ids = tokenizer.encode(text)
+    splits = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert splits  # the texts split a character across tokens
+    for k in splits:
+        detokenizer = IncrementalDetokenizer(tokenizer, ids[:k])
+        deltas = [detokenizer.push([token_id]) for token_id in ids[k:]]
+        assert "".join(deltas) == text[len(tokenizer.decode(ids[:k])) :], (k, deltas)
+        assert not any("\ufffd" in delta for delta in deltas), deltas
+    # Output that never completes the prompt's character: its U+FFFD stays the prompt's.
+    detokenizer = IncrementalDetokenizer(tokenizer, ids[: splits[0]])
+    assert detokenizer.push(tokenizer.encode(" one two")) == " one two"
+
+
 def _stream(
     tokenizer: Tokenizer, text: str, matcher: StopStringMatcher
 ) -> tuple[list[str], str, str | None]:

@@ -5,7 +5,8 @@ Producer of results: ``report.py``. Consumers: users, ``plots.py``, and tools th
 ``*_throughput`` per s, ``mean_ttft_ms``, ``p99_itl_ms`` ...). Bump ``SCHEMA_VERSION`` when a key
 is removed, renamed or changes meaning; adding keys keeps the version.
 
-Schema (``schema_version`` 1; `RESULT_SCHEMA` is the JSON Schema, `validate` checks it). A file is
+Schema (``schema_version`` 1; `RESULT_SCHEMA` is the JSON Schema, `validate` checks it with
+jsonschema-rs, numbers finite). A file is
 one run (``kind: "run"``) or a sweep (``kind: "sweep"``, ``runs``: a list of run objects). A run:
 
 - identity: ``schema_version``, ``kind``, ``tool``, ``date`` (ISO 8601), ``backend``,
@@ -34,8 +35,12 @@ one run (``kind: "run"``) or a sweep (``kind: "sweep"``, ``runs``: a list of run
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import jsonschema_rs
 
 from deepinfer.bench.metrics import PERCENTILE_METRICS
 
@@ -158,82 +163,70 @@ RUN_SCHEMA: dict[str, Any] = {
     # vLLM's flat keys ({mean,median,std,pNN}_{metric}_ms) vary with the flags.
     "additionalProperties": _NUM_OR_NULL,
 }
+SWEEP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "schema_version",
+        "kind",
+        "tool",
+        "date",
+        "sweep_parameter",
+        "sweep_values",
+        "runs",
+    ],
+    "properties": {
+        "schema_version": {"type": "integer", "enum": [SCHEMA_VERSION]},
+        "kind": {"type": "string", "enum": ["sweep"]},
+        "tool": _STR,
+        "date": _STR,
+        "sweep_parameter": {"type": "string", "enum": ["request_rate", "max_concurrency"]},
+        "sweep_values": {"type": "array", "items": {"type": ["number", "string"]}},
+        "runs": {"type": "array", "items": RUN_SCHEMA},
+    },
+    "additionalProperties": False,
+}
 RESULT_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "deepinfer bench serve result",
-    "oneOf": [
-        RUN_SCHEMA,
-        {
-            "type": "object",
-            "required": [
-                "schema_version",
-                "kind",
-                "tool",
-                "date",
-                "sweep_parameter",
-                "sweep_values",
-                "runs",
-            ],
-            "properties": {
-                "schema_version": {"type": "integer", "enum": [SCHEMA_VERSION]},
-                "kind": {"type": "string", "enum": ["sweep"]},
-                "tool": _STR,
-                "date": _STR,
-                "sweep_parameter": {"type": "string", "enum": ["request_rate", "max_concurrency"]},
-                "sweep_values": {"type": "array", "items": {"type": ["number", "string"]}},
-                "runs": {"type": "array", "items": RUN_SCHEMA},
-            },
-            "additionalProperties": False,
-        },
-    ],
+    "oneOf": [RUN_SCHEMA, SWEEP_SCHEMA],
 }
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "object": (dict,),
-    "array": (list,),
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "null": (type(None),),
+# By "kind", so that a problem is reported where it is, not as "matches none of oneOf".
+_VALIDATORS = {
+    "run": jsonschema_rs.validator_for(RUN_SCHEMA),
+    "sweep": jsonschema_rs.validator_for(SWEEP_SCHEMA),
 }
+_ANY_KIND = jsonschema_rs.validator_for(RESULT_SCHEMA)
 
 
-def validate(instance: Any, schema: dict[str, Any] = RESULT_SCHEMA, path: str = "$") -> list[str]:
-    """Problems of ``instance`` against the JSON Schema subset used above (empty = valid)."""
-    if "oneOf" in schema:
-        matches = [validate(instance, s, path) for s in schema["oneOf"]]
-        if sum(not m for m in matches) == 1:
-            return []
-        closest = min(matches, key=len)
-        return [f"{path}: matches {sum(not m for m in matches)} of oneOf", *closest]
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else types
-        is_bool = isinstance(instance, bool)
-        if not any(
-            isinstance(instance, _JSON_TYPES[n]) and (n == "boolean" or not is_bool) for n in names
-        ):
-            return [f"{path}: {type(instance).__name__} is not {types}"]
-    if isinstance(instance, float) and not math.isfinite(instance):
-        return [f"{path}: {instance} is not a finite number"]
-    if "enum" in schema and instance not in schema["enum"]:
-        return [f"{path}: {instance!r} not in {schema['enum']}"]
-    problems: list[str] = []
-    if isinstance(instance, dict):
-        props = schema.get("properties", {})
-        problems += [
-            f"{path}: missing {k!r}" for k in schema.get("required", ()) if k not in instance
-        ]
-        extra = schema.get("additionalProperties", True)
-        for key, value in instance.items():
-            if key in props:
-                problems += validate(value, props[key], f"{path}.{key}")
-            elif extra is False:
-                problems.append(f"{path}: unexpected {key!r}")
-            elif isinstance(extra, dict):
-                problems += validate(value, extra, f"{path}.{key}")
-    if isinstance(instance, list) and "items" in schema:
-        for i, item in enumerate(instance):
-            problems += validate(item, schema["items"], f"{path}[{i}]")
-    return problems
+def validate(instance: Any) -> list[str]:
+    """Problems of ``instance`` against ``RESULT_SCHEMA`` (empty = valid), one a line: where
+    (a JSON path) and what. NaN and infinities are problems too: JSON has neither (Python's
+    json writes them, other readers fail on them)."""
+    kind = instance.get("kind") if isinstance(instance, dict) else None
+    validator = _VALIDATORS.get(kind, _ANY_KIND) if isinstance(kind, str) else _ANY_KIND
+    non_finite: dict[str, float] = {}
+    try:
+        json.dumps(instance, allow_nan=False)  # C speed; the walk below finds where
+    except ValueError:
+        non_finite = dict(_non_finite(instance))
+    # jsonschema-rs reads a NaN as null: its message there would mislead.
+    errors = ((_json_path(e.instance_path), e.message) for e in validator.iter_errors(instance))
+    problems = [f"{path}: {message}" for path, message in errors if path not in non_finite]
+    return problems + [
+        f"{path}: {value} is not a finite number" for path, value in non_finite.items()
+    ]
+
+
+def _json_path(parts: Sequence[str | int]) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def _non_finite(value: Any, path: str = "$") -> Iterator[tuple[str, float]]:
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{path}[{i}]")

@@ -20,8 +20,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 _IDLE_GAUGES = (
-    "deepinfer_requests_running",
-    "deepinfer_requests_waiting",
+    "deepinfer_num_requests_running",
+    "deepinfer_num_requests_waiting",
     "deepinfer_kv_blocks_used",
     "deepinfer_state_slots_used",
 )
@@ -51,7 +51,8 @@ async def run_storm(
     timeout_s: float = 60.0,
 ) -> StormResult:
     """Run the storm against ``base_url`` (an OpenAI-compatible server), then read the node's
-    gauges at ``node_metrics_url`` (default: ``base_url/node/metrics``, as ``serve`` has them)."""
+    gauges (``component="node"``) at ``node_metrics_url`` (default: ``base_url/metrics``, where
+    ``serve`` has them)."""
     rng = random.Random(seed)
     result = StormResult()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -103,7 +104,7 @@ async def run_storm(
 
         await asyncio.gather(*(one(i) for i in range(num_requests)))
         await asyncio.gather(*longs, return_exceptions=True)
-        result.idle_gauges = await _wait_idle(session, node_metrics_url or "/node/metrics")
+        result.idle_gauges = await _wait_idle(session, node_metrics_url or "/metrics")
         body = {**chat(max_tokens=8, words=3), "stream": False}
         async with session.post("/v1/chat/completions", json=body) as response:
             result.good_status = response.status
@@ -123,7 +124,7 @@ async def _wait_idle(session: aiohttp.ClientSession, url: str) -> dict[str, floa
             sample.name: sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name in _IDLE_GAUGES
+            if sample.name in _IDLE_GAUGES and sample.labels.get("component") == "node"
         }
         if len(gauges) == len(_IDLE_GAUGES) and not any(gauges.values()):
             break

@@ -53,8 +53,11 @@ class EngineObserver(Protocol):
     def on_scheduled(self, request: Request, queue_time_s: float) -> None:
         """The request was admitted for the first time, ``queue_time_s`` after it arrived."""
 
-    def on_step(self, step_time_s: float, deltas: list[RequestOutputDelta]) -> None:
-        """One step ran (in the step thread) for ``step_time_s`` and produced ``deltas``."""
+    def on_step(
+        self, step_time_s: float, deltas: list[RequestOutputDelta], num_scheduled_tokens: int
+    ) -> None:
+        """One step ran (in the step thread) for ``step_time_s``, produced ``deltas`` and
+        scheduled ``num_scheduled_tokens`` (its batch's prefill chunks and decode tokens)."""
 
     def on_finished(self, request: Request, finish_reason: str) -> None:
         """The request ended: "stop" | "length" | "abort" | "error". Called once per request."""
@@ -364,7 +367,9 @@ class AsyncEngine:
                 continue
             self._step_started = time.monotonic()
             try:
-                deltas, step_time_s = await loop.run_in_executor(self._step_thread, self._step)
+                deltas, step_time_s, num_scheduled = await loop.run_in_executor(
+                    self._step_thread, self._step
+                )
             except Exception as e:
                 self._step_started = None
                 self._fail_step(e)
@@ -372,14 +377,14 @@ class AsyncEngine:
             step_started, self._step_started = self._step_started, None
             self._observe_admissions(step_started)
             if self.observer is not None:
-                self.observer.on_step(step_time_s, deltas)
+                self.observer.on_step(step_time_s, deltas, num_scheduled)
             self._dispatch(deltas)
 
-    def _step(self) -> tuple[list[RequestOutputDelta], float]:
+    def _step(self) -> tuple[list[RequestOutputDelta], float, int]:
         """Runs in the step thread."""
         start = time.perf_counter()
         deltas = self.engine.step()
-        return deltas, time.perf_counter() - start
+        return deltas, time.perf_counter() - start, self.engine.num_scheduled_tokens
 
     def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
         for delta in deltas:

@@ -94,7 +94,9 @@ class LLMEngine:
         if executor is None:
             self.model_dir: Path | None = self._init_model_dir()
             args = ModelArgs.from_file(self.model_dir)
-            self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.model_dir)
+            self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
+                self.model_dir, config.model.tokenizer
+            )
             executor = ModelRunner(config, self.model_dir, args)
         else:
             self.model_dir, self.tokenizer = None, None
@@ -103,6 +105,7 @@ class LLMEngine:
         self._launch = launch if config.scheduler.async_scheduling else None
         # The step launched by the previous step() call, its samples not yet applied.
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None
+        self.num_scheduled_tokens = 0  # tokens the last step() scheduled (for metrics)
         self.max_model_len = executor.max_model_len
         self.tiers = self._init_tiers()
         self.grammar_compiler = self._init_grammar_compiler()
@@ -255,6 +258,7 @@ class LLMEngine:
         running requests (their pending tokens are lost with it)."""
         if self._launch is None:
             scheduler_output = self.scheduler.schedule()
+            self.num_scheduled_tokens = scheduler_output.num_scheduled_tokens
             runner_output = self.executor.execute(scheduler_output)
             return self.scheduler.update(scheduler_output, runner_output)
         try:
@@ -268,6 +272,7 @@ class LLMEngine:
         if self._in_flight is not None and self.scheduler.needs_sampled_tokens():
             deltas = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
+        self.num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         launched = None
         if not scheduler_output.is_empty:
             before_sampling = None
