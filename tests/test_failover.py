@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from coordinator_fakes import TOKENIZER_PATH
+from processes import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_executor import ScriptedExecutor
 
@@ -42,12 +42,6 @@ MODEL = "deepinfer-tiny"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / MODEL)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Processes:
@@ -117,9 +111,9 @@ def _samples(text: str) -> dict[str, float]:
 async def test_cancel_storm_leaves_serve_serving(processes: Processes, tiny_dir: Path) -> None:
     """400 clients give up at random points (a fifth before their add can be applied, the
     rest during prefill or decode) while two long streams keep the engine stepping."""
-    port = _free_port()
+    port = free_port()
     processes.start("serve", "serve", "--model", str(tiny_dir), "--device", "cpu",
-                    "--port", str(port), "--internal-port", str(_free_port()))  # fmt: skip
+                    "--port", str(port), "--internal-port", str(free_port()))  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     await processes.wait_ready(base + "/ready")
     result = await asyncio.wait_for(run_storm(base, MODEL, num_requests=400), 120.0)
@@ -156,13 +150,13 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
     """Node a runs one request at a time, so a second one waits there with no token yet. After
     kill -9 of a: a's open stream ends with an error event, the waiting request is retried on
     b, and every request sent after the kill succeeds."""
-    port_a, port_b, port = _free_port(), _free_port(), _free_port()
+    port_a, port_b, port = free_port(), free_port(), free_port()
     common = ("--model", str(tiny_dir), "--device", "cpu")
     node_a = processes.start("node-a", "node", *common, "--port", str(port_a),
                              "--max-num-seqs", "1")  # fmt: skip
     processes.start("node-b", "node", *common, "--port", str(port_b))
     processes.start("coordinator", "coordinator", "--port", str(port),
-                    "--internal-port", str(_free_port()),
+                    "--internal-port", str(free_port()),
                     "--node", f"http://127.0.0.1:{port_a}", "--node", f"http://127.0.0.1:{port_b}",
                     "--max-model-len", "8192")  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -286,7 +280,7 @@ async def test_a_registered_node_whose_engine_fails_leaves_rotation_within_a_hea
     await coordinator.start_server()
     internal = TestServer(coordinator.app[INTERNAL_APP])
     await internal.start_server()
-    port = _free_port()
+    port = free_port()
     engine, config = _scripted_engine(
         port=port, coordinator_internal_url=str(internal.make_url("")), heartbeat_interval_s=0.05
     )
