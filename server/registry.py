@@ -294,9 +294,10 @@ class NodeRegistry:
 
     def has_candidate(self, num_tokens: int, exclude: Container[str] = ()) -> bool:
         """Whether ``select(num_tokens, exclude)`` would find a node."""
-        return any(
-            n.max_model_len >= num_tokens and n.node_id not in exclude for n in self.ready_nodes()
-        )
+        try:
+            return bool(self._candidates(num_tokens, exclude))
+        except (NoReadyNodeError, NoFittingNodeError):
+            return False
 
     def max_num_seqs(self) -> int:
         """How many requests the ready nodes run at once, all together (0: none is ready)."""
@@ -308,6 +309,17 @@ class NodeRegistry:
         among those in rotation whose context it fits, not in ``exclude``, and count the
         request against it while the block runs. Raises NoReadyNodeError (none in rotation,
         or all excluded) or NoFittingNodeError (every limit is too small)."""
+        fitting = self._candidates(num_tokens, exclude)
+        entry = self.policy.select(fitting, num_tokens)
+        entry.num_inflight += 1
+        try:
+            yield entry
+        finally:
+            entry.num_inflight -= 1
+
+    def _candidates(self, num_tokens: int, exclude: Container[str]) -> list[NodeEntry]:
+        """The nodes in rotation, not in ``exclude``, whose context ``num_tokens`` fits (never
+        empty). Raises NoReadyNodeError or NoFittingNodeError."""
         ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
         if not ready:
             raise NoReadyNodeError("no node is ready")
@@ -318,12 +330,7 @@ class NodeRegistry:
                 f"{max(n.max_model_len for n in ready)} tokens. However, you requested "
                 f"{num_tokens} tokens. Please reduce the length of the prompt or completion."
             )
-        entry = self.policy.select(fitting, num_tokens)
-        entry.num_inflight += 1
-        try:
-            yield entry
-        finally:
-            entry.num_inflight -= 1
+        return fitting
 
 
 _MAX_NODE_ID_CHARS = 128

@@ -5,10 +5,7 @@ a cancel storm against `deepinfer serve`, kill -9 of one of two static nodes beh
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from coordinator_fakes import TOKENIZER_PATH
-from processes import free_port
+from processes import Process, clean_env, free_port, http_status
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_executor import ScriptedExecutor
 
@@ -45,52 +42,34 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Processes:
-    """`deepinfer` subcommands started for one test, each logging to a file; all killed at the
-    end (a test that fails never leaves a server behind)."""
+    """The `deepinfer` subcommands one test started (tests/processes.py's Process), logging to
+    files in its folder; all killed at the end, so that a failing test leaves no server behind."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.running: list[tuple[subprocess.Popen, Path]] = []
+        self.running: list[Process] = []
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = self.folder / f"{name}.log"
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-        environ |= {"OMP_NUM_THREADS": "1", **(env or {})}
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "deepinfer.cli", *args],
-                cwd=self.folder,  # no config.toml there: the defaults apply
-                env=environ,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.running.append((process, log))
+    def start(self, name: str, *args: str) -> Process:
+        env = clean_env(OMP_NUM_THREADS="1")  # the defaults apply: no config.toml in the folder
+        process = Process.start(list(args), env, self.folder / f"{name}.log", self.folder)
+        self.running.append(process)
         return process
 
     def logs(self) -> str:
-        return "\n".join(f"== {log.name}\n{log.read_text(errors='replace')[-3000:]}"
-                         for _, log in self.running)  # fmt: skip
+        return "\n".join(f"== {p.log_path.name}\n{p.log[-3000:]}" for p in self.running)
 
-    async def wait_ready(self, url: str, timeout_s: float = 90.0) -> None:
+    def wait_ready(self, url: str, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while True:
-                for process, _ in self.running:
-                    assert process.poll() is None, self.logs()
-                try:
-                    async with session.get(url) as response:
-                        if response.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline, f"{url} not ready\n{self.logs()}"
-                await asyncio.sleep(0.2)
+        while http_status(url) != 200:
+            assert all(p.popen.poll() is None for p in self.running), self.logs()
+            assert time.monotonic() < deadline, f"{url} not ready\n{self.logs()}"
+            time.sleep(0.2)
 
     def kill_all(self) -> None:
-        for process, _ in self.running:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for process in self.running:
+            if process.popen.poll() is None:
+                process.popen.kill()
+                process.popen.wait()
 
 
 @pytest.fixture
@@ -115,7 +94,7 @@ async def test_cancel_storm_leaves_serve_serving(processes: Processes, tiny_dir:
     processes.start("serve", "serve", "--model", str(tiny_dir), "--device", "cpu",
                     "--port", str(port), "--internal-port", str(free_port()))  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    await processes.wait_ready(base + "/ready")
+    processes.wait_ready(base + "/ready")
     result = await asyncio.wait_for(run_storm(base, MODEL, num_requests=400), 120.0)
     assert result.num_cancelled + result.num_completed == 400, (result, processes.logs())
     assert result.num_failed == 0 and result.num_long_ok == 2, result
@@ -161,7 +140,7 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
                     "--max-model-len", "8192")  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     for url in (f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}", base):
-        await processes.wait_ready(url + "/ready")
+        processes.wait_ready(url + "/ready")
     chat_url = base + "/v1/chat/completions"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         for _ in range(100):  # both probed into rotation (a node may have been probed early)
@@ -183,8 +162,8 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
             session, f"http://127.0.0.1:{port_a}/metrics", "deepinfer_num_requests_waiting", 1
         )
 
-        node_a.send_signal(signal.SIGKILL)
-        node_a.wait()
+        node_a.popen.send_signal(signal.SIGKILL)
+        node_a.popen.wait()
         text = await _within(on_a, 30.0, processes)
         assert '"error"' in text and "[DONE]" not in text, text[-500:]  # mid-stream: an event
         assert "[DONE]" in await _within(queued, 30.0, processes)  # no token yet: retried on b
