@@ -18,19 +18,21 @@ import dataclasses
 import gc
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from deepinfer.config import CacheConfig, KernelConfig
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache
-from deepinfer.model.config import CSA, HCA, SLIDING, ModelArgs
-from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.tiny import random_weights
+from deepinfer.model.batch import ForwardBatch, SeqSpan
+from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
+from deepinfer.model.families import load_family
 from deepinfer.ops import Kernels, select_kernels
+
+# The model, its weights and its cache, as the engine gets them: through the family table.
+FAMILY = load_family("deepseek_v4")
 
 # ---- shapes ----------------------------------------------------------------------------------
 
@@ -218,11 +220,11 @@ def describe_kernels(kernels: Kernels) -> str:
     )
 
 
-def build_model(args: ModelArgs, kernels: Kernels, setup: Setup, seed: int) -> DeepseekV4:
+def build_model(args: ModelArgs, kernels: Kernels, setup: Setup, seed: int) -> torch.nn.Module:
     """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign)."""
-    weights = random_weights(args, seed, setup.device, setup.dtype)
+    weights = FAMILY.random_weights(args, seed, setup.device, setup.dtype, fp8_block=None)
     with torch.device("meta"):
-        model = DeepseekV4(args, kernels)
+        model = FAMILY.build_model(args, kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.init_rope(setup.device)
     return model.eval()
@@ -234,7 +236,7 @@ def each_layer_model(
     backend: str,
     setup: Setup,
     seed: int,
-    measure: Callable[[str, ModelArgs, DeepseekV4], None],
+    measure: Callable[[str, ModelArgs, torch.nn.Module], None],
 ) -> str:
     """Build one model per layer type (``outer`` first: no layers), call ``measure(kind,
     cache_args, model)``, free the model before the next. ``cache_args`` shapes the inputs and
@@ -255,37 +257,21 @@ def new_cache(args: ModelArgs, setup: Setup, num_seqs: int, max_len: int, seed: 
     """Room for ``num_seqs`` requests of ``max_len`` tokens (+ spare blocks), every floating
     tensor (paged pools, window rings, compressor state) filled with N(0, 1): never zeros."""
     blocks_per_seq = math.ceil(max_len / setup.block_size)
+    spec = FAMILY.cache_spec(
+        args, block_size=setup.block_size, ring_margin=setup.ring_margin, max_draft=0
+    )
     cache = KVCache(
-        args,
+        spec,
         num_blocks=num_seqs * blocks_per_seq + 8,
         num_slots=num_seqs,
-        block_size=setup.block_size,
-        ring_margin=setup.ring_margin,
         dtype=setup.dtype,
         device=setup.device,
     )
     gen = torch.Generator(device=setup.device).manual_seed(seed)
-    for tensor in _tensors(vars(cache), set()):
+    for tensor in cache.tensors.values():
         if tensor.is_floating_point() and tensor.numel():
             tensor.normal_(generator=gen)
     return cache
-
-
-def _tensors(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:
-    """Every tensor reachable through dicts, lists, tuples and dataclasses, once each."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value, seen)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value, seen)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), seen)
 
 
 def _block_ids(

@@ -66,8 +66,8 @@ from v4_flash_report import (
     write_json,
 )
 
-from deepinfer.model.tiny import random_weights
-from deepinfer.model.weights import map_checkpoint_name
+from deepinfer.model.deepseek_v4.tiny import random_weights
+from deepinfer.model.deepseek_v4.weights import map_checkpoint_name
 
 SCRIPT = "v4_flash_hf.py"
 GOAL_BATCH, GOAL_SPEEDUP = 32, 20.0

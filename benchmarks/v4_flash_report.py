@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from v4_flash import FULL_DEPTH_LAYERS, LAYER_TYPES, OUTER, PLANS, Setup, release
 
-from deepinfer.model.config import ModelArgs
-from deepinfer.model.weights import expected_shapes, is_fp32_param, is_integer_param
+from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.weights import expected_shapes, is_fp32_param, is_integer_param
 
 # ---- timing and ceilings ---------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV pools and per-request state slots (see deepinfer/kv_cache/pool.py)."""
+    """Paged KV pools and per-request state slots (deepinfer/kv_cache/spec.py and pool.py)."""
 
     block_size: int = 128  # tokens per block; a multiple of every compression ratio
     num_blocks: int | None = None  # None: sized from device memory (below)
@@ -66,6 +66,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # None: scheduler.max_num_seqs
     ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
+    # Draft tokens whose compressor state can be rolled back: the open-window buffers keep
+    # ratio - 1 + max_draft_tokens rows (speculative decoding; 0: none).
+    max_draft_tokens: int = 0
     enable_prefix_caching: bool = True  # reuse cached prefix blocks across requests
     num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
     snapshot_interval_blocks: int = 16  # also snapshot every N blocks of a long prefill
@@ -90,6 +93,8 @@ class CacheConfig:
             )
         if self.ring_margin < 0:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"cache.max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.num_snapshots is not None and self.num_snapshots < 0:
             raise ValueError(f"cache.num_snapshots must be >= 0, got {self.num_snapshots}")
         if self.host_tier_gib < 0 or self.disk_tier_gib <= 0:

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import deepseek_recipe as recipe
 import tokenizers
 
+from deepinfer.model.families import FAMILIES
 from deepinfer.server.errors import ApiError, bad_request
 from deepinfer.server.protocol import OutputConstraint, SamplingOptions
 from deepinfer.server.sampling import _integer, build_sampling_options, read_extra_sampling
@@ -58,11 +59,6 @@ _REQUEST_CLASSES: dict[ApiKind, Any] = {
     ApiKind.MESSAGES: recipe.MessagesRequest,
 }
 
-# model_type of the checkpoint's config.json -> the recipe's version and prompt encoding.
-_MODEL_VERSIONS = {
-    "deepseek_v4": (recipe.ModelVersion.DeepseekV4Pro, recipe.DeepseekV4Encoding),
-    "deepseek_v41": (recipe.ModelVersion.DeepseekV41Flash, recipe.DeepseekV41Encoding),
-}
 
 # The constraint kinds the recipe produces; a node enforces each with a grammar.
 _ENFORCED_CONSTRAINTS = ("json", "regex", "tool_call_required", "tool_call")
@@ -121,10 +117,8 @@ class Frontend:
         default_max_tokens: int | None = None,
         image_url_allowlist: tuple[str, ...] = (),
     ) -> None:
-        if model_type not in _MODEL_VERSIONS:
-            raise ValueError(
-                f"model_type must be one of {sorted(_MODEL_VERSIONS)}, got {model_type!r}"
-            )
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}")
         path = Path(tokenizer_path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -134,7 +128,10 @@ class Frontend:
         self.image_url_allowlist = frozenset(h.lower() for h in image_url_allowlist)
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
         self.max_token_chars = _max_token_chars(self.tokenizer)
-        version, encoding_cls = _MODEL_VERSIONS[model_type]
+        # The family table names the recipe's version and prompt encoding of the checkpoint.
+        family = FAMILIES[model_type]
+        version = getattr(recipe.ModelVersion, family.recipe_version)
+        encoding_cls = getattr(recipe, family.recipe_encoding)
         self.encoding = encoding_cls().with_tokenizer(self.recipe_tokenizer)
         self.options = recipe.ConversionOptions(
             default_thinking_mode=default_thinking_mode

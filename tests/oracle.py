@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, MOE, SLIDING
 from deepinfer.model.tiny import copy_tokenizer
 
 torch.set_num_threads(2)

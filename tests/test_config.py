@@ -103,7 +103,8 @@ def test_internal_listener_beyond_loopback_needs_the_node_token() -> None:
 def test_torch_free_imports() -> None:
     code = (
         "import sys, deepinfer, deepinfer.config, deepinfer.sampling_params, deepinfer.scheduler, "
-        "deepinfer.scheduler.scheduler, deepinfer.model.config, deepinfer.model.weights, "
+        "deepinfer.scheduler.scheduler, deepinfer.model.deepseek_v4.args, "
+        "deepinfer.model.deepseek_v4.weights, deepinfer.model.families, "
         "deepinfer.tokenizer; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -31,12 +31,12 @@ pytest.importorskip("triton")
 
 from triton_modules import interpreted  # noqa: E402
 
-from deepinfer.model.config import ModelArgs  # noqa: E402
-from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from deepinfer.model.deepseek_v4.args import ModelArgs  # noqa: E402
+from deepinfer.model.deepseek_v4.checkpoint import load_checkpoint  # noqa: E402
+from deepinfer.model.deepseek_v4.model import DeepseekV4  # noqa: E402
+from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG, random_weights  # noqa: E402
+from deepinfer.model.deepseek_v4.weights import fp8_scale_name, is_fp8_linear  # noqa: E402
 from deepinfer.model.layers import Fp8Linear, use_fp8_linears  # noqa: E402
-from deepinfer.model.loader import load_checkpoint  # noqa: E402
-from deepinfer.model.tiny import TINY_CONFIG, random_weights  # noqa: E402
-from deepinfer.model.weights import fp8_scale_name, is_fp8_linear  # noqa: E402
 from deepinfer.ops import reference_kernels  # noqa: E402
 from deepinfer.ops.linear import BACKENDS, torch_ref  # noqa: E402
 

@@ -14,15 +14,15 @@ from oracle import hf_greedy, hf_logits, hf_model, oracle_prompts
 from safetensors.torch import load_file, save_file
 
 import deepinfer.model.tiny as tiny
-from deepinfer.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING
-from deepinfer.model.loader import (
+from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, MOE, SLIDING
+from deepinfer.model.deepseek_v4.checkpoint import (
     CheckpointError,
     dequantize_fp4,
     dequantize_fp8,
     load_checkpoint,
     load_model_args,
 )
-from deepinfer.model.weights import expected_shapes
+from deepinfer.model.deepseek_v4.weights import expected_shapes
 
 FP4_LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 

@@ -35,10 +35,10 @@ def test_cpu_budget_holds_blocks_slots_and_snapshots(oracle_hf_dir: Path) -> Non
         model=oracle_hf_dir, device="cpu", max_model_len=1024, memory_budget_gib=budget / 2**30
     )
     kv = llm.engine.executor.kv_cache
-    per_block = kv.layout.bytes_per_block(kv.dtype)
+    per_block = kv.spec.bytes_per_block(kv.dtype)
     used = (
         kv.num_blocks * per_block
-        + kv.num_slots * kv.layout.bytes_per_slot(kv.dtype)
+        + kv.num_slots * kv.spec.bytes_per_slot(kv.dtype)
         + kv.num_snapshots * kv.bytes_per_snapshot
     )
     assert (kv.num_slots, kv.num_snapshots) == (64, 128)

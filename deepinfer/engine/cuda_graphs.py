@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
-from deepinfer.engine.attention_metadata import batch_views, flatten, step_arrays
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
+from deepinfer.engine.planner import StepPlanner
 from deepinfer.kv_cache.pool import KVCache
-from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
 from deepinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DeepseekV4,
+        model: nn.Module,
         cache: KVCache,
         max_batch: int,
         capture: bool = True,
@@ -78,6 +78,7 @@ class DecodeGraphs:
         self.max_positions = max_positions
         self.num_captures_while_serving = 0  # captures after capture_all(): should stay 0
         self.num_replays = 0
+        self._planner: StepPlanner | None = None  # built on the first plan
         self._is_warm = False  # capture_all() ran
         self._graphs: dict[tuple[int, int], _Graph] = {}
         if capture:
@@ -209,7 +210,13 @@ class DecodeGraphs:
             for i in range(len(seqs), bucket)
         ]
         token_ids = token_ids + [0] * len(pad)
-        return step_arrays(seqs + pad, token_ids, list(range(bucket)), cache.geometry, context)
+        return self.planner.arrays(seqs + pad, token_ids, list(range(bucket)), context)
+
+    @property
+    def planner(self) -> StepPlanner:
+        if self._planner is None:
+            self._planner = StepPlanner.of(self.model, self.cache)
+        return self._planner
 
     def _capture(self, bucket: int, context: int, quiet: bool = False) -> _Graph:
         started = time.perf_counter()
@@ -243,7 +250,7 @@ class DecodeGraphs:
         return captured
 
     def _batch(self, inputs: torch.Tensor, host: dict[str, np.ndarray]) -> ForwardBatch:
-        return batch_views(inputs, host, [], self.cache.geometry)
+        return self.planner.views(inputs, host, [])
 
     def _copy_in(self, flat: np.ndarray, inputs: torch.Tensor) -> None:
         """Host plan -> the graph's input buffer, through a pinned buffer refilled only after

@@ -31,7 +31,7 @@ from deepinfer.constraints import ConstraintError
 from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.tiered import KVTiers
-from deepinfer.model.config import ModelArgs
+from deepinfer.model.families import load_args
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import (
@@ -93,7 +93,7 @@ class LLMEngine:
         self.config = config
         if executor is None:
             self.model_dir: Path | None = self._init_model_dir()
-            args = ModelArgs.from_file(self.model_dir)
+            args = load_args(self.model_dir)
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
                 self.model_dir, config.model.tokenizer
             )

@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from deepinfer.engine.cuda_graphs import DecodeGraphs
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.kv_cache.pool import KVCache
-from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.ops import Kernels
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def fit_num_blocks(budget: int, *, bytes_per_block: int, fixed_bytes: int, max_u
 
 
 def profile_memory(
-    model: DeepseekV4,
+    model: nn.Module,
     kernels: Kernels,
     scratch: KVCache,
     *,
@@ -160,7 +160,7 @@ def profile_memory(
 
 
 def _run_profile_step(
-    model: DeepseekV4, kernels: Kernels, scratch: KVCache, start_pos: int, num_tokens: int
+    model: nn.Module, kernels: Kernels, scratch: KVCache, start_pos: int, num_tokens: int
 ) -> None:
     """One request of ``num_tokens`` tokens at ``start_pos``: logits and logprobs for all."""
     device = scratch.device
@@ -179,7 +179,7 @@ def _run_profile_step(
     kernels.sampling.compute_logprobs(logits, token_ids, 0)
 
 
-def _graph_pool_bytes(model: DeepseekV4, scratch: KVCache, graph_batch: int, context: int) -> int:
+def _graph_pool_bytes(model: nn.Module, scratch: KVCache, graph_batch: int, context: int) -> int:
     """Device memory the decode graphs reserve: all of their captures (pool + the shared
     logits buffer), measured on ``scratch`` and freed again."""
     device = scratch.device

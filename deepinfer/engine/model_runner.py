@@ -1,6 +1,6 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass, logits, samples and logprobs.
 
-SchedulerOutput (CPU) -> ForwardBatch (device) -> DeepseekV4 -> logits -> sampler
+SchedulerOutput (CPU) -> ForwardBatch (device) -> the family's model -> logits -> sampler
 -> ModelRunnerOutput (host values) -> Scheduler.update()
 
 Device memory is sized in ``deepinfer.engine.memory`` (CUDA) or by cache.memory_budget_gib (CPU).
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,17 +24,16 @@ from tqdm import tqdm
 from deepinfer.config import Config
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import resolve_device, resolve_dtype, to_device
-from deepinfer.engine.attention_metadata import batch_views, flatten, step_arrays
 from deepinfer.engine.cuda_graphs import DecodeGraphs
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
+from deepinfer.engine.planner import StepPlanner
 from deepinfer.kv_cache.pool import KVCache
+from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.kv_cache.tiered import KVTiers
-from deepinfer.model.config import ModelArgs
-from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
+from deepinfer.model.families import family_info, load_family
+from deepinfer.model.fingerprint import checkpoint_fingerprint
 from deepinfer.model.layers import use_fp8_linears
-from deepinfer.model.loader import checkpoint_fingerprint, fp8_block, load_checkpoint
-from deepinfer.model.tiny import random_weights
 from deepinfer.ops import select_kernels
 from deepinfer.ops.sampling import SamplerOutput
 from deepinfer.scheduler.output import (
@@ -49,9 +49,10 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the model weights and the KV cache of one device."""
 
-    def __init__(self, config: Config, model_dir: Path, args: ModelArgs) -> None:
+    def __init__(self, config: Config, model_dir: Path, args: Any) -> None:
         self.config = config
-        self.args = args
+        self.args = args  # the family's architecture arguments
+        self.family = load_family(args.model_type)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
@@ -91,19 +92,20 @@ class ModelRunner:
         self.fp8_weights = keep_fp8  # other activations: part of the prefix cache's salt
         if self.config.model.fp8_weights and not keep_fp8:
             logger.warning("model.fp8_weights needs CUDA: dequantizing on %s", self.device)
-        block = fp8_block(self.args)
+        family = self.family
+        block = family.fp8_block(self.args)
         if self.config.model.random_weights:
             seed = self.config.model.tiny_model_seed
             logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
-            weights = random_weights(
+            weights = family.random_weights(
                 self.args, seed, self.device, self.dtype, fp8_block=block if keep_fp8 else None
             )
         else:
-            weights = load_checkpoint(
+            weights = family.load_weights(
                 model_dir, self.args, device=self.device, dtype=self.dtype, keep_fp8=keep_fp8
             )
         with torch.device("meta"):
-            model = DeepseekV4(self.args, self.kernels)
+            model = family.build_model(self.args, self.kernels)
             num_fp8 = use_fp8_linears(model, weights, block, self.kernels.linear)
         if keep_fp8:
             logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
@@ -133,6 +135,7 @@ class ModelRunner:
             num_blocks = self._size_num_blocks(num_slots, num_snapshots)
         self.kv_cache = self._new_kv_cache(num_blocks, num_slots, num_snapshots)
         self.kv_cache.log_sizes()
+        self.planner = StepPlanner(self.family, self.family.geometry(self.args, self.kv_cache))
         blocks_per_request = self._blocks_per_request
         logger.info(
             "KV capacity: %d blocks = %d tokens of KV, %d state slots, %d snapshots; "
@@ -146,16 +149,23 @@ class ModelRunner:
         )
 
     def _new_kv_cache(self, num_blocks: int, num_slots: int, num_snapshots: int) -> KVCache:
-        cache = self.config.cache
         return KVCache(
-            self.args,
+            self.cache_spec,
             num_blocks=num_blocks,
             num_slots=num_slots,
             num_snapshots=num_snapshots,
-            block_size=cache.block_size,
-            ring_margin=cache.ring_margin,
             dtype=self.dtype,
             device=self.device,
+        )
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        cache = self.config.cache
+        return self.family.cache_spec(
+            self.args,
+            block_size=cache.block_size,
+            ring_margin=cache.ring_margin,
+            max_draft=cache.max_draft_tokens,
         )
 
     @property
@@ -185,13 +195,13 @@ class ModelRunner:
         else:
             budget = int(cache.memory_budget_gib * 2**30)
             source = f"cache.memory_budget_gib={cache.memory_budget_gib}"
-        layout = scratch.layout
-        fixed = num_slots * layout.bytes_per_slot(self.dtype)
-        fixed += num_snapshots * scratch.bytes_per_snapshot
+        spec = scratch.spec
+        fixed = num_slots * spec.bytes_per_slot(self.dtype)
+        fixed += num_snapshots * spec.bytes_per_snapshot(self.dtype)
         max_useful = self.config.scheduler.max_num_seqs * self._blocks_per_request
         num_blocks = fit_num_blocks(
             budget,
-            bytes_per_block=layout.bytes_per_block(self.dtype),
+            bytes_per_block=spec.bytes_per_block(self.dtype),
             fixed_bytes=fixed,
             max_useful=max_useful,
         )
@@ -289,7 +299,8 @@ class ModelRunner:
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
-        layout = f"kv-v1:{self.dtype}:{self.config.cache.block_size}:{self.kv_cache.ring_size}"
+        cache_format = family_info(self.family.model_type).cache_format
+        layout = f"{cache_format}:{self.dtype}:{self.kv_cache.spec.salt}"
         if self.config.model.random_weights:
             layout += f":random-{self.config.model.tiny_model_seed}"
         if self.fp8_weights:
@@ -298,9 +309,8 @@ class ModelRunner:
 
     @property
     def replay_tokens(self) -> int:
-        """Tokens to replay on a prefix hit with no snapshot: the sliding-window receptive field
-        of the whole stack, num_layers * (window - 1)."""
-        return self.args.num_layers * (self.args.sliding_window - 1)
+        """Tokens to replay on a prefix hit with no snapshot (the family's receptive field)."""
+        return self.family.replay_tokens(self.args)
 
     @property
     def vocab_size(self) -> int:
@@ -510,9 +520,8 @@ class ModelRunner:
             seqs.append(SeqSpan.of(offset, sched))
             token_ids.extend(sched.token_ids)
             offset += sched.num_tokens
-        geometry = self.kv_cache.geometry
-        host = step_arrays(seqs, token_ids, logits_indices, geometry)
-        batch = batch_views(self._upload(flatten(host)), host, seqs, geometry)
+        host = self.planner.arrays(seqs, token_ids, logits_indices)
+        batch = self.planner.views(self._upload(flatten(host)), host, seqs)
         self._fill_placeholders(scheduled, batch.input_ids)
         return batch, sample_rows, prompt_rows
 

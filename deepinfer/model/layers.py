@@ -7,8 +7,6 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from deepinfer.model.weights import fp8_scale_name
-
 
 class RMSNorm(nn.Module):
     """``norm``: the norm backend (deepinfer.ops.norm) whose ``rms_norm`` runs it."""
@@ -66,8 +64,8 @@ def use_fp8_linears(
     for name, tensor in state.items():
         if tensor.dtype != torch.float8_e4m3fn:
             continue
-        assert fp8_scale_name(name) in state, f"FP8 weight {name!r} without its scales"
         path = name.removesuffix(".weight")
+        assert f"{path}.scale" in state, f"FP8 weight {name!r} without its scales"
         parent, _, attr = path.rpartition(".")
         old = model.get_submodule(path)
         assert isinstance(old, nn.Linear), f"{path} is a {type(old).__name__}, not nn.Linear"

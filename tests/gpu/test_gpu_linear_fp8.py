@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from triton_modules import compiled
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.model.deepseek_v4.weights import is_fp8_linear, map_checkpoint_name
 from deepinfer.model.layers import Fp8Linear
 from deepinfer.model.tiny import make_tiny_model
-from deepinfer.model.weights import is_fp8_linear, map_checkpoint_name
 from deepinfer.ops.linear import torch_ref
 
 pytestmark = pytest.mark.gpu

@@ -31,8 +31,8 @@ PROFILE_TOLERANCE = 0.02  # a real step's activations over the profile step's, a
 def _kv_bytes(llm: LLM) -> tuple[int, int]:
     """(bytes of blocks + state slots + snapshots, bytes of one block)."""
     kv = llm.engine.executor.kv_cache
-    per_block = kv.layout.bytes_per_block(kv.dtype)
-    slots = kv.num_slots * kv.layout.bytes_per_slot(kv.dtype)
+    per_block = kv.spec.bytes_per_block(kv.dtype)
+    slots = kv.num_slots * kv.spec.bytes_per_slot(kv.dtype)
     return kv.num_blocks * per_block + slots + kv.num_snapshots * kv.bytes_per_snapshot, per_block
 
 
@@ -106,7 +106,7 @@ def test_num_blocks_overrides_the_sizing(oracle_hf_dir: Path) -> None:
     llm = LLM(model=oracle_hf_dir, device="cuda", max_model_len=1024, num_blocks=40)
     assert llm.engine.executor.memory_profile is None
     assert llm.engine.executor.num_blocks == llm.engine.scheduler.block_manager.num_blocks == 40
-    assert llm.engine.executor.kv_cache.compressed_kv[1].shape[0] == 40 + 1  # + scratch block
+    assert llm.engine.executor.kv_cache[1, "entries"].shape[0] == 40 + 1  # + scratch block
 
 
 def test_a_share_too_small_for_one_block_is_named(oracle_hf_dir: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.model.config import RopeArgs
+from deepinfer.model.deepseek_v4.args import RopeArgs
 from deepinfer.ops.attention import torch_ref as attention
 from deepinfer.ops.moe import torch_ref as moe
 from deepinfer.ops.norm import torch_ref as norm

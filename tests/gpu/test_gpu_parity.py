@@ -81,7 +81,7 @@ def _top1(out: RequestOutput) -> list[int]:
 
 def test_cuda_runs_on_cuda(cuda_fp32: LLM) -> None:
     runner = cuda_fp32.engine.executor
-    assert runner.device.type == "cuda" and runner.kv_cache.window_ring[0].is_cuda
+    assert runner.device.type == "cuda" and runner.kv_cache[0, "ring"].is_cuda
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 

@@ -7,16 +7,44 @@ Indexer: per query, the top-k compressed entries a CSA layer attends to.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from deepinfer.engine.attention_metadata import CompressPlan
-from deepinfer.engine.forward_batch import ForwardBatch
-from deepinfer.kv_cache.pool import CompressorState, KVCache
-from deepinfer.model.config import ModelArgs
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels
 from deepinfer.ops.norm import rope_cos_sin
+
+
+@dataclass
+class CompressorState:
+    """State-slot tensors of one compressor (cache.py): the open window's raw tokens and, for
+    overlapping (CSA) compressors, the previous complete window's Ca half.
+
+    buf_kv / buf_gate: [num_slots, ratio - 1 + max_draft, width]; prev_kv / prev_gate:
+    [num_slots, ratio, dim] (None for HCA).
+    """
+
+    buf_kv: torch.Tensor
+    buf_gate: torch.Tensor
+    prev_kv: torch.Tensor | None
+    prev_gate: torch.Tensor | None
+
+    @classmethod
+    def of(cls, cache: KVCache, layer: int, prefix: str) -> CompressorState:
+        """Layer ``layer``'s compressor ``prefix`` ("comp", or "idx" for the indexer's)."""
+        tensors = cache.tensors
+        return cls(
+            tensors[layer, f"{prefix}.buf_kv"],
+            tensors[layer, f"{prefix}.buf_gate"],
+            tensors.get((layer, f"{prefix}.prev_kv")),
+            tensors.get((layer, f"{prefix}.prev_gate")),
+        )
 
 
 class Compressor(nn.Module):
@@ -48,7 +76,7 @@ class Compressor(nn.Module):
         inv_freq: torch.Tensor,
     ) -> None:
         """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim]) and
-        keep the still-open windows' tokens in the state slots (attention_metadata.py's plan)."""
+        keep the still-open windows' tokens in the state slots (compress_plan.py's plan)."""
         m = self.ratio
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
         buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
@@ -122,9 +150,9 @@ class Indexer(nn.Module):
         """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk."""
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
-        pool = cache.index_keys[layer_id].flatten(0, 1)  # [blocks * entries per block, Di]
+        pool = cache[layer_id, "index_keys"].flatten(0, 1)  # [blocks * entries per block, Di]
         plan = meta.compress[self.ratio]
-        self.compressor(x, plan, cache.compressor_state[layer_id, "idx"], pool, inv_freq)
+        self.compressor(x, plan, CompressorState.of(cache, layer_id, "idx"), pool, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]

@@ -14,10 +14,8 @@ scales in fp32 (``layers.0.attn.wq_a.scale``); FP4 routed experts are dequantize
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,8 +25,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from deepinfer.model.config import ModelArgs
-from deepinfer.model.weights import (
+from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.weights import (
     TensorTarget,
     expected_shapes,
     find_scales,
@@ -371,28 +369,3 @@ class _StateBuilder:
         if name not in self.out:
             self.out[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return self.out[name]
-
-
-def checkpoint_fingerprint(folder: str | Path) -> bytes:
-    """A digest naming these weights, cheap even for a 100+ GB checkpoint.
-
-    Covers config.json, every safetensors file's header (names, dtypes, shapes, offsets) and the
-    first and last MiB of its data. Used in the prefix cache's salt, so that cached KV is never
-    reused across different weights.
-    """
-    folder = Path(folder)
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            digest.update(path.name.encode() + f.read(header_len))
-            data_start = 8 + header_len
-            f.seek(data_start)
-            digest.update(f.read(_FINGERPRINT_BYTES))
-            f.seek(max(data_start, size - _FINGERPRINT_BYTES))
-            digest.update(f.read(_FINGERPRINT_BYTES))
-    return digest.digest()
-
-
-_FINGERPRINT_BYTES = 1 << 20

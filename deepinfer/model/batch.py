@@ -1,20 +1,37 @@
-"""ForwardBatch: one step's inputs as the model sees them.
+"""ForwardBatch: one step's inputs as every model family sees them.
 
-    Request -> ScheduledRequest (scheduler, CPU) -> ForwardBatch (executor -> model, device)
+    Request -> ScheduledRequest (scheduler, CPU) -> ForwardBatch (engine -> model, device)
 
 The batch is flat: every request's tokens of this step are concatenated, in scheduling order.
+A step's host arrays travel to the device in one int64 copy (``flatten``) and come back as
+views of it (``split_flat``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from deepinfer.engine.attention_metadata import StepMetadata
-    from deepinfer.scheduler.output import ScheduledRequest
+
+class Scheduled(Protocol):
+    """What a span needs of one scheduled request (the scheduler's ScheduledRequest)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def start_pos(self) -> int: ...
+    @property
+    def state_slot(self) -> int: ...
+    @property
+    def block_table(self) -> Sequence[int]: ...
+    @property
+    def window_floor(self) -> int: ...
+    @property
+    def num_protected_tokens(self) -> int: ...
 
 
 @dataclass
@@ -40,7 +57,7 @@ class SeqSpan:
         return self.start_pos + self.num_tokens
 
     @classmethod
-    def of(cls, offset: int, sched: ScheduledRequest) -> SeqSpan:
+    def of(cls, offset: int, sched: Scheduled) -> SeqSpan:
         """A scheduled request's span, its first token at row ``offset`` of the batch."""
         return cls(
             offset,
@@ -59,8 +76,8 @@ class ForwardBatch:
 
     input_ids, positions: [T] int64. logits_indices: [N] int64 rows whose logits are computed.
     ``rope``: cos/sin [T, rope_dim / 2] fp32 per rope kind ("main", "compress"), set by the model.
-    ``metadata``: the step's index plans (attention_metadata.py); the model builds them when the
-    executor has not.
+    ``metadata``: the step's index plans, in the model family's own type (DeepSeek-V4:
+    ``deepseek_v4/step_plan.py``); the model builds them when the engine has not.
     """
 
     input_ids: torch.Tensor
@@ -68,8 +85,22 @@ class ForwardBatch:
     seqs: list[SeqSpan]
     logits_indices: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    metadata: StepMetadata | None = None
+    metadata: Any = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
+    """A step's host arrays as one int64 array, in the dict's order (one copy to the device)."""
+    return np.concatenate([a.ravel() for a in host.values()], dtype=np.int64)
+
+
+def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` (as ``flatten`` laid it out) shaped like the host arrays."""
+    out, at = {}, 0
+    for name, array in host.items():
+        out[name] = flat[at : at + array.size].view(array.shape)
+        at += array.size
+    return out

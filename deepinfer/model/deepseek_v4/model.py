@@ -1,8 +1,8 @@
 """DeepSeek-V4, as the paper and the upstream reference write it, on paged KV caches.
 
 Parameter names are the upstream checkpoint's (``layers.3.attn.wq_a.weight``), except that
-routed experts are stacked per layer (``ffn.experts.w1`` [E, I, D]); ``deepinfer.model.loader``
-maps every naming onto these. Shapes: T = tokens in the flat batch, D = hidden size,
+routed experts are stacked per layer (``ffn.experts.w1`` [E, I, D]); ``checkpoint.py`` maps every
+naming onto these. Shapes: T = tokens in the flat batch, D = hidden size,
 H = attention heads, hd = head dim, hc = hyper-connection streams.
 
 Per layer:  x [T, hc, D] --hc_pre--> attn_norm -> Attention --hc_post--> x
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.engine.attention_metadata import build_metadata
-from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.kv_cache.pool import KVCache
-from deepinfer.model.compressor import Compressor, Indexer
-from deepinfer.model.config import CSA, HASH_MOE, SLIDING, ModelArgs
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
+from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer
+from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.moe.torch_ref import swiglu
@@ -67,12 +67,12 @@ class Attention(nn.Module):
         kv = norm.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
-        ring = cache.window_ring[self.layer_id].flatten(0, 1)  # [slots * ring, hd]
+        ring = cache[self.layer_id, "ring"].flatten(0, 1)  # [slots * ring, hd]
         # Keys: this step's window rows, earlier window rows from the ring, compressed entries.
         sources = [(kv, meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
-            pool = cache.compressed_kv[self.layer_id].flatten(0, 1)  # [blocks * per block, hd]
-            state = cache.compressor_state[self.layer_id, "comp"]
+            pool = cache[self.layer_id, "entries"].flatten(0, 1)  # [blocks * per block, hd]
+            state = CompressorState.of(cache, self.layer_id, "comp")
             self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq)
             if self.layer_type == CSA:
                 entries = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq)
@@ -222,7 +222,7 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
         if batch.metadata is None:
-            batch.metadata = build_metadata(batch, cache.geometry)
+            batch.metadata = build_metadata(batch, CacheGeometry.of(self.args, cache))
         batch.metadata.derive_entry_lists()
         batch.rope = {
             "main": rope_cos_sin(batch.positions, self.main_inv_freq),

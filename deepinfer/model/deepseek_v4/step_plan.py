@@ -15,7 +15,8 @@ block_size / m entries per block)::
     ring             [S * R, hd]     row slot * R + position % R
     entry pool       [blocks * pb, d] row block * pb + entry % pb   (entry e of a request lives in
                                      block_table[e // pb])
-    compressor buf   [S * (m-1), w]  row slot * (m-1) + i: the open window's i-th raw token
+    compressor buf   [S * b, w]      row slot * b + i: the open window's i-th raw token
+                                     (b = m - 1 + max_draft; compress_plan.py)
 """
 
 from __future__ import annotations
@@ -25,42 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
-
-
-@dataclass
-class CompressPlan:
-    """One compression ratio's work in this step (shared by every compressor with that ratio).
-
-    The compressor gathers ``src = cat(buf[buf_rows], step rows)`` [nbuf + T, w], then:
-    window_rows [W, m]: rows of src forming each window closed this step (batch order);
-    window_ids [W]: each window's index in its request (its entry id; rope position id * m);
-    prev_slots [R']: slot of each request that closes a window (their overlap state is read);
-    prev_dst [R']: where the new overlap state goes (the same slots; scratch for a candidate);
-    prev_src [W]: overlap (ratio 4) source of each window's previous-window half: i < R' is
-    prev state row i, R' + g is window g of this step; has_prev [W]: False for a request's
-    window 0 (zero kv, -inf gate); last_window [R']: each such request's last closed window
-    (its Ca half becomes the slot's new overlap state); keep_windows / entry_dst: windows whose
-    entries are written (not in shared prefix-cache blocks) and their entry-pool rows;
-    left_src / left_dst: tokens of still-open windows, src rows -> buf rows.
-    """
-
-    buf_rows: torch.Tensor
-    window_rows: torch.Tensor
-    window_ids: torch.Tensor
-    prev_slots: torch.Tensor
-    prev_src: torch.Tensor
-    has_prev: torch.Tensor
-    prev_dst: torch.Tensor
-    last_window: torch.Tensor
-    keep_windows: torch.Tensor
-    entry_dst: torch.Tensor
-    left_src: torch.Tensor
-    left_dst: torch.Tensor
-
-    @property
-    def num_windows(self) -> int:
-        return self.window_rows.shape[0]
+from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
+from deepinfer.model.deepseek_v4.compress_plan import (
+    CompressPlan,
+    compress_plan,
+    decode_compress_plan,
+)
+from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry, Requests
 
 
 @dataclass
@@ -104,20 +76,6 @@ class StepMetadata:
             if m in self.dense_ratios:
                 visible = ids.unsqueeze(0) < self.num_visible[m].unsqueeze(1)  # [T, N]
                 self.visible_idx[m] = torch.where(visible, rows[self.token_req], -1)
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What the plans need to know about the cache: sizes of the flat views above, and the
-    scratch slot and block that padded requests and discarded writes of graphed steps use."""
-
-    window: int
-    ring_size: int
-    block_size: int
-    ratios: tuple[int, ...]
-    dense_ratios: tuple[int, ...] = ()  # ratios of layers attending to every entry (HCA)
-    scratch_slot: int = -1
-    scratch_block: int = -1
 
 
 def build_metadata(batch: ForwardBatch, geometry: CacheGeometry) -> StepMetadata:
@@ -178,7 +136,7 @@ def plan_step(
     """
     # Graphed decode: the block table's width is fixed by the context bound as well.
     table_width = 0 if decode_context is None else -(-decode_context // geometry.block_size)
-    reqs = _Requests.of(seqs, table_width)
+    reqs = Requests.of(seqs, table_width)
     win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry)
     host: dict[str, np.ndarray] = {
         "token_req": reqs.token_req,
@@ -195,85 +153,12 @@ def plan_step(
         host[f"entry_ids{ratio}"] = np.arange(max(width, 1))
         host[f"num_visible{ratio}"] = (reqs.positions + 1) // ratio
         if decode_context is None:
-            plan = _compress_plan(reqs, geometry, ratio)
+            plan = compress_plan(reqs, geometry, ratio)
         else:
-            plan = _decode_compress_plan(reqs, geometry, ratio)
+            plan = decode_compress_plan(reqs, geometry, ratio)
         for name, value in plan.items():
             host[f"c{ratio}.{name}"] = value
     return host
-
-
-@dataclass
-class _Requests:
-    """The step's requests as arrays (host): per request [B], per token [T] (batch order), and
-    the block tables padded with block 0 [B, most blocks]."""
-
-    start: np.ndarray
-    num_tokens: np.ndarray
-    offset: np.ndarray
-    slot: np.ndarray
-    floor: np.ndarray
-    protected: np.ndarray
-    table: np.ndarray
-    token_req: np.ndarray
-    positions: np.ndarray
-
-    @classmethod
-    def of(cls, seqs: list[SeqSpan], table_width: int = 0) -> _Requests:
-        """``table_width`` (graphed decode): exactly this many block-table columns, the blocks
-        of positions under the context bound; else as many as the longest table."""
-
-        def ints(values: list[int]) -> np.ndarray:
-            return np.asarray(values, dtype=np.int64)
-
-        num_tokens = ints([s.num_tokens for s in seqs])
-        width = table_width or max(max(len(s.block_ids) for s in seqs), 1)
-        table = np.zeros((len(seqs), width), np.int64)
-        for b, seq in enumerate(seqs):
-            ids = seq.block_ids[:width]
-            table[b, : len(ids)] = ids
-        start, offset = ints([s.start_pos for s in seqs]), ints([s.offset for s in seqs])
-        token_req = np.repeat(np.arange(len(seqs)), num_tokens)
-        local = np.arange(token_req.shape[0]) - np.repeat(_starts(num_tokens), num_tokens)
-        assert np.array_equal(offset, _starts(num_tokens)), "requests must tile the batch in order"
-        return cls(
-            start=start,
-            num_tokens=num_tokens,
-            offset=offset,
-            slot=ints([s.slot for s in seqs]),
-            floor=ints([max(s.window_floor, 0) for s in seqs]),
-            protected=ints([s.num_protected for s in seqs]),
-            table=table,
-            token_req=token_req,
-            positions=start[token_req] + local,
-        )
-
-    @property
-    def end(self) -> np.ndarray:
-        return self.start + self.num_tokens
-
-    def entry_rows(self, req: np.ndarray, entries: np.ndarray, per_block: int) -> np.ndarray:
-        """Entry-pool rows of entries ``entries`` of requests ``req`` (same shapes)."""
-        blocks = self.table[req, np.minimum(entries // per_block, self.table.shape[1] - 1)]
-        return blocks * per_block + entries % per_block
-
-
-def _starts(counts: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums: where each run of ``counts`` starts."""
-    return np.cumsum(counts) - counts
-
-
-def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
-    return np.concatenate([a.ravel() for a in host.values()], dtype=np.int64)
-
-
-def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Views of ``flat`` (as ``flatten`` laid it out) shaped like the host arrays."""
-    out, at = {}, 0
-    for name, array in host.items():
-        out[name] = flat[at : at + array.size].view(array.shape)
-        at += array.size
-    return out
 
 
 def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> StepMetadata:
@@ -313,7 +198,7 @@ _PLAN_FIELDS = (
 
 
 def _window_plan(
-    reqs: _Requests, geometry: CacheGeometry
+    reqs: Requests, geometry: CacheGeometry
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
     from this step's rows when the key is new this step, else from the ring. After attention
@@ -337,77 +222,3 @@ def _window_plan(
         win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
     kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
     return win_step, win_ring, kept, reqs.slot[req[kept]] * ring + pos[kept] % ring
-
-
-def _compress_plan(reqs: _Requests, geometry: CacheGeometry, ratio: int) -> dict[str, np.ndarray]:
-    """The general plan (any chunk lengths); see CompressPlan for the fields."""
-    m, per_block = ratio, geometry.block_size // ratio
-    buffered = reqs.start % m  # open-window tokens already in the slot
-    total = buffered + reqs.num_tokens
-    closed = total // m
-    # Each request's tokens from its open window's start, as rows of src = cat(buf, step rows).
-    r = np.repeat(np.arange(total.shape[0]), total)
-    i = np.arange(r.shape[0]) - np.repeat(_starts(total), total)
-    from_buf = i < buffered[r]
-    num_bufs = int(buffered.sum())
-    src = np.where(
-        from_buf,
-        np.repeat(_starts(buffered), total) + i,
-        num_bufs + reqs.offset[r] + i - buffered[r],
-    )
-    in_window = i < closed[r] * m
-    # Windows closed this step, in batch order: request wr, index w within the request's.
-    wr = np.repeat(np.arange(closed.shape[0]), closed)
-    g = np.arange(wr.shape[0])
-    w = g - np.repeat(_starts(closed), closed)
-    ids = reqs.start[wr] // m + w
-    closers = np.flatnonzero(closed)
-    closer_index = np.cumsum(closed > 0) - 1
-    keep = ids >= -(-reqs.protected[wr] // m)  # entries in shared prefix blocks are not rewritten
-    left = ~in_window
-    return {
-        "buf_rows": (reqs.slot[r] * (m - 1) + i)[from_buf],
-        "window_rows": src[in_window].reshape(-1, m),
-        "window_ids": ids,
-        "prev_slots": reqs.slot[closers],
-        "prev_src": np.where(w == 0, closer_index[wr], closers.shape[0] + g - 1),
-        "has_prev": ids > 0,
-        "prev_dst": reqs.slot[closers],
-        "last_window": np.cumsum(closed)[closers] - 1,
-        "keep_windows": g[keep],
-        "entry_dst": reqs.entry_rows(wr[keep], ids[keep], per_block),
-        "left_src": src[left],
-        "left_dst": (reqs.slot[r] * (m - 1) + i - closed[r] * m)[left],
-    }
-
-
-def _decode_compress_plan(
-    reqs: _Requests, geometry: CacheGeometry, ratio: int
-) -> dict[str, np.ndarray]:
-    """One token per request, shapes fixed by the number of requests: request i's candidate
-    window is its slot's m - 1 buffered rows and its token. It closes when the token is the
-    window's last (position % m == m - 1); otherwise its entry and its overlap state go to the
-    scratch rows and the token joins the buffer."""
-    m, per_block = ratio, geometry.block_size // ratio
-    assert (reqs.num_tokens == 1).all(), "the decode plan takes one token per request"
-    num = reqs.start.shape[0]
-    slots, pos, offsets = reqs.slot, reqs.start, reqs.offset
-    closes = pos % m == m - 1
-    ids = pos // m
-    protected = ids < -(-reqs.protected // m)
-    own_entry = reqs.entry_rows(np.arange(num), ids, per_block)
-    buffered = np.arange(num)[:, None] * (m - 1) + np.arange(m - 1)  # [B, m - 1] rows of src
-    return {
-        "buf_rows": (slots[:, None] * (m - 1) + np.arange(m - 1)[None, :]).ravel(),
-        "window_rows": np.concatenate([buffered, num * (m - 1) + offsets[:, None]], axis=1),
-        "window_ids": ids,
-        "prev_slots": slots,
-        "prev_src": np.arange(num),
-        "has_prev": ids > 0,
-        "prev_dst": np.where(closes, slots, geometry.scratch_slot),
-        "last_window": np.arange(num),
-        "keep_windows": np.arange(num),
-        "entry_dst": np.where(closes & ~protected, own_entry, geometry.scratch_block * per_block),
-        "left_src": num * (m - 1) + offsets,
-        "left_dst": np.where(closes, geometry.scratch_slot * (m - 1), slots * (m - 1) + pos % m),
-    }

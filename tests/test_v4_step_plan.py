@@ -8,13 +8,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from deepinfer.engine.attention_metadata import (
+from deepinfer.model.batch import ForwardBatch, SeqSpan
+from deepinfer.model.deepseek_v4.step_plan import (
     CacheGeometry,
     StepMetadata,
     build_metadata,
     plan_step,
 )
-from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 
 # Window 8, ring 12 (margin 4), blocks of 16 tokens: 4 CSA entries or 1 HCA entry per block.
 GEOMETRY = CacheGeometry(window=8, ring_size=12, block_size=16, ratios=(4, 16), dense_ratios=(16,))

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deepinfer.model.config import CSA, HASH_MOE, HCA, ModelArgs
+from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, ModelArgs
 
 # transformers name (after ``model.`` and ``layers.{i}.``) -> upstream name.
 _HF_LAYER_NAMES = {

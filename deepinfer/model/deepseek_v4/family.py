@@ -1,0 +1,99 @@
+"""DeepSeek-V4 as the engine sees it (``deepinfer/model/family.py``'s ``ModelFamily``).
+
+The package's rooms: ``args`` (config.json, torch-free), ``model`` (the blocks), ``compressor``
+(the compressors and the Lightning indexer), ``cache`` (the cache spec), ``step_plan`` /
+``compress_plan`` / ``plan_inputs`` (the host index plans of a step), ``weights`` (parameter
+names and shapes), ``checkpoint`` (the loader), ``tiny`` (the built-in tiny checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.kv_cache.spec import CacheSpec
+from deepinfer.model.batch import ForwardBatch, SeqSpan
+from deepinfer.model.deepseek_v4 import cache, step_plan, tiny
+from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.checkpoint import fp8_block, load_checkpoint
+from deepinfer.model.deepseek_v4.model import DeepseekV4
+from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
+from deepinfer.ops import Kernels
+
+
+class DeepseekV4Family:
+    model_type = "deepseek_v4"
+
+    def parse_args(self, config: dict[str, Any]) -> ModelArgs:
+        return ModelArgs.from_dict(config)
+
+    def build_model(self, args: ModelArgs, kernels: Kernels) -> DeepseekV4:
+        return DeepseekV4(args, kernels)
+
+    def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
+        return fp8_block(args)
+
+    def load_weights(
+        self,
+        model_dir: Path,
+        args: ModelArgs,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        keep_fp8: bool,
+    ) -> dict[str, torch.Tensor]:
+        return load_checkpoint(model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8)
+
+    def random_weights(
+        self,
+        args: ModelArgs,
+        seed: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        fp8_block: tuple[int, int] | None,
+    ) -> dict[str, torch.Tensor]:
+        return tiny.random_weights(args, seed, device, dtype, fp8_block=fp8_block)
+
+    def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
+        tiny.write_tiny_checkpoint(folder, seed)
+
+    def cache_spec(
+        self, args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int
+    ) -> CacheSpec:
+        return cache.cache_spec(
+            args, block_size=block_size, ring_margin=ring_margin, max_draft=max_draft
+        )
+
+    def geometry(self, args: ModelArgs, cache: KVCache) -> CacheGeometry:
+        return CacheGeometry.of(args, cache)
+
+    def step_arrays(
+        self,
+        seqs: list[SeqSpan],
+        token_ids: list[int],
+        logits_indices: list[int],
+        geometry: CacheGeometry,
+        decode_context: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        return step_plan.step_arrays(seqs, token_ids, logits_indices, geometry, decode_context)
+
+    def batch_views(
+        self,
+        flat: torch.Tensor,
+        host: dict[str, np.ndarray],
+        seqs: list[SeqSpan],
+        geometry: CacheGeometry,
+    ) -> ForwardBatch:
+        return step_plan.batch_views(flat, host, seqs, geometry)
+
+    def replay_tokens(self, args: ModelArgs) -> int:
+        """The sliding-window receptive field of the whole stack, num_layers * (window - 1)."""
+        return args.num_layers * (args.sliding_window - 1)
+
+
+FAMILY = DeepseekV4Family()

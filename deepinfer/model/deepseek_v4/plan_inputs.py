@@ -1,0 +1,110 @@
+"""What every DeepSeek-V4 step plan starts from: the step's requests as host arrays, and the
+cache's geometry (the sizes of the flat views the plans address)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.model.batch import SeqSpan
+from deepinfer.model.deepseek_v4.args import HCA, ModelArgs
+from deepinfer.model.deepseek_v4.cache import ring_size
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What the plans need to know about the cache: sizes of the flat views above, and the
+    scratch slot and block that padded requests and discarded writes of graphed steps use."""
+
+    window: int
+    ring_size: int
+    block_size: int
+    ratios: tuple[int, ...]
+    dense_ratios: tuple[int, ...] = ()  # ratios of layers attending to every entry (HCA)
+    scratch_slot: int = -1
+    scratch_block: int = -1
+    max_draft: int = 0  # draft tokens the compressor buffers keep room for
+
+    @classmethod
+    def of(cls, args: ModelArgs, cache: KVCache) -> CacheGeometry:
+        """The geometry of ``cache`` (built from ``cache_spec(args, ...)``)."""
+        spec = cache.spec
+        ratios = tuple(sorted({r for r in args.compress_ratios if r}))
+        pairs = zip(args.compress_ratios, args.layer_types, strict=True)
+        dense = {r for r, t in pairs if t == HCA}
+        return cls(
+            args.sliding_window,
+            ring_size(args, spec.ring_margin),
+            spec.block_size,
+            ratios,
+            dense_ratios=tuple(sorted(dense)),
+            scratch_slot=cache.scratch_slot,
+            scratch_block=cache.scratch_block,
+            max_draft=spec.max_draft,
+        )
+
+    def buffer_rows(self, ratio: int) -> int:
+        """Rows of a compressor's open-window buffer per slot (cache.py)."""
+        return ratio - 1 + self.max_draft
+
+
+@dataclass
+class Requests:
+    """The step's requests as arrays (host): per request [B], per token [T] (batch order), and
+    the block tables padded with block 0 [B, most blocks]."""
+
+    start: np.ndarray
+    num_tokens: np.ndarray
+    offset: np.ndarray
+    slot: np.ndarray
+    floor: np.ndarray
+    protected: np.ndarray
+    table: np.ndarray
+    token_req: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, seqs: list[SeqSpan], table_width: int = 0) -> Requests:
+        """``table_width`` (graphed decode): exactly this many block-table columns, the blocks
+        of positions under the context bound; else as many as the longest table."""
+
+        def ints(values: list[int]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)
+
+        num_tokens = ints([s.num_tokens for s in seqs])
+        width = table_width or max(max(len(s.block_ids) for s in seqs), 1)
+        table = np.zeros((len(seqs), width), np.int64)
+        for b, seq in enumerate(seqs):
+            ids = seq.block_ids[:width]
+            table[b, : len(ids)] = ids
+        start, offset = ints([s.start_pos for s in seqs]), ints([s.offset for s in seqs])
+        token_req = np.repeat(np.arange(len(seqs)), num_tokens)
+        local = np.arange(token_req.shape[0]) - np.repeat(starts(num_tokens), num_tokens)
+        assert np.array_equal(offset, starts(num_tokens)), "requests must tile the batch in order"
+        return cls(
+            start=start,
+            num_tokens=num_tokens,
+            offset=offset,
+            slot=ints([s.slot for s in seqs]),
+            floor=ints([max(s.window_floor, 0) for s in seqs]),
+            protected=ints([s.num_protected for s in seqs]),
+            table=table,
+            token_req=token_req,
+            positions=start[token_req] + local,
+        )
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.num_tokens
+
+    def entry_rows(self, req: np.ndarray, entries: np.ndarray, per_block: int) -> np.ndarray:
+        """Entry-pool rows of entries ``entries`` of requests ``req`` (same shapes)."""
+        blocks = self.table[req, np.minimum(entries // per_block, self.table.shape[1] - 1)]
+        return blocks * per_block + entries % per_block
+
+
+def starts(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each run of ``counts`` starts."""
+    return np.cumsum(counts) - counts

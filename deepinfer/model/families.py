@@ -1,0 +1,107 @@
+"""The model families, by the ``model_type`` of a checkpoint's ``config.json`` (torch-free).
+
+Each row names what the coordinator needs without torch (the prompt encoding of deepseek-recipe,
+the cache salt's format tag, the architecture parser that gives the block-size rule) and the
+package the engine loads the rest from (``family.py``'s ``ModelFamily``: build the model, plan a
+step, describe the cache). Adding a family is adding its package and a row here.
+
+    model_type      package (torch side)                       recipe version / encoding
+    deepseek_v4     deepinfer.model.deepseek_v4.family         DeepseekV4Pro / DeepseekV4Encoding
+    deepseek_v41    (no engine package yet: coordinator only)  DeepseekV41Flash / ...V41Encoding
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer.model.family import ModelFamily
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """One row of the table. ``args``: the module whose ``ModelArgs.from_dict`` parses the
+    config (torch-free); ``package``: the module whose ``FAMILY`` is the engine's interface
+    (None: served by no engine here). ``cache_format``: the tag in the prefix cache's salt,
+    bumped whenever the cached bytes' layout changes."""
+
+    model_type: str
+    recipe_version: str  # a deepseek-recipe ModelVersion member
+    recipe_encoding: str  # a deepseek-recipe encoding class
+    args: str | None
+    package: str | None
+    cache_format: str
+
+
+FAMILIES: dict[str, FamilyInfo] = {
+    info.model_type: info
+    for info in (
+        FamilyInfo(
+            model_type="deepseek_v4",
+            recipe_version="DeepseekV4Pro",
+            recipe_encoding="DeepseekV4Encoding",
+            args="deepinfer.model.deepseek_v4.args",
+            package="deepinfer.model.deepseek_v4.family",
+            cache_format="kv-v1",
+        ),
+        FamilyInfo(
+            model_type="deepseek_v41",
+            recipe_version="DeepseekV41Flash",
+            recipe_encoding="DeepseekV41Encoding",
+            args=None,
+            package=None,
+            cache_format="kv-v41-1",
+        ),
+    )
+}
+
+DEFAULT_MODEL_TYPE = "deepseek_v4"
+
+
+def family_info(model_type: str) -> FamilyInfo:
+    info = FAMILIES.get(model_type)
+    if info is None:
+        raise ValueError(f"config: model_type {model_type!r} is not supported ({_names()})")
+    return info
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """``config.json`` of a checkpoint folder (or the file itself)."""
+    path = Path(model_dir)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json at {path}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def model_type_of(config: dict[str, Any]) -> str:
+    return str(config.get("model_type", DEFAULT_MODEL_TYPE))
+
+
+def parse_args(config: dict[str, Any]) -> Any:
+    """The family's architecture arguments from a parsed ``config.json`` (torch-free)."""
+    info = family_info(model_type_of(config))
+    if info.args is None:
+        raise ValueError(f"config: model_type {info.model_type!r} is not supported by the engine")
+    return importlib.import_module(info.args).ModelArgs.from_dict(config)
+
+
+def load_args(model_dir: str | Path) -> Any:
+    return parse_args(read_config(model_dir))
+
+
+def load_family(model_type: str) -> ModelFamily:
+    """The engine's interface to ``model_type`` (imports its package, and torch)."""
+    info = family_info(model_type)
+    if info.package is None:
+        raise ValueError(f"config: model_type {model_type!r} is not supported by the engine")
+    return importlib.import_module(info.package).FAMILY
+
+
+def _names() -> str:
+    return ", ".join(name for name, info in FAMILIES.items() if info.package)

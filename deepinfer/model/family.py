@@ -1,0 +1,96 @@
+"""What the engine knows of a model family: build the model, plan a step, describe the cache.
+
+    families.py (model_type -> package) -> package.FAMILY: ModelFamily
+        parse the config        -> args (vocab_size, eos_token_id, max_position_embeddings, ...)
+        load or draw weights    -> a state dict in the model's names
+        build_model(args, ...)  -> nn.Module: forward(ForwardBatch, KVCache) -> logits [N, V] fp32
+        cache_spec(args, ...)   -> CacheSpec (sizing, pools and payloads all enumerate its parts)
+        geometry(args, cache)   -> the family's plan context for that cache
+        step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
+
+Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
+graphed decode step passes ``decode_context``, and the family must then give arrays whose shapes
+depend only on the number of requests and that bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.kv_cache.spec import CacheSpec
+from deepinfer.model.batch import ForwardBatch, SeqSpan
+from deepinfer.ops import Kernels
+
+
+class ModelFamily(Protocol):
+    model_type: str
+
+    def parse_args(self, config: dict[str, Any]) -> Any: ...
+
+    def build_model(self, args: Any, kernels: Kernels) -> nn.Module:
+        """The model with empty parameters (call it under ``torch.device("meta")``)."""
+        ...
+
+    def fp8_block(self, args: Any) -> tuple[int, int]:
+        """Rows and columns of a weight that share one FP8 scale."""
+        ...
+
+    def load_weights(
+        self,
+        model_dir: Path,
+        args: Any,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        keep_fp8: bool,
+    ) -> dict[str, torch.Tensor]: ...
+
+    def random_weights(
+        self,
+        args: Any,
+        seed: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        fp8_block: tuple[int, int] | None,
+    ) -> dict[str, torch.Tensor]: ...
+
+    def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
+        """``config.json`` and the weights of the built-in tiny checkpoint."""
+        ...
+
+    def cache_spec(
+        self, args: Any, *, block_size: int, ring_margin: int, max_draft: int
+    ) -> CacheSpec: ...
+
+    def geometry(self, args: Any, cache: KVCache) -> Any: ...
+
+    def step_arrays(
+        self,
+        seqs: list[SeqSpan],
+        token_ids: list[int],
+        logits_indices: list[int],
+        geometry: Any,
+        decode_context: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Host int64 arrays by name: ``input_ids``, ``positions``, ``logits_indices``, then
+        the family's plans."""
+        ...
+
+    def batch_views(
+        self, flat: torch.Tensor, host: dict[str, np.ndarray], seqs: list[SeqSpan], geometry: Any
+    ) -> ForwardBatch:
+        """The batch over ``flat`` (``step_arrays`` uploaded): views only, so that a CUDA graph's
+        replays read whatever was copied in last."""
+        ...
+
+    def replay_tokens(self, args: Any) -> int:
+        """Tokens to recompute on a prefix hit without a snapshot (the receptive field of the
+        state that is not paged)."""
+        ...
