@@ -4,14 +4,15 @@
 # (/tmp/deepinfer-src/deepinfer: links laid out as pyproject's package-dir says). Run python
 # with -P so that the repo root, whose deepinfer/ lacks scheduler/ops/server, does not shadow it.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# DEEPINFER_ROOT / DEEPINFER_TREE: another tree of the repo and its link tree (scripts/gpu_ab.sh).
+cd "${DEEPINFER_ROOT:-$(dirname "${BASH_SOURCE[0]}")/..}"
 ROOT="$PWD"
 OUT="${OUT:-/tmp/gpu_out}"
 export OUT
 mkdir -p "$OUT"
 LOG="$OUT/gpu_tests.log"
 SITE=/tmp/site
-TREE=/tmp/deepinfer-src
+TREE="${DEEPINFER_TREE:-/tmp/deepinfer-src}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
