@@ -70,9 +70,9 @@ def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                visit(child, False)
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if (
+                isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            ) or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 visit(child, False)
             elif isinstance(child, ast.Import):
                 found.extend((a.name, top) for a in child.names)

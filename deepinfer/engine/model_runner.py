@@ -31,7 +31,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
-from deepinfer.model.families import family_info, load_family
+from deepinfer.model.families import cache_salt, load_family
 from deepinfer.model.fingerprint import checkpoint_fingerprint
 from deepinfer.model.layers import use_fp8_linears
 from deepinfer.ops import select_kernels
@@ -299,8 +299,9 @@ class ModelRunner:
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
-        cache_format = family_info(self.family.model_type).cache_format
-        layout = f"{cache_format}:{self.dtype}:{self.kv_cache.spec.salt}"
+        layout = cache_salt(
+            self.family.model_type, dtype=str(self.dtype), layout=self.kv_cache.spec.salt
+        )
         if self.config.model.random_weights:
             layout += f":random-{self.config.model.tiny_model_seed}"
         if self.fp8_weights:

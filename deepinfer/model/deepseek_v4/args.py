@@ -8,6 +8,7 @@ Accepts transformers' keys (``layer_types``, ``mlp_layer_types``, ``compress_rat
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,11 @@ class ModelArgs:
 
     def compress_ratio(self, layer_id: int) -> int:
         return self.compress_ratios[layer_id]
+
+    @property
+    def block_multiple(self) -> int:
+        """What cache.block_size must be a multiple of: every compression ratio."""
+        return math.lcm(*(r for r in self.compress_ratios if r), 1)
 
     @property
     def hc_mix_size(self) -> int:

@@ -48,12 +48,12 @@ def cache_spec(
 ) -> CacheSpec:
     """The parts above. ``entry_format``: the compressed entries as packed rows (e.g. FP8 with
     in-row scales) instead of hd elements of the cache dtype."""
-    for ratio in {r for r in args.compress_ratios if r}:
-        if block_size % ratio:
-            raise ValueError(
-                f"cache.block_size={block_size} must be a multiple of every compression "
-                f"ratio of the model (got ratio {ratio})"
-            )
+    if block_size % args.block_multiple:
+        ratios = sorted({r for r in args.compress_ratios if r})
+        raise ValueError(
+            f"cache.block_size={block_size} must be a multiple of every compression "
+            f"ratio of the model (got ratios {ratios})"
+        )
     ring = ring_size(args, ring_margin)
     layers = list(enumerate(zip(args.layer_types, args.compress_ratios, strict=True)))
     entries: list[CachePart] = []
