@@ -27,6 +27,7 @@ from deepinfer.engine.attention_metadata import batch_views, flatten, step_array
 from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqSpan
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
+from deepinfer.engine.staging import PinnedStaging
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.config import ModelArgs
@@ -212,12 +213,9 @@ class ModelRunner:
 
     def _init_staging(self) -> None:
         """CUDA: a copy stream and a pinned host buffer for each step's index tensors."""
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._staging: torch.Tensor | None = None  # [capacity] int64, pinned
+        self._staging: PinnedStaging | None = None
         if self.device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(self.device)
-            # Recorded after each copy out of the staging buffer; waited on before refilling it.
-            self._staging_read = torch.cuda.Event()
+            self._staging = PinnedStaging(self.device, copy_stream=True)
 
     @property
     def _graph_batch(self) -> int:
@@ -517,27 +515,11 @@ class ModelRunner:
         return batch, sample_rows, prompt_rows
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """Host int64 [n] -> the same on the device.
-
-        CUDA: through the pinned staging buffer, copied on the copy stream; the compute (current)
-        stream waits for the copy, and the buffer is refilled only after the copy has read it.
-        """
-        if self._copy_stream is None:
+        """Host int64 [n] -> the same on the device (CUDA: through the pinned staging buffer, on
+        the copy stream, the compute stream waiting for it)."""
+        if self._staging is None:
             return torch.from_numpy(values).to(self.device)
-        n = values.shape[0]
-        self._staging_read.synchronize()
-        if self._staging is None or self._staging.numel() < n:
-            capacity = max(n, 2 * (0 if self._staging is None else self._staging.numel()))
-            self._staging = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-        host = self._staging[:n]
-        host.numpy()[:] = values
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            out = host.to(self.device, non_blocking=True)
-            self._staging_read.record()
-        compute.wait_stream(self._copy_stream)
-        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
-        return out
+        return self._staging.upload(values)
 
     def _prompt_logprobs(
         self,
