@@ -142,7 +142,7 @@ class KernelConfig:
     # CUDA: decode-only steps of up to this many requests replay captured graphs (0: never).
     cuda_graph_max_batch: int = 128
     # Batch-invariant results: each forward runs one token of one request (slow; see
-    # ModelRunner._forward_split and benchmarks/RESULTS.md for the cost).
+    # engine/deterministic.py (forward_split) and benchmarks/RESULTS.md for the cost).
     deterministic: bool = False
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from deepinfer.engine.planner import StepPlanner
+from deepinfer.engine.staging import PinnedStaging
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
 from deepinfer.scheduler.output import SchedulerOutput
@@ -83,8 +84,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         if capture:
             self._pool = torch.cuda.graph_pool_handle()
-            self._staging = torch.empty(0, dtype=torch.int64, pin_memory=True)
-            self._staging_read = torch.cuda.Event()
+            self._staging = PinnedStaging(self.device)
             # Every graph's logits, [max_batch, V] fp32: one buffer instead of one per graph.
             vocab_size = model.args.vocab_size
             self._logits = torch.empty(self.max_batch, vocab_size, device=self.device)
@@ -140,7 +140,7 @@ class DecodeGraphs:
                     context,
                 )
             graph = self._capture(bucket, context)
-        self._copy_in(flatten(host), graph.inputs)
+        self._staging.copy_into(flatten(host), graph.inputs)
         if fill_placeholders is not None:
             fill_placeholders(graph.batch.input_ids)
         graph.graph.replay()
@@ -251,15 +251,3 @@ class DecodeGraphs:
 
     def _batch(self, inputs: torch.Tensor, host: dict[str, np.ndarray]) -> ForwardBatch:
         return self.planner.views(inputs, host, [])
-
-    def _copy_in(self, flat: np.ndarray, inputs: torch.Tensor) -> None:
-        """Host plan -> the graph's input buffer, through a pinned buffer refilled only after
-        the previous copy has read it."""
-        assert flat.shape[0] == inputs.numel(), f"plan of {flat.shape[0]} != {inputs.numel()}"
-        self._staging_read.synchronize()
-        if self._staging.numel() < flat.shape[0]:
-            self._staging = torch.empty(flat.shape[0], dtype=torch.int64, pin_memory=True)
-        host = self._staging[: flat.shape[0]]
-        host.numpy()[:] = flat
-        inputs.copy_(host, non_blocking=True)
-        self._staging_read.record()

@@ -1,43 +1,45 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass, logits, samples and logprobs.
 
-SchedulerOutput (CPU) -> ForwardBatch (device) -> the family's model -> logits -> sampler
+SchedulerOutput (CPU) -> tier moves (tier_io.py) -> ForwardBatch (device; staging.py on CUDA)
+-> the model: eager, a decode graph (cuda_graphs.py) or one token per forward (deterministic.py)
+-> logits -> prompt logprobs, sampler (step_outputs.py) -> LaunchedStep
 -> ModelRunnerOutput (host values) -> Scheduler.update()
 
-Device memory is sized in ``deepinfer.engine.memory`` (CUDA) or by cache.memory_budget_gib (CPU).
+At start: the weights (weights_loading.py), the KV cache (sized here: device memory in
+``deepinfer.engine.memory`` on CUDA, cache.memory_budget_gib on CPU), then on CUDA the decode
+graphs and the eager step shapes (warm_up.py), before the node reports ready.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from deepinfer.config import Config
-from deepinfer.constraints.matcher import allowed_token_mask
-from deepinfer.device import resolve_device, resolve_dtype, to_device
+from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.engine.deterministic import deterministic_rows, forward_split
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
 from deepinfer.engine.planner import StepPlanner
+from deepinfer.engine.staging import PinnedStaging
+from deepinfer.engine.step_outputs import LastSamples, LaunchedStep, prompt_logprobs, sample
+from deepinfer.engine.tier_io import move_between_tiers
+from deepinfer.engine.warm_up import warm_up_eager
+from deepinfer.engine.weights_loading import cache_salt, load_model
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
-from deepinfer.model.families import cache_salt, load_family
-from deepinfer.model.fingerprint import checkpoint_fingerprint
-from deepinfer.model.layers import use_fp8_linears
+from deepinfer.model.families import cache_salt as cache_format_salt
+from deepinfer.model.families import load_family
 from deepinfer.ops import select_kernels
-from deepinfer.ops.sampling import SamplerOutput
 from deepinfer.scheduler.output import (
-    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -71,9 +73,7 @@ class ModelRunner:
         self.generator.seed()
         # The host/disk tiers of the KV cache (set by the engine when configured).
         self.tiers: KVTiers | None = None
-        # The last launch's sampled ids [R] on the device, and each request's row in them: what
-        # the next launch's placeholders stand for.
-        self._last_samples: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._last_samples = LastSamples(self.device)  # what the next launch's placeholders are
 
     def _init_threads(self) -> None:
         if self.config.kernel.num_threads > 0:
@@ -87,40 +87,17 @@ class ModelRunner:
             logger.info("float32 on CUDA: TF32 off for matmuls and cuDNN (IEEE float32)")
 
     def _init_model(self, model_dir: Path) -> None:
-        start = time.perf_counter()
-        keep_fp8 = self.config.model.fp8_weights and self.device.type == "cuda"
-        self.fp8_weights = keep_fp8  # other activations: part of the prefix cache's salt
-        if self.config.model.fp8_weights and not keep_fp8:
-            logger.warning("model.fp8_weights needs CUDA: dequantizing on %s", self.device)
-        family = self.family
-        block = family.fp8_block(self.args)
-        if self.config.model.random_weights:
-            seed = self.config.model.tiny_model_seed
-            logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
-            weights = family.random_weights(
-                self.args, seed, self.device, self.dtype, fp8_block=block if keep_fp8 else None
-            )
-        else:
-            weights = family.load_weights(
-                model_dir, self.args, device=self.device, dtype=self.dtype, keep_fp8=keep_fp8
-            )
-        with torch.device("meta"):
-            model = family.build_model(self.args, self.kernels)
-            num_fp8 = use_fp8_linears(model, weights, block, self.kernels.linear)
-        if keep_fp8:
-            logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
-        model.load_state_dict(weights, strict=True, assign=True)
-        model.init_rope(self.device)
-        self.model = model.eval()
-        num_params = sum(p.numel() for p in model.parameters())
-        logger.info(
-            "model: %s, %.1f M parameters, %s on %s, loaded in %.1f s",
+        loaded = load_model(
+            self.config.model,
+            self.family,
             model_dir,
-            num_params / 1e6,
-            str(self.dtype).removeprefix("torch."),
+            self.args,
+            self.kernels,
             self.device,
-            time.perf_counter() - start,
+            self.dtype,
         )
+        self.model = loaded.model
+        self.fp8_weights = loaded.fp8_weights  # FP8 weights change activations: in the salt
 
     def _init_kv_cache(self) -> None:
         cache = self.config.cache
@@ -222,12 +199,9 @@ class ModelRunner:
 
     def _init_staging(self) -> None:
         """CUDA: a copy stream and a pinned host buffer for each step's index tensors."""
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._staging: torch.Tensor | None = None  # [capacity] int64, pinned
+        self._staging: PinnedStaging | None = None
         if self.device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(self.device)
-            # Recorded after each copy out of the staging buffer; waited on before refilling it.
-            self._staging_read = torch.cuda.Event()
+            self._staging = PinnedStaging(self.device, copy_stream=True)
 
     @property
     def _graph_batch(self) -> int:
@@ -248,65 +222,20 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def _warm_up_eager(self) -> None:
-        """CUDA: run the eager (prefill and mixed) step shapes once at start-up, on the cache's
-        scratch slot and block, so that the kernels' first compilations (Triton JIT, a second
-        or more each, per tile class and alignment) happen before the node reports ready rather
-        than inside the first requests' steps."""
-        if self.device.type != "cuda":
-            return
-        cache, budget = self.kv_cache, self.config.scheduler.max_num_batched_tokens
-        started = time.perf_counter()
-        # Each tile class of the kernels (by token count), aligned to 16 and not.
-        sizes = sorted({n for n in (1, 3, 4, 7, 16, 24, 32, 48, 64, 100, 128, 200, 256, 512,
-                                    1000, 1024, 2000, 2048) if n <= budget} | {budget})  # fmt: skip
-        max_decodes = min(self.config.scheduler.max_num_seqs - 1, 63)
-        shapes = [(n, 0) for n in sizes] + [
-            (n, d) for n in sizes for d in (1, max_decodes) if d > 0 and n + d <= budget
-        ]
-        for num_tokens, num_decodes in tqdm(shapes, desc="warming up prefill steps", unit="step"):
-            self._warm_up_step(cache, num_tokens, num_decodes)
-        torch.cuda.synchronize(self.device)
-        logger.info(
-            "warmed up %d eager step shapes (a prefill chunk of %s tokens, alone and beside "
-            "decodes) in %.1f s",
-            len(shapes),
-            sizes,
-            time.perf_counter() - started,
+        """CUDA: the eager step shapes' kernels compiled before the node reports ready."""
+        warm_up_eager(
+            self.model,
+            self.kv_cache,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            device=self.device,
         )
-
-    def _warm_up_step(self, cache: KVCache, num_tokens: int, num_decodes: int) -> None:
-        """A fresh prompt chunk of ``num_tokens`` and ``num_decodes`` one-token decodes at the
-        end of a block, all on the scratch slot and block (their values do not matter)."""
-        block = cache.block_size
-        chunk = SeqSpan(0, num_tokens, 0, cache.scratch_slot, [cache.scratch_block] * -(
-            -num_tokens // block))  # fmt: skip
-        decodes = [
-            SeqSpan(num_tokens + i, 1, block - 1, cache.scratch_slot, [cache.scratch_block])
-            for i in range(num_decodes)
-        ]
-        positions = list(range(num_tokens)) + [block - 1] * num_decodes
-        total = num_tokens + num_decodes
-        batch = ForwardBatch(
-            input_ids=torch.zeros(total, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            seqs=[chunk, *decodes],
-            logits_indices=torch.tensor(
-                [num_tokens - 1, *range(num_tokens, total)], device=self.device
-            ),
-        )
-        with torch.inference_mode():
-            self.model(batch, cache)
 
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
-        layout = cache_salt(
-            self.family.model_type, dtype=str(self.dtype), layout=self.kv_cache.spec.salt
-        )
-        if self.config.model.random_weights:
-            layout += f":random-{self.config.model.tiny_model_seed}"
-        if self.fp8_weights:
-            layout += ":fp8-weights"
-        return checkpoint_fingerprint(model_dir) + layout.encode()
+        spec_salt = self.kv_cache.spec.salt
+        layout = cache_format_salt(self.family.model_type, dtype=str(self.dtype), layout=spec_salt)
+        return cache_salt(model_dir, self.config.model, self.fp8_weights, layout)
 
     @property
     def replay_tokens(self) -> int:
@@ -353,161 +282,55 @@ class ModelRunner:
         """
         if scheduler_output.is_empty:
             return LaunchedStep(ModelRunnerOutput())
-        self._move_between_tiers(scheduler_output)
+        move_between_tiers(scheduler_output, self.kv_cache, self.tiers)
         scheduled = scheduler_output.scheduled
-        one_by_one = self._deterministic_rows(scheduler_output)
+        one_by_one = deterministic_rows(scheduler_output, self.config.kernel.deterministic)
         if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
             logits = self.graphs.run(
-                scheduler_output, lambda ids: self._fill_placeholders(scheduled, ids)
+                scheduler_output, lambda ids: self._last_samples.fill_placeholders(scheduled, ids)
             )
             sample_rows = [(i, i) for i in range(len(scheduled))]
             prompt_rows: list[tuple[int, int, int]] = []
         elif one_by_one:
             _, sample_rows, prompt_rows = _logits_layout(scheduled)
-            logits = self._forward_split(scheduler_output, sample_rows, prompt_rows, one_by_one)
+            logits = forward_split(
+                scheduler_output,
+                sample_rows,
+                prompt_rows,
+                one_by_one,
+                forward=self._forward,
+                vocab_size=self.args.vocab_size,
+                device=self.device,
+            )
         else:
-            batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
-            logits = self.model(batch, self.kv_cache)  # [N, V] fp32
+            logits, sample_rows, prompt_rows = self._forward(scheduler_output)
         for sched in scheduled:
             if sched.save_snapshot is not None:
                 self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
         output = ModelRunnerOutput()
-        self._prompt_logprobs(scheduler_output, logits, prompt_rows, output)
+        prompt_logprobs(self.kernels.sampling, scheduler_output, logits, prompt_rows, output)
         if before_sampling is not None:
             before_sampling()
-        samples = self._sample(scheduler_output, logits, sample_rows)
+        samples = sample(
+            self.kernels.sampling,
+            scheduler_output,
+            logits,
+            sample_rows,
+            eos_token_id=self.args.eos_token_id,
+            generator=self.generator,
+            last_samples=self._last_samples,
+        )
         if samples is None:
-            self._last_samples = None
+            self._last_samples.clear()
             return LaunchedStep(output)
         request_ids = [scheduled[i].request_id for i, _ in sample_rows]
-        self._last_samples = (samples.token_ids, {rid: j for j, rid in enumerate(request_ids)})
+        self._last_samples.record(samples.token_ids, request_ids)
         ready = None
         host = samples.to_host()
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(output, request_ids, host, ready)
-
-    def _fill_placeholders(
-        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
-    ) -> None:
-        """Write into ``input_ids`` (the flat batch of ``scheduled``) the tokens that stand in for
-        the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token)."""
-        dst, request_ids, offset = [], [], 0
-        for sched in scheduled:
-            offset += sched.num_tokens
-            if sched.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                dst.append(offset - 1)
-                request_ids.append(sched.request_id)
-        if dst:
-            input_ids[to_device(torch.tensor(dst), self.device)] = self._last_sampled(request_ids)
-
-    def _pending_outputs(
-        self, scheduled: list[ScheduledRequest]
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """The sampling rows whose newest output token is still on the device (fed in this step
-        as a placeholder), and those tokens."""
-        rows = [
-            j
-            for j, sched in enumerate(scheduled)
-            if sched.start_pos + sched.num_tokens != sched.request.num_tokens
-        ]
-        if not rows:
-            return None
-        return rows, self._last_sampled([scheduled[j].request_id for j in rows])
-
-    def _last_sampled(self, request_ids: list[str]) -> torch.Tensor:
-        """[len(request_ids)] int64 on the device: each request's token sampled by the previous
-        launch, gathered there (never read back)."""
-        assert self._last_samples is not None, (
-            f"requests {request_ids[:3]} wait for a token but no step sampled before"
-        )
-        tokens, row_of = self._last_samples
-        rows = torch.tensor([row_of[rid] for rid in request_ids], dtype=torch.int64)
-        return tokens[to_device(rows, self.device)]
-
-    def _deterministic_rows(self, scheduler_output: SchedulerOutput) -> set[int]:
-        """Scheduled requests whose tokens run one per forward: all in deterministic mode, else
-        those that asked (SamplingParams.deterministic)."""
-        scheduled = scheduler_output.scheduled
-        if self.config.kernel.deterministic:
-            return set(range(len(scheduled)))
-        return {i for i, s in enumerate(scheduled) if s.request.sampling_params.deterministic}
-
-    def _forward_split(
-        self,
-        scheduler_output: SchedulerOutput,
-        sample_rows: list[tuple[int, int]],
-        prompt_rows: list[tuple[int, int, int]],
-        one_by_one: set[int],
-    ) -> torch.Tensor:
-        """The requests in ``one_by_one`` run one token per forward, so every matmul and
-        reduction has the same shapes whatever else is batched and wherever chunks start: their
-        results are bit-identical alone, batched, chunked or recomputed. The others run batched
-        in one forward. Returns the logits rows in ``_prepare``'s layout, [N, V] fp32."""
-        scheduled = scheduler_output.scheduled
-        row_of: dict[tuple[int, int], int] = {}  # (scheduled index, token index) -> logits row
-        for i, row, count in prompt_rows:
-            for j in range(count):
-                row_of[i, j] = row + j
-        for i, row in sample_rows:
-            row_of[i, scheduled[i].num_tokens - 1] = row
-        rows: list[torch.Tensor | None] = [None] * len(row_of)
-        batched = [i for i in range(len(scheduled)) if i not in one_by_one]
-        if batched:
-            part = SchedulerOutput(scheduled=[scheduled[i] for i in batched])
-            batch, part_samples, part_prompts = self._prepare(part)
-            logits = self.model(batch, self.kv_cache)
-            for k, row in part_samples:
-                i = batched[k]
-                rows[row_of[i, scheduled[i].num_tokens - 1]] = logits[row]
-            for k, row, count in part_prompts:
-                for j in range(count):
-                    rows[row_of[batched[k], j]] = logits[row + j]
-        for i in sorted(one_by_one):
-            sched = scheduled[i]
-            for j, token_id in enumerate(sched.token_ids):
-                one = dataclasses.replace(
-                    sched,
-                    token_ids=[token_id],
-                    start_pos=sched.start_pos + j,
-                    do_sample=(i, j) in row_of,  # asks _prepare for this token's logits
-                    num_prompt_logprob_positions=0,
-                )
-                batch, _, _ = self._prepare(SchedulerOutput(scheduled=[one]))
-                logits = self.model(batch, self.kv_cache)
-                if (i, j) in row_of:
-                    rows[row_of[i, j]] = logits[0]
-        assert all(r is not None for r in rows), "a logits row was not computed"
-        if not rows:  # a prefill chunk that neither samples nor scores prompt tokens
-            return torch.empty(0, self.args.vocab_size, device=self.device)
-        return torch.stack(rows)
-
-    def _move_between_tiers(self, scheduler_output: SchedulerOutput) -> None:
-        """Before the forward: evicted blocks/snapshots down to the lower tiers (before anything
-        overwrites them), lower-tier hits up into their new blocks, snapshots into slots."""
-        kv, tiers = self.kv_cache, self.tiers
-        if tiers is not None:
-            for block_id, key in scheduler_output.block_offloads:
-                tiers.put("block", key, kv.block_payload(block_id))
-            for snapshot_id, key in scheduler_output.snapshot_offloads:
-                tiers.put("snapshot", key, kv.snapshot_payload(snapshot_id))
-        for sched in scheduler_output.scheduled:
-            for block_id, key in sched.block_loads:
-                kv.write_block(block_id, self._take(key, "block"))
-            if sched.restore_snapshot is not None:
-                kv.restore_snapshot(sched.restore_snapshot, sched.state_slot)
-            elif sched.restore_snapshot_key is not None:
-                payload = self._take(sched.restore_snapshot_key, "snapshot")
-                kv.restore_slot_from_payload(sched.state_slot, payload)
-            elif sched.window_floor and sched.start_pos == sched.window_floor:
-                kv.clear_slot(sched.state_slot)
-
-    def _take(self, key: bytes, kind: str) -> list[torch.Tensor]:
-        assert self.tiers is not None, f"a {kind} load was scheduled without lower tiers"
-        payload = self.tiers.take(kind, key)
-        assert payload is not None, f"staged {kind} {key.hex()[:16]} is gone"
-        return [t.to(self.device, non_blocking=True) for t in payload]
 
     def _prepare(
         self, scheduler_output: SchedulerOutput
@@ -523,107 +346,22 @@ class ModelRunner:
             offset += sched.num_tokens
         host = self.planner.arrays(seqs, token_ids, logits_indices)
         batch = self.planner.views(self._upload(flatten(host)), host, seqs)
-        self._fill_placeholders(scheduled, batch.input_ids)
+        self._last_samples.fill_placeholders(scheduled, batch.input_ids)
         return batch, sample_rows, prompt_rows
 
+    def _forward(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """One eager forward of the step: logits [N, V] fp32 and ``_prepare``'s rows."""
+        batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
+        return self.model(batch, self.kv_cache), sample_rows, prompt_rows
+
     def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """Host int64 [n] -> the same on the device.
-
-        CUDA: through the pinned staging buffer, copied on the copy stream; the compute (current)
-        stream waits for the copy, and the buffer is refilled only after the copy has read it.
-        """
-        if self._copy_stream is None:
+        """Host int64 [n] -> the same on the device (CUDA: through the pinned staging buffer, on
+        the copy stream, the compute stream waiting for it)."""
+        if self._staging is None:
             return torch.from_numpy(values).to(self.device)
-        n = values.shape[0]
-        self._staging_read.synchronize()
-        if self._staging is None or self._staging.numel() < n:
-            capacity = max(n, 2 * (0 if self._staging is None else self._staging.numel()))
-            self._staging = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-        host = self._staging[:n]
-        host.numpy()[:] = values
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            out = host.to(self.device, non_blocking=True)
-            self._staging_read.record()
-        compute.wait_stream(self._copy_stream)
-        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
-        return out
-
-    def _prompt_logprobs(
-        self,
-        scheduler_output: SchedulerOutput,
-        logits: torch.Tensor,
-        prompt_rows: list[tuple[int, int, int]],
-        output: ModelRunnerOutput,
-    ) -> None:
-        for i, row, count in prompt_rows:
-            sched = scheduler_output.scheduled[i]
-            request = sched.request
-            start = sched.start_pos + 1
-            next_ids = request.prompt_token_ids[start : start + count]
-            targets = torch.tensor(next_ids, dtype=torch.int64, device=logits.device)
-            num_top = request.sampling_params.prompt_logprobs or 0
-            output.prompt_logprobs[request.request_id] = self.kernels.sampling.compute_logprobs(
-                logits[row : row + count], targets, num_top
-            )
-
-    def _sample(
-        self,
-        scheduler_output: SchedulerOutput,
-        logits: torch.Tensor,
-        sample_rows: list[tuple[int, int]],
-    ) -> SamplerOutput | None:
-        """The step's samples, on the device (None when no request samples)."""
-        if not sample_rows:
-            return None
-        scheduled = [scheduler_output.scheduled[i] for i, _ in sample_rows]
-        requests = [s.request for s in scheduled]
-        sampling = self.kernels.sampling
-        metadata = sampling.SamplingMetadata.build(
-            [r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            # The sampled token's position (the request's tokens still on the device included).
-            positions=[s.start_pos + s.num_tokens for s in scheduled],
-            eos_token_id=self.args.eos_token_id,
-            device=logits.device,
-            allowed_token_mask=allowed_token_mask(
-                [r.matcher for r in requests], logits.shape[-1], logits.device
-            ),
-            pending=self._pending_outputs(scheduled),
-        )
-        rows = to_device(torch.tensor([row for _, row in sample_rows]), logits.device)
-        return sampling.sample(logits[rows], metadata, self.generator)
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device. Producer: ModelRunner.launch. Consumer: the engine, which
-    calls ``result()`` (once) when it needs the samples on the host.
-
-    ``samples`` (host tensors, filled by copies queued after the sampler) belong to
-    ``request_ids`` in order; ``ready`` (CUDA) is recorded after those copies.
-    """
-
-    output: ModelRunnerOutput  # prompt logprobs already in it
-    request_ids: list[str] = field(default_factory=list)
-    samples: SamplerOutput | None = None
-    ready: torch.cuda.Event | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self.samples is None:
-            return self.output
-        if self.ready is not None:
-            self.ready.synchronize()
-        logprobs = self.samples.logprobs
-        for rid, token_id, entry in zip(
-            self.request_ids, self.samples.token_ids.tolist(), logprobs, strict=True
-        ):
-            self.output.sampled_token_ids[rid] = token_id
-            if entry is not None:
-                self.output.logprobs[rid] = entry
-        self.samples = None
-        return self.output
+        return self._staging.upload(values)
 
 
 def _logits_layout(

@@ -1,0 +1,94 @@
+"""Weight loading: a checkpoint folder (or random weights in its shapes) -> the model on a device.
+
+    model_dir (config.json + safetensors) -> the family's load_weights / random_weights
+    -> the model built on the meta device -> FP8 linears swapped in (model.fp8_weights, CUDA)
+    -> load_state_dict(assign=True) on ``device`` -> LoadedModel
+
+Building on the meta device allocates nothing: ``assign=True`` makes the loaded tensors the
+parameters, so the weights are held once. Also here: what of the weights goes into the prefix
+cache's salt (``cache_salt``), so that cached KV is never reused across different weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.config import ModelConfig
+from deepinfer.model.family import ModelFamily
+from deepinfer.model.fingerprint import checkpoint_fingerprint
+from deepinfer.model.layers import use_fp8_linears
+from deepinfer.ops import Kernels
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Producer: ``load_model``. Consumer: the model runner. Device: the weights'."""
+
+    model: torch.nn.Module  # in eval mode; called as model(ForwardBatch, KVCache) -> logits
+    fp8_weights: bool  # FP8 linear weights kept (model.fp8_weights on CUDA)
+
+
+def load_model(
+    config: ModelConfig,
+    family: ModelFamily,
+    model_dir: Path,
+    args: Any,
+    kernels: Kernels,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    """The weights of ``model_dir`` (or ``config.random_weights`` in its shapes) in ``dtype`` on
+    ``device``, FP8 linears kept on CUDA when ``config.fp8_weights`` asks."""
+    start = time.perf_counter()
+    keep_fp8 = config.fp8_weights and device.type == "cuda"
+    if config.fp8_weights and not keep_fp8:
+        logger.warning("model.fp8_weights needs CUDA: dequantizing on %s", device)
+    block = family.fp8_block(args)
+    if config.random_weights:
+        seed = config.tiny_model_seed
+        logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
+        fp8 = block if keep_fp8 else None
+        weights = family.random_weights(args, seed, device, dtype, fp8_block=fp8)
+    else:
+        weights = family.load_weights(
+            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8
+        )
+    with torch.device("meta"):
+        model = family.build_model(args, kernels)
+        num_fp8 = use_fp8_linears(model, weights, block, kernels.linear)
+    if keep_fp8:
+        logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.init_rope(device)
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "model: %s, %.1f M parameters, %s on %s, loaded in %.1f s",
+        model_dir,
+        num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(model, keep_fp8)
+
+
+def cache_salt(model_dir: Path, config: ModelConfig, fp8_weights: bool, kv_layout: str) -> bytes:
+    """The prefix cache's salt: the checkpoint's fingerprint, then ``kv_layout`` (what changes
+    the cached bytes: dtype, block layout), then what else changes the weights (the random
+    weights' seed, FP8 weights kept). Disk-tier files carry it (kv_file.py): other bytes make
+    every file already there foreign."""
+    salt = kv_layout
+    if config.random_weights:
+        salt += f":random-{config.tiny_model_seed}"
+    if fp8_weights:
+        salt += ":fp8-weights"
+    return checkpoint_fingerprint(model_dir) + salt.encode()
