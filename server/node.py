@@ -41,14 +41,13 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config, NodeConfig, is_loopback
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.flags import add_config_flags
+from deepinfer.flags import ENGINE_USES, add_config_flags
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
 from deepinfer.server.node_metrics import NodeMetrics
-from deepinfer.server.node_stream import sampling_params_of, token_deltas
+from deepinfer.server.node_stream import node_load, sampling_params_of, token_deltas
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
@@ -137,7 +136,7 @@ def observe_engine(
         node_id,
         model_name,
         engine.max_model_len,
-        engine.load,
+        lambda: node_load(engine.load()),
         export_vllm_names=config.metrics.export_vllm_names,
     )
     metrics.watch_cache(engine.engine.cache_stats)
@@ -284,7 +283,9 @@ async def _register_and_heartbeat(app: web.Application) -> None:
             try:
                 if lease is not None:
                     beat = NodeHeartbeat(
-                        node_id=lease.node_id, load=engine.load(), lease_id=lease.lease_id
+                        node_id=lease.node_id,
+                        load=node_load(engine.load()),
+                        lease_id=lease.lease_id,
                     )
                     async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
                         if r.status in (403, 404):
@@ -298,7 +299,7 @@ async def _register_and_heartbeat(app: web.Application) -> None:
                             continue
                         r.raise_for_status()
                 else:
-                    message = msgspec.structs.replace(registration, load=engine.load())
+                    message = msgspec.structs.replace(registration, load=node_load(engine.load()))
                     async with session.post(f"{base}/internal/register", data=encode(message)) as r:
                         r.raise_for_status()
                         lease = decode(await r.read(), NodeLease)

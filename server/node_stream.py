@@ -1,11 +1,12 @@
-"""One request on a node's engine, in the wire's terms: deltas become TokenDeltas, engine errors
-NodeErrors.
+"""A node's engine in the wire's terms: a request's deltas become TokenDeltas, the engine's errors
+NodeErrors, its load a NodeLoad.
 
     GenerateRequest ──sampling_params_of──▶ SamplingParams
                     ──token_deltas──▶ AsyncEngine.generate ──RequestOutputDelta──▶ TokenDelta
                                         ValueError (bad input, id in use) ─────▶ NodeError(400)
                                         EngineClosedError (draining, failed) ──▶ NodeError(503)
                                         EngineStepError (a step failed) ───────▶ NodeError(500)
+    AsyncEngine.load() ──EngineLoad──▶ node_load ──NodeLoad──▶ registration, heartbeat, /metrics
 
 Producer: AsyncEngine (this process). Consumers: the HTTP node (server/node.py, which writes the
 deltas as frames, or a NodeError as an error response before the first and as a StreamError frame
@@ -18,11 +19,16 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from deepinfer.engine.async_engine import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineLoad,
+    EngineStepError,
+)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
-from deepinfer.server.protocol import GenerateRequest, OutputConstraint, TokenDelta
+from deepinfer.server.protocol import GenerateRequest, NodeLoad, OutputConstraint, TokenDelta
 from deepinfer.server.routing import NodeError
 
 
@@ -77,4 +83,17 @@ def token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) 
         stop_reason=delta.stop_reason,
         num_prompt_tokens=request.num_prompt_tokens if with_counts else 0,
         num_cached_tokens=request.num_cached_tokens if with_counts else 0,
+    )
+
+
+def node_load(load: EngineLoad) -> NodeLoad:
+    """The engine's load as the coordinator reads it (the same fields)."""
+    return NodeLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        num_used_slots=load.num_used_slots,
+        is_draining=load.is_draining,
+        is_healthy=load.is_healthy,
     )

@@ -103,9 +103,10 @@ class AbortRequest(msgspec.Struct, kw_only=True):
 
 
 class NodeLoad(msgspec.Struct, kw_only=True):
-    """Producer: AsyncEngine.load() on the node. Consumer: the coordinator's router.
-    ``is_draining``: the node got SIGTERM and takes no new requests. ``is_healthy``: its engine
-    loop turns (False once it failed or while one step is stuck: out of rotation)."""
+    """Producer: the node (AsyncEngine.load() through server/node_stream.py's node_load).
+    Consumer: the coordinator's router. ``is_draining``: the node got SIGTERM and takes no new
+    requests. ``is_healthy``: its engine loop turns (False once it failed or while one step is
+    stuck: out of rotation)."""
 
     num_running: int = 0
     num_waiting: int = 0

@@ -21,10 +21,9 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.flags import add_config_flags
+from deepinfer.flags import ENGINE_USES, add_config_flags
 from deepinfer.server import listen
 from deepinfer.server.node import load_engine, node_identity, observe_engine, served_model_name
 from deepinfer.server.node_stream import sampling_params_of, token_deltas

@@ -29,13 +29,8 @@ from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.preparation import PreparationPool
 from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
-from deepinfer.server.registry import (
-    NodeEntry,
-    NodeRegistry,
-    NoFittingNodeError,
-    NoReadyNodeError,
-)
-from deepinfer.server.routing import NodeError
+from deepinfer.server.registry import NodeRegistry, NoFittingNodeError, NoReadyNodeError
+from deepinfer.server.routing import NodeEntry, NodeError
 
 logger = logging.getLogger(__name__)
 

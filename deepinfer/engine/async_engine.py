@@ -34,7 +34,6 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request, RequestStatus
-from deepinfer.server.protocol import NodeLoad
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,21 @@ class EngineObserver(Protocol):
 
     def on_finished(self, request: Request, finish_reason: str) -> None:
         """The request ended: "stop" | "length" | "abort" | "error". Called once per request."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now. Producer: AsyncEngine.load() (event loop thread). Consumers:
+    the node's registration, heartbeats and /metrics (as server/protocol.py NodeLoad).
+    ``is_draining``: it takes no new requests. ``is_healthy``: its loop turns (``is_turning``)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_used_slots: int
+    is_draining: bool
+    is_healthy: bool
 
 
 @dataclass(eq=False)
@@ -158,9 +172,9 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def load(self) -> NodeLoad:
+    def load(self) -> EngineLoad:
         scheduler = self.engine.scheduler
-        return NodeLoad(
+        return EngineLoad(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
