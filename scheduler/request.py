@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -39,15 +40,15 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI ``finish_reason`` of a finished status (None while unfinished)."""
+    def finish_reason(self) -> FinishReason | None:
+        """The finish reason of a finished status (None while unfinished)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -145,5 +146,5 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason

@@ -109,7 +109,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED
         self._running: list[Request] = []  # RUNNING, in admission order
         # Ids freed since the previous schedule(), reported to the executor by the next one.
-        self._finished_ids: set[str] = set()
+        self._freed_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
 
     # -- queries ----------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and chunks, allocating blocks and slots (may preempt).
 
-        ``finished_request_ids`` holds every id finished, aborted or preempted since the previous
+        ``freed_request_ids`` holds every id finished, aborted or preempted since the previous
         call (this call's preemptions included); ``preempted_request_ids`` the preempted subset.
         """
         scheduled: list[ScheduledRequest] = []
@@ -211,7 +211,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         output = SchedulerOutput(
             scheduled=scheduled,
-            finished_request_ids=self._finished_ids,
+            freed_request_ids=self._freed_ids,
             preempted_request_ids=self._preempted_ids,
         )
         if self.prefix is not None:
@@ -220,7 +220,7 @@ class Scheduler:
                 self.prefix.snapshots.evicted,
                 [],
             )
-        self._finished_ids, self._preempted_ids = set(), set()
+        self._freed_ids, self._preempted_ids = set(), set()
         return output
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
@@ -384,7 +384,7 @@ class Scheduler:
         request.num_preemptions += 1
         self._waiting.appendleft(request)
         self._preempted_ids.add(request.request_id)
-        self._finished_ids.add(request.request_id)
+        self._freed_ids.add(request.request_id)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -486,7 +486,7 @@ class Scheduler:
         request.status = status
         request.num_pending_tokens = 0  # tokens of steps in flight are dropped
         del self._requests[request.request_id]
-        self._finished_ids.add(request.request_id)
+        self._freed_ids.add(request.request_id)
 
     def _free_resources(self, request: Request, status: RequestStatus) -> None:
         if self.prefix is not None:

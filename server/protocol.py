@@ -81,7 +81,7 @@ class TokenDelta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     token_ids: list[int] = []
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # a FinishReason: "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
