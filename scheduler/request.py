@@ -58,6 +58,32 @@ class TokenMatcher(Protocol):
     def accept(self, token_id: int) -> bool: ...
 
 
+@dataclass
+class PrefixReuse:
+    """One request's prefix-caching state (``Request.reuse``). Producer and consumer: the
+    scheduler (scheduler/prefix_reuse.py's PrefixReuseManager, prefix_cache.py); each chunk
+    carries its restore, block loads, window floor and protected tokens to the executor in its
+    ScheduledRequest. Read elsewhere: ``cached_tokens_by_tier`` (the node's metrics)."""
+
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks so far
+    num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # A replay without a snapshot starts from an empty state at this position: keys before it
+    # are not attended (they are not in the ring). 0 = no floor.
+    window_floor: int = 0
+    # Positions below this hold reused blocks: their entries are never written again.
+    num_protected_tokens: int = 0
+    num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
+    restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
+    restore_snapshot_key: bytes | None = None  # ... or this snapshot staged from a lower tier
+    # Blocks of the hit found in a lower tier: (device block id, hash), loaded before the step.
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
+    # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
+    snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
+
+
 @dataclass(eq=False)
 class Request:
     """A request from admission to finish. Identity-hashed so it can live in sets."""
@@ -89,25 +115,9 @@ class Request:
     # twice.
     num_prompt_logprob_positions_scheduled: int = 0
 
-    # Prefix caching (see scheduler/prefix_reuse.py). ``cache_salt`` isolates tenants.
+    # Prefix caching: ``cache_salt`` isolates tenants; ``reuse`` is the scheduler's state.
     cache_salt: str | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks so far
-    num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
-    # A replay without a snapshot starts from an empty state at this position: keys before it
-    # are not attended (they are not in the ring). 0 = no floor.
-    window_floor: int = 0
-    # Positions below this hold reused blocks: their entries are never written again.
-    num_protected_tokens: int = 0
-    num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
-    restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
-    restore_snapshot_key: bytes | None = None  # ... or this snapshot staged from a lower tier
-    # Blocks of the hit found in a lower tier: (device block id, hash), loaded before the step.
-    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
-    # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
-    snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
-    pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
+    reuse: PrefixReuse = field(default_factory=PrefixReuse)
     # Structured output: the grammar state after output_token_ids (None = unconstrained). Kept
     # across preemption: recompute replays the accepted tokens, it does not resample them.
     matcher: TokenMatcher | None = None

@@ -186,7 +186,7 @@ class NodeMetrics:
         self._scheduled_at[request.request_id] = request.arrival_time + queue_time_s
         self.queue_time.observe(queue_time_s)
         self.prompt_tokens.inc(request.num_prompt_tokens)
-        for tier, num_tokens in request.cached_tokens_by_tier.items():
+        for tier, num_tokens in request.reuse.cached_tokens_by_tier.items():
             self._cached_prompt_tokens.labels(*self.labels, tier).inc(num_tokens)
 
     def on_step(
