@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import SECTIONS, Config
-from deepinfer.flags import add_config_flags, overrides
+from deepinfer.flags import ENGINE_USES, add_config_flags, overrides
 from deepinfer.logger import init_logging
 
 _DEFAULT_CONFIG = Path("config.toml")
-# What the engine reads: `generate`, and with more, `node` and `serve`.
-ENGINE_USES = ("model", "cache", "scheduler", "kernel", "log")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

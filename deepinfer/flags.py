@@ -29,6 +29,9 @@ from typing import Any
 
 from deepinfer.config import SECTIONS, env_var, parse_value
 
+# What the engine reads: `generate`, and with more, `node` and `serve` (server/node.py, serve.py).
+ENGINE_USES = ("model", "cache", "scheduler", "kernel", "log")
+
 _NAMES: dict[str, tuple[str, ...]] = {
     "model.path": ("--model",),
     "kernel.num_threads": ("--num-threads", "--threads"),

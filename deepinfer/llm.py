@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from deepinfer.config import Config
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import CompletionOutput, FinishReason, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -170,7 +170,7 @@ class _Track:
             out.text = text
         if matched is not None:
             self.stopped = True
-            out.finish_reason, out.stop_reason = "stop", matched
+            out.finish_reason, out.stop_reason = FinishReason.STOP, matched
         elif delta.is_finished:
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         return matched

@@ -1,8 +1,20 @@
-"""What the offline API returns (vLLM's names, so user code carries over)."""
+"""What the offline API returns (vLLM's names, so user code carries over), and why a request
+ends: ``FinishReason``, the one vocabulary of the scheduler, the engine, the node's frames and
+the coordinator (torch-free)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """OpenAI's ``finish_reason`` (a str: it compares, formats and serializes as its value)."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens, or the context / KV pool limit
+    ABORT = "abort"  # the client left, a timeout, a drain, or the engine aborted it
+    ERROR = "error"  # a failed step (metrics; the client gets an error, not this reason)
 
 
 @dataclass
@@ -11,7 +23,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.outputs import FinishReason
 from deepinfer.scheduler.request import Request
 
 # Stands in for a token sampled by the step in flight (asynchronous scheduling): the executor
@@ -63,12 +64,13 @@ class SchedulerOutput:
     """Everything the executor needs for one step.
 
     Producer: Scheduler.schedule(). Consumer: the executor. Device: none.
-    ``finished_request_ids`` lists requests freed since the previous step (finished, aborted or
-    preempted) so the executor can drop per-request state it keeps.
+    ``freed_request_ids`` lists requests that gave up their blocks and slot since the previous
+    step (finished, aborted or preempted) so the executor can drop per-request state it keeps;
+    ``preempted_request_ids`` is the preempted subset (they run again later).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_request_ids: set[str] = field(default_factory=set)
+    freed_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     # Cached blocks / snapshots evicted from the device by this schedule: their content must be
     # copied to the lower tiers before the step overwrites it. (id, hash) pairs.
@@ -111,7 +113,7 @@ class RequestOutputDelta:
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None = None
     new_prompt_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # Prompt tokens served from the prefix cache (fixed at the first admission).
     num_cached_tokens: int = 0

@@ -67,7 +67,7 @@ class PrefixCache:
     def block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
         """The hashes of the request's full blocks within its first ``num_tokens`` tokens,
         extending (and caching on the request) the chain as tokens become known."""
-        hashes = request.block_hashes
+        hashes = request.reuse.block_hashes
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else chain_root(self.salt, request.cache_salt)
@@ -91,16 +91,16 @@ class PrefixCache:
     def insert(self, request: Request) -> None:
         """Cache the request's blocks that became full and computed since the last call."""
         num_full = request.num_computed_tokens // self.block_size
-        if request.num_inserted_blocks >= num_full:
+        if request.reuse.num_inserted_blocks >= num_full:
             return
         hashes = self.block_hashes(request, num_full * self.block_size)
-        for k in range(request.num_inserted_blocks, num_full):
+        for k in range(request.reuse.num_inserted_blocks, num_full):
             block_id = request.block_table[k]
             # The same content computed twice (two cold requests at once): keep the first copy.
             if hashes[k] not in self._blocks and self.block_manager.block_hash(block_id) is None:
                 self._blocks[hashes[k]] = block_id
                 self.block_manager.set_hash(block_id, hashes[k])
-        request.num_inserted_blocks = num_full
+        request.reuse.num_inserted_blocks = num_full
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Cache a block whose content the executor loads from a lower tier before it is read."""

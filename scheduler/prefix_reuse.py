@@ -34,7 +34,7 @@ from typing import Protocol
 
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.scheduler.prefix_cache import PrefixCache
-from deepinfer.scheduler.request import Request, RequestStatus
+from deepinfer.scheduler.request import PrefixReuse, Request, RequestStatus
 from deepinfer.scheduler.snapshots import SnapshotIndex
 
 
@@ -68,7 +68,10 @@ class ReuseStats:
     cached_tokens_by_tier: Counter[str] = field(default_factory=Counter)
 
 
-class PrefixReuse:
+class PrefixReuseManager:
+    """The scheduler's prefix caching: the cache, the snapshots, and each request's ``reuse``
+    state (scheduler/request.py PrefixReuse) from admission to release."""
+
     def __init__(
         self,
         options: PrefixCachingOptions,
@@ -95,24 +98,25 @@ class PrefixReuse:
         assert not request.block_table and request.num_computed_tokens == 0
         if request.sampling_params.prompt_logprobs is not None:
             return
+        reuse = request.reuse
         hashes = self.cache.block_hashes(request, request.num_tokens - 1)
         block_ids = self.cache.lookup(hashes)
         self.block_manager.reuse(block_ids)
         request.block_table = list(block_ids)
-        request.cached_tokens_by_tier = {"device": len(block_ids) * self.block_size}
+        reuse.cached_tokens_by_tier = {"device": len(block_ids) * self.block_size}
         self._load_from_lower_tiers(request, hashes)
         if not request.block_table:
             return
         boundary = len(request.block_table) * self.block_size
-        start = self._restore_point(request, hashes[: len(request.block_table)])
+        start = self._restore_point(reuse, hashes[: len(request.block_table)])
         if start is None:
             start = max(0, boundary - self.options.replay_tokens)
-            request.window_floor = start
+            reuse.window_floor = start
         request.num_computed_tokens = start
-        request.num_protected_tokens = boundary
+        reuse.num_protected_tokens = boundary
         if request.num_preemptions == 0:  # usage reports what the prompt found in the cache
             request.num_cached_tokens = boundary
-        request.num_replayed_tokens = boundary - start
+        reuse.num_replayed_tokens = boundary - start
 
     def _load_from_lower_tiers(self, request: Request, hashes: list[bytes]) -> None:
         if self.tiers is None:
@@ -126,53 +130,55 @@ class PrefixReuse:
             (block_id,) = self.block_manager.allocate(1)
             self.cache.register(block_id, block_hash)
             request.block_table.append(block_id)
-            request.block_loads.append((block_id, block_hash))
-            counts = request.cached_tokens_by_tier
+            request.reuse.block_loads.append((block_id, block_hash))
+            counts = request.reuse.cached_tokens_by_tier
             counts[tier] = counts.get(tier, 0) + self.block_size
 
-    def _restore_point(self, request: Request, hashes: list[bytes]) -> int | None:
+    def _restore_point(self, reuse: PrefixReuse, hashes: list[bytes]) -> int | None:
         """The nearest snapshot at or before the hit boundary (device, then lower tiers), set up
         for restoring; None if there is none."""
         for k in range(len(hashes), 0, -1):
             snapshot_id = self.snapshots.get(hashes[k - 1])
             if snapshot_id is not None:
-                request.restore_snapshot = snapshot_id
+                reuse.restore_snapshot = snapshot_id
                 self.snapshots.pin(snapshot_id)
                 return k * self.block_size
             if self.tiers is not None and self.tiers.stage("snapshot", hashes[k - 1]):
-                request.restore_snapshot_key = hashes[k - 1]
+                reuse.restore_snapshot_key = hashes[k - 1]
                 return k * self.block_size
         return None
 
     def undo_admit(self, request: Request) -> None:
         """The admission failed after ``admit`` (too few free blocks): give the hit back."""
-        for block_id, block_hash in request.block_loads:
+        reuse = request.reuse
+        for block_id, block_hash in reuse.block_loads:
             # Never loaded: drop them from the cache before they return to the free list.
             self.cache.unregister(block_id)
             if self.tiers is not None:
                 self.tiers.unstage("block", block_hash)
-        request.block_loads = []
+        reuse.block_loads = []
         if request.block_table:
             self.block_manager.free(request.block_table)
         request.block_table = []
-        request.num_computed_tokens = request.num_protected_tokens = 0
+        request.num_computed_tokens = reuse.num_protected_tokens = 0
         if request.num_preemptions == 0:
             request.num_cached_tokens = 0
-        request.cached_tokens_by_tier = {}
-        request.num_replayed_tokens = request.window_floor = 0
-        if request.restore_snapshot is not None:
-            self.snapshots.unpin(request.restore_snapshot)
-        request.restore_snapshot = None
-        if request.restore_snapshot_key is not None and self.tiers is not None:
-            self.tiers.unstage("snapshot", request.restore_snapshot_key)
-        request.restore_snapshot_key = None
+        reuse.cached_tokens_by_tier = {}
+        reuse.num_replayed_tokens = reuse.window_floor = 0
+        if reuse.restore_snapshot is not None:
+            self.snapshots.unpin(reuse.restore_snapshot)
+        reuse.restore_snapshot = None
+        if reuse.restore_snapshot_key is not None and self.tiers is not None:
+            self.tiers.unstage("snapshot", reuse.restore_snapshot_key)
+        reuse.restore_snapshot_key = None
 
     def on_admitted(self, request: Request) -> None:
-        if request.restore_snapshot is not None or request.restore_snapshot_key is not None:
+        reuse = request.reuse
+        if reuse.restore_snapshot is not None or reuse.restore_snapshot_key is not None:
             self.snapshots.stats.num_restored += 1
-        request.pinned_snapshot = request.restore_snapshot
-        self.stats.num_replayed_tokens += request.num_replayed_tokens
-        self.stats.cached_tokens_by_tier.update(request.cached_tokens_by_tier)
+        reuse.pinned_snapshot = reuse.restore_snapshot
+        self.stats.num_replayed_tokens += reuse.num_replayed_tokens
+        self.stats.cached_tokens_by_tier.update(reuse.cached_tokens_by_tier)
 
     # -- chunks -------------------------------------------------------------------------------
 
@@ -186,7 +192,7 @@ class PrefixReuse:
     def _next_prefill_snapshot(self, request: Request, start: int) -> int | None:
         bs, interval = self.block_size, self.options.snapshot_interval_blocks
         last_prompt = request.num_prompt_tokens // bs * bs
-        protected = request.num_protected_tokens
+        protected = request.reuse.num_protected_tokens
         # The reused boundary itself: after a replay the state there is exact, and a snapshot
         # spares the next hit the replay.
         candidates = [last_prompt, protected]
@@ -206,7 +212,7 @@ class PrefixReuse:
     def snapshot_after(self, request: Request, start: int, end: int) -> int | None:
         """A snapshot id for the state after the chunk [start, end), when one is wanted there."""
         bs = self.block_size
-        if end % bs or end < request.num_protected_tokens or self.options.num_snapshots == 0:
+        if end % bs or end < request.reuse.num_protected_tokens or self.options.num_snapshots == 0:
             return None
         boundary_hash = self.cache.block_hashes(request, end)[-1]
         if boundary_hash in self.snapshots:
@@ -214,14 +220,15 @@ class PrefixReuse:
         is_prompt = end <= request.num_prompt_tokens
         if is_prompt and end != self._next_prefill_snapshot(request, start):
             return None
-        if not is_prompt and request.pending_snapshot is not None:
+        reuse = request.reuse
+        if not is_prompt and reuse.pending_snapshot is not None:
             # Overwrite the request's own pending snapshot: only its newest boundary is kept.
-            snapshot_id, _ = request.pending_snapshot
-            request.pending_snapshot = None
+            snapshot_id, _ = reuse.pending_snapshot
+            reuse.pending_snapshot = None
         else:
             snapshot_id = self.snapshots.allocate()
         if snapshot_id is not None:
-            request.snapshot_saves.append((snapshot_id, boundary_hash, not is_prompt))
+            reuse.snapshot_saves.append((snapshot_id, boundary_hash, not is_prompt))
         return snapshot_id
 
     # -- after a step -------------------------------------------------------------------------
@@ -230,33 +237,35 @@ class PrefixReuse:
         """The step that computed the request's latest chunk ran: cache its full blocks and
         settle the snapshots it wrote."""
         self.cache.insert(request)
-        self._unpin(request)
-        for snapshot_id, boundary_hash, keep_pending in request.snapshot_saves:
+        reuse = request.reuse
+        self._unpin(reuse)
+        for snapshot_id, boundary_hash, keep_pending in reuse.snapshot_saves:
             if not keep_pending:
                 self.snapshots.commit(snapshot_id, boundary_hash)
                 continue
-            if request.pending_snapshot is not None:
-                self.snapshots.drop(request.pending_snapshot[0])
-            request.pending_snapshot = (snapshot_id, boundary_hash)
-        request.snapshot_saves = []
+            if reuse.pending_snapshot is not None:
+                self.snapshots.drop(reuse.pending_snapshot[0])
+            reuse.pending_snapshot = (snapshot_id, boundary_hash)
+        reuse.snapshot_saves = []
 
     def on_release(self, request: Request, status: RequestStatus) -> None:
         """The request gives up its slot: keep its newest decode boundary if it completed."""
-        self._unpin(request)
-        for snapshot_id, _, _ in request.snapshot_saves:  # written by a step that was cut short
+        reuse = request.reuse
+        self._unpin(reuse)
+        for snapshot_id, _, _ in reuse.snapshot_saves:  # written by a step that was cut short
             self.snapshots.drop(snapshot_id)
-        request.snapshot_saves = []
-        if request.pending_snapshot is not None:
-            snapshot_id, boundary_hash = request.pending_snapshot
+        reuse.snapshot_saves = []
+        if reuse.pending_snapshot is not None:
+            snapshot_id, boundary_hash = reuse.pending_snapshot
             if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 self.snapshots.commit(snapshot_id, boundary_hash)
             else:
                 self.snapshots.drop(snapshot_id)
-            request.pending_snapshot = None
-        request.window_floor = 0
-        request.restore_snapshot = None
+            reuse.pending_snapshot = None
+        reuse.window_floor = 0
+        reuse.restore_snapshot = None
 
-    def _unpin(self, request: Request) -> None:
-        if request.pinned_snapshot is not None:
-            self.snapshots.unpin(request.pinned_snapshot)
-            request.pinned_snapshot = None
+    def _unpin(self, reuse: PrefixReuse) -> None:
+        if reuse.pinned_snapshot is not None:
+            self.snapshots.unpin(reuse.pinned_snapshot)
+            reuse.pinned_snapshot = None

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -39,15 +40,15 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI ``finish_reason`` of a finished status (None while unfinished)."""
+    def finish_reason(self) -> FinishReason | None:
+        """The finish reason of a finished status (None while unfinished)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -55,6 +56,32 @@ class TokenMatcher(Protocol):
     """What the scheduler needs of a grammar matcher (deepinfer.constraints.matcher.Matcher)."""
 
     def accept(self, token_id: int) -> bool: ...
+
+
+@dataclass
+class PrefixReuse:
+    """One request's prefix-caching state (``Request.reuse``). Producer and consumer: the
+    scheduler (scheduler/prefix_reuse.py's PrefixReuseManager, prefix_cache.py); each chunk
+    carries its restore, block loads, window floor and protected tokens to the executor in its
+    ScheduledRequest. Read elsewhere: ``cached_tokens_by_tier`` (the node's metrics)."""
+
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks so far
+    num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # A replay without a snapshot starts from an empty state at this position: keys before it
+    # are not attended (they are not in the ring). 0 = no floor.
+    window_floor: int = 0
+    # Positions below this hold reused blocks: their entries are never written again.
+    num_protected_tokens: int = 0
+    num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
+    restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
+    restore_snapshot_key: bytes | None = None  # ... or this snapshot staged from a lower tier
+    # Blocks of the hit found in a lower tier: (device block id, hash), loaded before the step.
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
+    # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
+    snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
 
 
 @dataclass(eq=False)
@@ -88,25 +115,9 @@ class Request:
     # twice.
     num_prompt_logprob_positions_scheduled: int = 0
 
-    # Prefix caching (see scheduler/prefix_reuse.py). ``cache_salt`` isolates tenants.
+    # Prefix caching: ``cache_salt`` isolates tenants; ``reuse`` is the scheduler's state.
     cache_salt: str | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks so far
-    num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
-    # A replay without a snapshot starts from an empty state at this position: keys before it
-    # are not attended (they are not in the ring). 0 = no floor.
-    window_floor: int = 0
-    # Positions below this hold reused blocks: their entries are never written again.
-    num_protected_tokens: int = 0
-    num_replayed_tokens: int = 0  # tokens recomputed to rebuild the state slot on a hit
-    restore_snapshot: int | None = None  # restored into the slot before the next chunk runs
-    restore_snapshot_key: bytes | None = None  # ... or this snapshot staged from a lower tier
-    # Blocks of the hit found in a lower tier: (device block id, hash), loaded before the step.
-    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    pinned_snapshot: int | None = None  # kept from eviction until the restoring step ran
-    # Snapshots written by the step in flight: (snapshot id, boundary hash, kept pending).
-    snapshot_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
-    pending_snapshot: tuple[int, bytes] | None = None  # newest decode-time boundary
+    reuse: PrefixReuse = field(default_factory=PrefixReuse)
     # Structured output: the grammar state after output_token_ids (None = unconstrained). Kept
     # across preemption: recompute replays the accepted tokens, it does not resample them.
     matcher: TokenMatcher | None = None
@@ -145,5 +156,5 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason

@@ -50,7 +50,7 @@ from deepinfer.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from deepinfer.scheduler.prefix_reuse import LowerTiers, PrefixCachingOptions, PrefixReuse
+from deepinfer.scheduler.prefix_reuse import LowerTiers, PrefixCachingOptions, PrefixReuseManager
 from deepinfer.scheduler.request import Request, RequestStatus
 from deepinfer.scheduler.state_slots import StateSlotManager
 
@@ -100,16 +100,18 @@ class Scheduler:
     ) -> None:
         self.block_manager = BlockManager(num_blocks)
         self.state_slots = StateSlotManager(num_state_slots)
-        self.prefix: PrefixReuse | None = None
+        self.prefix: PrefixReuseManager | None = None
         if prefix_caching is not None:
-            self.prefix = PrefixReuse(prefix_caching, self.block_manager, self.block_size, tiers)
+            self.prefix = PrefixReuseManager(
+                prefix_caching, self.block_manager, self.block_size, tiers
+            )
 
     def _init_queues(self) -> None:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED
         self._running: list[Request] = []  # RUNNING, in admission order
         # Ids freed since the previous schedule(), reported to the executor by the next one.
-        self._finished_ids: set[str] = set()
+        self._freed_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
 
     # -- queries ----------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and chunks, allocating blocks and slots (may preempt).
 
-        ``finished_request_ids`` holds every id finished, aborted or preempted since the previous
+        ``freed_request_ids`` holds every id finished, aborted or preempted since the previous
         call (this call's preemptions included); ``preempted_request_ids`` the preempted subset.
         """
         scheduled: list[ScheduledRequest] = []
@@ -211,7 +213,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         output = SchedulerOutput(
             scheduled=scheduled,
-            finished_request_ids=self._finished_ids,
+            freed_request_ids=self._freed_ids,
             preempted_request_ids=self._preempted_ids,
         )
         if self.prefix is not None:
@@ -220,7 +222,7 @@ class Scheduler:
                 self.prefix.snapshots.evicted,
                 [],
             )
-        self._finished_ids, self._preempted_ids = set(), set()
+        self._freed_ids, self._preempted_ids = set(), set()
         return output
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
@@ -343,9 +345,10 @@ class Scheduler:
         save_snapshot = None
         if self.prefix is not None:
             save_snapshot = self.prefix.snapshot_after(request, start, end)
-        restore_snapshot, request.restore_snapshot = request.restore_snapshot, None
-        restore_key, request.restore_snapshot_key = request.restore_snapshot_key, None
-        block_loads, request.block_loads = request.block_loads, []
+        reuse = request.reuse
+        restore_snapshot, reuse.restore_snapshot = reuse.restore_snapshot, None
+        restore_key, reuse.restore_snapshot_key = reuse.restore_snapshot_key, None
+        block_loads, reuse.block_loads = reuse.block_loads, []
         request.num_computed_tokens = end
         assert request.state_slot is not None, f"request {request.request_id!r} has no state slot"
         # Positions from num_tokens on hold tokens still on the device (asynchronous scheduling).
@@ -367,8 +370,8 @@ class Scheduler:
             restore_snapshot_key=restore_key,
             block_loads=block_loads,
             save_snapshot=save_snapshot,
-            window_floor=request.window_floor,
-            num_protected_tokens=request.num_protected_tokens,
+            window_floor=reuse.window_floor,
+            num_protected_tokens=reuse.num_protected_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -384,7 +387,7 @@ class Scheduler:
         request.num_preemptions += 1
         self._waiting.appendleft(request)
         self._preempted_ids.add(request.request_id)
-        self._finished_ids.add(request.request_id)
+        self._freed_ids.add(request.request_id)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -486,12 +489,12 @@ class Scheduler:
         request.status = status
         request.num_pending_tokens = 0  # tokens of steps in flight are dropped
         del self._requests[request.request_id]
-        self._finished_ids.add(request.request_id)
+        self._freed_ids.add(request.request_id)
 
     def _free_resources(self, request: Request, status: RequestStatus) -> None:
         if self.prefix is not None:
             self.prefix.on_release(request, status)
-        request.num_protected_tokens = 0
+        request.reuse.num_protected_tokens = 0
         self.block_manager.free(request.block_table)
         request.block_table = []
         if request.state_slot is not None:

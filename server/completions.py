@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from deepinfer.outputs import FinishReason
 from deepinfer.server.conversion import Frontend
 from deepinfer.server.errors import ApiError, ErrorFlavor, bad_request, timeout_error
 from deepinfer.server.protocol import TokenDelta
@@ -186,11 +187,11 @@ class CompletionsApi:
         num_sent = 0  # characters of output text sent so far
         async with aclosing(self.service.generate(req)) as deltas:
             async for delta in deltas:
-                if delta.finish_reason == "abort":
+                if delta.finish_reason == FinishReason.ABORT:
                     raise ApiError(503, "The request was aborted by its node", retry_after=1)
                 new_text = detokenizer.push(delta.token_ids)
                 check = matcher.check(detokenizer.text, len(new_text))
-                finish_reason = "stop" if check.is_stopped else delta.finish_reason
+                finish_reason = FinishReason.STOP if check.is_stopped else delta.finish_reason
                 # Text held back as a possible stop-string start is released at the end.
                 text = check.text if finish_reason else check.streamable_text
                 logprobs = _logprobs(tokenizer, delta, req.sampling.logprobs, num_sent)

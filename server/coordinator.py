@@ -58,14 +58,13 @@ from deepinfer.server.protocol import (
 from deepinfer.server.registry import (
     BackendFactory,
     IdentityConflictError,
-    NodeEntry,
     NodeRegistry,
     RegistryFullError,
     UnknownNodeError,
     WrongLeaseError,
 )
 from deepinfer.server.response_store import ResponseStore
-from deepinfer.server.routing import NodeBackend, RoutingPolicy
+from deepinfer.server.routing import NodeBackend, NodeEntry, RoutingPolicy
 from deepinfer.server.service import CoordinatorService
 from deepinfer.server.tokenization import TokenizationApi
 from deepinfer.tokenizer import tokenizer_json

@@ -20,7 +20,8 @@ bound to an address other than loopback refuses to start without it.
 With ``node.coordinator_internal_url`` set the node registers on the coordinator's internal
 listener and heartbeats there with the lease its registration got (server/protocol.py NodeLease).
 
-Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine).
+Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine), and
+server/node_stream.py turns its deltas and errors into the wire's (as for `serve`'s LocalNode).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import signal
@@ -41,16 +41,13 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config, NodeConfig, is_loopback
-from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
-from deepinfer.flags import add_config_flags
-from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.output import RequestOutputDelta
-from deepinfer.scheduler.request import Request
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.flags import ENGINE_USES, add_config_flags
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
 from deepinfer.server.node_metrics import NodeMetrics
+from deepinfer.server.node_stream import node_load, sampling_params_of, token_deltas
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
@@ -60,13 +57,12 @@ from deepinfer.server.protocol import (
     NodeHeartbeat,
     NodeLease,
     NodeRegistration,
-    OutputConstraint,
     StreamError,
-    TokenDelta,
     decode,
     encode,
     encode_frame,
 )
+from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +83,7 @@ def create_node_app(
     ``node.coordinator_internal_url`` is set); its NodeMetrics becomes the engine's observer."""
     node_id, url = node_identity(config.node)
     model_name = model_name or served_model_name(config)
-    metrics = NodeMetrics(
-        node_id,
-        model_name,
-        engine.max_model_len,
-        engine.load,
-        export_vllm_names=config.metrics.export_vllm_names,
-    )
-    metrics.watch_cache(engine.engine.cache_stats)
-    metrics.watch_graphs(engine.engine.graph_stats)
-    engine.observer = metrics
+    metrics = observe_engine(engine, config, node_id, model_name)
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
     app[ENGINE] = engine
     app[CONFIG] = config
@@ -141,6 +128,23 @@ def served_model_name(config: Config) -> str:
     return Path(config.model.path).name if config.model.path else "deepinfer-tiny"
 
 
+def observe_engine(
+    engine: AsyncEngine, config: Config, node_id: str, model_name: str
+) -> NodeMetrics:
+    """The node's metrics, made the engine's observer (used by `node` and `serve`)."""
+    metrics = NodeMetrics(
+        node_id,
+        model_name,
+        engine.max_model_len,
+        lambda: node_load(engine.load()),
+        export_vllm_names=config.metrics.export_vllm_names,
+    )
+    metrics.watch_cache(engine.engine.cache_stats)
+    metrics.watch_graphs(engine.engine.graph_stats)
+    engine.observer = metrics
+    return metrics
+
+
 # -- handlers ----------------------------------------------------------------------------------
 
 
@@ -153,30 +157,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (msgspec.DecodeError, ValueError) as e:
         return _error_response(400, "", str(e))
     request_id = message.request_id
-    engine = request.app[ENGINE]
-    async with contextlib.aclosing(
-        engine.generate(request_id, message.prompt_token_ids, params, message.cache_salt)
-    ) as deltas:
+    frames = token_deltas(request.app[ENGINE], message, params)
+    async with contextlib.aclosing(frames):
         try:
-            first = await anext(deltas)
-        except ValueError as e:
-            return _error_response(400, request_id, str(e))
-        except EngineClosedError as e:
-            return _error_response(503, request_id, str(e))
-        except EngineStepError as e:
-            return _error_response(500, request_id, str(e))
-        engine_request = engine.get_request(request_id)
-        assert engine_request is not None, f"request {request_id!r} has no engine request"
+            first = await anext(frames)
+        except NodeError as e:
+            return _error_response(e.status, request_id, e.message)
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: FRAME_CONTENT_TYPE})
         await response.prepare(request)
         try:
-            await response.write(encode_frame(token_delta(first, engine_request, True)))
+            await response.write(encode_frame(first))
             try:
-                async for delta in deltas:
-                    frame = token_delta(delta, engine_request, delta.is_finished)
+                async for frame in frames:
                     await response.write(encode_frame(frame))
-            except EngineStepError as e:
-                error = StreamError(request_id=request_id, status=500, message=str(e))
+            except NodeError as e:
+                error = StreamError(request_id=request_id, status=e.status, message=e.message)
                 await response.write(encode_frame(error))
             await response.write_eof()
         except ConnectionResetError:
@@ -220,31 +215,6 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics_text(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
-
-
-def sampling_params_of(message: GenerateRequest) -> SamplingParams:
-    """The engine's SamplingParams of a GenerateRequest, its output constraint included. Raises
-    ValueError naming the bad field or constraint kind. The grammar itself is compiled by the
-    engine (AsyncEngine.generate, off the loop): an invalid schema/regex fails there, also 400."""
-    params = message.sampling.to_sampling_params()
-    constraint: OutputConstraint | None = message.constraint
-    if constraint is None or constraint.kind == "tool_call":
-        return params  # auto tool choice is parsed on the text side, not enforced
-    return dataclasses.replace(params, constraint=(constraint.kind, constraint.schema))
-
-
-def token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) -> TokenDelta:
-    """Counts ride on the first and the last frame only (TokenDelta's contract)."""
-    return TokenDelta(
-        request_id=delta.request_id,
-        token_ids=delta.new_token_ids,
-        logprobs=delta.new_logprobs,
-        prompt_logprobs=delta.new_prompt_logprobs,
-        finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason,
-        num_prompt_tokens=request.num_prompt_tokens if with_counts else 0,
-        num_cached_tokens=request.num_cached_tokens if with_counts else 0,
-    )
 
 
 def _error_response(status: int, request_id: str, message: str) -> web.Response:
@@ -313,7 +283,9 @@ async def _register_and_heartbeat(app: web.Application) -> None:
             try:
                 if lease is not None:
                     beat = NodeHeartbeat(
-                        node_id=lease.node_id, load=engine.load(), lease_id=lease.lease_id
+                        node_id=lease.node_id,
+                        load=node_load(engine.load()),
+                        lease_id=lease.lease_id,
                     )
                     async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
                         if r.status in (403, 404):
@@ -327,7 +299,7 @@ async def _register_and_heartbeat(app: web.Application) -> None:
                             continue
                         r.raise_for_status()
                 else:
-                    message = msgspec.structs.replace(registration, load=engine.load())
+                    message = msgspec.structs.replace(registration, load=node_load(engine.load()))
                     async with session.post(f"{base}/internal/register", data=encode(message)) as r:
                         r.raise_for_status()
                         lease = decode(await r.read(), NodeLease)

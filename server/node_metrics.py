@@ -37,6 +37,7 @@ from typing import ClassVar
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from deepinfer.outputs import FinishReason
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
 from deepinfer.server.metrics import LATENCY_BUCKETS, render
@@ -185,7 +186,7 @@ class NodeMetrics:
         self._scheduled_at[request.request_id] = request.arrival_time + queue_time_s
         self.queue_time.observe(queue_time_s)
         self.prompt_tokens.inc(request.num_prompt_tokens)
-        for tier, num_tokens in request.cached_tokens_by_tier.items():
+        for tier, num_tokens in request.reuse.cached_tokens_by_tier.items():
             self._cached_prompt_tokens.labels(*self.labels, tier).inc(num_tokens)
 
     def on_step(
@@ -203,10 +204,10 @@ class NodeMetrics:
         if num_generated:
             self.generation_tokens.inc(num_generated)
 
-    def on_finished(self, request: Request, finish_reason: str) -> None:
+    def on_finished(self, request: Request, finish_reason: FinishReason) -> None:
         now = time.monotonic()
         self._finished.labels(*self.labels, finish_reason).inc()
-        if finish_reason == "abort":
+        if finish_reason == FinishReason.ABORT:
             self.aborts.inc()
         if request.num_preemptions:
             self.preemptions.inc(request.num_preemptions)

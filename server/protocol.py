@@ -81,7 +81,7 @@ class TokenDelta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     token_ids: list[int] = []
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # a FinishReason: "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -103,9 +103,10 @@ class AbortRequest(msgspec.Struct, kw_only=True):
 
 
 class NodeLoad(msgspec.Struct, kw_only=True):
-    """Producer: AsyncEngine.load() on the node. Consumer: the coordinator's router.
-    ``is_draining``: the node got SIGTERM and takes no new requests. ``is_healthy``: its engine
-    loop turns (False once it failed or while one step is stuck: out of rotation)."""
+    """Producer: the node (AsyncEngine.load() through server/node_stream.py's node_load).
+    Consumer: the coordinator's router. ``is_draining``: the node got SIGTERM and takes no new
+    requests. ``is_healthy``: its engine loop turns (False once it failed or while one step is
+    stuck: out of rotation)."""
 
     num_running: int = 0
     num_waiting: int = 0

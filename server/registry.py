@@ -35,11 +35,10 @@ import secrets
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
-from deepinfer.server.routing import LeastLoadedPolicy, NodeBackend, RoutingPolicy
+from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
+from deepinfer.server.routing import LeastLoadedPolicy, NodeBackend, NodeEntry, RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -68,41 +67,6 @@ class RegistryFullError(Exception):
 
 class WrongLeaseError(Exception):
     """A heartbeat for a node id without that node's current lease."""
-
-
-@dataclass
-class NodeEntry:
-    """One node in the registry. ``num_inflight`` counts this coordinator's requests there."""
-
-    node_id: str
-    backend: NodeBackend
-    max_model_len: int
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    role: str = "mixed"
-    model: str = ""
-    url: str = ""
-    is_static: bool = False
-    lease_id: str = ""
-    load: NodeLoad = field(default_factory=NodeLoad)
-    last_heartbeat: float = 0.0
-    is_ready: bool = True  # heartbeats arrive (static nodes: always)
-    is_responsive: bool = True  # its last request or probe reached it and found it ready
-    num_inflight: int = 0
-
-    @property
-    def is_in_rotation(self) -> bool:
-        # Prefill/decode nodes join once P/D pairing exists; today only mixed nodes serve alone.
-        return (
-            self.is_ready
-            and self.is_responsive
-            and self.load.is_healthy
-            and not self.load.is_draining
-            and self.role == "mixed"
-        )
-
-    @property
-    def load_score(self) -> int:
-        return max(self.num_inflight, self.load.num_running + self.load.num_waiting)
 
 
 class NodeRegistry:

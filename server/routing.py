@@ -1,4 +1,4 @@
-"""How the coordinator talks to nodes, and which node gets a request.
+"""How the coordinator talks to nodes, what it knows of each, and which node gets a request.
 
     coordinator ──NodeBackend.generate(GenerateRequest)──▶ node   (TokenDelta per engine step)
                 ──NodeBackend.abort([request_id])───────▶ node   (client gone, timeout, drain)
@@ -6,20 +6,20 @@
 
 ``NodeBackend`` is what the coordinator needs from a node: ``server/node_client.py``'s
 ``NodeClient`` implements it over HTTP, the in-process ``serve`` implements it directly, and tests
-use scripted fakes. ``RoutingPolicy`` picks one of the ready nodes; ``LeastLoadedPolicy`` is the
-default and is meant to be replaced (cache-aware, P/D pairing) without touching the registry or
-the handlers.
+use scripted fakes. ``NodeEntry`` is one node with its backend and load, as server/registry.py
+keeps it. ``RoutingPolicy`` picks one of the ready nodes; ``LeastLoadedPolicy`` is the default
+and is meant to be replaced (cache-aware, P/D pairing) without touching the registry or the
+handlers.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from deepinfer.server.protocol import GenerateRequest, TokenDelta
-
-if TYPE_CHECKING:
-    from deepinfer.server.registry import NodeEntry
+from deepinfer.config import SchedulerConfig
+from deepinfer.server.protocol import GenerateRequest, NodeLoad, TokenDelta
 
 
 class NodeError(Exception):
@@ -61,6 +61,42 @@ class NodeBackend(Protocol):
         """Whether the node takes requests now (its engine turns, it is not draining); False
         when it cannot be reached. The registry probes static and unresponsive nodes with it."""
         ...
+
+
+@dataclass
+class NodeEntry:
+    """One node as the registry keeps it (server/registry.py) and a RoutingPolicy weighs it.
+    ``num_inflight`` counts this coordinator's requests there."""
+
+    node_id: str
+    backend: NodeBackend
+    max_model_len: int
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    role: str = "mixed"
+    model: str = ""
+    url: str = ""
+    is_static: bool = False
+    lease_id: str = ""
+    load: NodeLoad = field(default_factory=NodeLoad)
+    last_heartbeat: float = 0.0
+    is_ready: bool = True  # heartbeats arrive (static nodes: always)
+    is_responsive: bool = True  # its last request or probe reached it and found it ready
+    num_inflight: int = 0
+
+    @property
+    def is_in_rotation(self) -> bool:
+        # Prefill/decode nodes join once P/D pairing exists; today only mixed nodes serve alone.
+        return (
+            self.is_ready
+            and self.is_responsive
+            and self.load.is_healthy
+            and not self.load.is_draining
+            and self.role == "mixed"
+        )
+
+    @property
+    def load_score(self) -> int:
+        return max(self.num_inflight, self.load.num_running + self.load.num_waiting)
 
 
 class RoutingPolicy(Protocol):

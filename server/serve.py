@@ -4,9 +4,10 @@
                                                                   (no HTTP hop)   (engine thread)
 
 LocalNode implements the coordinator's NodeBackend directly on the AsyncEngine, with the same
-validation and frames as the HTTP node (server/node.py). ``/metrics`` holds the coordinator's and
-the node's series in one scrape (``component`` tells them apart; server/metrics.py). The
-coordinator's internal listener runs too, so that remote nodes can join the in-process one.
+validation, deltas and errors as the HTTP node (both go through server/node_stream.py).
+``/metrics`` holds the coordinator's and the node's series in one scrape (``component`` tells them
+apart; server/metrics.py). The coordinator's internal listener runs too, so that remote nodes can
+join the in-process one.
 """
 
 from __future__ import annotations
@@ -20,19 +21,12 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from deepinfer.cli import ENGINE_USES
 from deepinfer.config import Config
-from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
-from deepinfer.flags import add_config_flags
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.flags import ENGINE_USES, add_config_flags
 from deepinfer.server import listen
-from deepinfer.server.node import (
-    load_engine,
-    node_identity,
-    sampling_params_of,
-    served_model_name,
-    token_delta,
-)
-from deepinfer.server.node_metrics import NodeMetrics
+from deepinfer.server.node import load_engine, node_identity, observe_engine, served_model_name
+from deepinfer.server.node_stream import sampling_params_of, token_deltas
 from deepinfer.server.protocol import GenerateRequest, TokenDelta
 from deepinfer.server.routing import NodeError
 
@@ -50,25 +44,9 @@ class LocalNode:
             params = sampling_params_of(request)
         except (ValueError, msgspec.ValidationError) as e:
             raise NodeError(400, str(e)) from e
-        rid = request.request_id
-        deltas = self.engine.generate(rid, request.prompt_token_ids, params, request.cache_salt)
-        async with contextlib.aclosing(deltas):
-            try:
-                first = await anext(deltas)
-            except ValueError as e:
-                raise NodeError(400, str(e)) from e
-            except EngineClosedError as e:
-                raise NodeError(503, str(e), is_node_failure=True) from e
-            except EngineStepError as e:
-                raise NodeError(500, str(e)) from e
-            engine_request = self.engine.get_request(rid)
-            assert engine_request is not None, f"request {rid!r} has no engine request"
-            yield token_delta(first, engine_request, True)
-            try:
-                async for delta in deltas:
-                    yield token_delta(delta, engine_request, delta.is_finished)
-            except EngineStepError as e:
-                raise NodeError(500, str(e)) from e
+        async with contextlib.aclosing(token_deltas(self.engine, request, params)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -91,13 +69,7 @@ def create_serve_app(
 
     node_id, _ = node_identity(config.node)
     model_name = served_model_name(config)
-    vllm = config.metrics.export_vllm_names
-    metrics = NodeMetrics(
-        node_id, model_name, engine.max_model_len, engine.load, export_vllm_names=vllm
-    )
-    metrics.watch_cache(engine.engine.cache_stats)
-    metrics.watch_graphs(engine.engine.graph_stats)
-    engine.observer = metrics
+    metrics = observe_engine(engine, config, node_id, model_name)
     if tokenizer_path is None:
         tokenizer = engine.engine.tokenizer
         assert tokenizer is not None, "serve needs a model with a tokenizer"
@@ -115,7 +87,7 @@ def create_serve_app(
         backends=[LocalNode(engine)],
         max_model_len=engine.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
-        export_vllm_names=vllm,
+        export_vllm_names=config.metrics.export_vllm_names,
     )
     app[COORDINATOR_METRICS].parts.append(metrics)
 

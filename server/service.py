@@ -24,18 +24,14 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from deepinfer.outputs import FinishReason
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
 from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.preparation import PreparationPool
 from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
-from deepinfer.server.registry import (
-    NodeEntry,
-    NodeRegistry,
-    NoFittingNodeError,
-    NoReadyNodeError,
-)
-from deepinfer.server.routing import NodeError
+from deepinfer.server.registry import NodeRegistry, NoFittingNodeError, NoReadyNodeError
+from deepinfer.server.routing import NodeEntry, NodeError
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +41,26 @@ T = TypeVar("T")
 _CLIENT_FAULTS = (400, 413)
 
 
-class RequestStatus(enum.Enum):
+class ApiRequestStatus(enum.Enum):
+    """An ApiRequest's status on the coordinator (the node's engine request has its own,
+    deepinfer.scheduler.request.RequestStatus); a finished one's value is its FinishReason."""
+
     WAITING = "waiting"  # parsed; waiting for an admission slot
     RUNNING = "running"  # sent to a node
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"  # client gone, timeout, drain, or the node aborted it
-    FINISHED_ERROR = "error"
+    FINISHED_STOPPED = FinishReason.STOP
+    FINISHED_LENGTH = FinishReason.LENGTH
+    FINISHED_ABORTED = FinishReason.ABORT  # client gone, timeout, drain, or the node aborted it
+    FINISHED_ERROR = FinishReason.ERROR
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (ApiRequestStatus.WAITING, ApiRequestStatus.RUNNING)
 
 
 _NODE_FINISH = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
+    FinishReason.STOP: ApiRequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: ApiRequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: ApiRequestStatus.FINISHED_ABORTED,
 }
 
 
@@ -77,7 +76,7 @@ class ApiRequest:
     constraint: OutputConstraint | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
+    status: ApiRequestStatus = ApiRequestStatus.WAITING
     node: NodeEntry | None = None
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -171,16 +170,16 @@ class CoordinatorService:
             logger.warning(
                 "request %s failed on node %s: %d %s", req.request_id, node_id, e.status, e.message
             )
-            if req.status is RequestStatus.RUNNING and req.node is not None:
+            if req.status is ApiRequestStatus.RUNNING and req.node is not None:
                 # Usually already gone there; the abort makes sure its blocks are freed.
                 self._send_abort_task(req.node, req.request_id)
-            req.status = RequestStatus.FINISHED_ERROR
+            req.status = ApiRequestStatus.FINISHED_ERROR
             if e.status in _CLIENT_FAULTS:
                 raise ApiError(e.status, e.message) from None
             raise internal_error(e.status, req.request_id) from None
         finally:
             self._tasks.pop(req.request_id, None)
-            if req.status is RequestStatus.RUNNING:  # left early: client gone, timeout, drain
+            if req.status is ApiRequestStatus.RUNNING:  # left early: client gone, timeout, drain
                 self._abort(req)
             if req.node is not None:
                 self._record_finish(req)
@@ -191,7 +190,7 @@ class CoordinatorService:
         """Route the request to a node (not in ``exclude``) and stream its deltas there."""
         with self.registry.select(req.num_tokens, exclude) as node:
             req.node = node
-            req.status = RequestStatus.RUNNING
+            req.status = ApiRequestStatus.RUNNING
             stream = node.backend.generate(self._generate_request(req))
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
@@ -199,7 +198,7 @@ class CoordinatorService:
                     req.num_deltas += 1
                     if delta.finish_reason is not None:
                         req.status = _NODE_FINISH.get(
-                            delta.finish_reason, RequestStatus.FINISHED_ERROR
+                            delta.finish_reason, ApiRequestStatus.FINISHED_ERROR
                         )
                     yield delta
                     if req.status.is_finished:
@@ -236,9 +235,9 @@ class CoordinatorService:
 
     async def finish_stopped(self, req: ApiRequest, stop_reason: int | str | None) -> None:
         """A stop string matched on the text side: end the request on its node as stopped."""
-        if req.status is not RequestStatus.RUNNING or req.node is None:
+        if req.status is not ApiRequestStatus.RUNNING or req.node is None:
             return
-        req.status = RequestStatus.FINISHED_STOPPED
+        req.status = ApiRequestStatus.FINISHED_STOPPED
         try:
             await req.node.backend.finish(req.request_id, stop_reason)
         except (NodeError, OSError, TimeoutError) as e:
@@ -269,7 +268,7 @@ class CoordinatorService:
         req.num_output_tokens += len(delta.token_ids)
 
     def _abort(self, req: ApiRequest) -> None:
-        req.status = RequestStatus.FINISHED_ABORTED
+        req.status = ApiRequestStatus.FINISHED_ABORTED
         self.metrics.aborts.inc()
         node = req.node
         if node is None:
@@ -297,7 +296,7 @@ class CoordinatorService:
         m.prompt_tokens.inc(req.num_prompt_tokens)
         m.cached_prompt_tokens.inc(req.num_cached_tokens)
         m.generation_tokens.inc(req.num_output_tokens)
-        m.finished(req.endpoint, req.status.value if req.status.is_finished else "abort")
+        m.finished(req.endpoint, req.status.value if req.status.is_finished else FinishReason.ABORT)
 
     # ---- shutdown ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import Any
 import deepseek_recipe as recipe
 from aiohttp import web
 
+from deepinfer.outputs import FinishReason
 from deepinfer.server.conversion import ApiKind, Frontend, Prepared
 from deepinfer.server.errors import (
     ApiError,
@@ -41,8 +42,8 @@ from deepinfer.server.sse import SSEStream, dumps, format_event
 logger = logging.getLogger(__name__)
 
 _FINISH_REASONS = {
-    "stop": recipe.InferenceFinishReason.Stop,
-    "length": recipe.InferenceFinishReason.Length,
+    FinishReason.STOP: recipe.InferenceFinishReason.Stop,
+    FinishReason.LENGTH: recipe.InferenceFinishReason.Length,
 }
 _REQUEST_CLASSES: dict[ApiKind, Any] = {
     ApiKind.CHAT: recipe.ChatCompletionRequest,
@@ -130,7 +131,7 @@ async def recipe_events(
                         stop = _matched_stop(frontend, stop_sequences, recent_ids)
                         await service.finish_stopped(req, stop)
                     return
-                if delta.finish_reason == "abort":
+                if delta.finish_reason == FinishReason.ABORT:
                     raise ApiError(503, "The request was aborted by its node", retry_after=1)
                 if delta.finish_reason is not None:
                     reason = _FINISH_REASONS.get(delta.finish_reason)
@@ -157,7 +158,7 @@ def _text_token_ids(delta: TokenDelta, eos_token_id: int | None) -> list[int]:
     """The delta's tokens without the one that stopped it: the node reports EOS or a stop token
     id as the last output token (as vLLM does), but it is not part of the answer's text."""
     ids = delta.token_ids
-    if delta.finish_reason == "stop" and ids:
+    if delta.finish_reason == FinishReason.STOP and ids:
         last = ids[-1]
         if (delta.stop_reason is None and last == eos_token_id) or delta.stop_reason == last:
             return ids[:-1]

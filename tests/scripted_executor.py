@@ -79,7 +79,7 @@ class ScriptedExecutor:
         if self.num_failing_steps > 0:
             self.num_failing_steps -= 1
             raise ScriptedStepError(f"scripted failure in step {self.num_steps}")
-        for request_id in scheduler_output.finished_request_ids:
+        for request_id in scheduler_output.freed_request_ids:
             if request_id not in scheduler_output.preempted_request_ids:
                 self._scripts_by_request.pop(request_id, None)
         output = ModelRunnerOutput()

@@ -20,14 +20,13 @@ from deepinfer.server.errors import ApiError, ErrorFlavor, sse_error_event
 from deepinfer.server.protocol import NodeHeartbeat, NodeLoad, NodeRegistration
 from deepinfer.server.registry import (
     IdentityConflictError,
-    NodeEntry,
     NodeRegistry,
     NoFittingNodeError,
     NoReadyNodeError,
     RegistryFullError,
     WrongLeaseError,
 )
-from deepinfer.server.routing import LeastLoadedPolicy
+from deepinfer.server.routing import LeastLoadedPolicy, NodeEntry
 
 # ---- admission -------------------------------------------------------------------------------
 

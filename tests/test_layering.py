@@ -182,6 +182,22 @@ def test_the_scheduler_and_the_family_table_load_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_the_scheduler_never_imports_torch() -> None:
+    # Not even inside a function: the scheduler runs where torch is not installed.
+    torch_imports = []
+    for module, path in _modules().items():
+        if _room(module) == "deepinfer.scheduler":
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                torch_imports += [f"{module}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not torch_imports, torch_imports
+
+
 def test_the_layering_check_sees_an_upward_import(tmp_path: Path) -> None:
     # The checker itself: a scheduler module importing the engine under TYPE_CHECKING is caught.
     path = tmp_path / "x.py"

@@ -159,7 +159,7 @@ def test_admission_waits_for_a_free_state_slot() -> None:
     assert (scheduler.num_running, scheduler.num_waiting) == (1, 1)
     out, _ = step(scheduler)
     assert chunks(out) == [("B", 3, 1, True), ("C", 0, 3, True)]
-    assert out.finished_request_ids == {"A"}
+    assert out.freed_request_ids == {"A"}
     assert out.scheduled[1].state_slot == 0  # A's slot, the lowest free id
     assert tables(out)["C"] == [2]  # A's block [0] went to the back of the free list
 
@@ -206,7 +206,7 @@ def test_preemption_takes_the_newest_running_request_even_itself() -> None:
     assert chunks(out) == [("A", 5, 1, True), ("B", 4, 1, True)]
     assert tables(out) == {"A": [0, 3], "B": [1, 5]}
     assert out.preempted_request_ids == {"C"}
-    assert out.finished_request_ids == {"C"}
+    assert out.freed_request_ids == {"C"}
     c = scheduler.get_request("C")
     assert c is not None
     assert (c.status, c.num_computed_tokens, c.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
@@ -249,7 +249,7 @@ def test_preempted_victims_return_to_the_queue_front_in_admission_order() -> Non
     out, _ = step(scheduler)
     assert chunks(out) == [("B", 0, 5, True)]
     assert tables(out) == {"B": [1, 2]}
-    assert out.finished_request_ids == {"A"}
+    assert out.freed_request_ids == {"A"}
     assert scheduler.num_waiting == 2
 
 
@@ -346,7 +346,7 @@ def test_token_level_finish_reasons(
     assert scheduler.get_request("A") is None
     assert (request.block_table, request.state_slot) == ([], None)
     assert scheduler.block_manager.num_free_blocks == 64
-    assert scheduler.schedule().finished_request_ids == {"A"}
+    assert scheduler.schedule().freed_request_ids == {"A"}
 
 
 def test_length_is_capped_by_the_kv_pool() -> None:
@@ -387,7 +387,7 @@ def test_abort_in_every_state_frees_everything() -> None:
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == 3
     assert scheduler.state_slots.num_free_slots == 2
-    assert scheduler.schedule().finished_request_ids == {"A", "B", "W"}
+    assert scheduler.schedule().freed_request_ids == {"A", "B", "W"}
 
 
 def test_abort_between_schedule_and_update_is_skipped() -> None:
@@ -401,7 +401,7 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     scheduler.check_integrity()
     assert scheduler.block_manager.num_used_blocks == 1
     out = scheduler.schedule()
-    assert (chunks(out), out.finished_request_ids) == ([("B", 4, 1, True)], {"A"})
+    assert (chunks(out), out.freed_request_ids) == ([("B", 4, 1, True)], {"A"})
 
 
 def test_finish_requests_for_a_stop_string() -> None:

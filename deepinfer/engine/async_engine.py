@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 from deepinfer.constraints import ConstraintError
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request, RequestStatus
-from deepinfer.server.protocol import NodeLoad
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,24 @@ class EngineObserver(Protocol):
         """One step ran (in the step thread) for ``step_time_s``, produced ``deltas`` and
         scheduled ``num_scheduled_tokens`` (its batch's prefill chunks and decode tokens)."""
 
-    def on_finished(self, request: Request, finish_reason: str) -> None:
-        """The request ended: "stop" | "length" | "abort" | "error". Called once per request."""
+    def on_finished(self, request: Request, finish_reason: FinishReason) -> None:
+        """The request ended with ``finish_reason`` (ERROR: a step or the engine loop failed).
+        Called once per request."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now. Producer: AsyncEngine.load() (event loop thread). Consumers:
+    the node's registration, heartbeats and /metrics (as server/protocol.py NodeLoad).
+    ``is_draining``: it takes no new requests. ``is_healthy``: its loop turns (``is_turning``)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_used_slots: int
+    is_draining: bool
+    is_healthy: bool
 
 
 @dataclass(eq=False)
@@ -158,9 +174,9 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def load(self) -> NodeLoad:
+    def load(self) -> EngineLoad:
         scheduler = self.engine.scheduler
-        return NodeLoad(
+        return EngineLoad(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
@@ -330,16 +346,16 @@ class AsyncEngine:
         def abort_orphan() -> None:
             if not request.is_finished:
                 self.engine.abort_requests([request.request_id])
-            self._notify_finished(request, request.finish_reason or "abort")
+            self._notify_finished(request, request.finish_reason or FinishReason.ABORT)
 
         self._submit(abort_orphan)
 
-    def _finish_stream(self, stream: _Stream, finish_reason: str) -> None:
+    def _finish_stream(self, stream: _Stream, finish_reason: FinishReason) -> None:
         stream.is_finished = True
         assert stream.request is not None, f"stream {stream.request_id!r} finished unadded"
         self._notify_finished(stream.request, finish_reason)
 
-    def _notify_finished(self, request: Request, finish_reason: str) -> None:
+    def _notify_finished(self, request: Request, finish_reason: FinishReason) -> None:
         if self.observer is not None:
             self.observer.on_finished(request, finish_reason)
 
@@ -443,5 +459,5 @@ class AsyncEngine:
         for stream in streams:
             stream.is_finished = True
             if stream.request is not None:
-                self._notify_finished(stream.request, "error")
+                self._notify_finished(stream.request, FinishReason.ERROR)
             stream.queue.put_nowait(EngineStepError(message))

@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.triton_utils import dot_precision, num_sms
+
 _LOG2E = tl.constexpr(math.log2(math.e))
-# SMs assumed where torch cannot ask the device (Triton's CPU interpreter): an H200's.
-_DEFAULT_NUM_SMS = 132
 # The running max starts finite, so a tile with no valid key gives exp2(-inf - m) = 0 and a
 # rescale of exp2(0) = 1, never exp2(-inf + inf) = NaN.
 _M_INIT = tl.constexpr(-1e30)
@@ -63,11 +63,10 @@ class AttentionConfig:
         return self.block_h >= 64 or self.block_n >= 64
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# SMs assumed where torch cannot ask the device (Triton's CPU interpreter): an H200's.
+_num_sms = functools.partial(num_sms, cpu_stand_in=132)
+# "tf32" is the default and is ignored for 16-bit inputs; fp32 inputs must stay IEEE.
+_dot_precision = functools.partial(dot_precision, for_16bit="tf32")
 
 
 def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> AttentionConfig:
@@ -108,11 +107,6 @@ def _split_keys(
     wanted = min(max(num_sms // (num_q * num_head_blocks), 1), num_tiles)
     tiles_per_split = triton.cdiv(num_tiles, wanted)
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split * block_n
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # "tf32" is the default and is ignored for 16-bit inputs; fp32 inputs must stay IEEE.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit

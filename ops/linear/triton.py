@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
+from deepinfer.ops.triton_utils import num_sms
 
 __all__ = ["TileConfig", "fp8_linear", "pick_tile_config", "quantize_activations"]
 
@@ -88,12 +89,8 @@ def pick_tile_config(num_rows: int) -> TileConfig:
     return next(config for bound, config in _TILE_TABLE if num_rows <= bound)
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; the interpreter (CPU) gets a small stand-in."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# The interpreter (CPU) gets a small stand-in for the SMs to fill.
+_num_sms = functools.partial(num_sms, cpu_stand_in=4)
 
 
 def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_sms: int) -> int:

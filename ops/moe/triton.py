@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import swiglu
+from deepinfer.ops.triton_utils import dot_precision
 
 __all__ = ["TileConfig", "align_by_expert", "fused_moe", "pick_tile_config", "swiglu"]
 
@@ -363,14 +364,13 @@ def fused_moe(
     config = config or pick_tile_config(num_pairs, x.dtype)
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
-    # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
-    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = {
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
         "GROUP_M": config.group_m,
-        "DOT_PRECISION": dot_precision,
+        # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
+        "DOT_PRECISION": dot_precision(x.dtype, for_16bit="tf32"),
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }

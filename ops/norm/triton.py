@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
+from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 __all__ = [
     "apply_rope",
@@ -74,20 +75,10 @@ ROPE_TILE = 4096
 POOL_BLOCK_S = 8
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; the interpreter (CPU) gets a small stand-in."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs: exact fp32 products (the fp32 parity mode matches the CPU to ~1e-5).
-
-    16-bit inputs are exact in tf32, so tf32x3 keeps the fp32 weights' precision on tensor cores.
-    """
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+# The interpreter (CPU) gets a small stand-in for the SMs to fill.
+_num_sms = functools.partial(num_sms, cpu_stand_in=4)
+# 16-bit inputs are exact in tf32, so tf32x3 keeps the fp32 weights' precision on tensor cores.
+_dot_precision = functools.partial(dot_precision, for_16bit="tf32x3")
 
 
 def _split_d(num_tokens: int, dim: int, num_sms: int) -> tuple[int, int, int]:
