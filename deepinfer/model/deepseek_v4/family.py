@@ -70,7 +70,7 @@ class DeepseekV4Family:
         )
 
     def geometry(self, args: ModelArgs, cache: KVCache) -> CacheGeometry:
-        return CacheGeometry.of(args, cache)
+        return CacheGeometry.of(cache)
 
     def step_arrays(
         self,

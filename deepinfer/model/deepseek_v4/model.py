@@ -222,7 +222,7 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
         if batch.metadata is None:
-            batch.metadata = build_metadata(batch, CacheGeometry.of(self.args, cache))
+            batch.metadata = build_metadata(batch, CacheGeometry.of(cache))
         batch.metadata.derive_entry_lists()
         batch.rope = {
             "main": rope_cos_sin(batch.positions, self.main_inv_freq),

@@ -9,8 +9,6 @@ import numpy as np
 
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import SeqSpan
-from deepinfer.model.deepseek_v4.args import HCA, ModelArgs
-from deepinfer.model.deepseek_v4.cache import ring_size
 
 
 @dataclass(frozen=True)
@@ -28,18 +26,19 @@ class CacheGeometry:
     max_draft: int = 0  # draft tokens the compressor buffers keep room for
 
     @classmethod
-    def of(cls, args: ModelArgs, cache: KVCache) -> CacheGeometry:
-        """The geometry of ``cache`` (built from ``cache_spec(args, ...)``)."""
+    def of(cls, cache: KVCache) -> CacheGeometry:
+        """The geometry of ``cache``, read from its spec's parts (cache.py): the cache the plans
+        address decides it, whatever model runs on it."""
         spec = cache.spec
-        ratios = tuple(sorted({r for r in args.compress_ratios if r}))
-        pairs = zip(args.compress_ratios, args.layer_types, strict=True)
-        dense = {r for r, t in pairs if t == HCA}
+        [ring] = {p.rows for p in spec.state if p.key[1] == "ring"}
+        ratio = {p.key[0]: spec.block_size // p.rows for p in spec.paged if p.key[1] == "entries"}
+        sparse = {p.key[0] for p in spec.paged if p.key[1] == "index_keys"}
         return cls(
-            args.sliding_window,
-            ring_size(args, spec.ring_margin),
+            ring - spec.ring_margin,
+            ring,
             spec.block_size,
-            ratios,
-            dense_ratios=tuple(sorted(dense)),
+            tuple(sorted(set(ratio.values()))),
+            dense_ratios=tuple(sorted({r for i, r in ratio.items() if i not in sparse})),
             scratch_slot=cache.scratch_slot,
             scratch_block=cache.scratch_block,
             max_draft=spec.max_draft,
