@@ -32,6 +32,9 @@ Preemption is by recompute: the victim drops its blocks and state slot and later
 position 0. A request never holds more than the whole KV pool, so a request finishes with
 "length" at ``min(max_model_len, num_blocks * block_size)`` tokens; beyond that a lone request
 would preempt itself forever.
+
+One file of ~500 lines: ``schedule()`` and ``update()`` keep the queue invariants drawn above
+together; prefix reuse, integrity checks and state slots are rooms of their own beside it.
 """
 
 from __future__ import annotations

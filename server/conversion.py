@@ -20,6 +20,9 @@ no token spells more than ``max_token_chars`` characters, so a prompt of ``n`` c
 least ``ceil(n / max_token_chars)`` tokens, and one that cannot fit is refused without tokenizing.
 The bound is exact, never refusing a prompt that fits, hence loose (V4's longest tokens are runs
 of 128 spaces or dots): it stops absurd bodies, and the pool bounds the rest.
+
+One file of ~430 lines: the pipeline above, step by step, each of recipe's gaps patched where
+it occurs.
 """
 
 from __future__ import annotations

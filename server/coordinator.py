@@ -17,6 +17,9 @@ Background work runs in ``cleanup_ctx``: the HTTP session for node clients, the 
 (heartbeat expiry, probes), the preparation pool. ``serve_coordinator`` runs both apps until
 SIGTERM/SIGINT, then drains (stop admitting, let in-flight streams finish up to
 ``server.drain_timeout_s``, abort the rest) and returns 0.
+
+One file of ~620 lines: it assembles both apps (routes, middlewares, start-up and shutdown of
+the registry, service and node clients); each handler's work lives in the modules it calls.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ When there is no work the loop task waits on an event; it never polls.
 A request's stream is owned by its ``generate()`` consumer: it is registered when the consumer
 starts iterating and removed when the consumer stops, and a consumer that stops before the
 request finished (a client disconnect, a cancelled task) aborts it, which frees its blocks.
+
+One file of ~460 lines: the loop task, the step thread and the command queue hand the
+scheduler to each other, and that hand-off is only readable in one place.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ visible entries only write -inf.
 
 Inputs are bf16 in production (tensor-core dots, fp32 accumulation) or fp32 in the parity mode,
 where every dot runs in IEEE fp32 (``input_precision="ieee"``) to match the CPU to ~1e-5.
+
+One file of ~570 lines: a backend is one module per op family (``ops/registry.py``), and these
+kernels share their launchers' tile tables (``benchmarks/attention_tiles.py`` sweeps them).
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ routing and on the tile configuration, not on which other tokens share its exper
 bitwise the same alone or in any batch that picks the same TileConfig (pick_tile_config keys on
 T * k, so batches in one bucket of the table agree; across buckets the GEMM tile shapes, and with
 them the summation order, differ).
+
+One file of ~420 lines: a backend is one module per op family (``ops/registry.py``); the
+alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's 
 gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime bound under numpy 2,
 and they take few values (a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4;
 4 x 2 or 128 slots), each compiled once.
+
+One file of ~630 lines: a backend is one module per op family (``ops/registry.py``); the
+family's five ops share the fp32 rules and the interpreter constraints above.
 """
 
 from __future__ import annotations
