@@ -88,12 +88,4 @@ def token_delta(delta: RequestOutputDelta, request: Request, with_counts: bool) 
 
 def node_load(load: EngineLoad) -> NodeLoad:
     """The engine's load as the coordinator reads it (the same fields)."""
-    return NodeLoad(
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        num_free_blocks=load.num_free_blocks,
-        num_total_blocks=load.num_total_blocks,
-        num_used_slots=load.num_used_slots,
-        is_draining=load.is_draining,
-        is_healthy=load.is_healthy,
-    )
+    return NodeLoad(**dataclasses.asdict(load))
