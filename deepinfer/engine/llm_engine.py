@@ -136,7 +136,7 @@ class LLMEngine:
         Cheap here: xgrammar loads the vocabulary on the first compile."""
         if self.tokenizer is None or self.executor.eos_token_id is None:
             return None
-        # ModelArgs accepts only model_type "deepseek_v4": its DSML tool-call format applies.
+        # Every family of deepinfer/model/families.py speaks DeepSeek's DSML tool-call format.
         return GrammarCompiler(
             self.tokenizer.path,
             vocab_size=self.executor.vocab_size,

@@ -67,7 +67,7 @@ def load_model(
     if keep_fp8:
         logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
     model.load_state_dict(weights, strict=True, assign=True)
-    model.init_rope(device)
+    family.init_buffers(model, device)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(

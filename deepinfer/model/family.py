@@ -3,7 +3,8 @@
     families.py (model_type -> package) -> package.FAMILY: ModelFamily
         parse the config        -> args (vocab_size, eos_token_id, max_position_embeddings, ...)
         load or draw weights    -> a state dict in the model's names
-        build_model(args, ...)  -> nn.Module: forward(ForwardBatch, KVCache) -> logits [N, V] fp32
+        build_model(args, ...)  -> nn.Module: forward(ForwardBatch, KVCache) -> logits [N, V] fp32,
+                                   ``args`` (what it was built from); init_buffers after loading
         cache_spec(args, ...)   -> CacheSpec (sizing, pools and payloads all enumerate its parts)
         geometry(args, cache)   -> the family's plan context for that cache
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
@@ -35,6 +36,11 @@ class ModelFamily(Protocol):
 
     def build_model(self, args: Any, kernels: Kernels) -> nn.Module:
         """The model with empty parameters (call it under ``torch.device("meta")``)."""
+        ...
+
+    def init_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Recompute what building on the meta device left empty (buffers that are not
+        weights), once the weights are loaded."""
         ...
 
     def fp8_block(self, args: Any) -> tuple[int, int]:

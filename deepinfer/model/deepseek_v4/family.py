@@ -34,6 +34,10 @@ class DeepseekV4Family:
     def build_model(self, args: ModelArgs, kernels: Kernels) -> DeepseekV4:
         return DeepseekV4(args, kernels)
 
+    def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
+        assert isinstance(model, DeepseekV4)
+        model.init_rope(device)
+
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)
 
