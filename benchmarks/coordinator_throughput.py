@@ -55,7 +55,7 @@ def run_fake_node(port: int) -> None:
         cache_salt, replay_tokens = b"fake", 0
 
         def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-            tokens = {s.request_id: FAKE_TOKEN for s in out.scheduled if s.do_sample}
+            tokens = {s.request_id: [FAKE_TOKEN] for s in out.scheduled if s.do_sample}
             return ModelRunnerOutput(sampled_token_ids=tokens)
 
     overrides = {

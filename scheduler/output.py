@@ -29,6 +29,12 @@ class ScheduledRequest:
     ``num_prompt_logprob_positions`` counts the positions of this chunk (from its first) whose
     prompt logprobs are wanted. A decode chunk scheduled while its request's previous token is
     still on the device is ``[PLACEHOLDER_TOKEN_ID]``.
+
+    ``num_draft_tokens`` (speculative decoding, with ``do_sample``): the last that many of
+    ``token_ids`` are drafted guesses of the tokens after the request's last one. The executor
+    samples at each of the last ``num_draft_tokens + 1`` positions and keeps the samples while
+    each draft equals the token sampled before it (``ModelRunnerOutput``), then rolls the
+    request's cache state back over the rejected drafts.
     """
 
     request: Request
@@ -38,6 +44,7 @@ class ScheduledRequest:
     state_slot: int
     do_sample: bool
     num_prompt_logprob_positions: int = 0
+    num_draft_tokens: int = 0
     # Prefix reuse (scheduler/prefix_reuse.py): copy snapshot -> slot before the chunk runs,
     # slot -> snapshot after it; keys before ``window_floor`` are not attended; entries of
     # positions below ``num_protected_tokens`` (reused blocks) are not written.
@@ -57,6 +64,11 @@ class ScheduledRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sampled_positions(self) -> int:
+        """Positions whose logits are sampled: the last one and each draft's (0: none)."""
+        return self.num_draft_tokens + 1 if self.do_sample else 0
 
 
 @dataclass
@@ -91,14 +103,16 @@ class ModelRunnerOutput:
     """What one executed step produced.
 
     Producer: the executor. Consumer: Scheduler.update(). Device: none (host values).
-    ``sampled_token_ids`` has one token per request that had ``do_sample``. ``logprobs`` maps a
-    request to ``{token_id: logprob}`` for the sampled token plus the top-k asked for;
+    ``sampled_token_ids`` has the tokens of each request that had ``do_sample``: one, or with
+    drafts the accepted ones (1 to num_draft_tokens + 1, in order: each accepted draft, then the
+    token sampled after the last of them). ``logprobs`` maps a request to one
+    ``{token_id: logprob}`` per sampled token (that token plus the top-k asked for);
     ``prompt_logprobs`` maps a request to one such dict per prompt position of the chunk
     (position p holds the logprob of token p+1 given tokens <= p).
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 

@@ -121,6 +121,9 @@ class Request:
     # Structured output: the grammar state after output_token_ids (None = unconstrained). Kept
     # across preemption: recompute replays the accepted tokens, it does not resample them.
     matcher: TokenMatcher | None = None
+    # Speculative decoding: draft tokens the step in flight verifies after the request's last
+    # token (0 when none is in flight). Set by schedule(), cleared by update().
+    num_drafts_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

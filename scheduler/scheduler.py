@@ -45,6 +45,7 @@ from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.scheduler.block_manager import BlockManager
+from deepinfer.scheduler.drafts import Drafter, num_draft_slots
 from deepinfer.scheduler.integrity import check_integrity
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
@@ -77,8 +78,13 @@ class Scheduler:
         max_model_len: int,
         prefix_caching: PrefixCachingOptions | None = None,
         tiers: LowerTiers | None = None,
+        max_draft_tokens: int = 0,
     ) -> None:
         self._init_limits(config, block_size, num_blocks, max_model_len)
+        # Speculative decoding (scheduler/drafts.py): the drafter, and the most drafts a step
+        # verifies per request (what the cache can roll back).
+        self.drafter: Drafter | None = None
+        self.max_draft_tokens = max_draft_tokens
         self._init_managers(num_blocks, num_state_slots, prefix_caching, tiers)
         self._init_queues()
 
@@ -135,6 +141,8 @@ class Scheduler:
         first: with prefix caching, its next chunk ends a block whose hash (for a snapshot)
         covers it. (Penalties and min_tokens count it on the device; a grammar needs it before
         sampling only, see llm_engine.py.)"""
+        if self.drafter is not None:  # drafts follow tokens the host has
+            return any(r.num_pending_tokens for r in self._running)
         if self.prefix is None:
             return False
         return any(
@@ -236,7 +244,8 @@ class Scheduler:
             if num_new_tokens == 0:
                 index += 1
                 continue
-            end = request.num_computed_tokens + num_new_tokens
+            drafts = self._drafts(request, num_new_tokens, budget)
+            end = request.num_computed_tokens + num_new_tokens + len(drafts)
             while not self._allocate_blocks(request, end):
                 # Victims come from the tail, so requests already scheduled this step (ahead of
                 # index) are never preempted; the tail may be this request itself.
@@ -246,10 +255,24 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself, so it was the newest: nothing runs after it
-            scheduled.append(self._schedule_chunk(request, num_new_tokens))
-            budget -= num_new_tokens
+            scheduled.append(self._schedule_chunk(request, num_new_tokens, drafts))
+            budget -= num_new_tokens + len(drafts)
             index += 1
         return budget
+
+    def _drafts(self, request: Request, num_new_tokens: int, budget: int) -> list[int]:
+        """The drafter's guesses to verify after this chunk (none where drafts.py says so)."""
+        if self.drafter is None:
+            return []
+        num_slots = num_draft_slots(
+            request,
+            end=request.num_computed_tokens + num_new_tokens,
+            max_draft_tokens=self.max_draft_tokens,
+            budget=budget - num_new_tokens,
+            max_num_tokens=self._max_num_tokens,
+            block_size=self.block_size if self.prefix is not None else None,
+        )
+        return list(self.drafter.propose(request, num_slots))[:num_slots] if num_slots else []
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         # Strict FCFS: stop at the first request that does not fit, so a large request at the
@@ -321,7 +344,9 @@ class Scheduler:
         request.block_table.extend(self.block_manager.allocate(num_needed))
         return True
 
-    def _schedule_chunk(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _schedule_chunk(
+        self, request: Request, num_new_tokens: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         """Build the chunk ``[start, start + num_new_tokens)`` and advance the counters.
 
         Prompt logprobs exist for positions ``p <= num_prompt_tokens - 2`` (position p scores
@@ -360,6 +385,11 @@ class Scheduler:
         token_ids += [PLACEHOLDER_TOKEN_ID] * (end - max(start, known_end))
         do_sample = end == request.num_tokens + request.num_pending_tokens
         request.num_pending_tokens += do_sample
+        if drafts:
+            assert do_sample, f"request {request.request_id!r}: drafts after a prefill chunk"
+            token_ids += drafts
+            request.num_computed_tokens += len(drafts)
+            request.num_drafts_in_flight = len(drafts)
         return ScheduledRequest(
             request=request,
             token_ids=token_ids,
@@ -369,6 +399,7 @@ class Scheduler:
             state_slot=request.state_slot,
             do_sample=do_sample,
             num_prompt_logprob_positions=num_logprob_positions,
+            num_draft_tokens=len(drafts or ()),
             restore_snapshot=restore_snapshot,
             restore_snapshot_key=restore_key,
             block_loads=block_loads,
@@ -387,6 +418,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # the steps in flight resample them after the recompute
+        request.num_drafts_in_flight = 0
         request.num_preemptions += 1
         self._waiting.appendleft(request)
         self._preempted_ids.add(request.request_id)
@@ -407,36 +439,29 @@ class Scheduler:
             request = scheduled.request
             if request.is_finished:
                 continue
+            # A request preempted after this step was scheduled recomputes (and resamples) later.
+            sampled = scheduled.do_sample and request.status == RequestStatus.RUNNING
+            token_ids = runner_output.sampled_token_ids.get(request.request_id) if sampled else None
+            if sampled:
+                assert token_ids, (
+                    f"request {request.request_id!r} had do_sample but no sampled token came back"
+                )
+                self._roll_back_drafts(request, scheduled, len(token_ids))
             if self.prefix is not None and request.status == RequestStatus.RUNNING:
                 self.prefix.on_step_done(request)
             new_prompt_logprobs = self._take_prompt_logprobs(scheduled, runner_output)
             new_token_ids: list[int] = []
             new_logprobs = None
-            # A request preempted after this step was scheduled recomputes (and resamples) later.
-            if scheduled.do_sample and request.status == RequestStatus.RUNNING:
-                token_id = runner_output.sampled_token_ids.get(request.request_id)
-                assert token_id is not None, (
-                    f"request {request.request_id!r} had do_sample but no sampled token came back"
-                )
+            if token_ids:
                 request.num_pending_tokens -= 1
-                new_token_ids = [token_id]
-                request.output_token_ids.append(token_id)
-                is_rejected = request.matcher is not None and not request.matcher.accept(token_id)
                 logprobs = runner_output.logprobs.get(request.request_id)
+                for n, token_id in enumerate(token_ids):
+                    new_token_ids.append(token_id)
+                    entry = None if logprobs is None else logprobs[n]
+                    if self._append_token(request, token_id, entry):
+                        break
                 if logprobs is not None:
-                    request.output_logprobs.append(logprobs)
-                    new_logprobs = [logprobs]
-                status = self._check_stop(request, token_id)
-                if is_rejected:
-                    # The sampler only draws allowed tokens: a rejection is a masking bug.
-                    logger.error(
-                        "request %r: token %d broke its output constraint; aborting it",
-                        request.request_id,
-                        token_id,
-                    )
-                    status = RequestStatus.FINISHED_ABORTED
-                if status is not None:
-                    self._finish(request, status)
+                    new_logprobs = logprobs[: len(new_token_ids)]
             if new_token_ids or new_prompt_logprobs is not None:
                 deltas.append(
                     RequestOutputDelta(
@@ -450,6 +475,39 @@ class Scheduler:
                     )
                 )
         return deltas
+
+    def _roll_back_drafts(
+        self, request: Request, scheduled: ScheduledRequest, num_kept: int
+    ) -> None:
+        """The drafts the executor rejected were computed but are not tokens: uncount them."""
+        num_rejected = scheduled.num_draft_tokens - (num_kept - 1)
+        assert 0 <= num_rejected <= scheduled.num_draft_tokens, (
+            f"request {request.request_id!r}: {num_kept} tokens for "
+            f"{scheduled.num_draft_tokens} drafts"
+        )
+        request.num_computed_tokens -= num_rejected
+        request.num_drafts_in_flight = 0
+
+    def _append_token(
+        self, request: Request, token_id: int, logprobs: dict[int, float] | None
+    ) -> bool:
+        """Append one output token and apply its stops; True when it finished the request."""
+        request.output_token_ids.append(token_id)
+        is_rejected = request.matcher is not None and not request.matcher.accept(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        status = self._check_stop(request, token_id)
+        if is_rejected:
+            # The sampler only draws allowed tokens: a rejection is a masking bug.
+            logger.error(
+                "request %r: token %d broke its output constraint; aborting it",
+                request.request_id,
+                token_id,
+            )
+            status = RequestStatus.FINISHED_ABORTED
+        if status is not None:
+            self._finish(request, status)
+        return status is not None
 
     def _take_prompt_logprobs(
         self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
@@ -491,6 +549,7 @@ class Scheduler:
             self._waiting.remove(request)
         request.status = status
         request.num_pending_tokens = 0  # tokens of steps in flight are dropped
+        request.num_drafts_in_flight = 0
         del self._requests[request.request_id]
         self._freed_ids.add(request.request_id)
 

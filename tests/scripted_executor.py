@@ -105,11 +105,11 @@ class ScriptedExecutor:
             # Indexed by the output position, so a recompute after preemption replays the script.
             index = request.num_output_tokens
             token_id = script[index] if index < len(script) else self._end_token()
-            output.sampled_token_ids[request.request_id] = token_id
+            output.sampled_token_ids[request.request_id] = [token_id]
             if params.logprobs is not None:
-                output.logprobs[request.request_id] = self._logprobs(
-                    token_id, -0.25, params.logprobs
-                )
+                output.logprobs[request.request_id] = [
+                    self._logprobs(token_id, -0.25, params.logprobs)
+                ]
         return output
 
     def _end_token(self) -> int:

@@ -40,7 +40,7 @@ def _request(rid: str, prompt: list[int], max_tokens: int = 1, salt: str | None 
 def _step(s: Scheduler, token: int = 7) -> SchedulerOutput:
     out = s.schedule()
     result = ModelRunnerOutput(
-        sampled_token_ids={x.request_id: token for x in out.scheduled if x.do_sample}
+        sampled_token_ids={x.request_id: [token] for x in out.scheduled if x.do_sample}
     )
     s.update(out, result)
     s.check_integrity()
@@ -140,7 +140,7 @@ def test_randomized_sharing_forking_aborts_tiny_memory() -> None:
             for x in out.scheduled:
                 if x.restore_snapshot is not None:  # never evicted while about to be read
                     assert x.restore_snapshot in s.prefix.snapshots._committed.values()
-            tokens = {x.request_id: rng.randrange(50) for x in out.scheduled if x.do_sample}
+            tokens = {x.request_id: [rng.randrange(50)] for x in out.scheduled if x.do_sample}
             s.update(out, ModelRunnerOutput(sampled_token_ids=tokens))
             s.check_integrity()
         _run_all(s)

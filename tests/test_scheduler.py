@@ -58,9 +58,9 @@ def fake_runner_output(output: SchedulerOutput, tokens: dict[str, int]) -> Model
         request_id = scheduled.request_id
         if scheduled.do_sample:
             token_id = tokens.get(request_id, 1)
-            result.sampled_token_ids[request_id] = token_id
+            result.sampled_token_ids[request_id] = [token_id]
             if scheduled.request.sampling_params.logprobs is not None:
-                result.logprobs[request_id] = {token_id: -0.5}
+                result.logprobs[request_id] = [{token_id: -0.5}]
         start, num_positions = scheduled.start_pos, scheduled.num_prompt_logprob_positions
         if num_positions:
             positions = range(start, start + num_positions)

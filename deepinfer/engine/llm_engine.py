@@ -34,6 +34,7 @@ from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler.drafts import Drafter
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -117,7 +118,16 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             prefix_caching=self._prefix_caching_options(),
             tiers=self.tiers,
+            # Deterministic steps run one token per forward: no drafts to verify in one.
+            max_draft_tokens=0 if config.kernel.deterministic else config.cache.max_draft_tokens,
         )
+
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Speculative decoding: ``drafter`` proposes tokens that the next steps verify, up to
+        cache.max_draft_tokens per request (scheduler/drafts.py); None stops drafting."""
+        if drafter is not None and self.scheduler.max_draft_tokens == 0:
+            raise ValueError("a drafter needs cache.max_draft_tokens > 0 (and not deterministic)")
+        self.scheduler.drafter = drafter
 
     def _init_tiers(self) -> KVTiers | None:
         """Host/disk tiers for a real model runner with prefix caching on."""

@@ -330,7 +330,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(output, request_ids, host, ready)
+        drafted = {s.request_id: s for s in scheduled if s.num_draft_tokens}
+        return LaunchedStep(output, request_ids, host, ready, drafted, self._roll_back)
+
+    def _roll_back(self, sched: ScheduledRequest, num_rejected: int) -> None:
+        """The cache state of ``sched``'s request as if its last ``num_rejected`` drafts had
+        not been computed."""
+        end_pos = sched.start_pos + sched.num_tokens
+        self.family.rollback(self.kv_cache, sched.state_slot, end_pos, num_rejected)
 
     def _prepare(
         self, scheduler_output: SchedulerOutput
@@ -368,7 +375,8 @@ def _logits_layout(
     scheduled: list[ScheduledRequest],
 ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
     """Which batch rows get logits: (logits_indices, (scheduled index, logits row) per sampled
-    request, (scheduled index, first logits row, count) per request with prompt logprobs)."""
+    position (a request's last, and each of its drafts', in order), (scheduled index, first
+    logits row, count) per request with prompt logprobs)."""
     logits_indices: list[int] = []
     sample_rows: list[tuple[int, int]] = []
     prompt_rows: list[tuple[int, int, int]] = []
@@ -378,8 +386,8 @@ def _logits_layout(
             count = sched.num_prompt_logprob_positions
             prompt_rows.append((i, len(logits_indices), count))
             logits_indices.extend(range(offset, offset + count))
-        if sched.do_sample:
+        for position in range(sched.num_tokens - sched.num_sampled_positions, sched.num_tokens):
             sample_rows.append((i, len(logits_indices)))
-            logits_indices.append(offset + sched.num_tokens - 1)
+            logits_indices.append(offset + position)
         offset += sched.num_tokens
     return logits_indices, sample_rows, prompt_rows

@@ -15,6 +15,7 @@ request's placeholder, gathered on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -23,6 +24,7 @@ import torch
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import to_device
 from deepinfer.ops.sampling import SamplerOutput
+from deepinfer.scheduler.drafts import accepted
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -68,12 +70,26 @@ def sample(
         return None
     scheduled = [scheduler_output.scheduled[i] for i, _ in sample_rows]
     requests = [s.request for s in scheduled]
+    # A request's j-th sampled position (j > 0 with drafts) samples as if its first j drafts
+    # were accepted: after them in the output history, one position further.
+    draft_index = [0] * len(sample_rows)
+    for n in range(1, len(sample_rows)):
+        if sample_rows[n][0] == sample_rows[n - 1][0]:
+            draft_index[n] = draft_index[n - 1] + 1
+    outputs = [
+        r.output_token_ids + s.token_ids[s.num_tokens - s.num_draft_tokens :][:j] if j else
+        r.output_token_ids
+        for r, s, j in zip(requests, scheduled, draft_index, strict=True)
+    ]  # fmt: skip
     metadata = sampling.SamplingMetadata.build(
         [r.sampling_params for r in requests],
         prompt_token_ids=[r.prompt_token_ids for r in requests],
-        output_token_ids=[r.output_token_ids for r in requests],
+        output_token_ids=outputs,
         # The sampled token's position (the request's tokens still on the device included).
-        positions=[s.start_pos + s.num_tokens for s in scheduled],
+        positions=[
+            s.start_pos + s.num_tokens - s.num_draft_tokens + j
+            for s, j in zip(scheduled, draft_index, strict=True)
+        ],
         eos_token_id=eos_token_id,
         device=logits.device,
         allowed_token_mask=allowed_token_mask(
@@ -91,28 +107,41 @@ class LaunchedStep:
     calls ``result()`` (once) when it needs the samples on the host.
 
     ``samples`` (host tensors, filled by copies queued after the sampler) belong to
-    ``request_ids`` in order; ``ready`` (CUDA) is recorded after those copies.
+    ``request_ids`` in order (a request with drafts once per sampled position); ``ready``
+    (CUDA) is recorded after those copies. ``drafted``: the requests that verified drafts,
+    whose rejected drafts ``roll_back`` undoes in the cache once the samples are known.
     """
 
     output: ModelRunnerOutput  # prompt logprobs already in it
     request_ids: list[str] = field(default_factory=list)
     samples: SamplerOutput | None = None
     ready: torch.cuda.Event | None = None
+    drafted: dict[str, ScheduledRequest] = field(default_factory=dict)
+    roll_back: Callable[[ScheduledRequest, int], None] | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self.samples is None:
             return self.output
         if self.ready is not None:
             self.ready.synchronize()
-        logprobs = self.samples.logprobs
+        output = self.output
         for rid, token_id, entry in zip(
-            self.request_ids, self.samples.token_ids.tolist(), logprobs, strict=True
+            self.request_ids, self.samples.token_ids.tolist(), self.samples.logprobs, strict=True
         ):
-            self.output.sampled_token_ids[rid] = token_id
+            output.sampled_token_ids.setdefault(rid, []).append(token_id)
             if entry is not None:
-                self.output.logprobs[rid] = entry
+                output.logprobs.setdefault(rid, []).append(entry)
+        for rid, sched in self.drafted.items():
+            drafts = sched.token_ids[sched.num_tokens - sched.num_draft_tokens :]
+            kept = accepted(drafts, output.sampled_token_ids[rid])
+            output.sampled_token_ids[rid] = kept
+            if rid in output.logprobs:
+                output.logprobs[rid] = output.logprobs[rid][: len(kept)]
+            num_rejected = len(drafts) + 1 - len(kept)
+            if num_rejected and self.roll_back is not None:
+                self.roll_back(sched, num_rejected)
         self.samples = None
-        return self.output
+        return output
 
 
 class LastSamples:
@@ -150,7 +179,8 @@ class LastSamples:
         rows = [
             j
             for j, sched in enumerate(scheduled)
-            if sched.start_pos + sched.num_tokens != sched.request.num_tokens
+            if sched.start_pos + sched.num_tokens - sched.num_draft_tokens
+            != sched.request.num_tokens
         ]
         if not rows:
             return None
