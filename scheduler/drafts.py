@@ -6,10 +6,11 @@
                 over the rejected drafts (the executor rolls the cache state back)
 
 Drafts are proposed only where a verification step gives exactly the tokens a plain run would:
-a request decoding with every token on the host (no token in flight), no grammar (its matcher
-would have to advance through the drafts before masking), not deterministic (those run one token
-per forward), and, with prefix caching, drafts that stay inside the current block (a block
-boundary is where a snapshot of the state is saved, and it must not include rejected drafts).
+a request decoding with every token on the host (no token in flight), not deterministic (those
+run one token per forward), and, with prefix caching, drafts that stay inside the current block
+(a block boundary is where a snapshot of the state is saved, and it must not include rejected
+drafts). A grammar masks each drafted position with its state after the drafts before it
+(``step_outputs.DraftedMatcher``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def num_draft_slots(
         max_draft_tokens <= 0
         or request.num_pending_tokens
         or end != request.num_tokens
-        or request.matcher is not None
         or params.deterministic
     ):
         return 0

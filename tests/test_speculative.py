@@ -1,8 +1,9 @@
 """Verification steps (scheduler/drafts.py): a test drafter proposes the plain run's own next
 tokens, with every third one wrong, and the engine verifies up to three per request per step.
-The tokens and logprobs must be the plain run's, for greedy and seeded sampling, beside requests
-that do not draft, through chunked prefill, preemption and prefix hits, with asynchronous
-scheduling on and off; and drafts must really have been both accepted and rejected."""
+The tokens and logprobs must be the plain run's, for greedy and seeded sampling and a grammar,
+beside a request that does not draft, through chunked prefill, preemption and prefix hits, with
+asynchronous scheduling on and off; and drafts must really have been both accepted and
+rejected."""
 
 from __future__ import annotations
 
@@ -23,13 +24,19 @@ PROMPTS = [
     [(11 * i + 5) % 997 + 3 for i in range(21)],
     [(13 * i + 7) % 991 + 3 for i in range(9)],
     [(17 * i + 1) % 983 + 3 for i in range(40)],
+    [(19 * i + 2) % 977 + 3 for i in range(12)],
 ]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=NUM_NEW, logprobs=2, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=7, max_tokens=NUM_NEW, logprobs=1, ignore_eos=True),
     # Does not draft (see _Drafter): batched beside the others.
     SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True),
+    # A grammar: each drafted position is masked by the state after the drafts before it.
+    SamplingParams(
+        seed=4, max_tokens=12, logprobs=1, constraint=("regex", "[a-z]{2,6}( [a-z]{2,6})*")
+    ),
 ]
+DRAFTED = (0, 1, 3)
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +66,10 @@ def plain(tiny_dir: Path) -> list[RequestOutput]:
 
 
 class _Drafter:
-    """The plain run's continuation, every third guess off by one; nothing for PROMPTS[2]."""
+    """The plain run's continuation, every third guess wrong; nothing for PROMPTS[2]."""
 
     def __init__(self, plain: list[RequestOutput]) -> None:
-        self.truth = {
-            tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS[:2], plain, strict=False)
-        }
+        self.truth = {tuple(PROMPTS[i]): plain[i].outputs[0].token_ids for i in DRAFTED}
         self.num_proposed = 0
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
@@ -93,7 +98,15 @@ def _count_verdicts(llm: LLM) -> Counter[str]:
                 counts["rejected"] += s.num_draft_tokens - (len(tokens) - 1)
         return update(out, result)
 
+    schedule = scheduler.schedule
+
+    def spy_schedule() -> SchedulerOutput:
+        out = schedule()
+        counts["preempted"] += len(out.preempted_request_ids)
+        return out
+
     scheduler.update = spy  # type: ignore[method-assign]
+    scheduler.schedule = spy_schedule  # type: ignore[method-assign]
     return counts
 
 
@@ -109,7 +122,7 @@ def _assert_same(got: list[RequestOutput], want: list[RequestOutput]) -> None:
 def test_verified_drafts_give_the_plain_tokens(
     tiny_dir: Path, plain: list[RequestOutput], async_scheduling: bool
 ) -> None:
-    # 9 blocks of 16 for requests of 41, 29 and 60 tokens: the newest is preempted.
+    # 9 blocks of 16 for requests of 41, 29, 60 and 24 tokens: the newest are preempted.
     llm = _llm(tiny_dir, async_scheduling, max_draft_tokens=3, num_blocks=9)
     drafter = _Drafter(plain)
     llm.engine.set_drafter(drafter)
@@ -117,6 +130,7 @@ def test_verified_drafts_give_the_plain_tokens(
     _assert_same(_generate(llm), plain)
     _assert_same(_generate(llm), plain)  # again: the prompts' blocks are prefix-cache hits
     assert drafter.num_proposed and counts["accepted"] and counts["rejected"], counts
+    assert counts["preempted"], counts
 
 
 def test_a_drafter_needs_a_rollback_margin(tiny_dir: Path, plain: list[RequestOutput]) -> None:

@@ -15,13 +15,14 @@ request's placeholder, gathered on the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
-from deepinfer.constraints.matcher import allowed_token_mask
+from deepinfer.constraints.matcher import Matcher, allowed_token_mask
 from deepinfer.device import to_device
 from deepinfer.ops.sampling import SamplerOutput
 from deepinfer.scheduler.drafts import accepted
@@ -93,12 +94,48 @@ def sample(
         eos_token_id=eos_token_id,
         device=logits.device,
         allowed_token_mask=allowed_token_mask(
-            [r.matcher for r in requests], logits.shape[-1], logits.device
+            [
+                r.matcher if r.matcher is None or not j else DraftedMatcher(r.matcher, out[-j:])
+                for r, out, j in zip(requests, outputs, draft_index, strict=True)
+            ],
+            logits.shape[-1],
+            logits.device,
         ),
         pending=last_samples.pending(scheduled),
     )
     rows = to_device(torch.tensor([row for _, row in sample_rows]), logits.device)
     return sampling.sample(logits[rows], metadata, generator)
+
+
+class DraftedMatcher:
+    """A request's grammar state after ``drafts`` (a drafted position's mask): the matcher is
+    advanced through them and rolled back again around each read. A draft the grammar rejects
+    ends the walk there: that draft cannot be accepted (the sample before it was masked), so the
+    masks after it are never used."""
+
+    def __init__(self, matcher: Matcher, drafts: list[int]) -> None:
+        self.matcher, self.drafts = matcher, drafts
+
+    @property
+    def is_active(self) -> bool:
+        with self._advanced():
+            return self.matcher.is_active
+
+    def fill_mask(self, bitmask_row: torch.Tensor) -> None:
+        with self._advanced():
+            self.matcher.fill_mask(bitmask_row)
+
+    @contextlib.contextmanager
+    def _advanced(self) -> Iterator[None]:
+        num_accepted = 0
+        for token_id in self.drafts:
+            if not self.matcher.accept(token_id):
+                break
+            num_accepted += 1
+        try:
+            yield
+        finally:
+            self.matcher.rollback(num_accepted)
 
 
 @dataclass
