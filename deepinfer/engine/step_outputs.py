@@ -16,13 +16,12 @@ request's placeholder, gathered on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 
 from deepinfer.constraints.matcher import allowed_token_mask
 from deepinfer.device import to_device
-from deepinfer.ops.sampling import SamplerOutput
+from deepinfer.ops.sampling import SamplerOutput, SamplingBackend
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -32,7 +31,7 @@ from deepinfer.scheduler.output import (
 
 
 def prompt_logprobs(
-    sampling: ModuleType,
+    sampling: SamplingBackend,
     scheduler_output: SchedulerOutput,
     logits: torch.Tensor,
     prompt_rows: list[tuple[int, int, int]],
@@ -53,7 +52,7 @@ def prompt_logprobs(
 
 
 def sample(
-    sampling: ModuleType,
+    sampling: SamplingBackend,
     scheduler_output: SchedulerOutput,
     logits: torch.Tensor,
     sample_rows: list[tuple[int, int]],
