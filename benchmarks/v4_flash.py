@@ -215,7 +215,7 @@ def kernel_config(backend: str) -> KernelConfig:
 
 def describe_kernels(kernels: Kernels) -> str:
     return ", ".join(
-        f"{f.name}={getattr(kernels, f.name).__name__.rsplit('.', 1)[-1]}"
+        f"{f.name}={type(getattr(kernels, f.name)).__module__.rsplit('.', 1)[-1]}"
         for f in dataclasses.fields(kernels)
     )
 

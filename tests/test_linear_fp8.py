@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton_modules import interpreted  # noqa: E402
+from triton_modules import Launches, contract_mismatches, interpreted, no_sm_lookup  # noqa: E402
 
 from deepinfer.model.deepseek_v4.args import ModelArgs  # noqa: E402
 from deepinfer.model.deepseek_v4.checkpoint import load_checkpoint  # noqa: E402
@@ -38,7 +38,7 @@ from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG, random_weights  # noqa
 from deepinfer.model.deepseek_v4.weights import fp8_scale_name, is_fp8_linear  # noqa: E402
 from deepinfer.model.layers import Fp8Linear, use_fp8_linears  # noqa: E402
 from deepinfer.ops import reference_kernels  # noqa: E402
-from deepinfer.ops.linear import BACKENDS, torch_ref  # noqa: E402
+from deepinfer.ops.linear import BACKENDS, LinearBackend, torch_ref  # noqa: E402
 
 # Triton against the same W8A8 arithmetic done in torch (x quantized by torch_ref, then an fp32
 # matmul of the dequantized values): both sum exact fp32 products, in another order
@@ -81,7 +81,7 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
 def test_registered_before_torch_ref(linear_triton: ModuleType) -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
-    assert BACKENDS.select("auto", torch.device("cpu")) is torch_ref
+    assert type(BACKENDS.select("auto", torch.device("cpu"))) is torch_ref.TorchRefLinearBackend
     ours = inspect.signature(linear_triton.fp8_linear).parameters
     ref = inspect.signature(torch_ref.fp8_linear).parameters
     assert list(ours)[: len(ref)] == list(ref)
@@ -197,6 +197,31 @@ def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     assert _rel_err(a, b) < EMULATED_TOL
     separate = linear_triton.TileConfig(16, 32, 1, 4, 2, False, 1)
     assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
+
+
+def test_backend_object_launches_with_its_sm_count_and_tiles(
+    linear_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TritonLinearBackend keeps the SM count of the device it was made for (the interpreter's
+    stand-in, 4) and its tile override, and launches by them, never asking the module again.
+    K = 512 (4 blocks) over 2 tiles: 4 SMs split K in 2, 8 SMs in 4, one SM not at all."""
+    split = _config(linear_triton, "split_k")
+    backend = linear_triton.TritonLinearBackend(torch.device("cpu"), config=split)
+    assert backend.num_sms == 4 and backend.config is split
+    assert contract_mismatches(backend, LinearBackend) == []
+    monkeypatch.setattr(linear_triton, "_num_sms", no_sm_lookup)
+    monkeypatch.setattr(
+        linear_triton, "pick_tile_config", lambda m: pytest.fail("the tile override was ignored")
+    )
+    launches = Launches(linear_triton._gemm_kernel)
+    monkeypatch.setattr(linear_triton, "_gemm_kernel", launches)
+    weight, scale = _weight(64, 512, seed=3)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    for num_sms in (4, 8, 1):
+        backend.num_sms = num_sms
+        out = backend.fp8_linear(x, weight, scale, (128, 128))
+        assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
+    assert launches.grids == [(2, 2), (2, 4), (2, 1)]
 
 
 def test_bf16_input_strided_and_empty(linear_triton: ModuleType) -> None:

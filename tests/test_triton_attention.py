@@ -34,7 +34,7 @@ pytest.importorskip("triton")
 
 from triton.runtime import interpreter
 
-from deepinfer.ops.attention import BACKENDS
+from deepinfer.ops.attention import BACKENDS, AttentionBackend
 from deepinfer.ops.attention import torch_ref as ref
 
 
@@ -52,6 +52,8 @@ def _fix_interpreter_scalars() -> None:
 
 
 _fix_interpreter_scalars()
+
+from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
 from deepinfer.ops.attention import triton as kernels  # noqa: E402
 
@@ -151,6 +153,36 @@ def test_sparse_attention_matches_reference(
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
 
 
+def test_backend_object_launches_with_its_sm_count_and_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TritonAttentionBackend keeps the SM count of the device it was made for (the
+    interpreter's stand-in, an H200's 132) and its tile override, and launches by them, never
+    asking the module again. 68 keys in tiles of 32 for 3 tokens: 132 SMs cut 3 splits (one
+    tile each), one SM none."""
+    tiles = kernels.AttentionConfig(block_h=16, block_n=32, num_warps=4)
+    backend = kernels.TritonAttentionBackend(torch.device("cpu"), config=tiles)
+    assert backend.num_sms == 132 and backend.config is tiles
+    assert contract_mismatches(backend, AttentionBackend) == []
+    monkeypatch.setattr(kernels, "_num_sms", no_sm_lookup)
+    monkeypatch.setattr(
+        kernels, "attention_config", lambda *args: pytest.fail("the tile override was ignored")
+    )
+    launches = Launches(kernels._sparse_attention_kernel)
+    monkeypatch.setattr(kernels, "_sparse_attention_kernel", launches)
+    gen = torch.Generator().manual_seed(5)
+    q = 2 * torch.randn(3, 4, 32, generator=gen)
+    sources = _sources(gen, 3, (3, 20, 45), 32)
+    sinks = torch.randn(4, generator=gen)
+    expected = ref.sparse_attention(q, sources, sinks, 32**-0.5)
+    for num_sms in (132, 1):
+        backend.num_sms = num_sms
+        out = backend.sparse_attention(q, sources, sinks, 32**-0.5)
+        assert _rel_err(out, expected) < ATTENTION_REL_TOL
+    assert launches.grids == [(3, 1, 3), (3, 1, 1)]
+    assert backend.indexer_scores is kernels.indexer_scores
+
+
 def test_sparse_attention_without_queries() -> None:
     q, kv = torch.randn(0, 4, 32), torch.randn(5, 32)
     out = kernels.sparse_attention(
@@ -197,6 +229,6 @@ def test_indexer_scores_matches_reference(seed: int, num_heads: int) -> None:
 
 def test_triton_is_preferred_but_needs_cuda() -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
-    assert BACKENDS.select("auto", torch.device("cpu")) is ref
+    assert type(BACKENDS.select("auto", torch.device("cpu"))) is ref.TorchRefAttentionBackend
     with pytest.raises(ValueError, match="triton kernels run on CUDA devices, not cpu"):
         BACKENDS.select("triton", torch.device("cpu"))

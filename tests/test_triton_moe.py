@@ -21,9 +21,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton_modules import interpreted  # noqa: E402
+from triton_modules import contract_mismatches, interpreted  # noqa: E402
 
-from deepinfer.ops.moe import torch_ref  # noqa: E402
+from deepinfer.ops.moe import MoEBackend, torch_ref  # noqa: E402
 
 DIM, INTER, NUM_EXPERTS, LIMIT = 80, 48, 8, 1.5  # gate and up ~N(0, 1): the clamp bites
 
@@ -152,6 +152,29 @@ def test_fused_moe_larger_m_blocks_and_grouped_tiles(
     ref = torch_ref.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
     out = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
     assert _rel_err(out, ref) < FP32_TOL
+
+
+def test_backend_object_launches_with_its_tiles(
+    moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TritonMoEBackend keeps its tile override and launches by it, bitwise as the module's
+    launcher given the same tiles; swiglu is torch_ref's."""
+    tile = moe_triton.TileConfig(32, 16, 16, 2, 4, 2)
+    backend = moe_triton.TritonMoEBackend(torch.device("cpu"), config=tile)
+    assert backend.config is tile and backend.swiglu is torch_ref.swiglu
+    assert contract_mismatches(backend, MoEBackend) == []
+    monkeypatch.setattr(
+        moe_triton, "pick_tile_config", lambda *args: pytest.fail("the tile override was ignored")
+    )
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, DIM, generator=gen)
+    w1, w2, w3 = _weights(gen)
+    topk_ids = _routing("random", 9, 2, gen)
+    topk_weights = torch.rand(9, 2, generator=gen)
+    out = backend.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    same = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT, config=tile)
+    ref = torch_ref.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    assert torch.equal(out, same) and _rel_err(out, ref) < FP32_TOL
 
 
 def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> None:

@@ -32,7 +32,9 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
-from deepinfer.ops.norm import BACKENDS, rope_cos_sin, torch_ref  # noqa: E402
+from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
+
+from deepinfer.ops.norm import BACKENDS, NormBackend, rope_cos_sin, torch_ref  # noqa: E402
 
 # fp32 against fp32: the kernels differ from torch only in summation order and the exp/rsqrt
 # approximations (the interpreter: numpy; errors seen ~1e-7).
@@ -88,16 +90,51 @@ def _hc_inputs(
 
 def test_registered_before_torch_ref() -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
-    assert BACKENDS.select("auto", torch.device("cpu")) is torch_ref
+    assert type(BACKENDS.select("auto", torch.device("cpu"))) is torch_ref.TorchRefNormBackend
 
 
 def test_backend_contract(norm_triton: ModuleType) -> None:
     """Both backends provide the ops of ops/norm's contract with the same signatures; the
-    triton module's kernels are its own, the RoPE tables torch_ref's."""
+    triton backend's kernels are its own, the RoPE tables torch_ref's."""
+    backend = norm_triton.TritonNormBackend(torch.device("cpu"))
     for name in ("rms_norm", "apply_rope", "hc_pre", "hc_post", "rope_inv_freq", "rope_cos_sin"):
-        ours, ref = getattr(norm_triton, name), getattr(torch_ref, name)
+        ours, ref = getattr(backend, name), getattr(torch_ref, name)
         assert inspect.signature(ours) == inspect.signature(ref), name
         assert (ours is ref) == name.startswith("rope_"), name
+
+
+def test_backend_object_launches_with_its_sm_count(
+    norm_triton: ModuleType, small_tiles: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TritonNormBackend keeps the SM count of the device it was made for (the interpreter's
+    stand-in, 4) and launches by it, never asking the module again. hc_post over D = 40 in
+    tiles of 16: one SM splits a token's D in 2 programs, 4 SMs in 3. apply_rope over 15 rows
+    of 64 in tiles of 128 values: 4 SMs keep 2 rows a program (8 programs), 1000 SMs one (15)."""
+    backend = norm_triton.TritonNormBackend(torch.device("cpu"))
+    assert backend.num_sms == 4
+    assert contract_mismatches(backend, NormBackend) == []
+    monkeypatch.setattr(norm_triton, "_num_sms", no_sm_lookup)
+    monkeypatch.setattr(norm_triton, "ROPE_TILE", 128)
+    hc_post = Launches(norm_triton._hc_post_kernel)
+    rope = Launches(norm_triton._apply_rope_kernel)
+    monkeypatch.setattr(norm_triton, "_hc_post_kernel", hc_post)
+    monkeypatch.setattr(norm_triton, "_apply_rope_kernel", rope)
+    gen = torch.Generator().manual_seed(11)
+    x, fn, scale, base = _hc_inputs(1, 40, gen)
+    post, comb, collapsed = backend.hc_pre(x, fn, scale, base, 20, 1e-6, EPS)
+    ref = torch_ref.hc_pre(x, fn, scale, base, 20, 1e-6, EPS)
+    assert _rel_err(collapsed, ref[2]) < FP32_TOL
+    q, cos, sin = _rope_inputs((5, 3, 64), 16, torch.float32, gen)
+    for num_sms in (4, 1):
+        backend.num_sms = num_sms
+        out = backend.hc_post(collapsed, x, post, comb)
+        assert _rel_err(out, torch_ref.hc_post(collapsed, x, post, comb)) < FP32_TOL
+    for num_sms in (4, 1000):
+        backend.num_sms = num_sms
+        out = backend.apply_rope(q, cos, sin)
+        assert _rel_err(out, torch_ref.apply_rope(q, cos, sin)) < ROPE_FP32_TOL
+    assert hc_post.grids == [(1, 3), (1, 2)]
+    assert rope.grids == [(8,), (15,)]
 
 
 @pytest.mark.parametrize("shape", [(5, 48), (3, 7, 64), (1, 32), (2, 1000)])

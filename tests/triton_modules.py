@@ -2,15 +2,18 @@
 
 Triton decides between its interpreter and compiled kernels when a kernel is decorated, i.e.
 when the backend module is imported; the CPU and GPU tests of one session each reload the
-module in the mode they need.
+module in the mode they need. ``Launches`` and ``no_sm_lookup`` check what a backend object
+launches with, ``contract_mismatches`` that it provides its family's ops.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 
 def interpreted(name: str, interpret_before: str | None) -> Iterator[ModuleType]:
@@ -29,3 +32,40 @@ def compiled(name: str) -> ModuleType:
     when it was collected)."""
     os.environ.pop("TRITON_INTERPRET", None)
     return importlib.reload(importlib.import_module(name))
+
+
+class Launches:
+    """Stands in for a Triton kernel of a backend module: records the grid of every launch,
+    then launches the kernel. Install with ``monkeypatch.setattr(module, name, Launches(...))``."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def no_sm_lookup(device: object) -> int:
+    """In place of a module's ``_num_sms``: fails if a launcher asks for the SM count itself."""
+    raise AssertionError(f"the launcher looked up the SMs of {device}")
+
+
+def contract_mismatches(backend: object, interface: type) -> list[str]:
+    """The ops of ``interface`` (a family's Protocol) that ``backend`` lacks or provides with
+    another signature (names, defaults, annotations; ``self`` aside)."""
+    ops = [
+        name
+        for name, value in vars(interface).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    ]
+    assert ops, f"{interface.__name__} declares no ops"
+    mismatches = []
+    for name in ops:
+        declared = inspect.signature(getattr(interface, name))
+        declared = declared.replace(parameters=list(declared.parameters.values())[1:])
+        op = getattr(backend, name, None)
+        if op is None or inspect.signature(op) != declared:
+            mismatches.append(name)
+    return mismatches

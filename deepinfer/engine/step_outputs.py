@@ -18,13 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 
 from deepinfer.constraints.matcher import Matcher, allowed_token_mask
 from deepinfer.device import to_device
-from deepinfer.ops.sampling import SamplerOutput
+from deepinfer.ops.sampling import SamplerOutput, SamplingBackend
 from deepinfer.scheduler.drafts import accepted
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
@@ -35,7 +34,7 @@ from deepinfer.scheduler.output import (
 
 
 def prompt_logprobs(
-    sampling: ModuleType,
+    sampling: SamplingBackend,
     scheduler_output: SchedulerOutput,
     logits: torch.Tensor,
     prompt_rows: list[tuple[int, int, int]],
@@ -56,7 +55,7 @@ def prompt_logprobs(
 
 
 def sample(
-    sampling: ModuleType,
+    sampling: SamplingBackend,
     scheduler_output: SchedulerOutput,
     logits: torch.Tensor,
     sample_rows: list[tuple[int, int]],

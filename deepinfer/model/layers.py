@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
+
+from deepinfer.ops.linear import LinearBackend
+from deepinfer.ops.norm import NormBackend
 
 
 class RMSNorm(nn.Module):
     """``norm``: the norm backend (deepinfer.ops.norm) whose ``rms_norm`` runs it."""
 
-    def __init__(self, dim: int, eps: float, norm: ModuleType) -> None:
+    def __init__(self, dim: int, eps: float, norm: NormBackend) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
@@ -35,7 +36,7 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, block: tuple[int, int], linear: ModuleType
+        self, in_features: int, out_features: int, block: tuple[int, int], linear: LinearBackend
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
@@ -55,7 +56,7 @@ class Fp8Linear(nn.Module):
 
 
 def use_fp8_linears(
-    model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int], linear: ModuleType
+    model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int], linear: LinearBackend
 ) -> int:
     """Replace each ``nn.Linear`` whose weight in ``state`` is float8_e4m3fn with an
     ``Fp8Linear`` of the same shape, so that ``model.load_state_dict(state)`` fits; returns how

@@ -1,13 +1,50 @@
 """Attention ops: sparse attention with sinks over listed keys, and the Lightning indexer's scores.
 
-A backend module provides ``sparse_attention`` and ``indexer_scores`` with torch_ref's signatures.
+A backend object (``AttentionBackend``) provides ``sparse_attention`` and ``indexer_scores``
+with torch_ref's signatures. Backends, fastest first: ``triton`` (CUDA), ``torch_ref`` (the
+oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why).
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from deepinfer.ops.attention.torch_ref import indexer_scores, sparse_attention
 from deepinfer.ops.registry import OpRegistry, triton_available
 
-BACKENDS = OpRegistry("attention")
-BACKENDS.register("triton", "deepinfer.ops.attention.triton", triton_available)
-BACKENDS.register("torch_ref", "deepinfer.ops.attention.torch_ref")
 
-__all__ = ["BACKENDS", "indexer_scores", "sparse_attention"]
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """The attention ops of one backend object. Producer: ``BACKENDS.select`` (or
+    ``ops.reference_kernels``). Consumer: the model, through ``Kernels.attention``. Shapes,
+    dtypes and semantics: torch_ref's functions of the same names."""
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def indexer_scores(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        entry_rows: torch.Tensor,
+        token_req: torch.Tensor,
+        num_visible: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+BACKENDS = OpRegistry("attention", AttentionBackend)
+BACKENDS.register(
+    "triton", "deepinfer.ops.attention.triton:TritonAttentionBackend", triton_available
+)
+BACKENDS.register("torch_ref", "deepinfer.ops.attention.torch_ref:TorchRefAttentionBackend")
+
+__all__ = ["BACKENDS", "AttentionBackend", "indexer_scores", "sparse_attention"]

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.ops.registry import Backend
+
 # Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
 _CHUNK = 256
 
@@ -81,3 +83,10 @@ def indexer_scores(
         scores = (scores * weights[lo:hi].float().unsqueeze(-1)).sum(dim=1)  # [C, N]
         out[lo:hi] = scores.masked_fill(~visible, float("-inf"))
     return out
+
+
+class TorchRefAttentionBackend(Backend):
+    """The oracle as a backend object: this module's functions; it keeps no state."""
+
+    sparse_attention = staticmethod(sparse_attention)
+    indexer_scores = staticmethod(indexer_scores)

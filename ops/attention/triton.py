@@ -28,8 +28,10 @@ visible entries only write -inf.
 Inputs are bf16 in production (tensor-core dots, fp32 accumulation) or fp32 in the parity mode,
 where every dot runs in IEEE fp32 (``input_precision="ieee"``) to match the CPU to ~1e-5.
 
-One file of ~570 lines: a backend is one module per op family (``ops/registry.py``), and these
+One file of ~600 lines: a backend is one module per op family (``ops/registry.py``), and these
 kernels share their launchers' tile tables (``benchmarks/attention_tiles.py`` sweeps them).
+``TritonAttentionBackend`` at the end is the backend object: it keeps the device's SM count and
+any tile override, and calls the launchers with them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -361,13 +364,15 @@ def sparse_attention(
     scale: float,
     *,
     config: AttentionConfig | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
     q: [T, H, D] bf16/fp16/fp32, D a power of two >= 16. sources: 1 to 3 (kv [N, D] in q's
     dtype with unit column stride, idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
     Returns [T, H, D] in q's dtype; a query with no keys outputs zeros. config: tiles other
-    than attention_config's (for tuning).
+    than attention_config's (for tuning). num_sms: the SMs the splits fill (default: q's
+    device's; the backend object passes its own).
     """
     num_q, num_heads, dim = q.shape
     assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
@@ -399,7 +404,7 @@ def sparse_attention(
         source_sizes += [kv.stride(0), idx.stride(0), idx.shape[1] if s < len(sources) else 0]
     num_keys = sum(idx.shape[1] for _, idx in sources)
 
-    num_sms = _num_sms(q.device)
+    num_sms = _num_sms(q.device) if num_sms is None else num_sms
     config = config or attention_config(q.dtype, num_heads, num_q)
     num_head_blocks = triton.cdiv(num_heads, config.block_h)
     num_splits, keys_per_split = _split_keys(
@@ -568,3 +573,31 @@ def indexer_scores(
         num_warps=num_warps,
     )
     return out
+
+
+class TritonAttentionBackend(Backend):
+    """This module's kernels on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
+    that sparse_attention's splits fill; ``config``: tiles for every call instead of
+    attention_config's (for tuning; None in the engine)."""
+
+    indexer_scores = staticmethod(indexer_scores)
+
+    def __init__(
+        self,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+        *,
+        config: AttentionConfig | None = None,
+    ) -> None:
+        super().__init__(device, parallel)
+        self.num_sms = _num_sms(device)
+        self.config = config
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return sparse_attention(q, sources, sinks, scale, config=self.config, num_sms=self.num_sms)

@@ -1,11 +1,17 @@
-"""Linear layers with block-scaled FP8 weights. A backend provides ``fp8_linear(x, weight,
-weight_scale, block)`` with torch_ref's signature: x [M, K] bf16/fp32, weight [N, K]
-float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype.
+"""Linear layers with block-scaled FP8 weights. A backend object (``LinearBackend``) provides
+``fp8_linear(x, weight, weight_scale, block)`` with torch_ref's signature: x [M, K] bf16/fp32,
+weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype.
 
 Backends, fastest first: ``triton`` (CUDA: activations quantized to e4m3 per token per K block,
 FP8 tensor-core GEMM with the block scales applied per K block; one launch at decode),
 ``torch_ref`` (the oracle: the dequantized weight, an fp32 matmul, x unquantized).
 """
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from deepinfer.ops.linear.torch_ref import (
     FP8_BLOCK,
@@ -16,13 +22,30 @@ from deepinfer.ops.linear.torch_ref import (
 )
 from deepinfer.ops.registry import OpRegistry, triton_available
 
-BACKENDS = OpRegistry("linear")
-BACKENDS.register("triton", "deepinfer.ops.linear.triton", triton_available)
-BACKENDS.register("torch_ref", "deepinfer.ops.linear.torch_ref")
+
+@runtime_checkable
+class LinearBackend(Protocol):
+    """The FP8 linear of one backend object. Producer: ``BACKENDS.select`` (or
+    ``ops.reference_kernels``). Consumer: ``model.layers.Fp8Linear``, through
+    ``Kernels.linear``. Semantics: torch_ref.fp8_linear."""
+
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        block: tuple[int, int] = FP8_BLOCK,
+    ) -> torch.Tensor: ...
+
+
+BACKENDS = OpRegistry("linear", LinearBackend)
+BACKENDS.register("triton", "deepinfer.ops.linear.triton:TritonLinearBackend", triton_available)
+BACKENDS.register("torch_ref", "deepinfer.ops.linear.torch_ref:TorchRefLinearBackend")
 
 __all__ = [
     "BACKENDS",
     "FP8_BLOCK",
+    "LinearBackend",
     "dequantize_fp8",
     "fp8_linear",
     "quantize_activations",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.ops.registry import Backend
+
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # the largest finite e4m3 value
 # Scales are max(amax, AMAX_EPS) / 448: an all-zero group gets a tiny positive scale, not 0/0.
@@ -118,3 +120,9 @@ def _div_by_fp8_max(amax: torch.Tensor) -> torch.Tensor:
 def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
     # Clamped first: a quotient one ulp above 448 must saturate, not become NaN.
     return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+class TorchRefLinearBackend(Backend):
+    """The oracle as a backend object: this module's functions; it keeps no state."""
+
+    fp8_linear = staticmethod(fp8_linear)

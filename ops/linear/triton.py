@@ -32,6 +32,9 @@ binade: 125.0 -> 64).
 K (the loop bound) and the block shape are compile-time constants (fixed per weight; Triton's
 interpreter cannot loop to a runtime bound under numpy >= 2.4); M is a runtime argument that
 Triton does not specialise on, so every M within one row of the tile table shares a binary.
+
+``TritonLinearBackend`` at the end is the backend object: it keeps the device's SM count and
+any tile override, and calls ``fp8_linear`` with them.
 """
 
 from __future__ import annotations
@@ -44,9 +47,16 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
+from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import num_sms
 
-__all__ = ["TileConfig", "fp8_linear", "pick_tile_config", "quantize_activations"]
+__all__ = [
+    "TileConfig",
+    "TritonLinearBackend",
+    "fp8_linear",
+    "pick_tile_config",
+    "quantize_activations",
+]
 
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -305,12 +315,14 @@ def fp8_linear(
     block: tuple[int, int] = FP8_BLOCK,
     *,
     config: TileConfig | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T with W = the block-scaled FP8 weight, x quantized to e4m3 per token per K block.
 
     x: [M, K] bf16 / fp16 / fp32 (any strides); weight: [N, K] float8_e4m3fn; weight_scale:
     [ceil(N/bn), ceil(K/bk)] fp32; block = (bn, bk), bk a power of two >= 16. Returns [M, N] in
     x's dtype. ``config``: a TileConfig instead of the table's (tests reach every path with it).
+    ``num_sms``: the SMs split K fills (default: x's device's; the backend object passes its own).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -329,7 +341,8 @@ def fp8_linear(
 
     config = config or pick_tile_config(m)
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    split_k = _split_k(num_tiles, num_k_blocks, config.max_split_k, _num_sms(x.device))
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
+    split_k = _split_k(num_tiles, num_k_blocks, config.max_split_k, num_sms)
     if config.quantize_in_gemm:
         a, a_scale, a_scale_strides = x, x, (0, 0)  # a_scale is not read
     else:
@@ -369,3 +382,29 @@ def fp8_linear(
             c, out, m * n, c.stride(0), SPLIT_K=split_k, BLOCK=block
         )
     return out
+
+
+class TritonLinearBackend(Backend):
+    """This module's GEMM on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
+    that split K fills; ``config``: a TileConfig for every call instead of the table's (for
+    tuning; None in the engine)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+        *,
+        config: TileConfig | None = None,
+    ) -> None:
+        super().__init__(device, parallel)
+        self.num_sms = _num_sms(device)
+        self.config = config
+
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        block: tuple[int, int] = FP8_BLOCK,
+    ) -> torch.Tensor:
+        return fp8_linear(x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms)

@@ -1,10 +1,39 @@
-"""MoE ops: routed experts with clamped SwiGLU. A backend provides ``fused_moe`` and ``swiglu``."""
+"""MoE ops: routed experts with clamped SwiGLU. A backend object (``MoEBackend``) provides
+``fused_moe`` and ``swiglu`` with torch_ref's signatures. Backends, fastest first: ``triton``
+(CUDA: two grouped GEMMs), ``torch_ref`` (the oracle)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from deepinfer.ops.moe.torch_ref import fused_moe, swiglu
 from deepinfer.ops.registry import OpRegistry, triton_available
 
-BACKENDS = OpRegistry("moe")
-BACKENDS.register("triton", "deepinfer.ops.moe.triton", triton_available)
-BACKENDS.register("torch_ref", "deepinfer.ops.moe.torch_ref")
 
-__all__ = ["BACKENDS", "fused_moe", "swiglu"]
+@runtime_checkable
+class MoEBackend(Protocol):
+    """The routed experts of one backend object. Producer: ``BACKENDS.select`` (or
+    ``ops.reference_kernels``). Consumer: the model's MoE, through ``Kernels.moe``. Semantics:
+    torch_ref's functions of the same names."""
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor: ...
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor: ...
+
+
+BACKENDS = OpRegistry("moe", MoEBackend)
+BACKENDS.register("triton", "deepinfer.ops.moe.triton:TritonMoEBackend", triton_available)
+BACKENDS.register("torch_ref", "deepinfer.ops.moe.torch_ref:TorchRefMoEBackend")
+
+__all__ = ["BACKENDS", "MoEBackend", "fused_moe", "swiglu"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.ops.registry import Backend
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit)."""
@@ -34,3 +36,10 @@ def fused_moe(
         h = F.linear(h, w2[expert]) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
+
+
+class TorchRefMoEBackend(Backend):
+    """The oracle as a backend object: this module's functions; it keeps no state."""
+
+    fused_moe = staticmethod(fused_moe)
+    swiglu = staticmethod(swiglu)

@@ -31,8 +31,9 @@ bitwise the same alone or in any batch that picks the same TileConfig (pick_tile
 T * k, so batches in one bucket of the table agree; across buckets the GEMM tile shapes, and with
 them the summation order, differ).
 
-One file of ~420 lines: a backend is one module per op family (``ops/registry.py``); the
+One file of ~460 lines: a backend is one module per op family (``ops/registry.py``); the
 alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
+``TritonMoEBackend`` at the end is the backend object: it keeps any tile override.
 """
 
 from __future__ import annotations
@@ -44,9 +45,17 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import swiglu
+from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision
 
-__all__ = ["TileConfig", "align_by_expert", "fused_moe", "pick_tile_config", "swiglu"]
+__all__ = [
+    "TileConfig",
+    "TritonMoEBackend",
+    "align_by_expert",
+    "fused_moe",
+    "pick_tile_config",
+    "swiglu",
+]
 
 
 @dataclass(frozen=True)
@@ -425,3 +434,32 @@ def fused_moe(
         pair_out, out, *pair_out.stride(), *out.stride(), D=dim, TOP_K=top_k, BLOCK_D=block_d
     )
     return out
+
+
+class TritonMoEBackend(Backend):
+    """This module's grouped GEMMs on one CUDA device (or the interpreter's CPU). ``config``:
+    tiles for every call instead of pick_tile_config's (for tuning; None in the engine)."""
+
+    swiglu = staticmethod(swiglu)
+
+    def __init__(
+        self,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+        *,
+        config: TileConfig | None = None,
+    ) -> None:
+        super().__init__(device, parallel)
+        self.config = config
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        return fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, config=self.config)

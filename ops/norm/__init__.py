@@ -1,14 +1,21 @@
 """Norm ops: RMSNorm, RoPE, the hyper-connection mixing and the compressors' gated pooling.
 
-A backend module provides ``rms_norm``, ``apply_rope``, ``hc_pre``, ``hc_post`` and
-``gated_pool`` with torch_ref's signatures; the RoPE tables (``rope_inv_freq``,
+A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``hc_pre``,
+``hc_post`` and ``gated_pool`` with torch_ref's signatures; the RoPE tables (``rope_inv_freq``,
 ``rope_cos_sin``: built once per step, not per layer) stay torch, so every backend re-exports
 them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch
 each, hc_pre two launches with Sinkhorn in registers, hc_post one, gated_pool one: the softmax,
 weighted sum and norm of a window per program), ``torch_ref`` (the oracle).
 """
 
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
 from deepinfer.ops.norm.torch_ref import (
+    RopeParams,
     apply_rope,
     gated_pool,
     hc_post,
@@ -19,12 +26,52 @@ from deepinfer.ops.norm.torch_ref import (
 )
 from deepinfer.ops.registry import OpRegistry, triton_available
 
-BACKENDS = OpRegistry("norm")
-BACKENDS.register("triton", "deepinfer.ops.norm.triton", triton_available)
-BACKENDS.register("torch_ref", "deepinfer.ops.norm.torch_ref")
+
+@runtime_checkable
+class NormBackend(Protocol):
+    """The norm ops of one backend object. Producer: ``BACKENDS.select`` (or
+    ``ops.reference_kernels``). Consumer: the model's modules, through ``Kernels.norm``. Shapes,
+    dtypes and semantics: torch_ref's functions of the same names."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor: ...
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def hc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def hc_post(
+        self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def gated_pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def rope_inv_freq(self, rope: RopeParams, rope_dim: int) -> torch.Tensor: ...
+
+    def rope_cos_sin(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+BACKENDS = OpRegistry("norm", NormBackend)
+BACKENDS.register("triton", "deepinfer.ops.norm.triton:TritonNormBackend", triton_available)
+BACKENDS.register("torch_ref", "deepinfer.ops.norm.torch_ref:TorchRefNormBackend")
 
 __all__ = [
     "BACKENDS",
+    "NormBackend",
     "apply_rope",
     "gated_pool",
     "hc_post",

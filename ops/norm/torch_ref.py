@@ -8,6 +8,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from deepinfer.ops.registry import Backend
+
 
 class RopeParams(Protocol):
     """One RoPE flavour as a model family's arguments describe it (e.g. DeepSeek-V4's
@@ -153,3 +155,15 @@ def hc_post(
     dtype = x.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+class TorchRefNormBackend(Backend):
+    """The oracle as a backend object: this module's functions; it keeps no state."""
+
+    rms_norm = staticmethod(rms_norm)
+    apply_rope = staticmethod(apply_rope)
+    hc_pre = staticmethod(hc_pre)
+    hc_post = staticmethod(hc_post)
+    gated_pool = staticmethod(gated_pool)
+    rope_inv_freq = staticmethod(rope_inv_freq)
+    rope_cos_sin = staticmethod(rope_cos_sin)

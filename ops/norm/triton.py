@@ -29,8 +29,10 @@ gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime boun
 and they take few values (a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4;
 4 x 2 or 128 slots), each compiled once.
 
-One file of ~630 lines: a backend is one module per op family (``ops/registry.py``); the
+One file of ~680 lines: a backend is one module per op family (``ops/registry.py``); the
 family's five ops share the fp32 rules and the interpreter constraints above.
+``TritonNormBackend`` at the end is the backend object: it keeps the device's SM count, which
+sizes the decode launches, and calls the launchers with it.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
+from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 __all__ = [
+    "TritonNormBackend",
     "apply_rope",
     "gated_pool",
     "hc_post",
@@ -210,7 +214,9 @@ def _apply_rope_kernel(
     tl.store(y_rows[:, None, None] + rope_cols[None, :, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_sms: int | None = None
+) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x (fp32 math).
 
     x: [T, ..., D] laid out ``[nope | rope]``, any float dtype; pairs (2i, 2i+1) of the rope slice
@@ -218,6 +224,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns a new contiguous tensor of x's shape and dtype (nope copied, rope rounded once); x is
     not modified. Reads x in place when its last dim has stride 1 and the dims between T and D
     flatten to one stride (any [T, D] or [T, H, D] slice), else from a contiguous copy.
+    ``num_sms``: the SMs decode's row blocks fill (default: x's device's).
 
     One launch, one program per BLOCK_R rows (a row: one token's one head; a block of heads of
     one token for q, a block of tokens for kv), each row's nope in tiles of up to ROPE_BLOCK_D:
@@ -243,10 +250,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if num_rows == 0:
         return y
     nope = dim - rope_dim
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
     row_width = triton.next_power_of_2(dim)
     block_r = min(triton.next_power_of_2(num_rows), max(1, ROPE_TILE // row_width))
     # Decode: smaller tiles until two programs per SM (or one row per program).
-    while block_r > 1 and triton.cdiv(num_rows, block_r) < 2 * _num_sms(x.device):
+    while block_r > 1 and triton.cdiv(num_rows, block_r) < 2 * num_sms:
         block_r //= 2
     _apply_rope_kernel[(triton.cdiv(num_rows, block_r),)](
         heads,
@@ -394,12 +402,15 @@ def hc_pre(
     sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    *,
+    num_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Manifold-constrained hyper-connection, entry side.
 
     x: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; scale: [3]; base: [(2+hc)*hc]. Returns (post [T, hc]
     fp32, comb [T, hc, hc] fp32 doubly stochastic by Sinkhorn, block input [T, D] =
-    sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32.
+    sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32. ``num_sms``: the SMs the K and
+    D splits fill (default: x's device's).
     """
     num_tokens, hc, dim = x.shape
     mix_size, k = (2 + hc) * hc, hc * dim
@@ -414,7 +425,7 @@ def hc_pre(
     collapsed = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return post, comb, collapsed
-    num_sms = _num_sms(x.device)
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
 
     block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
     block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
@@ -505,12 +516,18 @@ def _hc_post_kernel(
 
 
 def hc_post(
-    out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """Hyper-connection, exit side: new[k] = post[k] * out + sum_j comb[j, k] * x[j].
 
     out: [T, D]; x: [T, hc, D]; post: [T, hc] fp32; comb: [T, hc, hc] fp32 -> [T, hc, D] in
-    x's dtype (computed in fp32, rounded once).
+    x's dtype (computed in fp32, rounded once). ``num_sms``: the SMs the D split fills (default:
+    x's device's).
     """
     num_tokens, hc, dim = x.shape
     assert out.shape == (num_tokens, dim), f"hc_post: out {tuple(out.shape)}, x {tuple(x.shape)}"
@@ -522,7 +539,8 @@ def hc_post(
     new = torch.empty_like(x)
     if num_tokens == 0:
         return new
-    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, _num_sms(x.device))
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
+    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
     _hc_post_kernel[(num_tokens, num_d_programs)](
         out,
         x,
@@ -629,3 +647,37 @@ def gated_pool(
         num_warps=min(8, max(1, block_s * block_d // 512)),
     )
     return out
+
+
+class TritonNormBackend(Backend):
+    """This module's kernels on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
+    that apply_rope's row blocks and hc_pre's and hc_post's splits fill at decode."""
+
+    rms_norm = staticmethod(rms_norm)
+    gated_pool = staticmethod(gated_pool)
+    rope_inv_freq = staticmethod(rope_inv_freq)
+    rope_cos_sin = staticmethod(rope_cos_sin)
+
+    def __init__(self, device: torch.device, parallel: ParallelContext | None = None) -> None:
+        super().__init__(device, parallel)
+        self.num_sms = _num_sms(device)
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin, num_sms=self.num_sms)
+
+    def hc_pre(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_pre(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms=self.num_sms)
+
+    def hc_post(
+        self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return hc_post(out, x, post, comb, num_sms=self.num_sms)

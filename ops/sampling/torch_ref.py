@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.device import to_device
+from deepinfer.ops.registry import Backend
 from deepinfer.ops.sampling.keyed import keyed_uniforms, seeded_key
 from deepinfer.ops.sampling.nucleus import NUM_CANDIDATES, apply_top_k_top_p
 from deepinfer.sampling_params import SamplingParams
@@ -428,3 +429,12 @@ def _uniforms(
         keys = _ids(metadata.seeded_keys, device)
         uniforms[rows] = keyed_uniforms(keys, vocab_size)
     return uniforms
+
+
+class TorchRefSamplingBackend(Backend):
+    """The oracle as a backend object: this module's sampler and the metadata type it reads;
+    it keeps no state."""
+
+    SamplingMetadata = SamplingMetadata
+    sample = staticmethod(sample)
+    compute_logprobs = staticmethod(compute_logprobs)
