@@ -69,8 +69,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # None: scheduler.max_num_seqs
     ring_margin: int = 16  # extra sliding-window ring entries kept for rollback
-    # Draft tokens whose compressor state can be rolled back: the open-window buffers keep
-    # ratio - 1 + max_draft_tokens rows (speculative decoding; 0: none).
+    # Draft tokens whose state can be rolled back (speculative decoding; 0: none; at most
+    # ring_margin): the compressors' buffer rings keep ratio - 1 + max_draft_tokens rows.
     max_draft_tokens: int = 0
     enable_prefix_caching: bool = True  # reuse cached prefix blocks across requests
     num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
@@ -98,6 +98,11 @@ class CacheConfig:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"cache.max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.max_draft_tokens > self.ring_margin:
+            raise ValueError(
+                f"cache.max_draft_tokens={self.max_draft_tokens} must be <= "
+                f"cache.ring_margin={self.ring_margin} (rolled-back drafts use the ring's margin)"
+            )
         if self.num_snapshots is not None and self.num_snapshots < 0:
             raise ValueError(f"cache.num_snapshots must be >= 0, got {self.num_snapshots}")
         if self.host_tier_gib < 0 or self.disk_tier_gib <= 0:

@@ -75,9 +75,10 @@ class CacheSpec:
     """A family's cache for one block size and its margins.
 
     ``ring_margin``: rows a window ring keeps past the window (steps longer than it write the
-    ring once per position). ``max_draft``: draft tokens whose state can be rolled back (the
-    compressors' open-window buffers keep ``ratio - 1 + max_draft`` rows). ``salt``: what else
-    changes the cached bytes (part of the prefix cache's hash salt).
+    ring once per position; a rollback may forget at most that many). ``max_draft``: draft
+    tokens whose state can be rolled back (the family keeps room for them, e.g. DeepSeek-V4's
+    compressor rings). ``salt``: what else changes the cached bytes and the payloads' layout
+    (part of the prefix cache's hash salt and of the disk tier's files).
     """
 
     block_size: int

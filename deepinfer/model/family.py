@@ -8,6 +8,7 @@
         cache_spec(args, ...)   -> CacheSpec (sizing, pools and payloads all enumerate its parts)
         geometry(args, cache)   -> the family's plan context for that cache
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
+        rollback(cache, slot, end_pos, num_tokens): forget a step's rejected draft tokens
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
 graphed decode step passes ``decode_context``, and the family must then give arrays whose shapes
@@ -94,6 +95,15 @@ class ModelFamily(Protocol):
     ) -> ForwardBatch:
         """The batch over ``flat`` (``step_arrays`` uploaded): views only, so that a CUDA graph's
         replays read whatever was copied in last."""
+        ...
+
+    def rollback(self, cache: KVCache, slot: int, end_pos: int, num_tokens: int) -> None:
+        """Speculative decoding: the step that computed positions up to ``end_pos`` (exclusive)
+        in ``slot`` accepted all but its last ``num_tokens``. Afterwards the slot reads exactly
+        as if only positions < end_pos - num_tokens had been computed (the next step starts
+        there and rewrites the rejected positions; their paged entries are never read before
+        that). At most the cache spec's ``max_draft`` tokens (ValueError otherwise); call it
+        before the next step of the slot is launched, or a snapshot of it saved."""
         ...
 
     def replay_tokens(self, args: Any) -> int:

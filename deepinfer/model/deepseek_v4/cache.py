@@ -1,5 +1,6 @@
 """DeepSeek-V4's cache spec: what each layer keeps per request (hd = head_dim, ihd =
-index_head_dim, m = the layer's ratio, R = sliding_window + ring_margin, d = max_draft).
+index_head_dim, m = the layer's ratio, R = sliding_window + ring_margin, d = max_draft, B =
+m - 1 + d buffer rows, K = 1 + ceil(d / m) overlap windows).
 
     paged parts (one block table per request, shared by every layer; block = block_size tokens)
     ---------------------------------------------------------------------------------------
@@ -14,20 +15,40 @@ index_head_dim, m = the layer's ratio, R = sliding_window + ring_margin, d = max
     state parts (one slot per running request)
     ---------------------------------------------------------------------------------------
     every layer  (i, "ring")            [R, hd]            token p's post-rope K=V at row p % R
-    CSA layer    (i, "comp.buf_kv"), (i, "comp.buf_gate")  [m-1+d, 2hd]  open window's raw
-                     kv_proj / gate_proj (token p at row p % m)
-                 (i, "comp.prev_kv"), (i, "comp.prev_gate")  [m, hd]  previous window's Ca half
+    CSA layer    (i, "comp.buf_kv"), (i, "comp.buf_gate")  [B, 2hd]  raw kv_proj / gate_proj
+                 (i, "comp.prev_kv"), (i, "comp.prev_gate")  [K*m, hd]  closed windows' Ca halves
                  (i, "idx.*")  the same for the indexer's compressor at ihd
-    HCA layer    (i, "comp.buf_kv"), (i, "comp.buf_gate")  [m-1+d, hd]  open window's raw tokens
+    HCA layer    (i, "comp.buf_kv"), (i, "comp.buf_gate")  [B, hd]  raw tokens
+
+The compressor buffer is a ring over the tokens that are not a window's last (those are pooled
+in the step that computes them and never needed again): token p is the q-th such token, q = p -
+p // m, and lives at row q % B. An open window's tokens are consecutive in q, so they sit in
+consecutive rows (mod B); at d = 0 (B = m - 1) window w's i-th token is at row i::
+
+    m = 4, d = 3, B = 6      positions  0 1 2 (3) 4 5 6 (7) 8 9 10 (11) 12 ...
+                             q          0 1 2  -  3 4 5  -  6 7  8   -   9
+                             row        0 1 2  -  3 4 5  -  0 1  2   -   3
+
+The overlap state is a ring of K windows: window w's Ca half (kv, and the gate without its
+position bias) at rows [(w % K) * m, (w % K + 1) * m) once w has closed; the window that closes
+next, w + 1, reads it there.
+
+Rollback (speculative decoding): a step computing positions s..e'-1 keeps in the buffer ring
+every token of the windows that a rollback to e >= e' - d may reopen, and in the overlap ring
+its last K closed windows. Rolled back to e, the open window's tokens [floor(e/m)*m, e) are in
+the ring (they span at most m - 1 + d rows), its predecessor's Ca half was not overwritten (at
+most K - 1 windows closed after it), and the rejected positions' ring rows held positions older
+than any future window reads (d <= ring_margin). So a rollback moves no data (``rollback``).
 
 Gates are stored without the position bias. Snapshots (a block boundary) keep the rings and the
-overlap state: the open-window buffers are empty there (block_size is a multiple of every
+overlap rings: the open-window buffers are empty there (block_size is a multiple of every
 ratio). The payload order (every ring, then each compressor's parts in layer order) is what the
-host and disk tiers store.
+host and disk tiers store; d > 0 changes the payloads' shapes and layout, so it is in the salt.
 """
 
 from __future__ import annotations
 
+from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CachePart, CacheSpec, RowFormat
 from deepinfer.model.deepseek_v4.args import CSA, HCA, ModelArgs
 
@@ -54,6 +75,11 @@ def cache_spec(
             f"cache.block_size={block_size} must be a multiple of every compression "
             f"ratio of the model (got ratios {ratios})"
         )
+    if max_draft > ring_margin:
+        raise ValueError(
+            f"cache.max_draft_tokens={max_draft} must be <= cache.ring_margin={ring_margin}: "
+            "rejected drafts overwrite the sliding-window ring rows of that many older tokens"
+        )
     ring = ring_size(args, ring_margin)
     layers = list(enumerate(zip(args.layer_types, args.compress_ratios, strict=True)))
     entries: list[CachePart] = []
@@ -78,7 +104,7 @@ def cache_spec(
         parts=(*entries, *index_keys, *rings, *compressors),
         ring_margin=ring_margin,
         max_draft=max_draft,
-        salt=f"{block_size}:{ring}",
+        salt=f"{block_size}:{ring}" + (f":draft{max_draft}" if max_draft else ""),
     )
 
 
@@ -86,19 +112,46 @@ def ring_size(args: ModelArgs, ring_margin: int) -> int:
     return args.sliding_window + ring_margin
 
 
+def buffer_rows(ratio: int, max_draft: int) -> int:
+    """B: rows of a compressor's buffer ring per slot."""
+    return ratio - 1 + max_draft
+
+
+def overlap_windows(ratio: int, max_draft: int) -> int:
+    """K: closed windows an overlap ring keeps per slot (a rollback reopens at most K - 1)."""
+    return 1 + -(-max_draft // ratio)
+
+
+def rollback(cache: KVCache, slot: int, end_pos: int, num_tokens: int) -> None:
+    """Forget the last ``num_tokens`` positions of the step that ended at ``end_pos`` in
+    ``slot``: the slot then reads as if only positions < end_pos - num_tokens were computed.
+
+    Nothing moves (the module's docstring says why that is exact); what a later step reads is
+    decided by its start position. Entries the rejected positions wrote in paged blocks are not
+    visible from the earlier positions and are rewritten when their windows close again.
+    """
+    spec = cache.spec
+    if not 0 <= num_tokens <= spec.max_draft or num_tokens >= end_pos:
+        raise ValueError(
+            f"cannot roll slot {slot} back by {num_tokens} tokens from position {end_pos}: "
+            f"at most cache.max_draft_tokens={spec.max_draft}, and at least one token stays"
+        )
+
+
 def _compressor_parts(
     layer: int, prefix: str, ratio: int, dim: int, overlap: bool, max_draft: int
 ) -> list[CachePart]:
-    """The open window's buffers (kv, gate) and, overlapping (CSA), the previous window's half."""
+    """The buffer ring (kv, gate) and, overlapping (CSA), the overlap ring."""
     width = 2 * dim if overlap else dim
-    rows = ratio - 1 + max_draft
+    rows = buffer_rows(ratio, max_draft)
     parts = [
         CachePart((layer, f"{prefix}.buf_kv"), "state", rows, width),
         CachePart((layer, f"{prefix}.buf_gate"), "state", rows, width),
     ]
     if overlap:
+        windows = overlap_windows(ratio, max_draft) * ratio
         parts += [
-            CachePart((layer, f"{prefix}.prev_kv"), "state", ratio, dim, snapshot=True),
-            CachePart((layer, f"{prefix}.prev_gate"), "state", ratio, dim, snapshot=True),
+            CachePart((layer, f"{prefix}.prev_kv"), "state", windows, dim, snapshot=True),
+            CachePart((layer, f"{prefix}.prev_gate"), "state", windows, dim, snapshot=True),
         ]
     return parts

@@ -1,7 +1,7 @@
 """The compressors (CSA, HCA) and the Lightning indexer of DeepSeek-V4 attention.
 
 Compressor: every ``ratio`` tokens -> one KV entry, written to the paged pool through the request's
-block table; the open window's raw tokens (and CSA's previous-window half) live in the state slot.
+block table; the raw tokens of open windows (a ring) and CSA's overlap ring live in the state slot.
 Indexer: per query, the top-k compressed entries a CSA layer attends to.
 """
 
@@ -23,11 +23,11 @@ from deepinfer.ops.norm import rope_cos_sin
 
 @dataclass
 class CompressorState:
-    """State-slot tensors of one compressor (cache.py): the open window's raw tokens and, for
-    overlapping (CSA) compressors, the previous complete window's Ca half.
+    """State-slot tensors of one compressor (cache.py): the buffer ring of raw tokens and, for
+    overlapping (CSA) compressors, the overlap ring of closed windows' Ca halves.
 
     buf_kv / buf_gate: [num_slots, ratio - 1 + max_draft, width]; prev_kv / prev_gate:
-    [num_slots, ratio, dim] (None for HCA).
+    [num_slots, K * ratio, dim], K = 1 + ceil(max_draft / ratio) (None for HCA).
     """
 
     buf_kv: torch.Tensor
@@ -76,7 +76,8 @@ class Compressor(nn.Module):
         inv_freq: torch.Tensor,
     ) -> None:
         """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim]) and
-        keep the still-open windows' tokens in the state slots (compress_plan.py's plan)."""
+        keep the tokens a later step (or a rollback) needs in the buffer ring (compress_plan.py's
+        plan)."""
         m = self.ratio
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
         buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
@@ -104,23 +105,23 @@ class Compressor(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, m, 2dim] -> [W, 2m, dim]: slots [previous window's Ca | this window's Cb].
 
-        The previous window is the one before in this step, or the slot's overlap state for a
+        The previous window is the one before in this step, or the slot's overlap ring for a
         request's first window of the step; a request's window 0 has none (zero kv, -inf gate).
-        The last window's Ca half becomes the slot's state; its gate is kept without the bias,
-        which is added again (bit-identically) when it is used.
+        The last windows' Ca halves go to the ring; gates are kept without the bias, which is
+        added again (bit-identically) when they are used.
         """
         assert state.prev_kv is not None and state.prev_gate is not None
-        dim = self.dim
+        dim, m = self.dim, self.ratio
+        ring_kv = state.prev_kv.view(-1, m, dim)  # [slots * K, m, dim]: row slot * K + w % K
+        ring_gate = state.prev_gate.view(-1, m, dim)
         ape_a = self.ape[:, :dim]
-        cand_kv = torch.cat([state.prev_kv[plan.prev_slots], win_kv[..., :dim]])  # [R' + W, m, dim]
-        cand_gate = torch.cat([state.prev_gate[plan.prev_slots] + ape_a, win_gate[..., :dim]])
+        cand_kv = torch.cat([ring_kv[plan.prev_slots], win_kv[..., :dim]])  # [R' + W, m, dim]
+        cand_gate = torch.cat([ring_gate[plan.prev_slots] + ape_a, win_gate[..., :dim]])
         has_prev = plan.has_prev.view(-1, 1, 1).bool()
         prev_kv = torch.where(has_prev, cand_kv[plan.prev_src], 0)
         prev_gate = torch.where(has_prev, cand_gate[plan.prev_src], float("-inf"))
-        state.prev_kv[plan.prev_dst] = win_kv[plan.last_window, :, :dim].to(state.prev_kv.dtype)
-        state.prev_gate[plan.prev_dst] = raw_gate[plan.last_window, :, :dim].to(
-            state.prev_gate.dtype
-        )
+        ring_kv[plan.prev_dst] = win_kv[plan.last_window, :, :dim].to(ring_kv.dtype)
+        ring_gate[plan.prev_dst] = raw_gate[plan.last_window, :, :dim].to(ring_gate.dtype)
         new_kv = torch.cat([prev_kv.to(win_kv.dtype), win_kv[..., dim:]], dim=1)  # [W, 2m, dim]
         new_gate = torch.cat([prev_gate.to(win_gate.dtype), win_gate[..., dim:]], dim=1)
         return new_kv, new_gate

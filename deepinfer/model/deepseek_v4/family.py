@@ -17,7 +17,8 @@ import torch
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.model.batch import ForwardBatch, SeqSpan
-from deepinfer.model.deepseek_v4 import cache, step_plan, tiny
+from deepinfer.model.deepseek_v4 import cache as cache_layout
+from deepinfer.model.deepseek_v4 import step_plan, tiny
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.checkpoint import fp8_block, load_checkpoint
 from deepinfer.model.deepseek_v4.model import DeepseekV4
@@ -69,7 +70,7 @@ class DeepseekV4Family:
     def cache_spec(
         self, args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int
     ) -> CacheSpec:
-        return cache.cache_spec(
+        return cache_layout.cache_spec(
             args, block_size=block_size, ring_margin=ring_margin, max_draft=max_draft
         )
 
@@ -94,6 +95,11 @@ class DeepseekV4Family:
         geometry: CacheGeometry,
     ) -> ForwardBatch:
         return step_plan.batch_views(flat, host, seqs, geometry)
+
+    def rollback(self, cache: KVCache, slot: int, end_pos: int, num_tokens: int) -> None:
+        """Nothing moves: the step plans keep what a rollback of up to max_draft tokens needs
+        (cache.py's ``rollback`` says why that is exact)."""
+        cache_layout.rollback(cache, slot, end_pos, num_tokens)
 
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the whole stack, num_layers * (window - 1)."""

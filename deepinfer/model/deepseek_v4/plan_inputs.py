@@ -9,6 +9,7 @@ import numpy as np
 
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import SeqSpan
+from deepinfer.model.deepseek_v4.cache import buffer_rows, overlap_windows
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class CacheGeometry:
     dense_ratios: tuple[int, ...] = ()  # ratios of layers attending to every entry (HCA)
     scratch_slot: int = -1
     scratch_block: int = -1
-    max_draft: int = 0  # draft tokens the compressor buffers keep room for
+    max_draft: int = 0  # draft tokens a rollback may forget (the compressors' rings keep them)
 
     @classmethod
     def of(cls, cache: KVCache) -> CacheGeometry:
@@ -45,8 +46,12 @@ class CacheGeometry:
         )
 
     def buffer_rows(self, ratio: int) -> int:
-        """Rows of a compressor's open-window buffer per slot (cache.py)."""
-        return ratio - 1 + self.max_draft
+        """B: rows of a compressor's buffer ring per slot (cache.py)."""
+        return buffer_rows(ratio, self.max_draft)
+
+    def overlap_windows(self, ratio: int) -> int:
+        """K: windows of an overlap ring per slot (cache.py)."""
+        return overlap_windows(ratio, self.max_draft)
 
 
 @dataclass

@@ -15,8 +15,8 @@ block_size / m entries per block)::
     ring             [S * R, hd]     row slot * R + position % R
     entry pool       [blocks * pb, d] row block * pb + entry % pb   (entry e of a request lives in
                                      block_table[e // pb])
-    compressor buf   [S * b, w]      row slot * b + i: the open window's i-th raw token
-                                     (b = m - 1 + max_draft; compress_plan.py)
+    compressor buf   [S * b, w]      a ring of raw tokens (b = m - 1 + max_draft rows;
+                                     compress_plan.py)
 """
 
 from __future__ import annotations
