@@ -7,7 +7,7 @@ file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit override
 ``DEEPINFER_TORCH_SPEC``, are not config keys). Every key is also a flag (deepinfer/flags.py:
 the comment next to a field here is its help text). Torch-free.
 
-One file of ~450 lines: the whole schema in one place, section by section, as ``config.toml``
+One file of ~460 lines: the whole schema in one place, section by section, as ``config.toml``
 documents it.
 """
 

@@ -16,7 +16,7 @@ A request's stream is owned by its ``generate()`` consumer: it is registered whe
 starts iterating and removed when the consumer stops, and a consumer that stops before the
 request finished (a client disconnect, a cancelled task) aborts it, which frees its blocks.
 
-One file of ~460 lines: the loop task, the step thread and the command queue hand the
+One file of ~470 lines: the loop task, the step thread and the command queue hand the
 scheduler to each other, and that hand-off is only readable in one place.
 """
 

@@ -20,7 +20,7 @@ of the key ``splitmix64(seed, position)`` and the token id (``keyed_uniforms``),
 the token at absolute position ``p`` depends only on ``(seed, p)``; batch composition, row order,
 chunking, preemption and the device cannot change it. Unseeded rows share the caller's generator.
 
-One file of ~430 lines: the oracle's steps in the order drawn above, so that a fast backend can
+One file of ~440 lines: the oracle's steps in the order drawn above, so that a fast backend can
 be checked against it step by step.
 """
 
