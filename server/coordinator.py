@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import hmac
 import importlib.metadata
-import json
 import logging
 import signal
 import socket
@@ -42,6 +41,7 @@ from aiohttp import web
 
 from deepinfer.config import Config, SchedulerConfig, ServerConfig
 from deepinfer.flags import add_config_flags
+from deepinfer.model.families import model_type_of, read_config
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
 from deepinfer.server.admission import AdmissionController
@@ -602,7 +602,7 @@ async def _run(
         server,
         tokenizer_path=tokenizer_path,
         served_model_name=served,
-        model_type=checkpoint.get("model_type", "deepseek_v4"),
+        model_type=model_type_of(checkpoint),
         backends=backends,
         max_model_len=max_model_len,
         export_vllm_names=config.metrics.export_vllm_names,
@@ -622,4 +622,4 @@ def _read_checkpoint_config(model_dir: Path | None) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (--model must be a checkpoint folder)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_config(path)

@@ -24,6 +24,7 @@ from aiohttp import web
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.flags import ENGINE_USES, add_config_flags
+from deepinfer.model.families import DEFAULT_MODEL_TYPE, model_type_of, read_config
 from deepinfer.server import listen
 from deepinfer.server.node import load_engine, node_identity, observe_engine, served_model_name
 from deepinfer.server.node_stream import sampling_params_of, token_deltas
@@ -75,9 +76,9 @@ def create_serve_app(
         assert tokenizer is not None, "serve needs a model with a tokenizer"
         tokenizer_path = tokenizer.path
     model_dir = engine.engine.model_dir
-    model_type = "deepseek_v4"
+    model_type = DEFAULT_MODEL_TYPE
     if model_dir is not None and (model_dir / "config.json").is_file():
-        model_type = msgspec.json.decode((model_dir / "config.json").read_bytes())["model_type"]
+        model_type = model_type_of(read_config(model_dir))
 
     app = create_coordinator_app(
         config.server,

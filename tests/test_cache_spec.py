@@ -18,6 +18,7 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG
 from deepinfer.model.families import load_family
+from deepinfer.ops import reference_kernels
 
 FAMILY = load_family("deepseek_v4")
 # DeepSeek's FP8 entry of 584 B: 448 e4m3 values, 64 bf16 rope values, the scales in the row.
@@ -88,7 +89,7 @@ def tiny_model() -> torch.nn.Module:
     cpu = torch.device("cpu")
     weights = FAMILY.random_weights(args, 0, cpu, torch.float32, fp8_block=None)
     with torch.device("meta"):
-        model = FAMILY.build_model(args, _reference_kernels())
+        model = FAMILY.build_model(args, reference_kernels())
     model.load_state_dict(weights, strict=True, assign=True)
     model.init_rope(cpu)
     return model.eval()

@@ -112,7 +112,7 @@ class ModelRunner:
             num_blocks = self._size_num_blocks(num_slots, num_snapshots)
         self.kv_cache = self._new_kv_cache(num_blocks, num_slots, num_snapshots)
         self.kv_cache.log_sizes()
-        self.planner = StepPlanner(self.family, self.family.geometry(self.args, self.kv_cache))
+        self.planner = StepPlanner.of(self.model, self.kv_cache)
         blocks_per_request = self._blocks_per_request
         logger.info(
             "KV capacity: %d blocks = %d tokens of KV, %d state slots, %d snapshots; "

@@ -66,9 +66,6 @@ class KVCache:
     def __getitem__(self, key: PartKey) -> torch.Tensor:
         return self.tensors[key]
 
-    def __contains__(self, key: PartKey) -> bool:
-        return key in self.tensors
-
     @property
     def bytes_per_snapshot(self) -> int:
         return self.spec.bytes_per_snapshot(self.dtype)

@@ -1,8 +1,8 @@
 """The model families, by the ``model_type`` of a checkpoint's ``config.json`` (torch-free).
 
 Each row names what the coordinator needs without torch (the prompt encoding of deepseek-recipe,
-the cache salt's format tag, the architecture parser that gives the block-size rule:
-``block_multiple``, ``cache_salt``) and the
+the cache salt's format tag and ``cache_salt``, the architecture parser whose ``ModelArgs`` gives
+the block-size rule, ``block_multiple``) and the
 package the engine loads the rest from (``family.py``'s ``ModelFamily``: build the model, plan a
 step, describe the cache). Adding a family is adding its package and a row here.
 
@@ -94,11 +94,6 @@ def parse_args(config: dict[str, Any]) -> Any:
 
 def load_args(model_dir: str | Path) -> Any:
     return parse_args(read_config(model_dir))
-
-
-def block_multiple(config: dict[str, Any]) -> int:
-    """What ``cache.block_size`` must be a multiple of for this checkpoint (torch-free)."""
-    return int(parse_args(config).block_multiple)
 
 
 def cache_salt(model_type: str, *, dtype: str, layout: str) -> str:
