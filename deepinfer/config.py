@@ -7,7 +7,7 @@ file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit override
 ``DEEPINFER_TORCH_SPEC``, are not config keys). Every key is also a flag (deepinfer/flags.py:
 the comment next to a field here is its help text). Torch-free.
 
-One file of ~460 lines: the whole schema in one place, section by section, as ``config.toml``
+One file of ~510 lines: the whole schema in one place, section by section, as ``config.toml``
 documents it.
 """
 
@@ -160,6 +160,63 @@ class KernelConfig:
             raise ValueError(
                 f"kernel.cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}"
             )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Ranks in lock-step (deepinfer/parallel/): data-parallel attention, each rank with its own
+    scheduler and KV cache, and expert-parallel MoE, each rank holding 1/N of the routed experts.
+    vLLM's names. One rank process per visible device (CPU: one thread each); on several hosts
+    each host starts its ``data_parallel_size_local`` ranks from ``data_parallel_rank``."""
+
+    data_parallel_size: int = 1  # ranks in all (every host together)
+    enable_expert_parallel: bool = False  # shard the routed experts over the ranks
+    data_parallel_rank: int = 0  # this host's first rank (a rank process: its own rank)
+    data_parallel_size_local: int | None = None  # ranks on this host; None: data_parallel_size
+    # The rendezvous of the ranks' process group (rank 0's host); port 0: a free port on this
+    # host, which only works with every rank here.
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_master_port: int = 0
+    # A collective that has not completed in this time ends the group with an error (gloo's own
+    # default is 30 minutes); the offline API then raises within about this long.
+    collective_timeout_s: float = 60.0
+    backend: str = "auto"  # auto | nccl | hccl | gloo  (auto: by device; gloo on the CPU)
+
+    def __post_init__(self) -> None:
+        _check_positive("parallel.data_parallel_size", self.data_parallel_size)
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"parallel.data_parallel_rank must be in 0..{self.data_parallel_size - 1}, "
+                f"got {self.data_parallel_rank}"
+            )
+        if self.data_parallel_size_local is not None:
+            _check_positive("parallel.data_parallel_size_local", self.data_parallel_size_local)
+            end = self.data_parallel_rank + self.data_parallel_size_local
+            if end > self.data_parallel_size:
+                raise ValueError(
+                    f"parallel.data_parallel_rank ({self.data_parallel_rank}) + "
+                    f"data_parallel_size_local ({self.data_parallel_size_local}) exceeds "
+                    f"data_parallel_size ({self.data_parallel_size})"
+                )
+        if not 0 <= self.data_parallel_master_port < 65536:
+            raise ValueError(
+                "parallel.data_parallel_master_port must be in 0..65535, "
+                f"got {self.data_parallel_master_port}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"parallel.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
+            )
+        _check_choice("parallel.backend", self.backend, ("auto", "nccl", "hccl", "gloo"))
+
+    @property
+    def num_local_ranks(self) -> int:
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def needs_group(self) -> bool:
+        """Several ranks, or expert parallelism asked for (a group of one runs its path)."""
+        return self.data_parallel_size > 1 or self.enable_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -317,6 +374,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

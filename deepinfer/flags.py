@@ -30,7 +30,7 @@ from typing import Any
 from deepinfer.config import SECTIONS, env_var, parse_value
 
 # What the engine reads: `generate`, and with more, `node` and `serve` (server/node.py, serve.py).
-ENGINE_USES = ("model", "cache", "scheduler", "kernel", "log")
+ENGINE_USES = ("model", "cache", "scheduler", "kernel", "parallel", "log")
 
 _NAMES: dict[str, tuple[str, ...]] = {
     "model.path": ("--model",),

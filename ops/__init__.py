@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,8 @@ import torch
 
 from deepinfer.config import KernelConfig
 from deepinfer.ops.registry import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from deepinfer.ops.attention import AttentionBackend
@@ -32,16 +35,30 @@ class Kernels:
 
 
 def select_kernels(
-    config: KernelConfig, device: torch.device, parallel: ParallelContext | None = None
+    config: KernelConfig, device: torch.device, experts: ParallelContext | None = None
 ) -> Kernels:
+    """One backend per family for ``device``. ``experts``: the expert-parallel ranks (None:
+    none); the MoE backend then exchanges tokens over them (``moe/expert_parallel.py``) around
+    the device's own. Attention, linears, norms and sampling run on each rank alone."""
     from deepinfer.ops import attention, linear, moe, norm, sampling
 
+    routed = moe.BACKENDS.select(config.moe, device)
+    if experts is not None:
+        from deepinfer.ops.moe.expert_parallel import ExpertParallelMoEBackend
+
+        logger.info(
+            "moe: expert parallel, rank %d of %d, around %s",
+            experts.rank,
+            experts.world_size,
+            type(routed).__name__,
+        )
+        routed = ExpertParallelMoEBackend(device, experts, routed)
     return Kernels(
-        attention=attention.BACKENDS.select(config.attention, device, parallel),
-        linear=linear.BACKENDS.select(config.linear, device, parallel),
-        moe=moe.BACKENDS.select(config.moe, device, parallel),
-        norm=norm.BACKENDS.select(config.norm, device, parallel),
-        sampling=sampling.BACKENDS.select(config.sampling, device, parallel),
+        attention=attention.BACKENDS.select(config.attention, device),
+        linear=linear.BACKENDS.select(config.linear, device),
+        moe=routed,
+        norm=norm.BACKENDS.select(config.norm, device),
+        sampling=sampling.BACKENDS.select(config.sampling, device),
     )
 
 

@@ -44,9 +44,9 @@ class ParallelContext:
     """Where a backend runs among the ranks of its model-parallel group.
 
     Producer: the engine, when it makes its kernels (``ops.select_kernels``). Consumer: a
-    backend's constructor, which may split work or set up communication by it; today every
-    backend runs on one device and ignores it. ``group``: the ranks' process group (None: no
-    communication, one rank).
+    backend's constructor, which may split work or set up communication by it (the MoE family:
+    expert parallelism, ``ops/moe/expert_parallel.py``); ``group``: the ranks' process group
+    (None: no communication, one rank).
     """
 
     world_size: int = 1
@@ -57,6 +57,17 @@ class ParallelContext:
         assert self.world_size >= 1 and 0 <= self.rank < self.world_size, (
             f"rank {self.rank} of world size {self.world_size}"
         )
+
+    def shard(self, count: int) -> range:
+        """This rank's contiguous 1/world_size of ``count`` items (routed experts); raises
+        ValueError unless ``count`` divides evenly."""
+        if count % self.world_size:
+            raise ValueError(
+                f"{count} routed experts do not split evenly over {self.world_size} ranks: "
+                "expert parallelism needs num_experts % data_parallel_size == 0"
+            )
+        per_rank = count // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
 class Backend:

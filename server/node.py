@@ -377,6 +377,11 @@ async def load_engine(config: Config) -> AsyncEngine:
     process meanwhile, and wrap it for the loop (used by `node` and `serve`)."""
     from deepinfer.engine.llm_engine import LLMEngine
 
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            "parallel.data_parallel_size > 1 runs offline only (LLM(...)); a node serves one "
+            f"rank, got {config.parallel.data_parallel_size}"
+        )
     systemd.status("loading the model")
     llm_engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
     return AsyncEngine(llm_engine, max_step_s=config.node.max_step_s)

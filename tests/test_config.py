@@ -206,7 +206,7 @@ def test_every_key_is_a_flag_of_a_subcommand_that_reads_it() -> None:
         "scheduler",  # max_num_seqs: what a static --node runs at once (derived limits)
     }
     assert {s for s, _ in _config_flags(parsers["generate"])} == {
-        "model", "cache", "scheduler", "kernel", "log"
+        "model", "cache", "scheduler", "kernel", "parallel", "log"
     }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ RANKS = {
     "deepinfer.scheduler": 50,
     "deepinfer.model": 40,
     "deepinfer.kv_cache": 30,
+    "deepinfer.parallel": 25,
     "deepinfer.ops": 20,
 }
 BASE = 0  # config, flags, device, logger, outputs, sampling_params, tokenizer, constraints

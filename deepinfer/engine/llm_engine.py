@@ -16,6 +16,11 @@ before the next mask exists): then step N is applied between N+1's forward and i
 while the device runs the forward. When the schedule itself needs those tokens
 (``Scheduler.needs_sampled_tokens``: a prefix-cache block boundary) the step first waits for
 step N, as a synchronous engine always does.
+
+Lock-step ranks (config [parallel], deepinfer/parallel/): after scheduling, every rank's step
+agrees with the others' (``LockStep.agree``) before anything runs; a rank with nothing
+scheduled runs a placeholder step while others run theirs, and ``group_unfinished`` says
+whether any rank still has requests (a rank's loop goes on until none has).
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from typing import Any, Protocol
 from deepinfer.config import Config
 from deepinfer.constraints import ConstraintError
 from deepinfer.constraints.compiler import GrammarCompiler
+from deepinfer.device import resolve_device
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args
 from deepinfer.model.tiny import ensure_tiny_model
+from deepinfer.parallel.group import RankGroup, with_rendezvous_port
+from deepinfer.parallel.lockstep import LockStep, RankStep
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.drafts import Drafter
 from deepinfer.scheduler.output import (
@@ -70,6 +78,12 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class PlaceholderExecutor(Executor, Protocol):
+    """An executor of one lock-step rank: it also runs steps with no tokens of its own."""
+
+    def run_placeholder(self) -> None: ...
+
+
 class StepInFlight(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
@@ -88,25 +102,35 @@ class LaunchingExecutor(Executor, Protocol):
 
 class LLMEngine:
     """``executor`` None: load the configured checkpoint (or the built-in one) into a
-    ModelRunner. Tests and the serving layer may pass any Executor instead."""
+    ModelRunner, joining the rank group first when config [parallel] asks for one (this
+    process is then rank ``parallel.data_parallel_rank``). Tests and the serving layer may pass
+    any Executor instead (with ``group``: a PlaceholderExecutor of that rank)."""
 
-    def __init__(self, config: Config, executor: Executor | None = None) -> None:
+    def __init__(
+        self, config: Config, executor: Executor | None = None, group: RankGroup | None = None
+    ) -> None:
         self.config = config
+        if executor is None and group is None and config.parallel.needs_group:
+            parallel = with_rendezvous_port(config.parallel)
+            group = RankGroup.join(parallel, resolve_device(config.model.device).type)
+        self.group = group
         if executor is None:
             self.model_dir: Path | None = self._init_model_dir()
             args = load_args(self.model_dir)
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
                 self.model_dir, config.model.tokenizer
             )
-            executor = ModelRunner(config, self.model_dir, args)
+            executor = ModelRunner(config, self.model_dir, args, group)
         else:
             self.model_dir, self.tokenizer = None, None
         self.executor = executor
+        self.lockstep = None if group is None else LockStep(group.control, group.world_size)
         launch = getattr(executor, "launch", None)
         self._launch = launch if config.scheduler.async_scheduling else None
         # The step launched by the previous step() call, its samples not yet applied.
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None
         self.num_scheduled_tokens = 0  # tokens the last step() scheduled (for metrics)
+        self.num_preemptions = 0  # requests preempted so far
         self.max_model_len = executor.max_model_len
         self.tiers = self._init_tiers()
         self.grammar_compiler = self._init_grammar_compiler()
@@ -262,13 +286,37 @@ class LLMEngine:
         """Requests to run, or a launched step whose results are not applied yet."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    @property
+    def group_unfinished(self) -> bool:
+        """Some rank of the group had requests left at the last step (alone: this engine)."""
+        if self.lockstep is None:
+            return self.has_unfinished_requests()
+        return self.lockstep.last.unfinished
+
+    def _agree(self, scheduler_output: SchedulerOutput) -> None:
+        """Lock-step: agree on the step with the other ranks; run a placeholder step when they
+        run one and this rank has nothing scheduled."""
+        if self.lockstep is None:
+            return
+        mine = RankStep(
+            num_tokens=scheduler_output.num_scheduled_tokens,
+            decode_only=all(s.num_tokens == 1 for s in scheduler_output.scheduled),
+            unfinished=self.has_unfinished_requests(),
+        )
+        if self.lockstep.agree(mine).runs and scheduler_output.is_empty:
+            executor: PlaceholderExecutor = self.executor  # type: ignore[assignment]
+            executor.run_placeholder()
+
     def step(self) -> list[RequestOutputDelta]:
         """One scheduling iteration; returns the deltas of the step it completed (asynchronous:
         the previous one). If it raises, the step in flight is dropped: the caller aborts the
-        running requests (their pending tokens are lost with it)."""
+        running requests (their pending tokens are lost with it); in a rank group, the group
+        has ended (a collective failed)."""
         if self._launch is None:
             scheduler_output = self.scheduler.schedule()
             self.num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+            self.num_preemptions += len(scheduler_output.preempted_request_ids)
+            self._agree(scheduler_output)
             runner_output = self.executor.execute(scheduler_output)
             return self.scheduler.update(scheduler_output, runner_output)
         try:
@@ -283,6 +331,8 @@ class LLMEngine:
             deltas = self._complete_in_flight()
         scheduler_output = self.scheduler.schedule()
         self.num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        self._agree(scheduler_output)
         launched = None
         if not scheduler_output.is_empty:
             before_sampling = None

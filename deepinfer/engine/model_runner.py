@@ -5,7 +5,9 @@ SchedulerOutput (CPU) -> tier moves (tier_io.py) -> ForwardBatch (device; stagin
 -> logits -> prompt logprobs, sampler (step_outputs.py) -> LaunchedStep
 -> ModelRunnerOutput (host values) -> Scheduler.update()
 
-At start: the weights (weights_loading.py), the KV cache (sized here: device memory in
+Lock-step ranks (a ``RankGroup``): the device is the rank's, the weights hold its share of the
+routed experts, the MoE backend exchanges tokens with the other ranks, and ``run_placeholder``
+runs a step with no tokens of its own. At start: the weights (weights_loading.py), the KV cache (sized here: device memory in
 ``deepinfer.engine.memory`` on CUDA, cache.memory_budget_gib on CPU), then on CUDA the decode
 graphs and the eager step shapes (warm_up.py), before the node reports ready.
 """
@@ -39,6 +41,7 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten
 from deepinfer.model.families import cache_salt as cache_format_salt
 from deepinfer.model.families import load_family
 from deepinfer.ops import select_kernels
+from deepinfer.parallel.group import RankGroup
 from deepinfer.scheduler.output import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -49,18 +52,26 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model weights and the KV cache of one device."""
+    """Owns the model weights and the KV cache of one device (of one rank of ``group``)."""
 
-    def __init__(self, config: Config, model_dir: Path, args: Any) -> None:
+    def __init__(
+        self, config: Config, model_dir: Path, args: Any, group: RankGroup | None = None
+    ) -> None:
         self.config = config
         self.args = args  # the family's architecture arguments
         self.family = load_family(args.model_type)
-        self.device = resolve_device(config.model.device)
+        self.group = group
+        self.device = group.device if group else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         self._init_threads()
         self._init_precision()
-        self.kernels = select_kernels(config.kernel, self.device)
+        ep = group is not None and group.expert_parallel
+        self.kernels = select_kernels(
+            config.kernel, self.device, experts=group.moe_context() if ep else None
+        )
+        # The routed experts this rank holds (None: all of them).
+        self.experts = group.experts(self.family.num_experts(args)) if ep else None
         self._init_model(model_dir)
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
@@ -95,9 +106,11 @@ class ModelRunner:
             self.kernels,
             self.device,
             self.dtype,
+            self.experts,
         )
         self.model = loaded.model
         self.fp8_weights = loaded.fp8_weights  # FP8 weights change activations: in the salt
+        self.weight_bytes = loaded.weight_bytes
 
     def _init_kv_cache(self) -> None:
         cache = self.config.cache
@@ -209,6 +222,10 @@ class ModelRunner:
         kernel = self.config.kernel
         if self.device.type != "cuda" or kernel.deterministic:
             return 0
+        if self.experts is not None and self.group is not None and self.group.world_size > 1:
+            # The exchange's split sizes come from the routing (a host sync): not capturable.
+            logger.info("decode graphs off: expert parallelism over ranks runs eager steps")
+            return 0
         return min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
 
     def _init_graphs(self) -> None:
@@ -261,6 +278,10 @@ class ModelRunner:
     @property
     def num_slots(self) -> int:
         return self.kv_cache.num_slots
+
+    def run_placeholder(self) -> None:
+        """A lock-step step with no tokens of this rank: its MoE layers' collectives only."""
+        self.family.run_placeholder(self.model)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return host-side samples and logprobs."""

@@ -34,6 +34,7 @@ class LoadedModel:
 
     model: torch.nn.Module  # in eval mode; called as model(ForwardBatch, KVCache) -> logits
     fp8_weights: bool  # FP8 linear weights kept (model.fp8_weights on CUDA)
+    weight_bytes: WeightBytes
 
 
 def load_model(
@@ -44,9 +45,11 @@ def load_model(
     kernels: Kernels,
     device: torch.device,
     dtype: torch.dtype,
+    experts: range | None = None,
 ) -> LoadedModel:
     """The weights of ``model_dir`` (or ``config.random_weights`` in its shapes) in ``dtype`` on
-    ``device``, FP8 linears kept on CUDA when ``config.fp8_weights`` asks."""
+    ``device``, FP8 linears kept on CUDA when ``config.fp8_weights`` asks; of the routed experts
+    only ``experts`` (None: all)."""
     start = time.perf_counter()
     keep_fp8 = config.fp8_weights and device.type == "cuda"
     if config.fp8_weights and not keep_fp8:
@@ -56,13 +59,15 @@ def load_model(
         seed = config.tiny_model_seed
         logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
         fp8 = block if keep_fp8 else None
-        weights = family.random_weights(args, seed, device, dtype, fp8_block=fp8)
+        weights = family.random_weights(
+            args, seed, device, dtype, fp8_block=fp8, experts=experts
+        )
     else:
         weights = family.load_weights(
-            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8
+            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8, experts=experts
         )
     with torch.device("meta"):
-        model = family.build_model(args, kernels)
+        model = family.build_model(args, kernels, experts)
         num_fp8 = use_fp8_linears(model, weights, block, kernels.linear)
     if keep_fp8:
         logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
@@ -70,15 +75,37 @@ def load_model(
     family.init_buffers(model, device)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = parameter_bytes(model)
     logger.info(
-        "model: %s, %.1f M parameters, %s on %s, loaded in %.1f s",
+        "model: %s, %.1f M parameters (%.3f GiB; routed experts %.3f GiB, %s), %s on %s, loaded "
+        "in %.1f s",
         model_dir,
         num_params / 1e6,
+        weight_bytes.total / 2**30,
+        weight_bytes.routed_experts / 2**30,
+        "all" if experts is None else f"{experts.start}..{experts.stop - 1}",
         str(dtype).removeprefix("torch."),
         device,
         time.perf_counter() - start,
     )
-    return LoadedModel(model, keep_fp8)
+    return LoadedModel(model, keep_fp8, weight_bytes)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    total: int  # every parameter and buffer the model holds
+    routed_experts: int  # of which the routed experts (1/N of them per rank with N-way EP)
+
+
+def parameter_bytes(model: torch.nn.Module) -> WeightBytes:
+    """The model's weight bytes on its device, and the routed experts' share of them."""
+    total = routed = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if ".experts." in f".{name}":
+            routed += size
+    return WeightBytes(total, routed)
 
 
 def cache_salt(model_dir: Path, config: ModelConfig, fp8_weights: bool, kv_layout: str) -> bytes:

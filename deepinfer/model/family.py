@@ -9,6 +9,7 @@
         geometry(args, cache)   -> the family's plan context for that cache
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
         rollback(cache, slot, end_pos, num_tokens): forget a step's rejected draft tokens
+        run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
 graphed decode step passes ``decode_context``, and the family must then give arrays whose shapes
@@ -35,8 +36,18 @@ class ModelFamily(Protocol):
 
     def parse_args(self, config: dict[str, Any]) -> Any: ...
 
-    def build_model(self, args: Any, kernels: Kernels) -> nn.Module:
-        """The model with empty parameters (call it under ``torch.device("meta")``)."""
+    def build_model(self, args: Any, kernels: Kernels, experts: range | None = None) -> nn.Module:
+        """The model with empty parameters (call it under ``torch.device("meta")``), holding
+        the routed ``experts`` (None: all; a share: ``kernels.moe`` exchanges tokens with the
+        ranks holding the rest)."""
+        ...
+
+    def num_experts(self, args: Any) -> int:
+        """Routed experts per MoE layer (what expert parallelism shards)."""
+        ...
+
+    def run_placeholder(self, model: nn.Module) -> None:
+        """Lock-step ranks: the collectives of one step with no tokens of this rank."""
         ...
 
     def init_buffers(self, model: nn.Module, device: torch.device) -> None:
@@ -56,7 +67,10 @@ class ModelFamily(Protocol):
         device: torch.device,
         dtype: torch.dtype,
         keep_fp8: bool,
-    ) -> dict[str, torch.Tensor]: ...
+        experts: range | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The state dict, with only the routed ``experts`` (None: all), read from the folder."""
+        ...
 
     def random_weights(
         self,
@@ -66,6 +80,7 @@ class ModelFamily(Protocol):
         dtype: torch.dtype,
         *,
         fp8_block: tuple[int, int] | None,
+        experts: range | None = None,
     ) -> dict[str, torch.Tensor]: ...
 
     def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:

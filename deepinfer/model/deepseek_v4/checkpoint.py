@@ -6,7 +6,9 @@ Data flow, one shard at a time (safetensors ``safe_open``, memory-mapped on the 
       -> dequantize FP8 / FP4 to fp32 -> map the name -> check dtype kind and shape
       -> cast to ``dtype`` -> place: copy | one slot of a stacked expert tensor | split gate_up
 
-Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
+With ``experts`` (expert parallelism: the routed experts one rank holds) only those experts'
+tensors are read: per-expert tensors of other experts are skipped unread, stacked ones are read
+as a slice of rows. Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
 linears that ``Fp8Linear`` can run (``weights.is_fp8_linear``) stay e4m3, next to their block
 scales in fp32 (``layers.0.attn.wq_a.scale``); FP4 routed experts are dequantized either way.
 ``mtp.*`` tensors are skipped (no MTP module yet).
@@ -29,6 +31,7 @@ from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.weights import (
     TensorTarget,
     expected_shapes,
+    is_stacked_experts,
     find_scales,
     fp8_scale_name,
     is_fp8_linear,
@@ -85,6 +88,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     show_progress: bool = True,
     keep_fp8: bool = False,
+    experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
 
@@ -92,9 +96,11 @@ def load_checkpoint(
     dequantized) except the few kept in fp32 (``is_fp32_param``), ``tid2eid`` in int64. Shapes
     are ``expected_shapes(args)``. ``keep_fp8``: a float8_e4m3fn weight of an ``is_fp8_linear``
     name stays float8_e4m3fn, followed by its block scales [ceil(N/bn), ceil(K/bk)] fp32 under
-    ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). Raises ``CheckpointError`` on a missing,
+    ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). ``experts``: the routed experts to hold
+    (None: all), stacked in that order from slot 0. Raises ``CheckpointError`` on a missing,
     unexpected, duplicated or mis-shaped tensor.
     """
+    experts = experts if experts is not None else range(args.num_experts)
     folder = Path(folder)
     t0 = time.perf_counter()
     files = _tensor_files(folder)
@@ -112,8 +118,8 @@ def load_checkpoint(
         len(by_file),
     )
     block = fp8_block(args)
-    state = _StateBuilder(expected_shapes(args), device, dtype)
-    num_ignored = num_kept = 0
+    state = _StateBuilder(expected_shapes(args, len(experts)), device, dtype, experts.start)
+    num_ignored = num_kept = num_elsewhere = 0
     with ExitStack() as stack:
         reader = _ShardReader(files, stack)
         progress = tqdm(
@@ -130,9 +136,13 @@ def load_checkpoint(
                     if target is None:
                         num_ignored += 1
                         continue
-                    tensor = reader.get(key).to(device)
+                    if target.kind == "expert" and _held_elsewhere(target, experts, args):
+                        num_elsewhere += 1
+                        continue
+                    rows = experts if _is_stacked(target) else None
+                    tensor = reader.get(key, rows).to(device)
                     if key in scales:
-                        scale = reader.get(scales[key]).to(device)
+                        scale = reader.get(scales[key], rows).to(device)
                         if keep_fp8 and _stays_fp8(target, tensor):
                             state.place_fp8(key, target.names[0], tensor, scale, block)
                             num_kept += 1
@@ -148,7 +158,7 @@ def load_checkpoint(
     num_bytes = sum(t.numel() * t.element_size() for t in out.values())
     logger.info(
         "loaded %d tensors (%.3f GiB, %s on %s) from %s in %.2f s; dequantized %d, kept FP8 %d, "
-        "ignored %d",
+        "ignored %d, other ranks' experts %d",
         len(out),
         num_bytes / 2**30,
         dtype,
@@ -158,8 +168,21 @@ def load_checkpoint(
         len(scales) - num_kept,
         num_kept,
         num_ignored,
+        num_elsewhere,
     )
     return out
+
+
+def _held_elsewhere(target: TensorTarget, experts: range, args: ModelArgs) -> bool:
+    """A per-expert tensor of a (valid) expert another rank holds."""
+    return target.expert not in experts and 0 <= target.expert < args.num_experts
+
+
+def _is_stacked(target: TensorTarget) -> bool:
+    """transformers' stacked experts ([E, ...] in one tensor): read only this rank's rows."""
+    return target.kind == "gate_up" or (
+        target.kind == "copy" and is_stacked_experts(target.names[0])
+    )
 
 
 def dequantize_fp4(
@@ -243,12 +266,15 @@ class _ShardReader:
         self.stack = stack
         self.handles: dict[Path, Any] = {}
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, rows: range | None = None) -> torch.Tensor:
+        """The tensor, or only its first-dimension ``rows`` (read as a slice)."""
         path = self.files[key]
         if path not in self.handles:
             handle = safe_open(path, framework="pt", device="cpu")
             self.handles[path] = self.stack.enter_context(handle)
         try:
+            if rows is not None:
+                return self.handles[path].get_slice(key)[rows.start : rows.stop]
             return self.handles[path].get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for absent keys
             raise CheckpointError(f"cannot read tensor {key!r} from {path}: {e}") from e
@@ -258,11 +284,16 @@ class _StateBuilder:
     """Collects checkpoint tensors into our state dict, checking each against the expected table."""
 
     def __init__(
-        self, expected: dict[str, tuple[int, ...]], device: str | torch.device, dtype: torch.dtype
+        self,
+        expected: dict[str, tuple[int, ...]],
+        device: str | torch.device,
+        dtype: torch.dtype,
+        first_expert: int = 0,
     ) -> None:
         self.expected = expected
         self.device = device
         self.dtype = dtype
+        self.first_expert = first_expert  # the checkpoint's number of stacked slot 0
         self.out: dict[str, torch.Tensor] = {}
         self.source: dict[str, str] = {}
         self.filled: dict[str, set[int]] = {}  # stacked expert tensor -> expert slots written
@@ -277,17 +308,18 @@ class _StateBuilder:
         elif target.kind == "expert":
             name = target.names[0]
             shape = self._expected(key, name)
-            if not 0 <= target.expert < shape[0]:
+            slot = target.expert - self.first_expert
+            if not 0 <= slot < shape[0]:
                 raise CheckpointError(
-                    f"unexpected tensor {key!r}: expert {target.expert} but the model has "
-                    f"{shape[0]} routed experts"
+                    f"unexpected tensor {key!r}: expert {target.expert} but the model holds "
+                    f"experts {self.first_expert}..{self.first_expert + shape[0] - 1}"
                 )
             self._check(key, name, tensor, shape[1:])
             slots = self.filled.setdefault(name, set())
-            if target.expert in slots or name in self.source:
+            if slot in slots or name in self.source:
                 raise CheckpointError(f"tensor {name!r} expert {target.expert} is given twice")
-            slots.add(target.expert)
-            self._stacked(name, shape)[target.expert] = self._cast(key, name, tensor)
+            slots.add(slot)
+            self._stacked(name, shape)[slot] = self._cast(key, name, tensor)
         else:
             w1, w3 = target.names
             e, i, d = self._expected(key, w1)
@@ -322,7 +354,9 @@ class _StateBuilder:
         for name, slots in self.filled.items():
             base, proj = name.rsplit(".", 1)
             missing += [
-                f"{base}.{e}.{proj}.weight" for e in range(self.expected[name][0]) if e not in slots
+                f"{base}.{e + self.first_expert}.{proj}.weight"
+                for e in range(self.expected[name][0])
+                if e not in slots
             ]
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" * (len(missing) > 8))

@@ -32,8 +32,17 @@ class DeepseekV4Family:
     def parse_args(self, config: dict[str, Any]) -> ModelArgs:
         return ModelArgs.from_dict(config)
 
-    def build_model(self, args: ModelArgs, kernels: Kernels) -> DeepseekV4:
-        return DeepseekV4(args, kernels)
+    def build_model(
+        self, args: ModelArgs, kernels: Kernels, experts: range | None = None
+    ) -> DeepseekV4:
+        return DeepseekV4(args, kernels, experts)
+
+    def num_experts(self, args: ModelArgs) -> int:
+        return args.num_experts
+
+    def run_placeholder(self, model: torch.nn.Module) -> None:
+        assert isinstance(model, DeepseekV4)
+        model.placeholder_step()
 
     def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
         assert isinstance(model, DeepseekV4)
@@ -50,8 +59,11 @@ class DeepseekV4Family:
         device: torch.device,
         dtype: torch.dtype,
         keep_fp8: bool,
+        experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
-        return load_checkpoint(model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8)
+        return load_checkpoint(
+            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8, experts=experts
+        )
 
     def random_weights(
         self,
@@ -61,8 +73,11 @@ class DeepseekV4Family:
         dtype: torch.dtype,
         *,
         fp8_block: tuple[int, int] | None,
+        experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
-        return tiny.random_weights(args, seed, device, dtype, fp8_block=fp8_block)
+        return tiny.random_weights(
+            args, seed, device, dtype, fp8_block=fp8_block, experts=experts
+        )
 
     def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
         tiny.write_tiny_checkpoint(folder, seed)

@@ -121,11 +121,12 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stacked: w1/w3 [E, I, D], w2 [E, D, I]."""
+    """Routed experts, stacked: w1/w3 [E, I, D], w2 [E, D, I]; E = the experts this rank holds
+    (all of them, or its share under expert parallelism)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, num_local: int) -> None:
         super().__init__()
-        e, i, d = args.num_experts, args.moe_intermediate_size, args.hidden_size
+        e, i, d = num_local, args.moe_intermediate_size, args.hidden_size
         self.w1 = nn.Parameter(torch.zeros(e, i, d))
         self.w2 = nn.Parameter(torch.zeros(e, d, i))
         self.w3 = nn.Parameter(torch.zeros(e, i, d))
@@ -148,12 +149,16 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
+    """Router, routed experts (through ``kernels.moe``, which may exchange tokens with other
+    ranks), shared expert."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels, num_local: int) -> None:
         super().__init__()
         self.kernels = kernels
         self.limit = args.swiglu_limit
+        self.topk = args.num_experts_per_tok
         self.gate = Gate(args, layer_id)
-        self.experts = Experts(args)
+        self.experts = Experts(args, num_local)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,9 +167,19 @@ class MoE(nn.Module):
         routed = self.kernels.moe.fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
         return routed + self.shared_experts(x)
 
+    def exchange_only(self, dtype: torch.dtype) -> None:
+        """A placeholder step's part: the routed experts' call with no tokens of this rank, so
+        that an expert-parallel backend serves this rank's experts to the others."""
+        e = self.experts
+        device = e.w2.device
+        x = torch.empty(0, e.w2.shape[1], dtype=dtype, device=device)
+        ids = torch.empty(0, self.topk, dtype=torch.int64, device=device)
+        weights = torch.empty(0, self.topk, dtype=torch.float32, device=device)
+        self.kernels.moe.fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
+
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels, num_local: int) -> None:
         super().__init__()
         self.args, self.kernels = args, kernels
         mix = args.hc_mix_size
@@ -177,7 +192,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.attn = Attention(args, layer_id, kernels)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
-        self.ffn = MoE(args, layer_id, kernels)
+        self.ffn = MoE(args, layer_id, kernels, num_local)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
@@ -192,15 +207,22 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    """Embedding -> hc_mult residual streams -> blocks -> hyper-connection head -> norm -> head."""
+    """Embedding -> hc_mult residual streams -> blocks -> hyper-connection head -> norm -> head.
 
-    def __init__(self, args: ModelArgs, kernels: Kernels | None = None) -> None:
+    ``experts``: the routed experts this rank holds (None: all); its kernels' MoE backend must
+    then be the expert-parallel one over the ranks holding the rest."""
+
+    def __init__(
+        self, args: ModelArgs, kernels: Kernels | None = None, experts: range | None = None
+    ) -> None:
         super().__init__()
         self.args = args
         kernels = kernels or reference_kernels()
         self.norm_ops = kernels.norm
+        self.experts = experts or range(args.num_experts)
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i, kernels) for i in range(args.num_layers))
+        n = len(self.experts)
+        self.layers = nn.ModuleList(Block(args, i, kernels, n) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.head = linear(args.hidden_size, args.vocab_size)
         hc = args.hc_mult
@@ -234,6 +256,13 @@ class DeepseekV4(nn.Module):
             x = layer(x, batch, cache, self.compress_inv_freq)
         x = x[batch.logits_indices]  # [N, hc, D]
         return self.head(self.norm(self.hc_head_collapse(x))).float()
+
+    @torch.inference_mode()
+    def placeholder_step(self) -> None:
+        """A step with no tokens of this rank while other ranks run theirs: every MoE layer's
+        exchange, in layer order, as the forward would run them."""
+        for layer in self.layers:
+            layer.ffn.exchange_only(self.embed.weight.dtype)
 
     def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn)."""

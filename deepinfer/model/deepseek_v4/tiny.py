@@ -116,16 +116,24 @@ def random_weights(
     dtype: torch.dtype,
     *,
     fp8_block: tuple[int, int] | None = None,
+    experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts),
     initialised as ``make_tiny_model`` documents; the parameters kept in fp32 are fp32.
     ``fp8_block``: the ``is_fp8_linear`` weights quantized to float8_e4m3fn in blocks of that
     shape, each followed by its fp32 block scales, as ``load_checkpoint(keep_fp8=True)`` gives.
+    ``experts``: keep only those routed experts (every rank draws all of them, so that the ranks'
+    shares are of one model).
 
     For benchmarks in real shapes (V4-Flash layers do not fit a checkpoint written here): the
     values depend on the device's generator, so they are not those of ``make_tiny_model``.
     """
-    from deepinfer.model.deepseek_v4.weights import fp8_scale_name, is_fp8_linear, is_fp32_param
+    from deepinfer.model.deepseek_v4.weights import (
+        fp8_scale_name,
+        is_fp8_linear,
+        is_fp32_param,
+        is_stacked_experts,
+    )
     from deepinfer.ops.linear.torch_ref import quantize_fp8
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -133,6 +141,8 @@ def random_weights(
     for name, shape in expected_shapes(args).items():
         wanted = torch.float32 if is_fp32_param(name) else dtype
         out[name] = _init_tensor(name, shape, args, gen, device=device, dtype=wanted)
+        if experts is not None and is_stacked_experts(name):
+            out[name] = out[name][experts.start : experts.stop].clone()
         if fp8_block is not None and is_fp8_linear(name):
             out[name], out[fp8_scale_name(name)] = quantize_fp8(out[name], fp8_block)
     return out

@@ -172,14 +172,23 @@ def is_integer_param(name: str) -> bool:
     return name.endswith(".tid2eid")
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the model, in our names, with its shape (routed experts stacked).
+def is_stacked_experts(name: str) -> bool:
+    """True for (our) names of the stacked routed-expert tensors ([E, ...])."""
+    return _STACKED_RE.search(name) is not None
+
+
+_STACKED_RE = re.compile(r"\.ffn\.experts\.w[123]$")
+
+
+def expected_shapes(args: ModelArgs, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model, in our names, with its shape (routed experts stacked, their
+    first dimension ``num_experts``: the experts one rank holds; None: all of them).
 
     Order: embed, then layer by layer, then the head; deterministic, so ``tiny.py`` draws
     random weights in this order.
     """
     d, hc = args.hidden_size, args.hc_mult
-    e, i_moe = args.num_experts, args.moe_intermediate_size
+    e, i_moe = num_experts or args.num_experts, args.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (args.vocab_size, d)}
     for i, (attn_type, mlp_type) in enumerate(
         zip(args.layer_types, args.mlp_layer_types, strict=True)
@@ -192,11 +201,11 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}attn_norm.weight"] = (d,)
         shapes[f"{p}ffn_norm.weight"] = (d,)
         shapes.update(_attention_shapes(args, p + "attn.", attn_type))
-        shapes[f"{p}ffn.gate.weight"] = (e, d)
+        shapes[f"{p}ffn.gate.weight"] = (args.num_experts, d)
         if mlp_type == HASH_MOE:
             shapes[f"{p}ffn.gate.tid2eid"] = (args.vocab_size, args.num_experts_per_tok)
         else:
-            shapes[f"{p}ffn.gate.bias"] = (e,)
+            shapes[f"{p}ffn.gate.bias"] = (args.num_experts,)
         shapes[f"{p}ffn.experts.w1"] = (e, i_moe, d)
         shapes[f"{p}ffn.experts.w3"] = (e, i_moe, d)
         shapes[f"{p}ffn.experts.w2"] = (e, d, i_moe)
