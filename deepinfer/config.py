@@ -173,9 +173,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # shard the routed experts over the ranks
     data_parallel_rank: int = 0  # this host's first rank (a rank process: its own rank)
     data_parallel_size_local: int | None = None  # ranks on this host; None: data_parallel_size
-    # The rendezvous of the ranks' process group (rank 0's host); port 0: a free port on this
-    # host, which only works with every rank here.
-    data_parallel_address: str = "127.0.0.1"
+    data_parallel_address: str = "127.0.0.1"  # the ranks' rendezvous: rank 0's host
+    # The rendezvous port; 0: a free port on this host (only with every rank on this host).
     data_parallel_master_port: int = 0
     # A collective that has not completed in this time ends the group with an error (gloo's own
     # default is 30 minutes); the offline API then raises within about this long.
