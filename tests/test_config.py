@@ -120,6 +120,8 @@ _OTHER_VALUES = {
     "node.role": "decode",
     "log.level": "DEBUG",
     "log.format": "json",
+    "parallel.data_parallel_size": 4,  # rank 1 + 3 local ranks fit
+    "parallel.backend": "gloo",
 }
 
 

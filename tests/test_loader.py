@@ -75,6 +75,29 @@ def test_transformers_state_dict_naming_loads_identically(oracle_hf_dir, referen
     _assert_same(_load(_write(tmp_path / "hf_names", state, oracle_hf_dir)), reference)
 
 
+def test_expert_shards_read_only_their_experts_in_every_naming(
+    oracle_hf_dir, oracle_upstream_dir, reference, tmp_path
+):
+    """Expert parallelism: a rank's load holds its routed experts' rows of the full load, for
+    per-expert (upstream, hybrid) and stacked (transformers) tensors; the rest is unchanged."""
+    state = {k: v.clone() for k, v in hf_model(oracle_hf_dir).state_dict().items()}
+    stacked = _write(tmp_path / "hf_names", state, oracle_hf_dir)
+    args = load_model_args(oracle_upstream_dir)
+    for folder in (oracle_upstream_dir, oracle_hf_dir, stacked):
+        for experts in (range(0, 4), range(6, 8)):
+            shard = load_checkpoint(folder, args, show_progress=False, experts=experts)
+            assert list(shard) == list(reference)
+            for name, full in reference.items():
+                want = full[experts.start : experts.stop] if ".ffn.experts." in name else full
+                assert torch.equal(shard[name], want), (folder.name, experts, name)
+    per_expert = load_file(oracle_upstream_dir / "model.safetensors")
+    del per_expert["layers.2.ffn.experts.5.w1.weight"]
+    broken = _write(tmp_path / "missing", per_expert, oracle_upstream_dir)
+    load_checkpoint(broken, args, show_progress=False, experts=range(0, 4))  # not its expert
+    with pytest.raises(CheckpointError, match=r"missing tensor.*experts\.5\.w1"):
+        load_checkpoint(broken, args, show_progress=False, experts=range(4, 8))
+
+
 def test_upstream_folder_is_bit_identical_in_transformers(oracle_hf_dir, oracle_upstream_dir):
     for prompt in oracle_prompts()[:2]:
         assert torch.equal(hf_logits(oracle_hf_dir, prompt), hf_logits(oracle_upstream_dir, prompt))

@@ -5,11 +5,16 @@ SchedulerOutput (CPU) -> tier moves (tier_io.py) -> ForwardBatch (device; stagin
 -> logits -> prompt logprobs, sampler (step_outputs.py) -> LaunchedStep
 -> ModelRunnerOutput (host values) -> Scheduler.update()
 
-Lock-step ranks (a ``RankGroup``): the device is the rank's, the weights hold its share of the
-routed experts, the MoE backend exchanges tokens with the other ranks, and ``run_placeholder``
-runs a step with no tokens of its own. At start: the weights (weights_loading.py), the KV cache (sized here: device memory in
+At start: the weights (weights_loading.py), the KV cache (sized here: device memory in
 ``deepinfer.engine.memory`` on CUDA, cache.memory_budget_gib on CPU), then on CUDA the decode
 graphs and the eager step shapes (warm_up.py), before the node reports ready.
+
+Lock-step ranks (a ``RankGroup``): the device is the rank's, the weights hold its share of the
+routed experts, the MoE backend exchanges tokens with the other ranks, and ``run_placeholder``
+runs a step with no tokens of its own.
+
+One file of ~420 lines: start-up (weights, cache sizing, graphs) and the step share the runner's
+state; what each step stage does lives in the modules named above.
 """
 
 from __future__ import annotations

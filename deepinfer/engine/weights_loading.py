@@ -59,9 +59,7 @@ def load_model(
         seed = config.tiny_model_seed
         logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
         fp8 = block if keep_fp8 else None
-        weights = family.random_weights(
-            args, seed, device, dtype, fp8_block=fp8, experts=experts
-        )
+        weights = family.random_weights(args, seed, device, dtype, fp8_block=fp8, experts=experts)
     else:
         weights = family.load_weights(
             model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8, experts=experts

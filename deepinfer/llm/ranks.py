@@ -19,6 +19,7 @@ request; the pool is closed from then on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -26,8 +27,8 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from pathlib import Path
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -46,7 +47,7 @@ from deepinfer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 # How long past the collective timeout the pool waits for the surviving ranks' reports.
-_REPORT_GRACE_S = 10.0
+_REPORT_GRACE_S = 2.0
 
 
 class RankPool:
@@ -70,7 +71,7 @@ class RankPool:
         self.timeout_s = parallel.collective_timeout_s
         self.failure: str | None = None
         self.info: list[dict[str, Any]] = []  # per local rank, from its "ready" report
-        self.stats: list[dict[str, Any]] = []  # per local rank, after the last generate
+        self.stats: list[dict[str, Any]] = []  # per local rank, of the last generate call
         context = multiprocessing.get_context("spawn")
         self.ranks = [parallel.data_parallel_rank + i for i in range(parallel.num_local_ranks)]
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -233,10 +234,8 @@ def _check_ranks(config: Config, model_dir: str, device_type: str) -> None:
 
 def _stop(processes: list, conns: list[Connection]) -> None:
     for conn in conns:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a rank already gone
             conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
     for process in processes:
         process.join(timeout=5.0)
         if process.is_alive():
@@ -264,6 +263,7 @@ def rank_main(config: Config, conn: Connection) -> None:
             break
         if message[0] == "stop":
             break
+        before = _rank_stats(engine)
         try:
             loop.generate(message[1], on_finished=lambda out: conn.send(("finished", out)))
         except BaseException as error:
@@ -271,7 +271,7 @@ def rank_main(config: Config, conn: Connection) -> None:
             conn.send(("error", f"rank {rank}: {type(error).__name__}: {error}"))
             conn.close()
             os._exit(1)  # the group is broken: tearing it down could wait on the dead peer
-        conn.send(("done", _rank_stats(engine)))
+        conn.send(("done", _since(before, _rank_stats(engine))))
     if engine.group is not None:
         engine.group.close()
 
@@ -287,6 +287,17 @@ def _rank_info(engine: LLMEngine) -> dict[str, Any]:
         "expert_bytes": runner.weight_bytes.routed_experts,
         "num_blocks": runner.num_blocks,
     }
+
+
+def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters' growth: one generate call's share (lists element by element)."""
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            out[key] = [a - b for a, b in zip(value, before[key], strict=True)]
+        else:
+            out[key] = value - before[key]
+    return out
 
 
 def _rank_stats(engine: LLMEngine) -> dict[str, Any]:

@@ -85,6 +85,8 @@ class LockStep:
                 stats.forward_steps += 1
             else:
                 stats.placeholder_steps += 1
-        stats.tokens_by_rank = [a + b for a, b in zip(stats.tokens_by_rank, step.num_tokens)]
+        stats.tokens_by_rank = [
+            a + b for a, b in zip(stats.tokens_by_rank, step.num_tokens, strict=True)
+        ]
         self.last = step
         return step

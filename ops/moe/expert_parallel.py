@@ -57,7 +57,7 @@ def pack_pairs(
     local = (topk_ids.flatten()[order] % experts_per_rank).to(torch.int64)
     weights = topk_weights.flatten()[order].to(torch.float32)
     parts = (rows.contiguous(), local[:, None], weights[:, None])
-    return torch.cat([p.view(torch.uint8).view(p.shape[0], -1) for p in parts], dim=1)
+    return torch.cat([p.view(torch.uint8) for p in parts], dim=1)  # [P, bytes per row]
 
 
 def unpack_pairs(
@@ -81,13 +81,13 @@ def combine(
 ) -> torch.Tensor:
     """Outputs of the sorted pairs [P, D] -> [T, D]: each token's k outputs in ascending expert
     id (its pairs' sorted order), added in fp32 from zero, then cast to ``dtype``."""
-    t, k = topk_ids.shape
+    (t, k), hidden = topk_ids.shape, pair_out.shape[1]
     by_pair = torch.empty_like(pair_out)
     by_pair[order] = pair_out
-    by_pair = by_pair.view(t, k, -1)
+    by_pair = by_pair.view(t, k, hidden)
     slots = torch.argsort(topk_ids, dim=1, stable=True)  # each token's slots by expert id
-    ordered = by_pair.gather(1, slots[..., None].expand(-1, -1, by_pair.shape[-1])).float()
-    out = torch.zeros(t, by_pair.shape[-1], dtype=torch.float32, device=pair_out.device)
+    ordered = by_pair.gather(1, slots[..., None].expand(-1, -1, hidden)).float()
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=pair_out.device)
     for j in range(k):
         out += ordered[:, j]
     return out.to(dtype)

@@ -6,12 +6,15 @@ Data flow, one shard at a time (safetensors ``safe_open``, memory-mapped on the 
       -> dequantize FP8 / FP4 to fp32 -> map the name -> check dtype kind and shape
       -> cast to ``dtype`` -> place: copy | one slot of a stacked expert tensor | split gate_up
 
-With ``experts`` (expert parallelism: the routed experts one rank holds) only those experts'
-tensors are read: per-expert tensors of other experts are skipped unread, stacked ones are read
-as a slice of rows. Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
+Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
 linears that ``Fp8Linear`` can run (``weights.is_fp8_linear``) stay e4m3, next to their block
 scales in fp32 (``layers.0.attn.wq_a.scale``); FP4 routed experts are dequantized either way.
-``mtp.*`` tensors are skipped (no MTP module yet).
+``mtp.*`` tensors are skipped (no MTP module yet). With ``experts`` (expert parallelism: the
+routed experts one rank holds) only those experts' tensors are read: other experts' per-expert
+tensors are skipped unread, stacked ones are read as a slice of rows.
+
+One file of ~410 lines: reading, dequantizing and placing a tensor are one pass over the shards,
+with the checks that name the offending tensor.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.weights import (
     TensorTarget,
     expected_shapes,
-    is_stacked_experts,
     find_scales,
     fp8_scale_name,
     is_fp8_linear,
     is_fp32_param,
     is_integer_param,
+    is_stacked_experts,
     map_checkpoint_name,
 )
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, scale_to_float

@@ -75,9 +75,7 @@ class DeepseekV4Family:
         fp8_block: tuple[int, int] | None,
         experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
-        return tiny.random_weights(
-            args, seed, device, dtype, fp8_block=fp8_block, experts=experts
-        )
+        return tiny.random_weights(args, seed, device, dtype, fp8_block=fp8_block, experts=experts)
 
     def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
         tiny.write_tiny_checkpoint(folder, seed)

@@ -1,0 +1,79 @@
+"""Rank processes for tests that drive lock-step engines directly (spawned by test_ranks.py; a
+module of its own so that the spawned processes can import the function by name)."""
+
+from __future__ import annotations
+
+import dataclasses
+from multiprocessing.connection import Connection
+
+import torch
+
+from deepinfer.config import Config
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.ops.moe.expert_parallel import ExpertParallelMoEBackend
+from deepinfer.ops.moe.torch_ref import TorchRefMoEBackend
+from deepinfer.ops.registry import ParallelContext
+from deepinfer.sampling_params import SamplingParams
+
+
+def abort_mid_steps(config: Config, rank: int, plan: dict, conn: Connection) -> None:
+    """Rank ``rank``: add ``plan["prompts"][rank]``, step in lock-step, abort ``plan["abort"]``
+    (if it is this rank's) after ``plan["abort_after"]`` steps; send back the tokens, the
+    lock-step stats and the EP backend's batch-invariance check."""
+    torch.set_num_threads(1)
+    parallel = dataclasses.replace(config.parallel, data_parallel_rank=rank)
+    engine = LLMEngine(dataclasses.replace(config, parallel=parallel))
+    params = SamplingParams(temperature=0.0, max_tokens=plan["max_tokens"], ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for request_id, prompt in plan["prompts"][rank].items():
+        engine.add_request(request_id, prompt, params)
+        tokens[request_id] = []
+    steps = 0
+    while True:
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.new_token_ids)
+        steps += 1
+        if steps == plan["abort_after"] and plan["abort"] in tokens:
+            engine.abort_requests([plan["abort"]])
+        if not engine.group_unfinished:
+            break
+    engine.complete_in_flight()
+    invariant = _ep_batch_invariant(engine, rank)
+    conn.send((tokens, engine.lockstep.stats.as_dict(), invariant))
+    engine.group.close()
+
+
+class _RowByRow(TorchRefMoEBackend):
+    """The reference one row at a time: batch-invariant, as the Triton kernels are within a
+    tile bucket (a CPU matmul's rows depend on how many rows it has)."""
+
+    def fused_moe(self, x, w1, w2, w3, topk_ids, topk_weights, limit):  # type: ignore[override]
+        rows = [
+            super(_RowByRow, self).fused_moe(
+                x[r : r + 1], w1, w2, w3, topk_ids[r : r + 1], topk_weights[r : r + 1], limit
+            )
+            for r in range(x.shape[0])
+        ]
+        return torch.cat(rows) if rows else torch.zeros_like(x)
+
+
+def _ep_batch_invariant(engine: LLMEngine, rank: int) -> bool:
+    """A token's expert-parallel MoE output alone equals, bit for bit, its output among other
+    tokens when the experts' own kernel is batch-invariant: dispatch and combine add no
+    dependence on the step's other tokens (both ranks run both calls)."""
+    group = engine.group
+    context = ParallelContext(group.world_size, rank, group.data)
+    moe = ExpertParallelMoEBackend(None, context, _RowByRow())
+    gen = torch.Generator().manual_seed(7)  # the same experts on every rank, sliced
+    e, d, i, k = 8, 16, 8, 2
+    w1, w3 = torch.randn(e, i, d, generator=gen), torch.randn(e, i, d, generator=gen)
+    w2 = torch.randn(e, d, i, generator=gen)
+    mine = context.shard(e)
+    local = [w[mine.start : mine.stop] for w in (w1, w2, w3)]
+    x = torch.randn(6, d, generator=gen)
+    ids = torch.tensor([[0, 7], [3, 4], [5, 1], [6, 2], [4, 3], [1, 6]])
+    weights = torch.rand(6, k, generator=gen)
+    token = slice(0, 1) if rank == 0 else slice(0, 0)
+    alone = moe.fused_moe(x[token], *local, ids[token], weights[token], 10.0)
+    crowd = moe.fused_moe(x, *local, ids, weights, 10.0)
+    return bool(torch.equal(alone, crowd[token]))
