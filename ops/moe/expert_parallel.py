@@ -124,10 +124,23 @@ class ExpertParallelMoEBackend(Backend):
         topk_weights: torch.Tensor,
         limit: float,
     ) -> torch.Tensor:
-        world = self.parallel.world_size
-        if world == 1:
+        if self.parallel.world_size == 1:
             return self.inner.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
-        per_rank = w1.shape[0]
+        return self.exchange_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
+
+    def exchange_moe(
+        self,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        """Dispatch, the local experts, combine: what ``fused_moe`` runs over several ranks
+        (over one, every pair stays: a check of the path on one device)."""
+        world, per_rank = self.parallel.world_size, w1.shape[0]
         order, send_counts = route_pairs(topk_ids, per_rank, world)
         payload = pack_pairs(x, topk_ids, topk_weights, order, per_rank)
         start = time.perf_counter()
