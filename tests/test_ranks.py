@@ -105,6 +105,34 @@ def test_oracle_checkpoints_over_ranks_match_one_process(folder, ranks, request)
         llm.close()
 
 
+def test_data_parallel_without_expert_parallel_replicates_the_experts(one_process):
+    prompts, params = _prompts()[:3], _params()
+    llm = LLM(**ENGINE, num_blocks=14, data_parallel_size=2)
+    try:
+        _assert_same(one_process.generate(prompts, params, use_tqdm=False),
+                     llm.generate(prompts, params, use_tqdm=False))  # fmt: skip
+        full = one_process.engine.executor.weight_bytes
+        assert all(i["experts"] == "all" for i in llm.ranks.info)
+        assert all(i["expert_bytes"] == full.routed_experts for i in llm.ranks.info)
+        assert all(s["exchange_seconds"] == 0 for s in llm.ranks.stats)
+    finally:
+        llm.close()
+
+
+def test_a_rank_that_fails_to_start_ends_the_start_at_once(tmp_path: Path):
+    """A rank's start fails (its model folder lacks weights): the others, waiting for it at the
+    rendezvous, are stopped too, long before the collective timeout."""
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    tiny = ensure_tiny_model(0)
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_bytes((tiny / name).read_bytes())
+    start = time.monotonic()
+    with pytest.raises(RankGroupError, match="did not start.*no model.safetensors"):
+        LLM(folder, **ENGINE, data_parallel_size=2, collective_timeout_s=60.0)
+    assert time.monotonic() - start < 30
+
+
 def test_experts_must_split_evenly():
     with pytest.raises(ValueError, match=r"8 routed experts do not split evenly.*3 ranks"):
         LLM(device="cpu", data_parallel_size=3, enable_expert_parallel=True)

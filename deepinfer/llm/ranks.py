@@ -101,8 +101,9 @@ class RankPool:
     def _wait_ready(self) -> None:
         reports: dict[int, dict[str, Any]] = {}
         errors: dict[int, str] = {}
-        while len(reports) + len(errors) < len(self.ranks):
-            for i, message in self._receive(set(reports) | set(errors), errors, deadline=None):
+        # The first failure ends the start: the others would wait for it at the rendezvous.
+        while len(reports) < len(self.ranks) and not errors:
+            for i, message in self._receive(set(reports), errors, deadline=None):
                 if message[0] == "ready":
                     reports[i] = message[1]
                 else:
@@ -233,11 +234,14 @@ def _check_ranks(config: Config, model_dir: str, device_type: str) -> None:
 
 
 def _stop(processes: list, conns: list[Connection]) -> None:
+    """Ask every rank to stop; kill what has not stopped within 5 s (a rank in a collective or
+    at the rendezvous reads no messages)."""
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):  # a rank already gone
             conn.send(("stop",))
+    deadline = time.monotonic() + 5.0
     for process in processes:
-        process.join(timeout=5.0)
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
             process.join()
