@@ -128,7 +128,7 @@ def test_a_rank_that_fails_to_start_ends_the_start_at_once(tmp_path: Path):
     for name in ("config.json", "tokenizer.json"):
         (folder / name).write_bytes((tiny / name).read_bytes())
     start = time.monotonic()
-    with pytest.raises(RankGroupError, match="did not start.*no model.safetensors"):
+    with pytest.raises(RankGroupError, match=r"did not start.*no model.safetensors"):
         LLM(folder, **ENGINE, data_parallel_size=2, collective_timeout_s=60.0)
     assert time.monotonic() - start < 30
 
