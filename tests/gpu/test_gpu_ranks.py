@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from oracle import oracle_prompts
+from triton_modules import compiled
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.ops.moe.expert_parallel import ExpertParallelMoEBackend
-from deepinfer.ops.moe.triton import TritonMoEBackend
 from deepinfer.ops.registry import ParallelContext
 
 pytestmark = pytest.mark.gpu
@@ -48,9 +48,8 @@ def test_nccl_group_of_one_gives_the_plain_engines_tokens(oracle_hf_dir, ep_llm)
 
 def test_exchange_on_cuda_matches_the_triton_kernel(ep_llm):
     group = ep_llm.engine.group
-    moe = ExpertParallelMoEBackend(
-        group.device, ParallelContext(1, 0, group.data), TritonMoEBackend(group.device)
-    )
+    triton_moe = compiled("deepinfer.ops.moe.triton").TritonMoEBackend(group.device)
+    moe = ExpertParallelMoEBackend(group.device, ParallelContext(1, 0, group.data), triton_moe)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t, e, d, i, k = 37, 16, 256, 128, 6
     dev, dt = group.device, torch.bfloat16
