@@ -13,6 +13,7 @@ Per rank count, the figures are those of the rank with the most collective time:
     moe/step     host time in the MoE layers' all-to-alls (gloo blocks: exact)
     coll. share  (agreement + all-to-all time) / wall time
     placeholder  placeholder steps / steps, the rank with the most
+    decode-only  steps where every rank decoded only (what decode graphs could run)
 
 On the CPU the ranks share the machine's cores: with more ranks than cores, the collectives'
 time includes waiting for a peer that is descheduled.
@@ -57,7 +58,8 @@ def _engine_stats(llm: LLM) -> list[dict]:
 
 
 def _since(before: list[dict], after: list[dict]) -> list[dict]:
-    keys = ("steps", "forward_steps", "placeholder_steps", "agree_seconds", "exchange_seconds")
+    keys = ("steps", "forward_steps", "placeholder_steps", "decode_only_steps")
+    keys += ("agree_seconds", "exchange_seconds")
     return [{k: a[k] - b[k] for k in keys} for b, a in zip(before, after, strict=True)]
 
 
@@ -66,7 +68,7 @@ def cpu(ns: argparse.Namespace) -> None:
     print(f"{ns.requests} requests x {ns.prompt_len} prompt tokens, up to {ns.new} new; CPU")
     print(
         f"{'ranks':>5} {'workload':>8} {'tok/s':>8} {'steps':>6} {'agree/step':>11} "
-        f"{'moe/step':>9} {'coll. share':>11} {'placeholder':>11}"
+        f"{'moe/step':>9} {'coll. share':>11} {'placeholder':>11} {'decode-only':>11}"
     )
     rows = []
     for ranks in ns.ranks:
@@ -93,12 +95,13 @@ def cpu(ns: argparse.Namespace) -> None:
             steps = worst["steps"]
             coll = worst["agree_seconds"] + worst["exchange_seconds"]
             placeholder = max(s["placeholder_steps"] / s["steps"] for s in stats)
+            decode_only = worst["decode_only_steps"] / steps
             rows.append((ranks, workload, tokens / wall, steps, coll / wall, placeholder))
             print(
                 f"{ranks:>5} {workload:>8} {tokens / wall:>8.1f} {steps:>6} "
                 f"{worst['agree_seconds'] / steps * 1e3:>8.3f} ms "
                 f"{worst['exchange_seconds'] / steps * 1e3:>6.2f} ms {coll / wall:>10.1%} "
-                f"{placeholder:>10.1%}"
+                f"{placeholder:>10.1%} {decode_only:>10.1%}"
             )
         llm.close()
     print("RESULTS:")

@@ -70,6 +70,9 @@ def test_two_ranks_match_one_process_with_chunks_and_a_preemption(one_process, t
     assert max(s["num_preemptions"] for s in stats) >= 1, stats
     # Every rank ran the same steps; the MoE exchanges happened on each.
     assert len({s["steps"] for s in stats}) == 1
+    # Prefill chunks run first; the last steps decode on both ranks (the agreement says so).
+    assert len({s["decode_only_steps"] for s in stats}) == 1
+    assert 0 < stats[0]["decode_only_steps"] < stats[0]["steps"]
     assert all(s["exchange_seconds"] > 0 for s in stats)
 
 

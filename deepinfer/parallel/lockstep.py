@@ -50,6 +50,9 @@ class LockStepStats:
     steps: int = 0  # agreements
     forward_steps: int = 0  # steps this rank ran with its own tokens
     placeholder_steps: int = 0  # steps it ran with none, for the others
+    # Steps the group ran with every rank decode-only (or idle): those a static-shape exchange
+    # could run as decode graphs (expert parallelism over ranks runs them eager today).
+    decode_only_steps: int = 0
     agree_seconds: float = 0.0  # host time in the agreement collective
     tokens_by_rank: list[int] = field(default_factory=list)  # summed over steps
 
@@ -85,6 +88,7 @@ class LockStep:
                 stats.forward_steps += 1
             else:
                 stats.placeholder_steps += 1
+            stats.decode_only_steps += step.decode_only
         stats.tokens_by_rank = [
             a + b for a, b in zip(stats.tokens_by_rank, step.num_tokens, strict=True)
         ]
