@@ -94,15 +94,21 @@ def test_each_rank_holds_half_of_the_routed_experts(one_process, two_ranks):
     assert all(i["weight_bytes"] == full.total - full.routed_experts / 2 for i in info)
 
 
+@pytest.fixture(scope="module")
+def oracle_one_process(oracle_hf_dir) -> list:
+    """One process on the oracle (both namings load the same tensors: test_loader.py)."""
+    return LLM(oracle_hf_dir, **ENGINE).generate(oracle_prompts(), _params(), use_tqdm=False)
+
+
 @pytest.mark.parametrize(("folder", "ranks"), [("oracle_hf_dir", 2), ("oracle_upstream_dir", 4)])
-def test_oracle_checkpoints_over_ranks_match_one_process(folder, ranks, request):
+def test_oracle_checkpoints_over_ranks_match_one_process(
+    folder, ranks, oracle_one_process, request
+):
     """Hash-routed layers (0, 1) and score-routed ones, each rank holding 8 / ranks experts."""
     model = request.getfixturevalue(folder)
-    prompts, params = oracle_prompts(), _params()
-    one = LLM(model, **ENGINE).generate(prompts, params, use_tqdm=False)
     llm = LLM(model, **ENGINE, data_parallel_size=ranks, enable_expert_parallel=True)
     try:
-        _assert_same(one, llm.generate(prompts, params, use_tqdm=False))
+        _assert_same(oracle_one_process, llm.generate(oracle_prompts(), _params(), use_tqdm=False))
         assert [i["experts"] for i in llm.ranks.info][-1] == f"{8 - 8 // ranks}..7"
     finally:
         llm.close()
