@@ -180,6 +180,9 @@ class ParallelConfig:
     # default is 30 minutes); the offline API then raises within about this long.
     collective_timeout_s: float = 60.0
     backend: str = "auto"  # auto | nccl | hccl | gloo  (auto: by device; gloo on the CPU)
+    # Served ranks with no requests anywhere agree this often, so that a request arriving at one
+    # rank finds the others within this time (the first token waits for it at most).
+    idle_poll_s: float = 0.005
 
     def __post_init__(self) -> None:
         _check_positive("parallel.data_parallel_size", self.data_parallel_size)
@@ -207,6 +210,8 @@ class ParallelConfig:
                 f"parallel.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
             )
         _check_choice("parallel.backend", self.backend, ("auto", "nccl", "hccl", "gloo"))
+        if self.idle_poll_s <= 0:
+            raise ValueError(f"parallel.idle_poll_s must be > 0, got {self.idle_poll_s}")
 
     @property
     def num_local_ranks(self) -> int:
@@ -325,6 +330,9 @@ class NodeConfig:
     port: int = 8100  # port of the node's internal API
     role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
     node_id: str | None = None  # None: "<hostname>:<port>"
+    # The lock-step instance this rank belongs to (data_parallel_size > 1); None: the ranks'
+    # rendezvous address:port, which every rank of the instance shares.
+    instance_id: str | None = None
     advertise_url: str | None = None  # None: http://<host>:<port> (the hostname for 0.0.0.0)
     # The coordinator's internal listener (server.internal_host:internal_port), where the node
     # registers and heartbeats; None: no registration (the coordinator is given the node's URL).

@@ -327,7 +327,13 @@ async def _ready(request: web.Request) -> web.Response:
     ready_ids = {n.node_id for n in ready}
     nodes = service.registry.nodes
     not_ready = {n.node_id: _why_not_ready(n) for n in nodes if n.node_id not in ready_ids}
+    instances_down = service.registry.instances_not_ready()
+    for node in nodes:
+        if node.node_id in not_ready and node.is_in_rotation:
+            not_ready[node.node_id] = f"instance {node.instance}: {instances_down[node.instance]}"
     body = {"num_ready_nodes": len(ready), "nodes_not_ready": not_ready}
+    if instances_down:
+        body["instances_not_ready"] = instances_down
     if service.admission.is_draining:
         return web.json_response({"status": "draining", **body}, status=503)
     if not ready:

@@ -92,6 +92,7 @@ def create_node_app(
     app[CONFIG] = config
     app[NODE_CONFIG] = config.node
     app[METRICS] = metrics
+    parallel = config.parallel
     app[REGISTRATION] = NodeRegistration(
         node_id=node_id,
         url=url,
@@ -99,6 +100,9 @@ def create_node_app(
         model=model_name,
         max_model_len=engine.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
+        instance_id=instance_id(config) if parallel.data_parallel_size > 1 else "",
+        rank=parallel.data_parallel_rank,
+        num_ranks=parallel.data_parallel_size,
     )
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_registration_ctx)
@@ -125,6 +129,15 @@ def node_identity(node: NodeConfig) -> tuple[str, str]:
     return node_id, node.advertise_url or f"http://{host}:{node.port}"
 
 
+def instance_id(config: Config) -> str:
+    """The lock-step instance a rank belongs to: ``node.instance_id``, else its ranks'
+    rendezvous (the same for all of them, different for any other instance)."""
+    parallel = config.parallel
+    return config.node.instance_id or (
+        f"{parallel.data_parallel_address}:{parallel.data_parallel_master_port}"
+    )
+
+
 def served_model_name(config: Config) -> str:
     if config.server.served_model_name:
         return config.server.served_model_name
@@ -144,6 +157,7 @@ def observe_engine(
     )
     metrics.watch_cache(engine.engine.cache_stats)
     metrics.watch_graphs(engine.engine.graph_stats)
+    metrics.watch_ranks(engine.engine.rank_stats)
     engine.observer = metrics
     return metrics
 
@@ -377,10 +391,11 @@ async def load_engine(config: Config) -> AsyncEngine:
     process meanwhile, and wrap it for the loop (used by `node` and `serve`)."""
     from deepinfer.engine.llm_engine import LLMEngine
 
-    if config.parallel.data_parallel_size > 1:
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1 and not parallel.data_parallel_master_port:
         raise ValueError(
-            "parallel.data_parallel_size > 1 runs offline only (LLM(...)); a node serves one "
-            f"rank, got {config.parallel.data_parallel_size}"
+            "a node that is one of several ranks needs parallel.data_parallel_master_port (the "
+            "ranks' rendezvous; `serve --data-parallel-size N` picks one for its ranks)"
         )
     systemd.status("loading the model")
     llm_engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)

@@ -24,6 +24,8 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_step_time_seconds                histogram: one engine step
     deepinfer_prefix_cache_queries / _hits{tier}       counter     vllm:prefix_cache_*
     deepinfer_prefix_*, deepinfer_kv_snapshots, deepinfer_kv_tier_*   counters (cache_stats)
+    deepinfer_lockstep_steps_total{rank,kind}         counter: forward | placeholder | idle
+    deepinfer_expert_tokens_total{rank,expert}        counter: pairs each routed expert computed
 
 ("vllm:" alone: the same name under vLLM's prefix.)
 """
@@ -112,6 +114,11 @@ class NodeMetrics:
         """Export the decode graphs captured at start-up and while serving
         (LLMEngine.graph_stats) at every scrape."""
         self.registry.register(_GraphCollector(self.labels, stats))
+
+    def watch_ranks(self, stats: Callable[[], dict]) -> None:
+        """Export a lock-step rank's steps by kind and its experts' tokens
+        (LLMEngine.rank_stats) at every scrape; nothing for an engine alone."""
+        self.registry.register(_RankCollector(self.labels, stats))
 
     def _init_counters(self) -> None:
         def counter(name: str, doc: str) -> Counter:
@@ -269,6 +276,43 @@ class _GraphCollector:
         for phase, count in self._stats().items():
             family.add_metric([*self._labels, phase], count)
         yield family
+
+
+class _RankCollector:
+    """A lock-step rank: its steps (forward: its own tokens; placeholder: none, while others
+    ran theirs; idle: the group had none), and the (token, slot) pairs each of its routed experts
+    computed, summed over layers."""
+
+    def __init__(self, labels: tuple[str, ...], stats: Callable[[], dict]) -> None:
+        self._labels = list(labels)
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats()
+        if not s:
+            return
+        labels = [*self._labels, str(s["rank"])]
+        steps = CounterMetricFamily(
+            "deepinfer_lockstep_steps",
+            "Lock-step rank: steps by kind (forward, placeholder: none of its own, idle).",
+            labels=[*_LABELS, "rank", "kind"],
+        )
+        idle = s["steps"] - s["forward_steps"] - s["placeholder_steps"]
+        for kind, count in (
+            ("forward", s["forward_steps"]),
+            ("placeholder", s["placeholder_steps"]),
+            ("idle", idle),
+        ):
+            steps.add_metric([*labels, kind], count)
+        yield steps
+        experts = CounterMetricFamily(
+            "deepinfer_expert_tokens",
+            "Lock-step rank: (token, slot) pairs its routed experts computed, summed over layers.",
+            labels=[*_LABELS, "rank", "expert"],
+        )
+        for expert, count in s["expert_tokens"].items():
+            experts.add_metric([*labels, str(expert)], count)
+        yield experts
 
 
 class CacheStatsCollector:

@@ -125,6 +125,11 @@ class NodeRegistration(msgspec.Struct, kw_only=True):
     max_model_len: int
     max_num_seqs: int = SchedulerConfig.max_num_seqs  # requests it runs at once
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)
+    # Ranks of one model in lock-step (config [parallel]): every rank of an instance registers
+    # with its id, its rank and the instance's size; an instance serves only with all of them.
+    instance_id: str = ""  # "": the node is an instance of one
+    rank: int = 0
+    num_ranks: int = 1
 
 
 class NodeLease(msgspec.Struct, kw_only=True):

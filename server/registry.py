@@ -129,6 +129,8 @@ class NodeRegistry:
         entry.model = registration.model
         entry.url = registration.url
         entry.load = registration.load
+        entry.instance_id = registration.instance_id
+        entry.rank, entry.num_ranks = registration.rank, registration.num_ranks
         entry.last_heartbeat = self._clock()
         entry.is_ready = True
         entry.is_responsive = True
@@ -242,7 +244,30 @@ class NodeRegistry:
         return list(self._nodes.values())
 
     def ready_nodes(self) -> list[NodeEntry]:
-        return [n for n in self._nodes.values() if n.is_in_rotation]
+        """The nodes in rotation whose instance has every rank in rotation (a rank alone
+        cannot serve: its steps need the others')."""
+        in_rotation = [n for n in self._nodes.values() if n.is_in_rotation]
+        return [n for n in in_rotation if n.instance not in self.instances_not_ready()]
+
+    def instances_not_ready(self) -> dict[str, str]:
+        """Lock-step instances that cannot serve, and why (their first missing or failed rank)."""
+        ranks: dict[str, dict[int, NodeEntry]] = {}
+        sizes: dict[str, int] = {}
+        for node in self._nodes.values():
+            if node.num_ranks > 1:
+                ranks.setdefault(node.instance, {})[node.rank] = node
+                sizes[node.instance] = max(sizes.get(node.instance, 1), node.num_ranks)
+        down = {}
+        for instance, by_rank in ranks.items():
+            for rank in range(sizes[instance]):
+                node = by_rank.get(rank)
+                if node is None:
+                    down[instance] = f"rank {rank} of {sizes[instance]} has not registered"
+                    break
+                if not node.is_in_rotation:
+                    down[instance] = f"rank {rank} ({node.node_id}) is out of rotation"
+                    break
+        return down
 
     @property
     def has_ready_node(self) -> bool:
@@ -306,6 +331,9 @@ def _check_registration(registration: NodeRegistration) -> None:
         raise ValueError(f"node_id must be 1 to {_MAX_NODE_ID_CHARS} printable characters")
     if not url.startswith(("http://", "https://")):
         raise ValueError("url must be an http:// or https:// URL")
-    for key in ("max_model_len", "max_num_seqs"):
+    for key in ("max_model_len", "max_num_seqs", "num_ranks"):
         if getattr(registration, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(registration, key)}")
+    if not 0 <= registration.rank < registration.num_ranks:
+        last = registration.num_ranks - 1
+        raise ValueError(f"rank must be in 0..{last}, got {registration.rank}")

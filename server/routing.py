@@ -78,6 +78,9 @@ class NodeEntry:
     is_static: bool = False
     lease_id: str = ""
     load: NodeLoad = field(default_factory=NodeLoad)
+    instance_id: str = ""  # the lock-step instance it is a rank of ("": its own)
+    rank: int = 0
+    num_ranks: int = 1
     last_heartbeat: float = 0.0
     is_ready: bool = True  # heartbeats arrive (static nodes: always)
     is_responsive: bool = True  # its last request or probe reached it and found it ready
@@ -95,6 +98,11 @@ class NodeEntry:
         )
 
     @property
+    def instance(self) -> str:
+        """The instance this node serves in: its ranks are routed to together."""
+        return self.instance_id or self.node_id
+
+    @property
     def load_score(self) -> int:
         return max(self.num_inflight, self.load.num_running + self.load.num_waiting)
 
@@ -106,17 +114,24 @@ class RoutingPolicy(Protocol):
 
 
 class LeastLoadedPolicy:
-    """The node with the fewest requests in flight.
+    """The least loaded instance, then its least loaded rank (one node: both are the node).
 
     A node's load is the larger of the requests this coordinator has in flight there (exact,
     immediate) and what the node last reported (running + waiting; it includes other
-    coordinators' requests but is one heartbeat old). Ties go to the node with more free KV
-    blocks, then to the lower node id, so that the choice is deterministic.
+    coordinators' requests but is one heartbeat old); an instance's is its ranks' mean. Ties go
+    to more free KV blocks, then to the lower id, so that the choice is deterministic.
     """
 
     def select(self, candidates: Sequence[NodeEntry], num_prompt_tokens: int) -> NodeEntry:
         assert candidates, "select() needs at least one ready node"
-        return min(
-            candidates,
-            key=lambda node: (node.load_score, -node.load.num_free_blocks, node.node_id),
-        )
+        instances: dict[str, list[NodeEntry]] = {}
+        for node in candidates:
+            instances.setdefault(node.instance, []).append(node)
+
+        def instance_key(item: tuple[str, list[NodeEntry]]) -> tuple:
+            name, ranks = item
+            load = sum(n.load_score for n in ranks) / len(ranks)
+            return (load, -sum(n.load.num_free_blocks for n in ranks), name)
+
+        _, ranks = min(instances.items(), key=instance_key)
+        return min(ranks, key=lambda n: (n.load_score, -n.load.num_free_blocks, n.node_id))

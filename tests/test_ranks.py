@@ -225,11 +225,11 @@ def test_an_abort_on_one_rank_keeps_the_ranks_in_step():
     assert invariant0 and invariant1
 
 
-def test_serving_refuses_several_ranks(tmp_path: Path):
+def test_a_served_rank_needs_the_rendezvous_port():
     import asyncio
 
     from server.node import load_engine
 
     config = Config.load(overrides={"parallel": {"data_parallel_size": 2}})
-    with pytest.raises(ValueError, match="runs offline only"):
+    with pytest.raises(ValueError, match=r"needs parallel\.data_parallel_master_port"):
         asyncio.run(load_engine(config))

@@ -16,7 +16,14 @@ A request's stream is owned by its ``generate()`` consumer: it is registered whe
 starts iterating and removed when the consumer stops, and a consumer that stops before the
 request finished (a client disconnect, a cancelled task) aborts it, which frees its blocks.
 
-One file of ~470 lines: the loop task, the step thread and the command queue hand the
+A rank of a lock-step group (config [parallel]) steps whenever any rank has work: its engine's
+steps agree with the others' (engine/llm_engine.py), so with no requests of its own it still
+steps while the group has any, and with none anywhere it agrees again every
+``parallel.idle_poll_s``. ``stop()`` tells the group it is leaving; the loop ends at the step
+where every rank is leaving and none has requests left. A failed step breaks a rank's engine for
+good (its peers' collectives failed with it): every open stream ends with an error.
+
+One file of ~500 lines: the loop task, the step thread and the command queue hand the
 scheduler to each other, and that hand-off is only readable in one place.
 """
 
@@ -122,6 +129,7 @@ class AsyncEngine:
         self._is_stopping = False
         self._is_draining = False
         self._is_broken = False
+        self._idle_poll_s = engine.config.parallel.idle_poll_s
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -144,11 +152,13 @@ class AsyncEngine:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Abort every request (their streams end with finish_reason "abort"), let the step in
-        flight end (up to ``timeout_s``), then stop the loop task and the step thread."""
+        flight end (up to ``timeout_s``), then stop the loop task and the step thread. A rank
+        of a group steps on until every rank stops (within ``timeout_s``)."""
         self._is_draining = True
         for request_id in list(self._streams):
             self.abort(request_id)
         self._is_stopping = True
+        self.engine.leaving = True
         self._wakeup.set()
         if self._task is not None:
             try:
@@ -172,6 +182,11 @@ class AsyncEngine:
     @property
     def is_draining(self) -> bool:
         return self._is_draining
+
+    @property
+    def is_broken(self) -> bool:
+        """A step or the loop failed for good (a rank: its group ended)."""
+        return self._is_broken
 
     @property
     def max_model_len(self) -> int:
@@ -375,15 +390,22 @@ class AsyncEngine:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        grouped = self.engine.lockstep is not None
         while True:
             self._apply_commands()
-            if self._is_stopping:
+            if self._is_stopping and (not grouped or self.engine.group_has_left):
                 return
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() and not grouped:
                 # No await since _apply_commands(), so no command can have been missed.
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if grouped and not self._group_busy():
+                # Nothing anywhere: agree again after idle_poll_s, or at once on new work here.
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self._idle_poll_s)
+                self._apply_commands()
             self._step_started = time.monotonic()
             try:
                 deltas, step_time_s, num_scheduled = await loop.run_in_executor(
@@ -392,12 +414,29 @@ class AsyncEngine:
             except Exception as e:
                 self._step_started = None
                 self._fail_step(e)
+                if grouped:
+                    self._break_group(e)
+                    return
                 continue
             step_started, self._step_started = self._step_started, None
             self._observe_admissions(step_started)
             if self.observer is not None:
                 self.observer.on_step(step_time_s, deltas, num_scheduled)
             self._dispatch(deltas)
+
+    def _group_busy(self) -> bool:
+        """A rank of a group: work here, anywhere in the group at the last agreement, or this
+        rank leaving (it steps until the others leave too)."""
+        engine = self.engine
+        return engine.has_unfinished_requests() or engine.group_unfinished or self._is_stopping
+
+    def _break_group(self, error: Exception) -> None:
+        """A rank's step failed: its group's collectives are broken, so are its engine's."""
+        logger.error("the rank group ended; this engine takes no more requests")
+        self._is_broken = True
+        self._is_stopping = True
+        message = f"the rank group ended: {type(error).__name__}: {error}"
+        self._fail_streams([s for s in self._streams.values() if not s.is_finished], message)
 
     def _step(self) -> tuple[list[RequestOutputDelta], float, int]:
         """Runs in the step thread."""

@@ -125,6 +125,7 @@ class LLMEngine:
             self.model_dir, self.tokenizer = None, None
         self.executor = executor
         self.lockstep = None if group is None else LockStep(group.control, group.world_size)
+        self.leaving = False  # a served rank that is stopping says so in each agreement
         launch = getattr(executor, "launch", None)
         self._launch = launch if config.scheduler.async_scheduling else None
         # The step launched by the previous step() call, its samples not yet applied.
@@ -274,6 +275,22 @@ class LLMEngine:
             "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
+    def rank_stats(self) -> dict:
+        """A rank's lock-step counters for metrics (empty alone): its rank, steps by kind, and
+        the pairs its experts computed (``expert_tokens``: global expert id -> count)."""
+        if self.lockstep is None or self.group is None:
+            return {}
+        stats = self.lockstep.stats
+        moe = getattr(self.executor, "kernels", None)
+        expert_tokens = getattr(getattr(moe, "moe", None), "expert_tokens", dict)
+        return {
+            "rank": self.group.rank,
+            "steps": stats.steps,
+            "forward_steps": stats.forward_steps,
+            "placeholder_steps": stats.placeholder_steps,
+            "expert_tokens": expert_tokens(),
+        }
+
     def graph_stats(self) -> dict[str, int]:
         """Decode CUDA graphs captured at start-up and while serving (empty without graphs)."""
         graphs = getattr(self.executor, "graphs", None)
@@ -293,6 +310,11 @@ class LLMEngine:
             return self.has_unfinished_requests()
         return self.lockstep.last.unfinished
 
+    @property
+    def group_has_left(self) -> bool:
+        """Every rank of the group is leaving and none has requests left (the last step)."""
+        return self.lockstep is not None and self.lockstep.last.has_left
+
     def _agree(self, scheduler_output: SchedulerOutput) -> None:
         """Lock-step: agree on the step with the other ranks; run a placeholder step when they
         run one and this rank has nothing scheduled."""
@@ -302,6 +324,7 @@ class LLMEngine:
             num_tokens=scheduler_output.num_scheduled_tokens,
             decode_only=all(s.num_tokens == 1 for s in scheduler_output.scheduled),
             unfinished=self.has_unfinished_requests(),
+            leaving=self.leaving,
         )
         if self.lockstep.agree(mine).runs and scheduler_output.is_empty:
             executor: PlaceholderExecutor = self.executor  # type: ignore[assignment]

@@ -10,7 +10,9 @@ on whether the group runs one before anyone starts it::
                                   still has unfinished requests)
 
 Everything that must agree comes out of the collective, never from one rank's own state: an
-abort, a finish or a preemption on one rank changes only what it reports next.
+abort, a finish or a preemption on one rank changes only what it reports next. Served ranks
+(AsyncEngine) also agree on when to stop: each reports that it is leaving, and they stop together
+at the first step where every rank is leaving and none has requests left.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RankStep:
     num_tokens: int  # tokens it scheduled
     decode_only: bool  # every scheduled request decodes one token (graphs could run it)
     unfinished: bool  # it has requests left (scheduled, waiting or in flight)
+    leaving: bool = False  # it is stopping (a served rank's drain): it takes no new requests
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,12 @@ class GroupStep:
     num_tokens: tuple[int, ...]  # per rank
     decode_only: bool  # every rank with tokens decodes only
     unfinished: bool  # some rank has requests left
+    leaving: bool = False  # every rank is stopping
+
+    @property
+    def has_left(self) -> bool:
+        """Every rank is stopping and none has requests left: they all stop after this step."""
+        return self.leaving and not self.unfinished
 
     @property
     def runs(self) -> bool:
@@ -71,7 +80,7 @@ class LockStep:
 
     def agree(self, mine: RankStep) -> GroupStep:
         start = time.perf_counter()
-        local = torch.tensor([mine.num_tokens, mine.decode_only, mine.unfinished])
+        local = torch.tensor([mine.num_tokens, mine.decode_only, mine.unfinished, mine.leaving])
         every = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(every, local, group=self.group)
         rows = torch.stack(every).tolist()
@@ -79,6 +88,7 @@ class LockStep:
             num_tokens=tuple(r[0] for r in rows),
             decode_only=all(r[1] for r in rows if r[0]),
             unfinished=any(r[2] for r in rows),
+            leaving=all(r[3] for r in rows),
         )
         stats = self.stats
         stats.agree_seconds += time.perf_counter() - start

@@ -110,6 +110,18 @@ class ExpertParallelMoEBackend(Backend):
         self.inner = inner
         self.exchange_seconds = 0.0
         self.num_exchanges = 0
+        # Pairs that reached each of this rank's experts, summed over layers (on the device:
+        # adding them costs no sync; ``expert_tokens`` reads them).
+        self._expert_tokens: torch.Tensor | None = None
+        self._first_expert = 0
+
+    def expert_tokens(self) -> dict[int, int]:
+        """Global expert id -> (token, slot) pairs its rank computed for it so far (metrics:
+        tokens dispatched per expert, for expert load balancing)."""
+        if self._expert_tokens is None:
+            return {}
+        counts = self._expert_tokens.tolist()
+        return {self._first_expert + i: n for i, n in enumerate(counts)}
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         return swiglu(gate, up, limit)
@@ -151,6 +163,11 @@ class ExpertParallelMoEBackend(Backend):
         self._all_to_all(incoming, payload, received, sent)
         self.exchange_seconds += time.perf_counter() - start
         rx, local_ids, weights = unpack_pairs(incoming, x.shape[-1], x.dtype)
+        counts = torch.bincount(local_ids.flatten(), minlength=per_rank)
+        if self._expert_tokens is None:
+            self._expert_tokens = torch.zeros_like(counts)
+            self._first_expert = self.parallel.rank * per_rank
+        self._expert_tokens += counts
         out = self.inner.fused_moe(rx, w1, w2, w3, local_ids, weights, limit)  # [R, D]
         start = time.perf_counter()
         back = out.new_empty(sum(sent), out.shape[1])
