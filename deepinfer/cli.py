@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from deepinfer.config import SECTIONS, Config
+from deepinfer.config import SECTIONS, Config, toml_value
 from deepinfer.flags import ENGINE_USES, add_config_flags, overrides
 from deepinfer.logger import init_logging
 
@@ -120,19 +118,9 @@ def _show_config(ns: argparse.Namespace, config: Config) -> int:
             elif key in _SECRETS and value:
                 print(f"# {key} = (set, not shown)")
             else:
-                print(f"{key} = {_toml_value(value)}")
+                print(f"{key} = {toml_value(value)}")
         print()
     return 0
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return str(value)
 
 
 def _node_parser(p: argparse.ArgumentParser) -> None:

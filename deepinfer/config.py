@@ -7,7 +7,7 @@ file -> ``DEEPINFER_<SECTION>_<KEY>`` environment variables -> explicit override
 ``DEEPINFER_TORCH_SPEC``, are not config keys). Every key is also a flag (deepinfer/flags.py:
 the comment next to a field here is its help text). Torch-free.
 
-One file of ~510 lines: the whole schema in one place, section by section, as ``config.toml``
+One file of ~550 lines: the whole schema in one place, section by section, as ``config.toml``
 documents it.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import json
 import os
 import tomllib
 import typing
@@ -432,6 +433,29 @@ _RENAMED = {
     "node.auth_token": "server.node_token",
     "node.coordinator_url": "node.coordinator_internal_url",
 }
+
+
+def to_toml(config: Config) -> str:
+    """``config`` as a TOML file ``Config.load`` reads back equal (unset keys left out). It
+    holds the secrets too: write it where only its owner can read it."""
+    lines = []
+    for section in dataclasses.fields(config):
+        lines.append(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if value is not None:
+                lines.append(f"{key} = {toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return str(value)
 
 
 def is_loopback(host: str) -> bool:

@@ -414,9 +414,15 @@ async def _serve_node(config: Config) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    grouped = engine.engine.lockstep is not None
+    watcher = None
+    if grouped:
+        watcher = asyncio.create_task(_leave_a_broken_group(engine, config.node, stop))
     logger.info("node %r serving on %s", app[REGISTRATION].node_id, app[REGISTRATION].url)
     systemd.ready()
     systemd.status(f"serving on {app[REGISTRATION].url}")
+    # A rank steps on, placeholders only, until every rank of its instance has drained.
+    stop_timeout_s = config.node.drain_timeout_s + 10.0 if grouped else 10.0
     try:
         # A stuck engine step stops the pings, and systemd restarts the node.
         async with systemd.watchdog(lambda: engine.is_turning):
@@ -429,8 +435,22 @@ async def _serve_node(config: Config) -> int:
             )
             await site.stop()
             await engine.drain(config.node.drain_timeout_s)
-            await engine.stop()  # aborts what is left, so the handlers end before the runner waits
+            # Aborts what is left, so the handlers end before the runner waits.
+            await engine.stop(timeout_s=stop_timeout_s)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await runner.cleanup()
     logger.info("node %r stopped", app[REGISTRATION].node_id)
-    return 0
+    return 1 if engine.is_broken else 0
+
+
+async def _leave_a_broken_group(engine: AsyncEngine, node: NodeConfig, stop: asyncio.Event) -> None:
+    """A rank whose group ended (a peer died or failed) cannot serve again: once a heartbeat
+    has told the coordinator (its engine is no longer healthy), the node stops with status 1, so
+    that its unit's restart brings the instance's ranks back together."""
+    while not engine.is_broken:
+        await asyncio.sleep(0.2)
+    logger.error("the rank group ended: stopping after one heartbeat (exit status 1)")
+    await asyncio.sleep(node.heartbeat_interval_s)
+    stop.set()

@@ -1,4 +1,5 @@
-"""`deepinfer serve`: the coordinator and one mixed node in one process (the embedded default).
+"""`deepinfer serve`: the coordinator and one mixed node in one process (the embedded default;
+with ``--data-parallel-size N``, the coordinator and N rank node processes: serve_ranks.py).
 
     HTTP client ──▶ coordinator app (public API, recipe, SSE) ──▶ LocalNode ──▶ AsyncEngine
                                                                   (no HTTP hop)   (engine thread)
@@ -102,7 +103,8 @@ def create_serve_app(
 
 
 # What `deepinfer serve` reads: the engine's sections, the public API's, and of [node] what
-# its in-process node uses (it has no listener of its own).
+# its in-process node uses (it has no listener of its own). With --data-parallel-size N its rank
+# nodes take the rest of [node] from the file or the environment (ports node.port + rank).
 SERVE_USES = (*ENGINE_USES, "server", "metrics", "node.node_id", "node.max_step_s")
 
 
@@ -119,6 +121,11 @@ def run_serve(ns: argparse.Namespace, config: Config) -> int:
 
 async def _serve(config: Config) -> int:
     from deepinfer.server.coordinator import bind_internal, serve_coordinator
+
+    if config.parallel.data_parallel_size > 1:
+        from deepinfer.server.serve_ranks import serve_ranks
+
+        return await serve_ranks(config)
 
     # Both listeners are bound before the weights load: a busy port fails at once.
     sock = listen.bind(config.server.host, config.server.port, "server")

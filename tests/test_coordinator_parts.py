@@ -11,6 +11,7 @@ import sys
 import time
 
 import aiohttp
+import msgspec
 import pytest
 from coordinator_fakes import TOKENIZER_PATH, FakeBackend
 from processes import free_port
@@ -93,6 +94,36 @@ def test_least_loaded_policy() -> None:
     assert policy.select([a, b, c], 100).node_id == "c"  # loads 3, 2, 2: more free blocks wins
     assert policy.select([a, b], 100).node_id == "b"
     assert policy.select([_entry("y", 0, 0, 0), _entry("x", 0, 0, 0)], 1).node_id == "x"
+
+
+def test_ranks_route_by_instance_then_rank_and_only_when_complete() -> None:
+    registry = NodeRegistry(10.0, lambda url: FakeBackend())
+
+    def rank(node_id: str, instance: str, r: int, running: int = 0) -> NodeEntry:
+        registration = NodeRegistration(
+            node_id=node_id, url=f"http://{node_id}", role="mixed", model="m", max_model_len=64,
+            instance_id=instance, rank=r, num_ranks=2, load=NodeLoad(num_running=running),
+        )  # fmt: skip
+        return registry.register(registration)
+
+    a0 = rank("a0", "A", 0, running=1)
+    assert registry.ready_nodes() == []  # rank 1 of A has not registered: A takes nothing
+    assert registry.instances_not_ready() == {"A": "rank 1 of 2 has not registered"}
+    a1 = rank("a1", "A", 1, running=5)
+    b0, b1 = rank("b0", "B", 0, running=2), rank("b1", "B", 1, running=2)
+    # A's ranks average 3, B's 2: instance B, then its lower id (loads tie).
+    with registry.select(10) as chosen:
+        assert chosen is b0
+    a1.load = NodeLoad(num_running=0)  # A now averages 0.5: instance A, its least loaded rank
+    with registry.select(10) as chosen:
+        assert chosen is a1
+    b1.load = NodeLoad(is_healthy=False)  # a failed rank takes its whole instance out
+    assert {n.node_id for n in registry.ready_nodes()} == {"a0", "a1"}
+    assert registry.instances_not_ready() == {"B": "rank 1 (b1) is out of rotation"}
+    assert a0.instance == "A" and b0.num_ranks == 2
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
+        registry.register(msgspec.structs.replace(_registration("x", "http://x"), rank=2,
+                                                  num_ranks=2))  # fmt: skip
 
 
 def test_registry_heartbeats_expiry_and_roles() -> None:

@@ -94,8 +94,11 @@ class RankGroup:
         local_rank = rank % config.num_local_ranks
         device = torch.device("cpu")
         if device_type in ("cuda", "npu"):
-            device = torch.device(device_type, local_rank)
-            getattr(torch, device_type).set_device(device)
+            accelerators = getattr(torch, device_type)
+            # One device visible (a unit per device): it is this rank's; else its local rank's.
+            index = local_rank if accelerators.device_count() > 1 else 0
+            device = torch.device(device_type, index)
+            accelerators.set_device(device)
         backend = backend_for(config, device.type)
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         address = f"tcp://{config.data_parallel_address}:{config.data_parallel_master_port}"
