@@ -169,6 +169,35 @@ def test_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
     assert (result.returncode, about_unit) == (0, []), result.stderr
 
 
+def test_ranks_target_starts_and_stops_the_ranks_together(tmp_path: Path) -> None:
+    """deepinfer-ranks.target wants node@0..7; the drop-in makes each node PartOf= it (so stop
+    and restart propagate), and documents the [parallel] variables a rank needs."""
+    target = _parse_unit(DEPLOY / "systemd" / "deepinfer-ranks.target")
+    wants = " ".join(target["Unit"]["Wants"].splitlines()).split()
+    assert wants == [f"deepinfer-node@{i}.service" for i in range(8)]
+    assert target["Install"]["WantedBy"] == "multi-user.target"
+    drop_in = DEPLOY / "systemd" / "deepinfer-node@.service.d" / "ranks.conf"
+    assert _parse_unit(drop_in)["Unit"]["PartOf"] == "deepinfer-ranks.target"
+    text = drop_in.read_text(encoding="utf-8")
+    for key in ("DATA_PARALLEL_RANK=N", "DATA_PARALLEL_SIZE=", "DATA_PARALLEL_MASTER_PORT="):
+        assert f"DEEPINFER_PARALLEL_{key}" in text
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (apt-get install systemd)")
+    (tmp_path / "deepinfer-ranks.target").write_text(
+        (DEPLOY / "systemd" / "deepinfer-ranks.target").read_text(encoding="utf-8")
+    )
+    result = subprocess.run(
+        [analyze, "verify", "./deepinfer-ranks.target"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    about = [line for line in result.stderr.splitlines() if "deepinfer-ranks.target" in line]
+    assert (result.returncode, about) == (0, []), result.stderr
+
+
 def test_example_config_loads(example_config: Config) -> None:
     assert example_config.server.host == "0.0.0.0"
     assert example_config.cache.disk_tier_dir == "/var/cache/deepinfer/kv"  # CacheDirectory=

@@ -420,7 +420,8 @@ class AsyncEngine:
                 continue
             step_started, self._step_started = self._step_started, None
             self._observe_admissions(step_started)
-            if self.observer is not None:
+            # A rank's idle and placeholder steps ran nothing of its own: not its step times.
+            if self.observer is not None and (num_scheduled or deltas or not grouped):
                 self.observer.on_step(step_time_s, deltas, num_scheduled)
             self._dispatch(deltas)
 
