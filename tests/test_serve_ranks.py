@@ -51,7 +51,6 @@ class Serve:
         args = ["serve", "--port", str(self.port), "--internal-port", str(self.internal_port)]
         self.process = Process.start([*args, *ENGINE_FLAGS, *extra], env, folder / name, folder)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.oai = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="k", max_retries=0)
 
     def wait_ready(self) -> None:
         self.process.wait_for(f"{self.url}/ready", 200, timeout_s=120)
@@ -79,13 +78,18 @@ class Serve:
         return out
 
     async def answer(self, max_tokens: int = 24) -> str:
-        reply = await self.oai.chat.completions.create(
-            model=MODEL,
-            messages=QUESTION,
-            temperature=0,
-            max_tokens=max_tokens,
-            extra_body=NO_THINKING,
-        )
+        """The official openai client's greedy chat answer (a client per call: each test has
+        its own event loop)."""
+        async with openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="k", max_retries=0
+        ) as client:
+            reply = await client.chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                temperature=0,
+                max_tokens=max_tokens,
+                extra_body=NO_THINKING,
+            )
         return reply.choices[0].message.content or ""
 
     async def stream(self, prompt: str, max_tokens: int) -> tuple[int, str | None, str]:
@@ -186,3 +190,27 @@ async def test_killing_a_rank_ends_its_instance_with_error_events(two_ranks):
         assert time.monotonic() < deadline, two_ranks.process.log
         await asyncio.sleep(0.2)
     assert http_status(f"{two_ranks.url}/health") == 200  # the coordinator serves on
+
+
+async def test_a_rank_of_another_host_joins_through_the_rendezvous(one_rank, folder: Path):
+    """serve runs rank 0 only (data_parallel_size_local 1); rank 1 is a `deepinfer node` of its
+    own, as on a second host, joining at the rendezvous port and registering as rank 1."""
+    master = free_port()
+    parallel = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+    parallel += ["--data-parallel-master-port", str(master)]
+    serve = Serve(folder, "split.log", *parallel, "--data-parallel-size-local", "1")
+    env = clean_env(OMP_NUM_THREADS="1")
+    node_args = ["node", "--port", str(serve.node_port + 1), "--data-parallel-rank", "1"]
+    node_args += ["--coordinator-internal-url", f"http://127.0.0.1:{serve.internal_port}"]
+    node = Process.start([*node_args, *parallel, *ENGINE_FLAGS], env, folder / "rank1.log", folder)
+    try:
+        serve.wait_ready()
+        want = await one_rank.answer()
+        # Two at once: the second goes to the other rank (the least loaded one).
+        assert await asyncio.gather(serve.answer(), serve.answer()) == [want, want]
+        assert serve.rank_metrics(1)["deepinfer_lockstep_steps_total,kind=forward"] > 0
+    finally:
+        for process in (serve.process, node):  # SIGTERM to the instance: both ranks leave
+            process.popen.terminate()
+        serve.stop()
+        node.stop()
