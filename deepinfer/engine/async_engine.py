@@ -391,16 +391,18 @@ class AsyncEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         grouped = self.engine.lockstep is not None
+        # A group of one has no one to wait for: it waits for work like an engine alone.
+        polls = grouped and self.engine.lockstep.world_size > 1
         while True:
             self._apply_commands()
-            if self._is_stopping and (not grouped or self.engine.group_has_left):
+            if self._is_stopping and (not polls or self.engine.group_has_left):
                 return
-            if not self.engine.has_unfinished_requests() and not grouped:
+            if not self.engine.has_unfinished_requests() and not polls:
                 # No await since _apply_commands(), so no command can have been missed.
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if grouped and not self._group_busy():
+            if polls and not self._group_busy():
                 # Nothing anywhere: agree again after idle_poll_s, or at once on new work here.
                 self._wakeup.clear()
                 with contextlib.suppress(TimeoutError):
