@@ -1,7 +1,8 @@
 """Scheduler invariants, checked by tests and when idle (torch-free).
 
-Every block and state slot in use is held by a running request, ref counts equal the number of
-holders, waiting requests hold nothing, and the queues hold exactly the unfinished requests.
+Every block and state slot in use is held by a running request (or a held hand-off), ref counts
+equal the number of holders, waiting requests hold nothing, and the queues hold exactly the
+unfinished requests.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def check_integrity(
     running: Sequence[Request],
     waiting: Sequence[Request],
     unfinished: Collection[str],
+    held: Sequence[Request] = (),
 ) -> None:
-    """Raise RuntimeError unless every block and slot in use is held by a running request.
+    """Raise RuntimeError unless every block and slot in use is held by a running request or
+    a held hand-off (first token sampled, its cache kept for export).
 
     ``running``/``waiting`` are the scheduler's queues, ``unfinished`` the ids it tracks.
     """
@@ -66,14 +69,22 @@ def check_integrity(
         f"{len(running)} running + {len(waiting)} waiting do not match the "
         f"{len(unfinished)} unfinished requests",
     )
-    held = Counter(block_id for r in running for block_id in r.block_table)
-    ref_counts = {block_id: scheduler.block_manager.ref_count(block_id) for block_id in held}
+    for r in held:
+        _require(
+            r.state_slot is not None
+            and len(r.block_table) == _cdiv(r.num_computed_tokens, scheduler.block_size),
+            f"held hand-off {r.request_id!r}: slot {r.state_slot}, {len(r.block_table)} blocks "
+            f"for {r.num_computed_tokens} computed tokens",
+        )
+    holders = [*running, *held]
+    held_blocks = Counter(block_id for r in holders for block_id in r.block_table)
+    ref_counts = {b: scheduler.block_manager.ref_count(b) for b in held_blocks}
     _require(
-        ref_counts == held and len(held) == scheduler.block_manager.num_used_blocks,
+        ref_counts == held_blocks and len(held_blocks) == scheduler.block_manager.num_used_blocks,
         f"{scheduler.block_manager.num_used_blocks} blocks used, running requests hold "
-        f"{len(held)}; ref counts {ref_counts} vs holders {dict(held)}",
+        f"{len(held_blocks)}; ref counts {ref_counts} vs holders {dict(held_blocks)}",
     )
-    slots = [r.state_slot for r in running]
+    slots = [r.state_slot for r in holders]
     _require(
         len(set(slots)) == len(slots) and set(slots) == scheduler.state_slots.used_slots,
         f"running requests hold state slots {slots}, "

@@ -124,6 +124,9 @@ class Request:
     # Speculative decoding: draft tokens the step in flight verifies after the request's last
     # token (0 when none is in flight). Set by schedule(), cleared by update().
     num_drafts_in_flight: int = 0
+    # Prefill/decode hand-off, prefill side: after its first output token the request leaves
+    # the running queue with its blocks and slot held, until they are exported and released.
+    hand_off: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

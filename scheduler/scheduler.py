@@ -119,6 +119,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED
         self._running: list[Request] = []  # RUNNING, in admission order
+        # Hand-offs (prefill side): first token sampled, blocks and slot kept for export.
+        self._held: dict[str, Request] = {}
         # Ids freed since the previous schedule(), reported to the executor by the next one.
         self._freed_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
@@ -195,6 +197,10 @@ class Scheduler:
         assert not isinstance(request_ids, str), f"pass a list of ids, not the str {request_ids!r}"
         finished = []
         for request_id in request_ids:
+            if request_id in self._held:  # a hand-off not collected: its blocks go back
+                self.release_held(request_id, status)
+                finished.append(request_id)
+                continue
             request = self._requests.get(request_id)
             if request is None:
                 continue
@@ -330,8 +336,10 @@ class Scheduler:
         num_tokens = request.num_tokens + request.num_pending_tokens
         max_tokens = request.sampling_params.max_tokens
         num_outputs = request.num_output_tokens + request.num_pending_tokens
-        return num_tokens >= self._max_num_tokens or (
-            max_tokens is not None and num_outputs >= max_tokens
+        return (
+            num_tokens >= self._max_num_tokens
+            or (max_tokens is not None and num_outputs >= max_tokens)
+            or (request.hand_off and num_outputs >= 1)
         )
 
     def _allocate_blocks(self, request: Request, end: int) -> bool:
@@ -507,7 +515,68 @@ class Scheduler:
             status = RequestStatus.FINISHED_ABORTED
         if status is not None:
             self._finish(request, status)
-        return status is not None
+            return True
+        if request.hand_off:
+            self._hold(request)
+            return True
+        return False
+
+    # -- prefill/decode hand-off ------------------------------------------------------------------
+
+    def _hold(self, request: Request) -> None:
+        """Prefill side: the first token is sampled; the request leaves the running queue with
+        its blocks and slot held (its KV and state, for the decode side) until released."""
+        self._running.remove(request)
+        del self._requests[request.request_id]
+        self._held[request.request_id] = request
+        self._freed_ids.add(request.request_id)  # the executor forgets its per-request state
+
+    def held_request(self, request_id: str) -> Request | None:
+        """A hand-off whose first token is sampled and whose blocks are still held."""
+        return self._held.get(request_id)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def release_held(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_LENGTH
+    ) -> None:
+        """Free a held hand-off's blocks and slot (the full blocks stay in the prefix cache);
+        ``status``: how it ended here (exported: FINISHED_LENGTH; not collected: ABORTED)."""
+        request = self._held.pop(request_id)
+        self._free_resources(request, status)
+        request.status = status
+
+    def reserve_hand_off(self, num_tokens: int) -> tuple[list[int], int]:
+        """Decode side: blocks for positions 0 .. num_tokens - 1 and a state slot for a request
+        computed elsewhere (ValueError when the node has no room now). The caller writes them
+        and passes them to ``add_handed_off``, or gives them back with ``unreserve``."""
+        num_blocks = _cdiv(num_tokens, self.block_size)
+        if len(self._running) >= self.config.max_num_seqs:
+            raise ValueError(f"{len(self._running)} requests run already (max_num_seqs)")
+        if not self.block_manager.can_allocate(num_blocks + 1):  # + the next token's
+            raise ValueError(f"{num_blocks + 1} free blocks needed")
+        if not self.state_slots.can_allocate():
+            raise ValueError("no free state slot")
+        return self.block_manager.allocate(num_blocks), self.state_slots.allocate()
+
+    def unreserve(self, block_ids: list[int], slot: int) -> None:
+        self.block_manager.free(block_ids)
+        self.state_slots.free(slot)
+
+    def add_handed_off(self, request: Request, block_ids: list[int], slot: int) -> None:
+        """Decode side: continue ``request`` (its prompt and first output token set, its cache
+        written into ``block_ids`` and ``slot``) as a running request."""
+        if request.request_id in self._requests:
+            self.unreserve(block_ids, slot)
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        assert request.output_token_ids, "a handed-off request has its first token"
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.block_table, request.state_slot = list(block_ids), slot
+        self._requests[request.request_id] = request
+        self._running.append(request)
 
     def _take_prompt_logprobs(
         self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
@@ -566,5 +635,8 @@ class Scheduler:
     # -- invariants -------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError unless every block and slot in use is held by a running request."""
-        check_integrity(self, self._running, self._waiting, self._requests.keys())
+        """Raise RuntimeError unless every block and slot in use is held by a running request
+        (or a held hand-off)."""
+        check_integrity(
+            self, self._running, self._waiting, self._requests.keys(), list(self._held.values())
+        )

@@ -35,6 +35,7 @@ from deepinfer.config import Config
 from deepinfer.constraints import ConstraintError
 from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.device import resolve_device
+from deepinfer.engine.handoff import RequestState, export_request, import_request
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args
@@ -207,10 +208,15 @@ class LLMEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         compiled_grammar: Any = None,
+        hand_off: bool = False,
     ) -> Request:
         """Admit a request. A constrained request's grammar is ``compiled_grammar`` (compiled off
-        the engine thread, as AsyncEngine does) or compiled here, synchronously. Raises
-        ValueError (ConstraintError for a bad constraint) before anything is admitted."""
+        the engine thread, as AsyncEngine does) or compiled here, synchronously. ``hand_off``:
+        the prefill side of a prefill/decode hand-off (handoff.py): the request is held after
+        its first token, for ``export_request``. Raises ValueError (ConstraintError for a bad
+        constraint) before anything is admitted."""
+        if hand_off and sampling_params.constraint is not None:
+            raise ValueError("output constraints are not handed off between nodes yet")
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -224,6 +230,7 @@ class LLMEngine:
             sampling_params=sampling_params,
             eos_token_id=self.executor.eos_token_id,
             cache_salt=cache_salt,
+            hand_off=hand_off,
         )
         if sampling_params.constraint is not None:
             if compiled_grammar is None:
@@ -250,6 +257,35 @@ class LLMEngine:
         if self.grammar_compiler is None:
             raise ConstraintError("output constraints need a model with a tokenizer and an EOS")
         return sampling_params.constraint
+
+    def export_request(self, request_id: str) -> RequestState:
+        """A held hand-off's state (handoff.py); it stays held until ``release_hand_off``."""
+        runner = self._model_runner()
+        return export_request(self.scheduler, runner.kv_cache, runner.cache_salt, request_id)
+
+    def release_hand_off(self, request_id: str) -> None:
+        """Free a held hand-off's blocks and slot (exported, or not collected)."""
+        self.scheduler.release_held(request_id)
+
+    def import_request(self, state: RequestState, sampling_params: SamplingParams) -> Request:
+        """Continue a request another engine computed the prompt of (handoff.py)."""
+        sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
+        if sampling_params.constraint is not None:
+            raise ValueError("output constraints are not handed off between nodes yet")
+        runner = self._model_runner()
+        return import_request(
+            self.scheduler,
+            runner.kv_cache,
+            runner.cache_salt,
+            state,
+            sampling_params,
+            self.executor.eos_token_id,
+        )
+
+    def _model_runner(self) -> ModelRunner:
+        if not isinstance(self.executor, ModelRunner):
+            raise TypeError("hand-offs need the engine's own ModelRunner (a KV cache)")
+        return self.executor
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

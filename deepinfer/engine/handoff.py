@@ -1,0 +1,136 @@
+"""Prefill/decode hand-off, engine side: a request's cache leaves one engine, continues on another.
+
+    prefill engine                                   decode engine
+    add_request(..., hand_off=True)
+    steps: the prompt in chunks (its own prefix
+    cache), then the first token is sampled:
+    the request is held (blocks + slot kept)
+    export_request(id) -> RequestState  ──────────▶  import_request(state, params)
+      tokens, the first token's logprobs, every        reserves blocks + a slot, writes every
+      paged part of the prompt's blocks and the        part, and the request runs on from
+      whole state slot, copied to the host             position len(prompt), its first token
+    release_hand_off(id) once the other side has it    as the next input
+      (the full blocks stay in the prefix cache)
+
+The state slot carries everything that is not paged (window rings, the compressors' open
+windows, the indexer's), so the decode engine continues from exactly the prefill engine's state:
+the same tokens and logprobs as one engine computing both. Both sides must run the same model and
+cache layout (``Executor.cache_salt``; checked). Who moves the bytes between nodes, and when each
+side gives up what it holds, is the transport's (the serving layer's) business; a held request
+that nobody exports is released with ``release_hand_off`` (its blocks go back at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.kv_cache.spec import CachePart
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler.request import Request
+from deepinfer.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class RequestState:
+    """One request's hand-off. Producer: ``export_request`` (prefill engine). Consumer:
+    ``import_request`` (decode engine). Tensors on the host, in the cache spec's part order."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the first token (sampled by the prefill engine)
+    output_logprobs: list[dict[int, float]]  # its logprobs when asked for
+    num_cached_tokens: int  # prompt tokens the prefill engine found in its prefix cache
+    cache_salt: str | None  # the request's tenant salt (prefix cache isolation)
+    model_salt: bytes  # the prefill engine's cache salt: model, weights, cache layout
+    blocks: list[list[torch.Tensor]]  # per block of the prompt: its paged parts
+    slot: list[torch.Tensor]  # the state slot's parts
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.slot, *(t for block in self.blocks for t in block)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def export_request(
+    scheduler: Scheduler, cache: KVCache, model_salt: bytes, request_id: str
+) -> RequestState:
+    """The held hand-off ``request_id``'s state (KeyError if it is not held: not sampled yet,
+    released, or never a hand-off). It stays held until ``Scheduler.release_held``."""
+    request = scheduler.held_request(request_id)
+    if request is None:
+        raise KeyError(f"request {request_id!r} is not a held hand-off")
+    assert request.state_slot is not None
+    return RequestState(
+        request_id=request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        output_token_ids=list(request.output_token_ids),
+        output_logprobs=list(request.output_logprobs),
+        num_cached_tokens=request.num_cached_tokens,
+        cache_salt=request.cache_salt,
+        model_salt=model_salt,
+        blocks=[[t.cpu() for t in cache.block_payload(b)] for b in request.block_table],
+        slot=[t.cpu() for t in cache.slot_payload(request.state_slot)],
+    )
+
+
+def import_request(
+    scheduler: Scheduler,
+    cache: KVCache,
+    model_salt: bytes,
+    state: RequestState,
+    params: SamplingParams,
+    eos_token_id: int | None,
+) -> Request:
+    """Continue ``state`` on this engine: check, reserve, write, run. Raises ValueError (other
+    model or layout, malformed state, no room now) with nothing held."""
+    if state.model_salt != model_salt:
+        raise ValueError(
+            f"request {state.request_id!r}: its cache comes from another model or cache layout"
+        )
+    num_prompt = len(state.prompt_token_ids)
+    if len(state.blocks) != -(-num_prompt // scheduler.block_size) or not state.output_token_ids:
+        raise ValueError(
+            f"request {state.request_id!r}: {len(state.blocks)} blocks for {num_prompt} prompt "
+            f"tokens and {len(state.output_token_ids)} output tokens"
+        )
+    request = Request(
+        request_id=state.request_id,
+        prompt_token_ids=list(state.prompt_token_ids),
+        sampling_params=params,
+        eos_token_id=eos_token_id,
+        cache_salt=state.cache_salt,
+        output_token_ids=list(state.output_token_ids),
+        output_logprobs=list(state.output_logprobs),
+        num_cached_tokens=state.num_cached_tokens,
+    )
+    for kind, parts, payloads in (
+        ("block", cache.spec.paged, state.blocks),
+        ("state slot", cache.spec.state, [state.slot]),
+    ):
+        for payload in payloads:
+            _check_parts(state.request_id, kind, parts, payload, cache.dtype)
+    block_ids, slot = scheduler.reserve_hand_off(num_prompt)
+    for block_id, payload in zip(block_ids, state.blocks, strict=True):
+        cache.write_block(block_id, [t.to(cache.device) for t in payload])
+    cache.write_slot(slot, [t.to(cache.device) for t in state.slot])
+    scheduler.add_handed_off(request, block_ids, slot)
+    return request
+
+
+def _check_parts(
+    request_id: str,
+    kind: str,
+    parts: tuple[CachePart, ...],
+    payload: list[torch.Tensor],
+    cache_dtype: torch.dtype,
+) -> None:
+    """Every part of a payload has its part's row shape and dtype (a copy would broadcast)."""
+    want = [(part.row_shape(), part.tensor_dtype(cache_dtype)) for part in parts]
+    got = [(tuple(t.shape), t.dtype) for t in payload]
+    if got != want:
+        raise ValueError(
+            f"request {request_id!r}: its {kind} parts do not fit this cache: {got} != {want}"
+        )
