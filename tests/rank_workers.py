@@ -77,3 +77,58 @@ def _ep_batch_invariant(engine: LLMEngine, rank: int) -> bool:
     alone = moe.fused_moe(x[token], *local, ids[token], weights[token], 10.0)
     crowd = moe.fused_moe(x, *local, ids, weights, 10.0)
     return bool(torch.equal(alone, crowd[token]))
+
+
+def decode_handoffs(config: Config, port: int, plan: dict, conn: Connection) -> None:
+    """The decode side of a pair: join as rank 1, receive ``plan["ids"]`` concurrently (one
+    thread each), import and decode each; then receive ``plan["broken"]`` (the sender cuts it
+    short). Sends back {transfer id: tokens | the error}, and the blocks in use at the end."""
+    import threading
+
+    from deepinfer.engine.handoff import unpack_state
+    from deepinfer.parallel.transfer import PairTransport, TransferError
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(config)
+    conn.send("ready")
+    pair = PairTransport.connect("127.0.0.1", port, 1, timeout_s=plan["timeout_s"])
+    received: dict[int, tuple[bytes, list] | str] = {}
+
+    def receive(transfer_id: int) -> None:
+        try:
+            received[transfer_id] = pair.recv(transfer_id)
+        except TransferError as error:
+            received[transfer_id] = f"TransferError: {error}"
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in plan["ids"]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    params = SamplingParams(temperature=0.0, max_tokens=plan["max_tokens"], ignore_eos=True)
+    results: dict[int, list[int] | str] = {}
+    for transfer_id in plan["ids"]:
+        got = received[transfer_id]
+        if isinstance(got, str):
+            results[transfer_id] = got
+            continue
+        state = unpack_state(*got)
+        engine.import_request(state, params)
+        tokens = list(state.output_token_ids)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.new_token_ids
+        results[transfer_id] = tokens
+    receive(plan["broken"])
+    results[plan["broken"]] = received[plan["broken"]]
+    conn.send((results, engine.scheduler.block_manager.num_used_blocks))
+    pair.close()
+
+
+def receive_forever(port: int, conn: Connection) -> None:
+    """A receiver that joins and waits on transfer 1 (the test kills it mid-transfer)."""
+    from deepinfer.parallel.transfer import PairTransport
+
+    pair = PairTransport.connect("127.0.0.1", port, 1, timeout_s=30.0)
+    conn.send("joined")
+    pair.recv(1)

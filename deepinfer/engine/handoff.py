@@ -15,15 +15,17 @@
 The state slot carries everything that is not paged (window rings, the compressors' open
 windows, the indexer's), so the decode engine continues from exactly the prefill engine's state:
 the same tokens and logprobs as one engine computing both. Both sides must run the same model and
-cache layout (``Executor.cache_salt``; checked). Who moves the bytes between nodes, and when each
-side gives up what it holds, is the transport's (the serving layer's) business; a held request
-that nobody exports is released with ``release_hand_off`` (its blocks go back at once).
+cache layout (``Executor.cache_salt``; checked). ``pack_state``/``unpack_state`` give a transport
+(deepinfer/parallel/transfer.py) one header and a list of parts. When each side gives up what it
+holds is the serving layer's business; a held request that nobody exports is released with
+``release_hand_off`` (its blocks go back at once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from deepinfer.kv_cache.pool import KVCache
@@ -52,6 +54,64 @@ class RequestState:
     def nbytes(self) -> int:
         tensors = [*self.slot, *(t for block in self.blocks for t in block)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _StateHeader(msgspec.Struct):
+    """A RequestState without its tensors, for a transport's header (msgpack)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[dict[int, float]]
+    num_cached_tokens: int
+    cache_salt: str | None
+    model_salt: bytes
+    num_blocks: int
+    parts_per_block: int
+
+
+def pack_state(state: RequestState) -> tuple[bytes, list[torch.Tensor]]:
+    """(header, parts) for a transport (deepinfer/parallel/transfer.py): every block's parts,
+    block by block, then the slot's."""
+    parts_per_block = len(state.blocks[0]) if state.blocks else 0
+    header = _StateHeader(
+        state.request_id,
+        state.prompt_token_ids,
+        state.output_token_ids,
+        state.output_logprobs,
+        state.num_cached_tokens,
+        state.cache_salt,
+        state.model_salt,
+        len(state.blocks),
+        parts_per_block,
+    )
+    tensors = [t for block in state.blocks for t in block] + list(state.slot)
+    return msgspec.msgpack.encode(header), tensors
+
+
+def unpack_state(header: bytes, tensors: list[torch.Tensor]) -> RequestState:
+    """``pack_state``'s inverse (ValueError on a malformed header or part count)."""
+    try:
+        h = msgspec.msgpack.decode(header, type=_StateHeader)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"a hand-off header that does not decode: {error}") from error
+    num_paged = h.num_blocks * h.parts_per_block
+    if len(tensors) < num_paged:
+        raise ValueError(f"{len(tensors)} parts for {h.num_blocks} blocks of {h.parts_per_block}")
+    blocks = [
+        tensors[i * h.parts_per_block : (i + 1) * h.parts_per_block] for i in range(h.num_blocks)
+    ]
+    return RequestState(
+        h.request_id,
+        h.prompt_token_ids,
+        h.output_token_ids,
+        h.output_logprobs,
+        h.num_cached_tokens,
+        h.cache_salt,
+        h.model_salt,
+        blocks,
+        tensors[num_paged:],
+    )
 
 
 def export_request(

@@ -1,0 +1,152 @@
+"""Moving tensors between two nodes: one process group per pair, on a store of its own.
+
+    PairTransport.connect(address, port, rank, ...)   rank 0 hosts the pair's TCPStore
+      -> ProcessGroupGloo (CPU) | ProcessGroupNCCL (CUDA) over that store, world size 2: never
+         the default group, which a node that is also an expert-parallel rank already owns
+    sender: send(transfer_id, header, tensors)
+    receiver: recv(transfer_id) -> (header, tensors)
+
+One transfer on the wire, every message tagged with its transfer id (so that several transfers
+of one pair can be in flight at once, each in its own thread):
+
+    [manifest length] int64 [1] -> manifest: header bytes + (dtype, shape) per part, msgpack
+    -> part 0 .. part n-1 (as their bytes) -> [checksums] int64 [n] (``checksum=True``)
+
+The receiver allocates every part from the manifest and hands nothing back until the last part
+(and its checksum) arrived: a transfer is applied whole or not at all. Any failure (a peer that
+died, the group's timeout, a checksum that differs) is a TransferError. The calls block: callers
+run them off the engine's step thread. ``on_part`` is a test hook: it runs after each part is
+sent (it may sleep, or raise to cut a transfer short).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable, Sequence
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete; nothing of it was applied."""
+
+
+class _Manifest(msgspec.Struct):
+    header: bytes
+    parts: list[tuple[str, list[int]]]  # (dtype name, shape) per part
+    checksum: bool
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of a tensor's bytes (int64, on its device): a part that was not
+    sent, or came back in another order, changes it."""
+    data = tensor.contiguous().view(torch.uint8).flatten().to(torch.int64)
+    weights = torch.arange(1, data.numel() + 1, device=data.device, dtype=torch.int64) % 251
+    return (data * (weights + 1)).sum()
+
+
+class PairTransport:
+    """One end of a pair's process group. ``device``: where parts travel (CPU for gloo)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+        self.group = group
+        self.rank = rank
+        self.peer = 1 - rank
+        self.device = device
+        self.on_part: Callable[[int], None] | None = None  # test hook (see the module)
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        port: int,
+        rank: int,
+        *,
+        timeout_s: float,
+        device: torch.device | None = None,
+    ) -> PairTransport:
+        """Join the pair at ``address:port`` (rank 0 listens there). Blocks until both ends are
+        in, or raises TransferError after ``timeout_s``."""
+        device = device or torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(address, port, 2, is_master=rank == 0, timeout=timeout)
+            if device.type == "cuda":
+                group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, 2)
+            else:
+                group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        except (RuntimeError, ValueError) as error:
+            raise TransferError(f"cannot join the pair at {address}:{port}: {error}") from error
+        return cls(group, rank, device)
+
+    def send(
+        self,
+        transfer_id: int,
+        header: bytes,
+        tensors: Sequence[torch.Tensor],
+        *,
+        checksum_parts: bool = False,
+    ) -> None:
+        parts = [t.contiguous() for t in tensors]
+        layout = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in parts]
+        manifest = msgspec.msgpack.encode(_Manifest(header, layout, checksum_parts))
+        try:
+            data = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(self.device)
+            self._send(torch.tensor([len(manifest)], device=self.device), transfer_id)
+            self._send(data, transfer_id)
+            for i, part in enumerate(parts):
+                self._send(part.to(self.device).view(torch.uint8).flatten(), transfer_id)
+                if self.on_part is not None:
+                    self.on_part(i)
+            if checksum_parts:
+                sums = torch.stack([checksum(p) for p in parts]) if parts else torch.zeros(0)
+                self._send(sums.to(torch.int64).to(self.device), transfer_id)
+        except RuntimeError as error:
+            raise TransferError(f"transfer {transfer_id}: sending failed: {error}") from error
+
+    def recv(self, transfer_id: int) -> tuple[bytes, list[torch.Tensor]]:
+        try:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._recv(length, transfer_id)
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+            self._recv(data, transfer_id)
+            manifest = msgspec.msgpack.decode(data.cpu().numpy().tobytes(), type=_Manifest)
+            parts = []
+            for dtype_name, shape in manifest.parts:
+                part = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
+                self._recv(part.view(torch.uint8).flatten(), transfer_id)
+                parts.append(part)
+            if manifest.checksum:
+                sums = torch.zeros(len(parts), dtype=torch.int64, device=self.device)
+                self._recv(sums, transfer_id)
+                ours = [int(checksum(p)) for p in parts]
+                if ours != sums.tolist():
+                    bad = [
+                        i
+                        for i, (a, b) in enumerate(zip(ours, sums.tolist(), strict=True))
+                        if a != b
+                    ]
+                    raise TransferError(f"transfer {transfer_id}: parts {bad} differ from sent")
+        except (RuntimeError, msgspec.DecodeError) as error:
+            if isinstance(error, TransferError):
+                raise
+            raise TransferError(f"transfer {transfer_id}: receiving failed: {error}") from error
+        return manifest.header, parts
+
+    def _send(self, tensor: torch.Tensor, tag: int) -> None:
+        self.group.send([tensor], self.peer, tag).wait()
+
+    def _recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self.group.recv([tensor], self.peer, tag).wait()
+
+    def close(self) -> None:
+        """Leave the pair (an error on the peer's pending calls)."""
+        try:
+            self.group.shutdown()
+        except (RuntimeError, AttributeError):
+            logger.debug("pair group shutdown failed", exc_info=True)
