@@ -52,7 +52,7 @@ def test_hand_offs_over_the_pair_decode_as_one_engine_and_a_cut_transfer_is_not_
     prompts = {1: torch.randint(1, 128000, (23,), generator=gen).tolist(),
                2: torch.randint(1, 128000, (70,), generator=gen).tolist()}  # fmt: skip
     port = free_port()
-    plan = {"ids": [1, 2], "broken": 3, "max_tokens": MAX_TOKENS, "timeout_s": 20.0}
+    plan = {"ids": [1, 2], "broken": 3, "max_tokens": MAX_TOKENS, "timeout_s": 5.0}
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     decoder = context.Process(target=decode_handoffs, args=(config, port, plan, theirs))
@@ -84,8 +84,10 @@ def test_hand_offs_over_the_pair_decode_as_one_engine_and_a_cut_transfer_is_not_
     header, parts = pack_state(states[1])
     with pytest.raises(TransferError, match="cut after part 1"):
         pair.send(3, header, parts, checksum_parts=True)
-    pair.close()  # the sender gives up the pair: the receiver's transfer 3 fails
+    pair.close()  # the sender gives up: the receiver's transfer 3 fails (its 5 s timeout)
+    cut_at = time.monotonic()
     results, blocks_in_use = ours.recv()
+    assert time.monotonic() - cut_at < 15
     decoder.join(timeout=30)
     assert results[1] == want[1] and results[2] == want[2]
     assert str(results[3]).startswith("TransferError"), results[3]

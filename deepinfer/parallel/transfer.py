@@ -14,7 +14,9 @@ of one pair can be in flight at once, each in its own thread):
 
 The receiver allocates every part from the manifest and hands nothing back until the last part
 (and its checksum) arrived: a transfer is applied whole or not at all. Any failure (a peer that
-died, the group's timeout, a checksum that differs) is a TransferError. The calls block: callers
+died, the group's timeout, a checksum that differs) is a TransferError: a peer whose process
+dies fails the other side's transfer at once (its connection closes); one that stops sending
+but lives fails it at the pair's ``timeout_s``. The calls block: callers
 run them off the engine's step thread. ``on_part`` is a test hook: it runs after each part is
 sent (it may sleep, or raise to cut a transfer short).
 """
