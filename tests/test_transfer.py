@@ -76,13 +76,14 @@ def test_hand_offs_over_the_pair_decode_as_one_engine_and_a_cut_transfer_is_not_
     for sender in senders:
         sender.join()
 
-    def cut(part: int) -> None:
-        if part == 1:
-            raise TransferError("cut after part 1 (test)")
+    def cut(chunk: int) -> None:
+        if chunk == 1:
+            raise TransferError("cut after chunk 1 (test)")
 
-    pair.on_part = cut
+    pair.on_chunk = cut
+    pair.chunk_bytes = 4096  # several chunks: the cut falls inside the parts
     header, parts = pack_state(states[1])
-    with pytest.raises(TransferError, match="cut after part 1"):
+    with pytest.raises(TransferError, match="cut after chunk 1"):
         pair.send(3, header, parts, checksum_parts=True)
     pair.close()  # the sender gives up: the receiver's transfer 3 fails (its 5 s timeout)
     cut_at = time.monotonic()
@@ -104,14 +105,15 @@ def test_a_receiver_killed_mid_transfer_fails_the_sender_within_the_timeout():
     assert ours.recv() == "joined"
     killed = threading.Event()
 
-    def pause(part: int) -> None:
-        if part == 0:
+    def pause(chunk: int) -> None:
+        if chunk == 0:
             os.kill(receiver.pid, signal.SIGKILL)
             receiver.join()
             killed.set()
         time.sleep(0.1)
 
-    pair.on_part = pause
+    pair.on_chunk = pause
+    pair.chunk_bytes = 1 << 16
     parts = [torch.arange(1 << 16, dtype=torch.float32) + i for i in range(8)]
     start = time.monotonic()
     with pytest.raises(TransferError, match="sending failed"):

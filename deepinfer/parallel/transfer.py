@@ -10,14 +10,16 @@ One transfer on the wire, every message tagged with its transfer id (so that sev
 of one pair can be in flight at once, each in its own thread):
 
     [manifest length] int64 [1] -> manifest: header bytes + (dtype, shape) per part, msgpack
-    -> part 0 .. part n-1 (as their bytes) -> [checksums] int64 [n] (``checksum=True``)
+    -> the parts' bytes back to back, in chunks of the sender's ``chunk_bytes`` (named in the
+       manifest; a hand-off has thousands of small parts: a message each would cost more)
+    -> [checksums] int64 [n], one per part (``checksum_parts=True``)
 
 The receiver allocates every part from the manifest and hands nothing back until the last part
 (and its checksum) arrived: a transfer is applied whole or not at all. Any failure (a peer that
 died, the group's timeout, a checksum that differs) is a TransferError: a peer whose process
 dies fails the other side's transfer at once (its connection closes); one that stops sending
 but lives fails it at the pair's ``timeout_s``. The calls block: callers
-run them off the engine's step thread. ``on_part`` is a test hook: it runs after each part is
+run them off the engine's step thread. ``on_chunk`` is a test hook: it runs after each chunk is
 sent (it may sleep, or raise to cut a transfer short).
 """
 
@@ -42,6 +44,7 @@ class _Manifest(msgspec.Struct):
     header: bytes
     parts: list[tuple[str, list[int]]]  # (dtype name, shape) per part
     checksum: bool
+    chunk_bytes: int  # the sender's: the receiver posts exactly the messages it sends
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,12 +58,19 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
 class PairTransport:
     """One end of a pair's process group. ``device``: where parts travel (CPU for gloo)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        device: torch.device,
+        chunk_bytes: int = 64 << 20,
+    ) -> None:
         self.group = group
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
-        self.on_part: Callable[[int], None] | None = None  # test hook (see the module)
+        self.chunk_bytes = chunk_bytes
+        self.on_chunk: Callable[[int], None] | None = None  # test hook (see the module)
 
     @classmethod
     def connect(
@@ -71,6 +81,7 @@ class PairTransport:
         *,
         timeout_s: float,
         device: torch.device | None = None,
+        chunk_bytes: int = 64 << 20,
     ) -> PairTransport:
         """Join the pair at ``address:port`` (rank 0 listens there). Blocks until both ends are
         in, or raises TransferError after ``timeout_s``."""
@@ -84,7 +95,7 @@ class PairTransport:
                 group = dist.ProcessGroupGloo(store, rank, 2, timeout)
         except (RuntimeError, ValueError) as error:
             raise TransferError(f"cannot join the pair at {address}:{port}: {error}") from error
-        return cls(group, rank, device)
+        return cls(group, rank, device, chunk_bytes)
 
     def send(
         self,
@@ -96,15 +107,18 @@ class PairTransport:
     ) -> None:
         parts = [t.contiguous() for t in tensors]
         layout = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in parts]
-        manifest = msgspec.msgpack.encode(_Manifest(header, layout, checksum_parts))
+        chunk = self.chunk_bytes
+        manifest = msgspec.msgpack.encode(_Manifest(header, layout, checksum_parts, chunk))
         try:
             data = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(self.device)
             self._send(torch.tensor([len(manifest)], device=self.device), transfer_id)
             self._send(data, transfer_id)
-            for i, part in enumerate(parts):
-                self._send(part.to(self.device).view(torch.uint8).flatten(), transfer_id)
-                if self.on_part is not None:
-                    self.on_part(i)
+            flat = [p.to(self.device).view(torch.uint8).flatten() for p in parts]
+            data = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)
+            for i, start in enumerate(range(0, data.numel(), chunk)):
+                self._send(data[start : start + chunk], transfer_id)
+                if self.on_chunk is not None:
+                    self.on_chunk(i)
             if checksum_parts:
                 sums = torch.stack([checksum(p) for p in parts]) if parts else torch.zeros(0)
                 self._send(sums.to(torch.int64).to(self.device), transfer_id)
@@ -118,11 +132,19 @@ class PairTransport:
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
             self._recv(data, transfer_id)
             manifest = msgspec.msgpack.decode(data.cpu().numpy().tobytes(), type=_Manifest)
-            parts = []
-            for dtype_name, shape in manifest.parts:
-                part = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
-                self._recv(part.view(torch.uint8).flatten(), transfer_id)
-                parts.append(part)
+            parts = [
+                torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
+                for dtype_name, shape in manifest.parts
+            ]
+            sizes = [p.numel() * p.element_size() for p in parts]
+            data = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            chunk = manifest.chunk_bytes
+            for start in range(0, data.numel(), chunk):
+                self._recv(data[start : start + chunk], transfer_id)
+            offset = 0
+            for part, size in zip(parts, sizes, strict=True):
+                part.view(torch.uint8).view(-1).copy_(data[offset : offset + size])
+                offset += size
             if manifest.checksum:
                 sums = torch.zeros(len(parts), dtype=torch.int64, device=self.device)
                 self._recv(sums, transfer_id)

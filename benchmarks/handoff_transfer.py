@@ -1,0 +1,118 @@
+"""A prefill/decode hand-off's bytes through the pair transport: V4-Flash-sized states over gloo.
+
+    python benchmarks/handoff_transfer.py [--prompt 1024,8192,32768] [--repeats 3]
+
+What moves: a request's hand-off state (deepinfer/engine/handoff.py) in V4-Flash's cache layout
+(43 layers: 21 CSA, 20 HCA, 2 sliding; 128-token blocks, bf16): every paged part of the prompt's
+blocks and the whole state slot, as ``pack_state`` lays them out (one message per part). The
+parts hold random bytes of the right shapes (the transport does not look at values). A receiver
+process joins the pair (deepinfer/parallel/transfer.py, gloo over loopback TCP, checksums off)
+and the sender times ``send`` until the receiver has every part (it acknowledges). The reference
+is a memory copy of the same bytes in one process (``torch.cat`` of the parts), measured in the
+same run: the ratio says how far the transport is from moving bytes at memory speed.
+
+Between GPUs the same interface runs on NCCL (not measured here: one GPU cannot hold both ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v4_flash import FULL_DEPTH_LAYERS, LAYER_TYPES, config_dict
+
+from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.cache import cache_spec
+from deepinfer.parallel.group import free_port
+from deepinfer.parallel.transfer import PairTransport
+
+BLOCK_SIZE = 128
+
+
+def _state(num_tokens: int) -> list[torch.Tensor]:
+    """The parts of one hand-off of ``num_tokens`` prompt tokens, in pack_state's order."""
+    types = [LAYER_TYPES[kind] for kind, n in FULL_DEPTH_LAYERS.items() for _ in range(n)]
+    args = ModelArgs.from_dict(config_dict(types))
+    spec = cache_spec(args, block_size=BLOCK_SIZE, ring_margin=16, max_draft=0)
+    num_blocks = math.ceil(num_tokens / BLOCK_SIZE)
+
+    def part(p) -> torch.Tensor:
+        dtype = p.tensor_dtype(torch.bfloat16)
+        if dtype.is_floating_point:
+            return torch.randn(p.row_shape(), dtype=dtype)
+        return torch.randint(0, 127, p.row_shape(), dtype=dtype)
+
+    paged = [part(p) for _ in range(num_blocks) for p in spec.paged]
+    return paged + [part(p) for p in spec.state]
+
+
+def _receiver(port: int, counts: list[int], repeats: int, conn: Connection) -> None:
+    pair = PairTransport.connect("127.0.0.1", port, 1, timeout_s=120.0)
+    conn.send("joined")
+    transfer_id = 0
+    for _ in counts:
+        for _ in range(repeats + 1):
+            transfer_id += 1
+            pair.recv(transfer_id)
+            conn.send(transfer_id)  # the acknowledgement the sender times to
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--prompt", default="1024,8192,32768")
+    ap.add_argument("--repeats", type=int, default=3)
+    ns = ap.parse_args()
+    prompts = [int(p) for p in ns.prompt.split(",")]
+    torch.manual_seed(0)
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    receiver = context.Process(target=_receiver, args=(port, prompts, ns.repeats, theirs))
+    receiver.start()
+    pair = PairTransport.connect("127.0.0.1", port, 0, timeout_s=120.0)
+    assert ours.recv() == "joined"
+    print(
+        f"{'prompt':>7} {'parts':>6} {'MB':>8} {'send ms':>9} {'GB/s':>7} {'memcpy GB/s':>11} ratio"
+    )
+    rows = []
+    transfer_id = 0
+    for num_tokens in prompts:
+        parts = _state(num_tokens)
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        times = []
+        for attempt in range(ns.repeats + 1):  # the first one warms the pair up
+            transfer_id += 1
+            start = time.perf_counter()
+            pair.send(transfer_id, b"", parts)
+            assert ours.recv() == transfer_id
+            if attempt:
+                times.append(time.perf_counter() - start)
+        copies = []
+        for _ in range(ns.repeats):
+            start = time.perf_counter()
+            torch.cat([t.view(torch.uint8).flatten() for t in parts])
+            copies.append(time.perf_counter() - start)
+        send_s, copy_s = statistics.median(times), statistics.median(copies)
+        rate, copy_rate = nbytes / send_s / 1e9, nbytes / copy_s / 1e9
+        rows.append((num_tokens, len(parts), nbytes / 1e6, send_s * 1e3, rate, copy_rate))
+        print(
+            f"{num_tokens:>7} {len(parts):>6} {nbytes / 1e6:>8.1f} {send_s * 1e3:>9.1f} "
+            f"{rate:>7.2f} {copy_rate:>11.2f} {rate / copy_rate:.3f}"
+        )
+    receiver.join(timeout=30)
+    print("RESULTS:")
+    for num_tokens, count, mb, ms, rate, copy_rate in rows:
+        print(f"| {num_tokens} | {count} | {mb:.1f} | {ms:.1f} | {rate:.2f} | {copy_rate:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
