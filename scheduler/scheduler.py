@@ -33,7 +33,7 @@ position 0. A request never holds more than the whole KV pool, so a request fini
 "length" at ``min(max_model_len, num_blocks * block_size)`` tokens; beyond that a lone request
 would preempt itself forever.
 
-One file of ~570 lines: ``schedule()`` and ``update()`` keep the queue invariants drawn above
+One file of ~640 lines: ``schedule()`` and ``update()`` keep the queue invariants drawn above
 together; prefix reuse, integrity checks and state slots are rooms of their own beside it.
 """
 

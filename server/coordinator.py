@@ -18,7 +18,7 @@ Background work runs in ``cleanup_ctx``: the HTTP session for node clients, the 
 SIGTERM/SIGINT, then drains (stop admitting, let in-flight streams finish up to
 ``server.drain_timeout_s``, abort the rest) and returns 0.
 
-One file of ~620 lines: it assembles both apps (routes, middlewares, start-up and shutdown of
+One file of ~630 lines: it assembles both apps (routes, middlewares, start-up and shutdown of
 the registry, service and node clients); each handler's work lives in the modules it calls.
 """
 

@@ -23,7 +23,7 @@ listener and heartbeats there with the lease its registration got (server/protoc
 Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine), and
 server/node_stream.py turns its deltas and errors into the wire's (as for `serve`'s LocalNode).
 
-One file of ~420 lines: the node's routes, their auth and its registration loop share the
+One file of ~460 lines: the node's routes, their auth and its registration loop share the
 app's lifecycle.
 """
 

@@ -21,6 +21,9 @@ Lock-step ranks (config [parallel], deepinfer/parallel/): after scheduling, ever
 agrees with the others' (``LockStep.agree``) before anything runs; a rank with nothing
 scheduled runs a placeholder step while others run theirs, and ``group_unfinished`` says
 whether any rank still has requests (a rank's loop goes on until none has).
+
+One file of ~430 lines: the step (sync and async), its agreement with other ranks and the
+requests' ways in and out (add, abort, finish, hand-off export and import) share the scheduler.
 """
 
 from __future__ import annotations
