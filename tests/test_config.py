@@ -15,10 +15,28 @@ from typing import Any
 import pytest
 
 from deepinfer.cli import build_parser, main
-from deepinfer.config import SECTIONS, Config, env_var
+from deepinfer.config import SECTIONS, Config, env_var, to_toml
 from deepinfer.flags import overrides
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_to_toml_reads_back_equal(tmp_path: Path) -> None:
+    """What `serve --data-parallel-size N` hands its rank nodes: every set key, secrets and
+    lists included, unset keys left out."""
+    config = Config.load(
+        overrides={
+            "server": {"api_keys": ("k1", 'k"2'), "node_token": "t0ken", "port": 9001},
+            "parallel": {"data_parallel_size": 2, "data_parallel_master_port": 29500},
+            "cache": {"num_blocks": 64, "host_tier_gib": 0.5},
+            "node": {"instance_id": "v4-a"},
+        },
+        environ={},
+    )
+    path = tmp_path / "rank.toml"
+    path.write_text(to_toml(config))
+    assert Config.load(path, environ={}) == config
+    assert "# " not in path.read_text() and "tokenizer" not in path.read_text()  # unset: absent
 
 
 def test_shipped_config_toml_equals_the_defaults() -> None:
