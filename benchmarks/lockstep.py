@@ -47,20 +47,17 @@ def _params(n: int, new: int, workload: str) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
 
 
-def _engine_stats(llm: LLM) -> list[dict]:
-    """Per rank: the last generate call's lock-step figures."""
-    if llm.ranks is not None:
-        return llm.ranks.stats
+def _call_stats(llm: LLM, run) -> tuple[list[dict], float, list]:
+    """Per rank: one ``run()``'s lock-step figures (LLMEngine.rank_stats), its wall time and
+    what it returned."""
     engine = llm.engine
-    stats = engine.lockstep.stats.as_dict()
-    stats["exchange_seconds"] = getattr(engine.executor.kernels.moe, "exchange_seconds", 0.0)
-    return [stats]
-
-
-def _since(before: list[dict], after: list[dict]) -> list[dict]:
-    keys = ("steps", "forward_steps", "placeholder_steps", "decode_only_steps")
-    keys += ("agree_seconds", "exchange_seconds")
-    return [{k: a[k] - b[k] for k in keys} for b, a in zip(before, after, strict=True)]
+    before = engine.rank_stats() if engine is not None else None
+    start = time.perf_counter()
+    outs = run()
+    wall = time.perf_counter() - start
+    if engine is None:
+        return llm.ranks.stats, wall, outs
+    return [engine.stats_since(before, engine.rank_stats())], wall, outs
 
 
 def cpu(ns: argparse.Namespace) -> None:
@@ -83,13 +80,9 @@ def cpu(ns: argparse.Namespace) -> None:
         llm.generate(prompts[:2], _params(2, 4, "even"), use_tqdm=False)  # warm-up
         for workload in ("even", "tail"):
             params = _params(ns.requests, ns.new, workload)
-            before = [dict(s) for s in _engine_stats(llm)] if llm.ranks is None else None
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            stats = _engine_stats(llm)
-            if before is not None:
-                stats = _since(before, stats)
+            stats, wall, outs = _call_stats(
+                llm, lambda llm=llm, params=params: llm.generate(prompts, params, use_tqdm=False)
+            )
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             worst = max(stats, key=lambda s: s["agree_seconds"] + s["exchange_seconds"])
             steps = worst["steps"]

@@ -315,20 +315,34 @@ class LLMEngine:
         }
 
     def rank_stats(self) -> dict:
-        """A rank's lock-step counters for metrics (empty alone): its rank, steps by kind, and
-        the pairs its experts computed (``expert_tokens``: global expert id -> count)."""
+        """A rank's lock-step counters (empty alone): its rank, the LockStepStats fields
+        (steps by kind, agreement time, tokens by rank), preemptions, the MoE exchanges' host
+        time, and the pairs its experts computed (``expert_tokens``: global expert id -> count).
+        Read by the node's metrics, the offline ranks' per-call stats and benchmarks."""
         if self.lockstep is None or self.group is None:
             return {}
-        stats = self.lockstep.stats
-        moe = getattr(self.executor, "kernels", None)
-        expert_tokens = getattr(getattr(moe, "moe", None), "expert_tokens", dict)
+        moe = getattr(getattr(self.executor, "kernels", None), "moe", None)
         return {
             "rank": self.group.rank,
-            "steps": stats.steps,
-            "forward_steps": stats.forward_steps,
-            "placeholder_steps": stats.placeholder_steps,
-            "expert_tokens": expert_tokens(),
+            **self.lockstep.stats.as_dict(),
+            "num_preemptions": self.num_preemptions,
+            "exchange_seconds": getattr(moe, "exchange_seconds", 0.0),
+            "expert_tokens": getattr(moe, "expert_tokens", dict)(),
         }
+
+    @staticmethod
+    def stats_since(before: dict, after: dict) -> dict:
+        """``rank_stats`` growth between two reads (one generate call's share): counters
+        subtracted, lists element by element; the rank and the expert counts as ``after``."""
+        out = {}
+        for key, value in after.items():
+            if key in ("rank", "expert_tokens"):
+                out[key] = value
+            elif isinstance(value, list):
+                out[key] = [a - b for a, b in zip(value, before[key], strict=True)]
+            else:
+                out[key] = value - before[key]
+        return out
 
     def graph_stats(self) -> dict[str, int]:
         """Decode CUDA graphs captured at start-up and while serving (empty without graphs)."""

@@ -75,8 +75,9 @@ class ModelRunner:
         self.kernels = select_kernels(
             config.kernel, self.device, experts=group.moe_context() if ep else None
         )
-        # The routed experts this rank holds (None: all of them).
+        # The routed experts this rank holds (None: all of them), over how many ranks.
         self.experts = group.experts(self.family.num_experts(args)) if ep else None
+        self.expert_ranks = group.world_size if ep else 1
         self._init_model(model_dir)
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
@@ -227,7 +228,7 @@ class ModelRunner:
         kernel = self.config.kernel
         if self.device.type != "cuda" or kernel.deterministic:
             return 0
-        if self.experts is not None and self.group is not None and self.group.world_size > 1:
+        if self.expert_ranks > 1:
             # The exchange's split sizes come from the routing (a host sync): not capturable.
             logger.info("decode graphs off: expert parallelism over ranks runs eager steps")
             return 0

@@ -267,7 +267,7 @@ def rank_main(config: Config, conn: Connection) -> None:
             break
         if message[0] == "stop":
             break
-        before = _rank_stats(engine)
+        before = engine.rank_stats()
         try:
             loop.generate(message[1], on_finished=lambda out: conn.send(("finished", out)))
         except BaseException as error:
@@ -275,7 +275,7 @@ def rank_main(config: Config, conn: Connection) -> None:
             conn.send(("error", f"rank {rank}: {type(error).__name__}: {error}"))
             conn.close()
             os._exit(1)  # the group is broken: tearing it down could wait on the dead peer
-        conn.send(("done", _since(before, _rank_stats(engine))))
+        conn.send(("done", engine.stats_since(before, engine.rank_stats())))
     if engine.group is not None:
         engine.group.close()
 
@@ -291,23 +291,3 @@ def _rank_info(engine: LLMEngine) -> dict[str, Any]:
         "expert_bytes": runner.weight_bytes.routed_experts,
         "num_blocks": runner.num_blocks,
     }
-
-
-def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The counters' growth: one generate call's share (lists element by element)."""
-    out = {}
-    for key, value in after.items():
-        if isinstance(value, list):
-            out[key] = [a - b for a, b in zip(value, before[key], strict=True)]
-        else:
-            out[key] = value - before[key]
-    return out
-
-
-def _rank_stats(engine: LLMEngine) -> dict[str, Any]:
-    stats: dict[str, Any] = {"num_preemptions": engine.num_preemptions}
-    if engine.lockstep is not None:
-        stats |= engine.lockstep.stats.as_dict()
-    moe: Any = engine.executor.kernels.moe  # type: ignore[attr-defined]
-    stats["exchange_seconds"] = getattr(moe, "exchange_seconds", 0.0)
-    return stats
