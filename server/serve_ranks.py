@@ -68,10 +68,6 @@ class RankNodes:
             )
             self.processes.append(process)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
     async def watch(self) -> None:
         """Log each rank node that exits while serving (its instance is down from then on)."""
         reported: set[int] = set()

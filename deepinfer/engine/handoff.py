@@ -50,11 +50,6 @@ class RequestState:
     blocks: list[list[torch.Tensor]]  # per block of the prompt: its paged parts
     slot: list[torch.Tensor]  # the state slot's parts
 
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.slot, *(t for block in self.blocks for t in block)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 class _StateHeader(msgspec.Struct):
     """A RequestState without its tensors, for a transport's header (msgpack)."""

@@ -109,7 +109,6 @@ class ExpertParallelMoEBackend(Backend):
         assert parallel.world_size == 1 or parallel.group is not None, "ranks need a group"
         self.inner = inner
         self.exchange_seconds = 0.0
-        self.num_exchanges = 0
         # Pairs that reached each of this rank's experts, summed over layers (on the device:
         # adding them costs no sync; ``expert_tokens`` reads them).
         self._expert_tokens: torch.Tensor | None = None
@@ -123,8 +122,7 @@ class ExpertParallelMoEBackend(Backend):
         counts = self._expert_tokens.tolist()
         return {self._first_expert + i: n for i, n in enumerate(counts)}
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        return swiglu(gate, up, limit)
+    swiglu = staticmethod(swiglu)
 
     def fused_moe(
         self,
@@ -173,7 +171,6 @@ class ExpertParallelMoEBackend(Backend):
         back = out.new_empty(sum(sent), out.shape[1])
         self._all_to_all(back, out.contiguous(), sent, received)
         self.exchange_seconds += time.perf_counter() - start
-        self.num_exchanges += 1
         return combine(back, order, topk_ids, x.dtype)
 
     def _all_to_all(
