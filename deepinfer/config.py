@@ -329,7 +329,9 @@ class NodeConfig:
 
     host: str = "127.0.0.1"  # bind address; localhost unless the coordinator is elsewhere
     port: int = 8100  # port of the node's internal API
-    role: str = "mixed"  # mixed | prefill | decode (prefill/decode arrive with disaggregation)
+    # mixed: whole requests; prefill: prompts, handed off to a decode node ([kv_transfer]);
+    # decode: requests handed off by a prefill node.
+    role: str = "mixed"
     node_id: str | None = None  # None: "<hostname>:<port>"
     # The lock-step instance this rank belongs to (data_parallel_size > 1); None: the ranks'
     # rendezvous address:port, which every rank of the instance shares.
@@ -352,6 +354,33 @@ class NodeConfig:
                 raise ValueError(f"node.{key} must be > 0, got {getattr(self, key)}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"node.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode hand-off between nodes (server/kv_transfer.py): a decode node hosts its
+    pairs' store on ``store_host:store_port``; a prefill node joins a pair there per decode node, lazily, and
+    sends each request's cache over it (gloo between hosts' CPUs)."""
+
+    # Decode node: where its pairs' store listens and prefill nodes connect ("0.0.0.0": every
+    # interface, told to prefill nodes as this machine's hostname). Unauthenticated: keep it on
+    # the nodes' private network.
+    store_host: str = "127.0.0.1"
+    store_port: int = 0  # decode node: the pairs' store port; 0: a free one (told per hand-off)
+    # Prefill node: how long it keeps a request's state for a decode node that does not collect
+    # it; also the longest a transfer may stall (then it fails on both sides).
+    lease_s: float = 30.0
+    checksum: bool = False  # a checksum of every part, checked on the decode node
+    chunk_mib: float = 64.0  # a transfer's message size
+    max_pairs: int = 64  # pairs kept per node; beyond it the least recently used idle one closes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.store_port < 65536:
+            raise ValueError(f"kv_transfer.store_port must be in 0..65535, got {self.store_port}")
+        for key in ("lease_s", "chunk_mib"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"kv_transfer.{key} must be > 0, got {getattr(self, key)}")
+        _check_positive("kv_transfer.max_pairs", self.max_pairs)
 
 
 @dataclass(frozen=True)
@@ -385,6 +414,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 

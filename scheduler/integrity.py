@@ -1,6 +1,7 @@
 """Scheduler invariants, checked by tests and when idle (torch-free).
 
-Every block and state slot in use is held by a running request (or a held hand-off), ref counts
+Every block and state slot in use is held by a running request (or a hand-off: held on the
+prefill side, reserved on the decode side), ref counts
 equal the number of holders, waiting requests hold nothing, and the queues hold exactly the
 unfinished requests.
 """
@@ -27,9 +28,11 @@ def check_integrity(
     waiting: Sequence[Request],
     unfinished: Collection[str],
     held: Sequence[Request] = (),
+    reserved: Sequence[tuple[list[int], int]] = (),
 ) -> None:
-    """Raise RuntimeError unless every block and slot in use is held by a running request or
-    a held hand-off (first token sampled, its cache kept for export).
+    """Raise RuntimeError unless every block and slot in use is held by a running request, a
+    held hand-off (first token sampled, its cache kept for export) or a reservation (blocks and
+    a slot for a hand-off on its way).
 
     ``running``/``waiting`` are the scheduler's queues, ``unfinished`` the ids it tracks.
     """
@@ -76,15 +79,15 @@ def check_integrity(
             f"held hand-off {r.request_id!r}: slot {r.state_slot}, {len(r.block_table)} blocks "
             f"for {r.num_computed_tokens} computed tokens",
         )
-    holders = [*running, *held]
-    held_blocks = Counter(block_id for r in holders for block_id in r.block_table)
+    holders = [(r.block_table, r.state_slot) for r in (*running, *held)] + list(reserved)
+    held_blocks = Counter(block_id for block_table, _ in holders for block_id in block_table)
     ref_counts = {b: scheduler.block_manager.ref_count(b) for b in held_blocks}
     _require(
         ref_counts == held_blocks and len(held_blocks) == scheduler.block_manager.num_used_blocks,
         f"{scheduler.block_manager.num_used_blocks} blocks used, running requests hold "
         f"{len(held_blocks)}; ref counts {ref_counts} vs holders {dict(held_blocks)}",
     )
-    slots = [r.state_slot for r in holders]
+    slots = [slot for _, slot in holders]
     _require(
         len(set(slots)) == len(slots) and set(slots) == scheduler.state_slots.used_slots,
         f"running requests hold state slots {slots}, "

@@ -61,6 +61,10 @@ from deepinfer.scheduler.state_slots import StateSlotManager
 logger = logging.getLogger(__name__)
 
 
+class NoRoomError(ValueError):
+    """A hand-off cannot be reserved now (requests, blocks or slots are all taken)."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -121,6 +125,8 @@ class Scheduler:
         self._running: list[Request] = []  # RUNNING, in admission order
         # Hand-offs (prefill side): first token sampled, blocks and slot kept for export.
         self._held: dict[str, Request] = {}
+        # Hand-offs (decode side): blocks and a slot kept for a request whose cache is on its way.
+        self._reserved: dict[str, tuple[list[int], int]] = {}
         # Ids freed since the previous schedule(), reported to the executor by the next one.
         self._freed_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
@@ -199,6 +205,9 @@ class Scheduler:
         for request_id in request_ids:
             if request_id in self._held:  # a hand-off not collected: its blocks go back
                 self.release_held(request_id, status)
+                finished.append(request_id)
+                continue
+            if self.unreserve(request_id):  # a hand-off that will not arrive
                 finished.append(request_id)
                 continue
             request = self._requests.get(request_id)
@@ -548,30 +557,47 @@ class Scheduler:
         self._free_resources(request, status)
         request.status = status
 
-    def reserve_hand_off(self, num_tokens: int) -> tuple[list[int], int]:
-        """Decode side: blocks for positions 0 .. num_tokens - 1 and a state slot for a request
-        computed elsewhere (ValueError when the node has no room now). The caller writes them
-        and passes them to ``add_handed_off``, or gives them back with ``unreserve``."""
+    def reserve_hand_off(self, request_id: str, num_tokens: int) -> None:
+        """Decode side: keep blocks for positions 0 .. num_tokens - 1 and a state slot for a
+        request computed elsewhere (ValueError when the id is in use, NoRoomError when there is
+        no room now).
+        ``add_handed_off`` takes them over; ``unreserve`` (or an abort) gives them back."""
+        if request_id in self._requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
         num_blocks = _cdiv(num_tokens, self.block_size)
-        if len(self._running) >= self.config.max_num_seqs:
-            raise ValueError(f"{len(self._running)} requests run already (max_num_seqs)")
+        num_seqs = len(self._running) + len(self._reserved)
+        if num_seqs >= self.config.max_num_seqs:
+            raise NoRoomError(f"{num_seqs} requests run or are on their way (max_num_seqs)")
         if not self.block_manager.can_allocate(num_blocks + 1):  # + the next token's
-            raise ValueError(f"{num_blocks + 1} free blocks needed")
+            raise NoRoomError(f"{num_blocks + 1} free KV blocks needed")
         if not self.state_slots.can_allocate():
-            raise ValueError("no free state slot")
-        return self.block_manager.allocate(num_blocks), self.state_slots.allocate()
+            raise NoRoomError("no free state slot")
+        block_ids = self.block_manager.allocate(num_blocks)
+        self._reserved[request_id] = (block_ids, self.state_slots.allocate())
 
-    def unreserve(self, block_ids: list[int], slot: int) -> None:
+    def reservation(self, request_id: str) -> tuple[list[int], int] | None:
+        """(block ids, state slot) kept for a hand-off on its way, None if there is none."""
+        return self._reserved.get(request_id)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def unreserve(self, request_id: str) -> bool:
+        """Give a reservation back; False if there was none."""
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is None:
+            return False
+        block_ids, slot = reserved
         self.block_manager.free(block_ids)
         self.state_slots.free(slot)
+        return True
 
-    def add_handed_off(self, request: Request, block_ids: list[int], slot: int) -> None:
+    def add_handed_off(self, request: Request) -> None:
         """Decode side: continue ``request`` (its prompt and first output token set, its cache
-        written into ``block_ids`` and ``slot``) as a running request."""
-        if request.request_id in self._requests:
-            self.unreserve(block_ids, slot)
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        written into its reservation's blocks and slot) as a running request."""
         assert request.output_token_ids, "a handed-off request has its first token"
+        block_ids, slot = self._reserved.pop(request.request_id)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_prompt_tokens
         request.block_table, request.state_slot = list(block_ids), slot
@@ -636,7 +662,12 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError unless every block and slot in use is held by a running request
-        (or a held hand-off)."""
+        (or a held hand-off, or a reservation)."""
         check_integrity(
-            self, self._running, self._waiting, self._requests.keys(), list(self._held.values())
+            self,
+            self._running,
+            self._waiting,
+            self._requests.keys(),
+            list(self._held.values()),
+            list(self._reserved.values()),
         )

@@ -94,6 +94,7 @@ _METRICS_KEY_MESSAGE = (
 )
 _MAX_NODE_MESSAGE_BYTES = 1 << 20  # a registration or heartbeat is a few hundred bytes
 _M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
+_OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 
 
 def create_coordinator_app(
@@ -103,6 +104,7 @@ def create_coordinator_app(
     served_model_name: str,
     model_type: str = "deepseek_v4",
     backends: Sequence[NodeBackend] = (),
+    roles: Sequence[str] = (),
     max_model_len: int | None = None,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
     backend_factory: BackendFactory | None = None,
@@ -114,7 +116,8 @@ def create_coordinator_app(
     ``app[INTERNAL_APP]``.
 
     ``backends`` are static nodes (e.g. ``deepinfer serve``'s in-process node), always in
-    rotation, with context limit ``max_model_len`` and ``max_num_seqs`` requests at once each.
+    rotation, with context limit ``max_model_len`` and ``max_num_seqs`` requests at once each;
+    ``roles`` their roles (mixed | prefill | decode; default: all mixed).
     Nodes may also register on the internal app; their backends come from
     ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
     session). ``policy`` picks a node per request (default: least loaded). ``model_type`` is the
@@ -142,9 +145,11 @@ def create_coordinator_app(
         probe_timeout_s=max(config.node_probe_interval_s, 1.0),
         max_nodes=config.max_registered_nodes,
     )
-    for i, backend in enumerate(backends):
+    roles = list(roles) or ["mixed"] * len(backends)
+    assert len(roles) == len(backends), "one role per static backend"
+    for i, (backend, role) in enumerate(zip(backends, roles, strict=True)):
         assert max_model_len is not None
-        registry.add_static(f"static-{i}", backend, max_model_len, max_num_seqs)
+        registry.add_static(f"static-{i}", backend, max_model_len, max_num_seqs, role)
     admission = AdmissionController(
         config.max_running_requests,
         config.max_queued_requests,
@@ -163,7 +168,7 @@ def create_coordinator_app(
     metrics.bind_gauges(
         lambda: admission.num_running,
         lambda: admission.num_waiting,
-        lambda: len(registry.ready_nodes()),
+        lambda: len(registry.serving_nodes()),
     )
     service = CoordinatorService(registry, admission, metrics, preparation)
     response_store = ResponseStore(int(config.response_store_mib * 2**20))
@@ -323,13 +328,13 @@ async def _ready(request: web.Request) -> web.Response:
     """200 once a node is in rotation and while not draining; load balancers route on it.
     ``nodes_not_ready`` says why each registered node out of rotation is not used."""
     service = request.app[SERVICE]
-    ready = service.registry.ready_nodes()
+    ready = service.registry.serving_nodes()
     ready_ids = {n.node_id for n in ready}
     nodes = service.registry.nodes
     not_ready = {n.node_id: _why_not_ready(n) for n in nodes if n.node_id not in ready_ids}
     instances_down = service.registry.instances_not_ready()
     for node in nodes:
-        if node.node_id in not_ready and node.is_in_rotation:
+        if node.node_id in not_ready and node.is_in_rotation and node.instance in instances_down:
             not_ready[node.node_id] = f"instance {node.instance}: {instances_down[node.instance]}"
     body = {"num_ready_nodes": len(ready), "nodes_not_ready": not_ready}
     if instances_down:
@@ -342,8 +347,8 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 def _why_not_ready(node: NodeEntry) -> str:
-    if node.role != "mixed":
-        return f"role {node.role}: no traffic until prefill/decode disaggregation lands"
+    if node.is_in_rotation and node.role in _OTHER_ROLE:
+        return f"role {node.role}: no {_OTHER_ROLE[node.role]} node is in rotation to pair with"
     if not node.is_ready:
         return "missed heartbeats"
     if not node.is_responsive:
@@ -383,8 +388,8 @@ def _node_reply(request: web.Request, message: msgspec.Struct) -> web.Response:
 
 
 async def _register(request: web.Request) -> web.Response:
-    """Refuse a node of another model (409); accept a prefill/decode one with a warning: it
-    gets no traffic until prefill/decode disaggregation lands, and /ready says so."""
+    """Refuse a node of another model (409). A prefill or decode node serves in pairs (with a
+    node of the other role); /ready says when it has none."""
     registration = await _decode_node_message(request, NodeRegistration)
     served = request.app[FRONTEND].served_model_name
     if registration.model and registration.model != served:
@@ -394,13 +399,6 @@ async def _register(request: web.Request) -> web.Response:
         )
         logger.warning("%s", message)
         raise ApiError(409, message)
-    if registration.role != "mixed":
-        logger.warning(
-            "node %s has role %r: registered, but it gets no traffic until prefill/decode "
-            "disaggregation lands (run it with --role mixed)",
-            registration.node_id,
-            registration.role,
-        )
     try:
         entry = request.app[REGISTRY].register(registration)
     except (IdentityConflictError, RegistryFullError, ValueError) as e:
@@ -575,6 +573,15 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a node's internal API URL, always in rotation (repeatable); nodes may also register",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-node",
+            action="append",
+            default=[],
+            metavar="URL",
+            help=f"a {role} node's internal API URL (repeatable): prefill and decode nodes serve "
+            "in pairs, each request's cache handed from one to the other",
+        )
 
 
 def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
@@ -587,14 +594,16 @@ def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
         model_dir.name if model_dir else _DEFAULT_SERVED_MODEL_NAME
     )
     max_model_len = config.model.max_model_len or checkpoint.get("max_position_embeddings")
-    if ns.node and max_model_len is None:
-        raise ValueError("--node needs the context limit: give --max-model-len or --model")
-    return uvloop.run(_run(config, ns.node, tokenizer_path, served, checkpoint, max_model_len))
+    static = [(url, role) for role in ("mixed", "prefill", "decode")
+              for url in getattr(ns, "node" if role == "mixed" else f"{role}_node")]  # fmt: skip
+    if static and max_model_len is None:
+        raise ValueError("static nodes need the context limit: give --max-model-len or --model")
+    return uvloop.run(_run(config, static, tokenizer_path, served, checkpoint, max_model_len))
 
 
 async def _run(
     config: Config,
-    node_urls: list[str],
+    static: list[tuple[str, str]],
     tokenizer_path: Path,
     served: str,
     checkpoint: dict,
@@ -603,13 +612,14 @@ async def _run(
     from deepinfer.server.node_client import NodeClient
 
     server = config.server
-    backends = [NodeClient(url, token=server.node_token) for url in node_urls]
+    backends = [NodeClient(url, token=server.node_token) for url, _ in static]
     app = create_coordinator_app(
         server,
         tokenizer_path=tokenizer_path,
         served_model_name=served,
         model_type=model_type_of(checkpoint),
         backends=backends,
+        roles=[role for _, role in static],
         max_model_len=max_model_len,
         export_vllm_names=config.metrics.export_vllm_names,
         # --node nodes are taken to run this config's [scheduler] max_num_seqs.

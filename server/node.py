@@ -4,6 +4,12 @@
                               (one TokenDelta per engine step; a StreamError if the request fails)
     POST /internal/abort      msgpack AbortRequest  -> 204
     POST /internal/finish     msgpack FinishRequest -> 204 (a stop string matched on the text side)
+    prefill/decode hand-offs (server/kv_transfer.py), by role:
+    POST /internal/generate   with ``hand_off`` (a prefill node): the first token's frames, then
+                              HandedOff once the decode node has the request's cache
+    POST /internal/decode     msgpack GenerateRequest with ``hand_off`` (a decode node): Reserved,
+                              then the request's TokenDeltas from its second token on
+    POST /internal/collect    msgpack CollectRequest -> 204 (404: no such hand-off waits here)
     GET  /health              200 while the process runs
     GET  /ready               200 while the engine loop turns and the node is not draining, else 503
     GET  /metrics             Prometheus text format (server/node_metrics.py); with
@@ -47,20 +53,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from deepinfer.config import Config, NodeConfig, is_loopback
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.flags import ENGINE_USES, add_config_flags
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
+from deepinfer.server.kv_transfer import KVTransfers, decode_frames, prefill_frames
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.node_stream import node_load, sampling_params_of, token_deltas
 from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
     AbortRequest,
+    CollectRequest,
     FinishRequest,
     GenerateRequest,
     NodeHeartbeat,
     NodeLease,
     NodeRegistration,
     StreamError,
+    StreamFrame,
     decode,
     encode,
     encode_frame,
@@ -74,6 +84,7 @@ CONFIG = web.AppKey("config", Config)
 NODE_CONFIG = web.AppKey("node_config", NodeConfig)
 METRICS = web.AppKey("metrics", NodeMetrics)
 REGISTRATION = web.AppKey("registration", NodeRegistration)
+TRANSFERS = web.AppKey("transfers", KVTransfers)
 
 _MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of msgpack
 _MAX_RETRY_S = 30.0
@@ -104,11 +115,17 @@ def create_node_app(
         rank=parallel.data_parallel_rank,
         num_ranks=parallel.data_parallel_size,
     )
+    if config.node.role != "mixed":
+        observer = metrics.watch_transfers()
+        app[TRANSFERS] = KVTransfers(config.kv_transfer, config.node.role, observer)
     app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_transfers_ctx)
     app.cleanup_ctx.append(_registration_ctx)
     app.add_routes(
         [
             web.post("/internal/generate", generate),
+            web.post("/internal/decode", decode_handed_off),
+            web.post("/internal/collect", collect),
             web.post("/internal/abort", abort),
             web.post("/internal/finish", finish),
             web.get("/health", health),
@@ -166,15 +183,75 @@ def observe_engine(
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    """A request, whole; a prefill node's part of a hand-off when it carries ``hand_off``."""
+    parsed = await _parse_generate(request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    message, params = parsed
+    engine = request.app[ENGINE]
+    if message.hand_off is None:
+        return await _stream(request, message.request_id, token_deltas(engine, message, params))
+    refused = _refuse_role(request, message.request_id, "prefill", "a hand-off's prompt")
+    if refused is not None:
+        return refused
+    frames = prefill_frames(engine, request.app[TRANSFERS], message, params)
+    return await _stream(request, message.request_id, frames)
+
+
+async def decode_handed_off(request: web.Request) -> web.StreamResponse:
+    """A decode node's part of a hand-off: reserve, collect, decode."""
+    parsed = await _parse_generate(request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    message, params = parsed
+    refused = _refuse_role(request, message.request_id, "decode", "a handed-off request")
+    if refused is not None:
+        return refused
+    if message.hand_off is None:
+        return _error_response(400, message.request_id, "/internal/decode needs a hand_off")
+    engine, transfers = request.app[ENGINE], request.app[TRANSFERS]
+    frames = decode_frames(engine, transfers, message, params)
+    return await _stream(request, message.request_id, frames)
+
+
+async def collect(request: web.Request) -> web.Response:
+    try:
+        message = decode(await request.read(), CollectRequest)
+    except msgspec.DecodeError as e:
+        return _error_response(400, "", str(e))
+    transfers = request.app.get(TRANSFERS)
+    if transfers is None or not transfers.collect(message.request_id):
+        return _error_response(404, message.request_id, "no hand-off of this id waits here")
+    return web.Response(status=204)
+
+
+async def _parse_generate(
+    request: web.Request,
+) -> tuple[GenerateRequest, SamplingParams] | web.Response:
     try:
         message = decode(await request.read(), GenerateRequest)
-        params = sampling_params_of(message)
+        return message, sampling_params_of(message)
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(413, "", e.text or "request body too large")
     except (msgspec.DecodeError, ValueError) as e:
         return _error_response(400, "", str(e))
-    request_id = message.request_id
-    frames = token_deltas(request.app[ENGINE], message, params)
+
+
+def _refuse_role(
+    request: web.Request, request_id: str, role: str, what: str
+) -> web.Response | None:
+    """A 400 unless this node has ``role``."""
+    have = request.app[NODE_CONFIG].role
+    if have == role:
+        return None
+    return _error_response(400, request_id, f"this node's role is {have}: it takes no {what}")
+
+
+async def _stream(
+    request: web.Request, request_id: str, frames: AsyncIterator[StreamFrame]
+) -> web.StreamResponse:
+    """``frames`` as the response: a NodeError before the first is an error response, after it
+    a StreamError frame that ends the stream."""
     async with contextlib.aclosing(frames):
         try:
             first = await anext(frames)
@@ -267,6 +344,15 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[ENGINE].start()
     yield
     await app[ENGINE].stop()
+
+
+async def _transfers_ctx(app: web.Application) -> AsyncIterator[None]:
+    transfers = app.get(TRANSFERS)
+    if transfers is not None:
+        await transfers.start()
+    yield
+    if transfers is not None:
+        transfers.close()
 
 
 async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -366,6 +452,7 @@ def check_exposure(config: Config) -> None:
 NODE_USES = (
     *ENGINE_USES,
     "node",
+    "kv_transfer",
     "metrics",
     "server.served_model_name",
     "server.node_token",

@@ -4,6 +4,7 @@
         async for delta in node.generate(GenerateRequest(...)):   # TokenDelta per engine step
             ...                                                   # the last has finish_reason
         await node.finish(request_id, stop_reason="\\n\\n")       # a stop string matched
+        node.decode(request) / node.collect(request_id)           # hand-offs (server/pairing.py)
 
 Every failure surfaces as server/routing.py's ``NodeError(status, message)``: the node's
 StreamError (a refused request: 400, 401, 413, 503; a failed step: 500), an HTTP error, or the
@@ -25,10 +26,14 @@ from aiohttp import hdrs
 from deepinfer.server.protocol import (
     MESSAGE_CONTENT_TYPE,
     AbortRequest,
+    CollectRequest,
     FinishRequest,
     FrameReader,
     GenerateRequest,
+    HandedOff,
+    Reserved,
     StreamError,
+    StreamFrame,
     TokenDelta,
     encode,
 )
@@ -78,9 +83,23 @@ class NodeClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the request's TokenDeltas until the one with ``finish_reason``."""
-        response = await self._post("/internal/generate", encode(request), _STREAM_TIMEOUT)
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | HandedOff]:
+        """Stream the request's TokenDeltas until the one with ``finish_reason`` (a prefill
+        node's part of a hand-off: or until its HandedOff)."""
+        async for frame in self._frames("/internal/generate", request):
+            yield frame
+
+    async def decode(self, request: GenerateRequest) -> AsyncIterator[Reserved | TokenDelta]:
+        """A decode node's part of a hand-off: Reserved, then TokenDeltas until the last."""
+        async for frame in self._frames("/internal/decode", request):
+            yield frame
+
+    async def collect(self, request_id: str) -> None:
+        """Tell a decode node that the prefill node is sending ``request_id``'s cache."""
+        await self._call("/internal/collect", encode(CollectRequest(request_id=request_id)))
+
+    async def _frames(self, path: str, request: GenerateRequest) -> AsyncIterator[StreamFrame]:
+        response = await self._post(path, encode(request), _STREAM_TIMEOUT)
         is_done = False
         try:
             if response.status != 200:
@@ -94,7 +113,9 @@ class NodeClient:
                 for frame in frames:
                     if isinstance(frame, StreamError):
                         raise NodeError(frame.status, frame.message)
-                    is_done = frame.finish_reason is not None
+                    is_done = isinstance(frame, HandedOff) or (
+                        isinstance(frame, TokenDelta) and frame.finish_reason is not None
+                    )
                     yield frame
                     if is_done:
                         return

@@ -26,6 +26,12 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_prefix_*, deepinfer_kv_snapshots, deepinfer_kv_tier_*   counters (cache_stats)
     deepinfer_lockstep_steps_total{rank,kind}         counter: forward | placeholder | idle
     deepinfer_expert_tokens_total{rank,expert}        counter: pairs each routed expert computed
+    deepinfer_kv_transfer_bytes_total{direction}      counter: hand-offs' bytes (send | recv)
+    deepinfer_kv_transfer_seconds{direction}          histogram: one transfer, its wait included
+    deepinfer_kv_transfer_failures_total{direction,reason}   counter: peer | timeout | checksum |
+                                                      join | malformed
+    deepinfer_kv_transfer_in_flight{direction}        gauge
+    (the kv_transfer series on prefill and decode nodes only: server/kv_transfer.py)
 
 ("vllm:" alone: the same name under vLLM's prefix.)
 """
@@ -36,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepinfer.outputs import FinishReason
@@ -47,6 +53,7 @@ from deepinfer.server.protocol import NodeLoad
 
 _QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -119,6 +126,10 @@ class NodeMetrics:
         """Export a lock-step rank's steps by kind and its experts' tokens
         (LLMEngine.rank_stats) at every scrape; nothing for an engine alone."""
         self.registry.register(_RankCollector(self.labels, stats))
+
+    def watch_transfers(self) -> TransferMetrics:
+        """The hand-off transfer series (a prefill or decode node's KVTransfers observer)."""
+        return TransferMetrics(self.registry, self.labels)
 
     def _init_counters(self) -> None:
         def counter(name: str, doc: str) -> Counter:
@@ -276,6 +287,56 @@ class _GraphCollector:
         for phase, count in self._stats().items():
             family.add_metric([*self._labels, phase], count)
         yield family
+
+
+class TransferMetrics:
+    """Implements server/kv_transfer.py's TransferObserver (called from transfer threads;
+    prometheus_client's metrics are thread-safe)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        by_direction = [*_LABELS, "direction"]
+        self._bytes = Counter(
+            "deepinfer_kv_transfer_bytes",
+            "Node: bytes of hand-offs moved, by direction (send, recv).",
+            by_direction,
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "deepinfer_kv_transfer_seconds",
+            "Node: time of one hand-off transfer, its wait for the peer included.",
+            by_direction,
+            buckets=_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self._failures = Counter(
+            "deepinfer_kv_transfer_failures",
+            "Node: failed hand-off transfers by direction and reason (peer, timeout, checksum, "
+            "join, malformed).",
+            [*by_direction, "reason"],
+            registry=registry,
+        )
+        self._in_flight = Gauge(
+            "deepinfer_kv_transfer_in_flight",
+            "Node: hand-off transfers in flight, by direction.",
+            by_direction,
+            registry=registry,
+        )
+        for direction in ("send", "recv"):  # shown (at 0) from the start
+            self._bytes.labels(*labels, direction)
+            self._in_flight.labels(*labels, direction)
+
+    def transfer_started(self, direction: str) -> None:
+        self._in_flight.labels(*self.labels, direction).inc()
+
+    def transfer_done(self, direction: str, num_bytes: int, seconds: float) -> None:
+        self._in_flight.labels(*self.labels, direction).dec()
+        self._bytes.labels(*self.labels, direction).inc(num_bytes)
+        self._seconds.labels(*self.labels, direction).observe(seconds)
+
+    def transfer_failed(self, direction: str, reason: str) -> None:
+        self._in_flight.labels(*self.labels, direction).dec()
+        self._failures.labels(*self.labels, direction, reason).inc()
 
 
 class _RankCollector:

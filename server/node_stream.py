@@ -25,6 +25,7 @@ from deepinfer.engine.async_engine import (
     EngineLoad,
     EngineStepError,
 )
+from deepinfer.engine.handoff import HandOffExport
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -44,15 +45,29 @@ def sampling_params_of(message: GenerateRequest) -> SamplingParams:
 
 
 async def token_deltas(
-    engine: AsyncEngine, message: GenerateRequest, params: SamplingParams
+    engine: AsyncEngine,
+    message: GenerateRequest,
+    params: SamplingParams,
+    hand_off: HandOffExport | None = None,
 ) -> AsyncIterator[TokenDelta]:
-    """Stream the request's TokenDeltas, one per engine step; the last has ``finish_reason``.
+    """Stream the request's TokenDeltas, one per engine step; the last has ``finish_reason``
+    (or, with ``hand_off``, carries the first token when the request left for a decode node).
 
     Raises NodeError before the first delta (400, 503 with ``is_node_failure``, 500) and after it
     (500: a step failed with the request in it). Closing the iterator early aborts the request.
     """
     request_id = message.request_id
-    deltas = engine.generate(request_id, message.prompt_token_ids, params, message.cache_salt)
+    deltas = engine.generate(
+        request_id, message.prompt_token_ids, params, message.cache_salt, hand_off=hand_off
+    )
+    async for delta in engine_token_deltas(engine, request_id, deltas):
+        yield delta
+
+
+async def engine_token_deltas(
+    engine: AsyncEngine, request_id: str, deltas: AsyncIterator[RequestOutputDelta]
+) -> AsyncIterator[TokenDelta]:
+    """``deltas`` (one of ``engine``'s streams) as TokenDeltas, its errors as NodeErrors."""
     async with contextlib.aclosing(deltas):
         try:
             first = await anext(deltas)
@@ -67,7 +82,10 @@ async def token_deltas(
         yield token_delta(first, engine_request, True)
         try:
             async for delta in deltas:
-                yield token_delta(delta, engine_request, delta.is_finished)
+                # A hand-off's last delta is its first token's (the request then leaves).
+                has_left = engine_request.hand_off and bool(delta.new_token_ids)
+                is_last = delta.is_finished or has_left
+                yield token_delta(delta, engine_request, is_last)
         except EngineStepError as e:
             raise NodeError(500, str(e)) from e
 

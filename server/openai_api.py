@@ -78,4 +78,4 @@ class OpenAIApi:
 def ready_max_model_len(registry: NodeRegistry) -> int | None:
     """The longest context a request may ask for (the largest of the ready nodes': routing
     picks one it fits), None while none is ready."""
-    return max((n.max_model_len for n in registry.ready_nodes()), default=None)
+    return max((n.max_model_len for n in registry.routes()), default=None)

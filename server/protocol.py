@@ -4,6 +4,10 @@
     coordinator <--Frame stream---- node   response body: length-prefixed msgpack frames
     coordinator --AbortRequest-----> node  POST /internal/abort
     coordinator --FinishRequest----> node  POST /internal/finish    (a stop string matched on text)
+    coordinator --GenerateRequest--> decode node  POST /internal/decode  (with ``hand_off``):
+                <--Reserved, then TokenDeltas      blocks kept, then the request decoded
+    coordinator --CollectRequest---> decode node  POST /internal/collect (the prefill node sends)
+    a prefill node's /internal/generate with ``hand_off`` ends with HandedOff (kv_transfer.py)
     node --NodeRegistration--> coordinator POST /internal/register  (reply: NodeLease)
     node --NodeHeartbeat-----> coordinator POST /internal/heartbeat (carries the lease id)
 
@@ -61,12 +65,30 @@ class OutputConstraint(msgspec.Struct, kw_only=True):
     schema: str = ""
 
 
+class HandOffRoute(msgspec.Struct, kw_only=True, frozen=True):
+    """One request's way from a prefill node to a decode node (server/kv_transfer.py).
+    Producer: the coordinator's PairedBackend (server/pairing.py). Consumers: both nodes."""
+
+    pair_key: str  # the pair's process group; a new key after any failure on the pair
+    transfer_id: int  # this request's transfer on the pair (the tag of its messages)
+    peer: str  # the other node's id (for logs)
+    store_host: str = ""  # the decode node's pairs' store (from its Reserved frame); the
+    store_port: int = 0  # decode node itself gets "" and 0
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     constraint: OutputConstraint | None = None
     cache_salt: str | None = None
+    hand_off: HandOffRoute | None = None  # a prefill or decode node's part of a hand-off
+
+
+class CollectRequest(msgspec.Struct, kw_only=True):
+    """Decode node: the prefill node is sending the request's cache now; receive it."""
+
+    request_id: str
 
 
 class TokenDelta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
@@ -95,7 +117,24 @@ class StreamError(msgspec.Struct, tag="error", kw_only=True):
     message: str
 
 
-StreamFrame = TokenDelta | StreamError
+class Reserved(msgspec.Struct, tag="reserved", kw_only=True):
+    """A decode node's first frame: blocks and a slot are kept for the request; the prefill
+    node joins the pair on the store at ``store_host:store_port``."""
+
+    request_id: str
+    store_host: str
+    store_port: int
+
+
+class HandedOff(msgspec.Struct, tag="handed_off", kw_only=True):
+    """A prefill node's last frame: the decode node has the request's cache."""
+
+    request_id: str
+    num_bytes: int
+    seconds: float
+
+
+StreamFrame = TokenDelta | StreamError | Reserved | HandedOff
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -4,11 +4,14 @@
     node ──NodeHeartbeat─────▶ NodeRegistry.heartbeat  (POST /internal/heartbeat)
     monitor task ────────────▶ NodeRegistry.expire     (every node_probe_interval_s)
                           └──▶ NodeRegistry.probe      (static and unresponsive nodes' /ready)
-    request ─────────────────▶ NodeRegistry.select     (a RoutingPolicy over the nodes in
-                                                         rotation whose context the request fits)
+    request ─────────────────▶ NodeRegistry.select     (a RoutingPolicy over the routes: nodes
+                                                         in rotation, and a prefill/decode pair,
+                                                         whose context the request fits)
     a failed request ────────▶ NodeRegistry.mark_unresponsive
 
-A node is in rotation while all of these hold: its heartbeats arrive (``is_ready``; a
+A route is a mixed node, or a (prefill node, decode node) pair (server/pairing.py): the least
+loaded of each role in rotation, paired per request. A node is in rotation while all of these
+hold: its heartbeats arrive (``is_ready``; a
 registered node that misses them for ``heartbeat_timeout_s`` is kept, so that its next
 heartbeat brings it back), it answered its last request or probe (``is_responsive``: a node
 whose connection fails, or whose engine refuses work, leaves at once and is probed back in),
@@ -37,6 +40,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.server.pairing import PairedBackend, PairKeys
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
 from deepinfer.server.routing import LeastLoadedPolicy, NodeBackend, NodeEntry, RoutingPolicy
 
@@ -86,6 +90,7 @@ class NodeRegistry:
         self.policy: RoutingPolicy = policy or LeastLoadedPolicy()
         self._clock = clock
         self._nodes: dict[str, NodeEntry] = {}
+        self.pair_keys = PairKeys()
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -95,10 +100,13 @@ class NodeRegistry:
         backend: NodeBackend,
         max_model_len: int,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        role: str = "mixed",
     ) -> NodeEntry:
-        entry = NodeEntry(node_id, backend, max_model_len, max_num_seqs, is_static=True)
+        entry = NodeEntry(node_id, backend, max_model_len, max_num_seqs, role=role, is_static=True)
         self._nodes[node_id] = entry
-        logger.info("static node %s in rotation (max_model_len=%d)", node_id, max_model_len)
+        logger.info(
+            "static %s node %s in rotation (max_model_len=%d)", role, node_id, max_model_len
+        )
         return entry
 
     def register(self, registration: NodeRegistration) -> NodeEntry:
@@ -269,17 +277,51 @@ class NodeRegistry:
                     break
         return down
 
+    def routes(self, exclude: Container[str] = ()) -> list[NodeEntry]:
+        """Where a request can go: every mixed node ready, and the pair of the least loaded
+        prefill node and decode node ready (none of them in ``exclude``)."""
+        ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
+        routes = [n for n in ready if n.role == "mixed"]
+        prefill = [n for n in ready if n.role == "prefill"]
+        decode = [n for n in ready if n.role == "decode"]
+        if prefill and decode:
+            p = min(prefill, key=lambda n: (n.load_score, n.node_id))
+            d = min(decode, key=lambda n: (n.load_score, -n.load.num_free_blocks, n.node_id))
+            routes.append(self._pair(p, d))
+        return routes
+
+    def _pair(self, p: NodeEntry, d: NodeEntry) -> NodeEntry:
+        return NodeEntry(
+            f"{p.node_id}+{d.node_id}",
+            PairedBackend(p, d, self.pair_keys),
+            min(p.max_model_len, d.max_model_len),
+            d.max_num_seqs,
+            role="pair",
+            is_static=True,
+            load=d.load,
+            num_inflight=max(p.num_inflight, d.num_inflight),
+            members=(p, d),
+        )
+
+    def serving_nodes(self) -> list[NodeEntry]:
+        """The ready nodes some route uses (a prefill or decode node: while the other role
+        has a ready node too)."""
+        ready = self.ready_nodes()
+        roles = {n.role for n in ready}
+        pairs = {"prefill", "decode"} <= roles
+        return [n for n in ready if n.role == "mixed" or pairs]
+
     @property
     def has_ready_node(self) -> bool:
-        return bool(self.ready_nodes())
+        return bool(self.routes())
 
     def max_model_len(self) -> int:
-        """The longest context a request may ask for: the largest of the nodes' in rotation
-        (``select`` then picks one whose limit the request fits). Raises NoReadyNodeError."""
-        ready = self.ready_nodes()
-        if not ready:
+        """The longest context a request may ask for: the largest of the routes' (``select``
+        then picks one whose limit the request fits). Raises NoReadyNodeError."""
+        routes = self.routes()
+        if not routes:
             raise NoReadyNodeError("no node is ready")
-        return max(n.max_model_len for n in ready)
+        return max(n.max_model_len for n in routes)
 
     def has_candidate(self, num_tokens: int, exclude: Container[str] = ()) -> bool:
         """Whether ``select(num_tokens, exclude)`` would find a node."""
@@ -289,8 +331,9 @@ class NodeRegistry:
             return False
 
     def max_num_seqs(self) -> int:
-        """How many requests the ready nodes run at once, all together (0: none is ready)."""
-        return sum(n.max_num_seqs for n in self.ready_nodes())
+        """How many requests the serving nodes run at once, all together (0: none is ready);
+        a pair's run on its decode node."""
+        return sum(n.max_num_seqs for n in self.serving_nodes() if n.role != "prefill")
 
     @contextmanager
     def select(self, num_tokens: int, exclude: Container[str] = ()) -> Iterator[NodeEntry]:
@@ -300,16 +343,19 @@ class NodeRegistry:
         or all excluded) or NoFittingNodeError (every limit is too small)."""
         fitting = self._candidates(num_tokens, exclude)
         entry = self.policy.select(fitting, num_tokens)
-        entry.num_inflight += 1
+        counted = (entry, *entry.members)
+        for node in counted:
+            node.num_inflight += 1
         try:
             yield entry
         finally:
-            entry.num_inflight -= 1
+            for node in counted:
+                node.num_inflight -= 1
 
     def _candidates(self, num_tokens: int, exclude: Container[str]) -> list[NodeEntry]:
-        """The nodes in rotation, not in ``exclude``, whose context ``num_tokens`` fits (never
-        empty). Raises NoReadyNodeError or NoFittingNodeError."""
-        ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
+        """The routes (none of whose nodes is in ``exclude``) whose context ``num_tokens`` fits
+        (never empty). Raises NoReadyNodeError or NoFittingNodeError."""
+        ready = self.routes(exclude)
         if not ready:
             raise NoReadyNodeError("no node is ready")
         fitting = [n for n in ready if n.max_model_len >= num_tokens]

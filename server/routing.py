@@ -5,11 +5,12 @@
                 ──NodeBackend.finish(request_id, stop)──▶ node   (a stop string matched on text)
 
 ``NodeBackend`` is what the coordinator needs from a node: ``server/node_client.py``'s
-``NodeClient`` implements it over HTTP, the in-process ``serve`` implements it directly, and tests
-use scripted fakes. ``NodeEntry`` is one node with its backend and load, as server/registry.py
-keeps it. ``RoutingPolicy`` picks one of the ready nodes; ``LeastLoadedPolicy`` is the default
-and is meant to be replaced (cache-aware, P/D pairing) without touching the registry or the
-handlers.
+``NodeClient`` implements it over HTTP, the in-process ``serve`` implements it directly,
+server/pairing.py's ``PairedBackend`` over a prefill and a decode node, and tests use scripted
+fakes. ``NodeEntry`` is one node with its backend and load, as server/registry.py keeps it (or
+a pair of them, made per request). ``RoutingPolicy`` picks one of the routes;
+``LeastLoadedPolicy`` is the default and is meant to be replaced (cache-aware, P/D pairing)
+without touching the registry or the handlers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class NodeError(Exception):
         self.status = status
         self.message = message
         self.is_node_failure = is_node_failure
+        # Which node failed, when the backend spans several (a prefill/decode pair): None is
+        # the request's node.
+        self.node: NodeEntry | None = None
 
 
 @runtime_checkable
@@ -85,16 +89,17 @@ class NodeEntry:
     is_ready: bool = True  # heartbeats arrive (static nodes: always)
     is_responsive: bool = True  # its last request or probe reached it and found it ready
     num_inflight: int = 0
+    # A prefill/decode pair (server/pairing.py): its two nodes, which count its requests too.
+    members: tuple[NodeEntry, ...] = ()
 
     @property
     def is_in_rotation(self) -> bool:
-        # Prefill/decode nodes join once P/D pairing exists; today only mixed nodes serve alone.
+        """It takes requests (a prefill or decode node: as one of a pair)."""
         return (
             self.is_ready
             and self.is_responsive
             and self.load.is_healthy
             and not self.load.is_draining
-            and self.role == "mixed"
         )
 
     @property

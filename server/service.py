@@ -210,10 +210,11 @@ class CoordinatorService:
     def _retries(self, req: ApiRequest, error: NodeError, failed_nodes: list[str]) -> bool:
         """After a NodeError: take a failed node out of rotation, and say whether the request
         goes to another one (once, and only if the client has been sent nothing yet)."""
-        if not error.is_node_failure or req.node is None:
+        failed = error.node or req.node  # a pair: the one of its nodes that failed
+        if not error.is_node_failure or failed is None:
             return False
-        self.registry.mark_unresponsive(req.node, error.message)
-        failed_nodes.append(req.node.node_id)
+        self.registry.mark_unresponsive(failed, error.message)
+        failed_nodes.append(failed.node_id)
         if req.num_deltas or len(failed_nodes) > 1:
             return False
         if not self.registry.has_candidate(req.num_tokens, failed_nodes):
@@ -221,7 +222,7 @@ class CoordinatorService:
         logger.warning(
             "request %s: node %s failed before its first token (%d %s); retrying on another node",
             req.request_id,
-            req.node.node_id,
+            failed.node_id,
             error.status,
             error.message,
         )

@@ -724,14 +724,12 @@ async def test_a_node_of_another_model_is_refused(make_client, aiohttp_client) -
     )  # fmt: skip
 
 
-async def test_prefill_node_is_accepted_and_ready_says_why_it_is_unused(
-    make_client, aiohttp_client, caplog: pytest.LogCaptureFixture
+async def test_a_prefill_node_serves_once_a_decode_node_is_there_and_ready_says_so(
+    make_client, aiohttp_client
 ) -> None:
     client = await make_client(backends=[])
     internal = await aiohttp_client(client.app[INTERNAL_APP])
-    with caplog.at_level(logging.WARNING, logger="deepinfer.server.coordinator"):
-        assert (await _register(internal, role="prefill")).status == 200
-    assert "node n1 has role 'prefill': registered, but it gets no traffic" in caplog.text
+    assert (await _register(internal, role="prefill")).status == 200
     ready = await client.get("/ready")
     assert (ready.status, await ready.json()) == (
         503,
@@ -739,10 +737,12 @@ async def test_prefill_node_is_accepted_and_ready_says_why_it_is_unused(
             "status": "no node ready",
             "num_ready_nodes": 0,
             "nodes_not_ready": {
-                "n1": "role prefill: no traffic until prefill/decode disaggregation lands"
+                "n1": "role prefill: no decode node is in rotation to pair with"
             },
         },
     )
-    assert (await _register(internal, node_id="n2")).status == 200
+    assert (await _register(internal, node_id="n2", role="decode")).status == 200
     ready = await client.get("/ready")
-    assert ready.status == 200 and (await ready.json())["num_ready_nodes"] == 1
+    assert ready.status == 200 and (await ready.json())["num_ready_nodes"] == 2
+    routes = client.app[SERVICE].registry.routes()
+    assert [(r.node_id, r.role) for r in routes] == [("n1+n2", "pair")]

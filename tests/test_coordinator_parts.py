@@ -144,7 +144,10 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     entry = registry.register(registration)
     registry.register(NodeRegistration(node_id="p", url="http://p", role="prefill", model="m",
                                        max_model_len=99))  # fmt: skip
-    assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1"]
+    assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1", "p"]
+    # A prefill node serves only in a pair: with no decode node it is no route.
+    assert [n.node_id for n in registry.routes()] == ["static-0", "n1"]
+    assert [n.node_id for n in registry.serving_nodes()] == ["static-0", "n1"]
     assert registry.max_model_len() == 4096  # the largest: select() finds a node that fits
     with registry.select(10) as chosen:
         assert chosen is entry  # both idle: the lower node id

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deepinfer.constraints import ConstraintError
+from deepinfer.engine.handoff import HandOffExport, RequestState
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
@@ -89,14 +90,21 @@ class EngineLoad:
     is_healthy: bool
 
 
+_LEFT = None  # queued after a hand-off's last delta: the request left this engine
+
+
 @dataclass(eq=False)
 class _Stream:
-    """One generate() consumer. ``queue`` holds deltas, then an exception if the request fails."""
+    """One generate() consumer. ``queue`` holds deltas, then an exception if the request fails
+    (or ``_LEFT`` once a hand-off's state is exported)."""
 
     request_id: str
-    queue: asyncio.Queue[RequestOutputDelta | Exception] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutputDelta | Exception | None] = field(
+        default_factory=asyncio.Queue
+    )
     request: Request | None = None  # set once the engine accepted the request
     is_finished: bool = False  # the final delta (or error) is queued, or the consumer left
+    hand_off: HandOffExport | None = None  # a prefill-side hand-off: where its state goes
 
 
 class AsyncEngine:
@@ -212,35 +220,97 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        hand_off: HandOffExport | None = None,
     ) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas; the last one has ``finish_reason`` set.
 
-        ``cache_salt`` isolates the request's prefix-cache entries (per tenant).
+        ``cache_salt`` isolates the request's prefix-cache entries (per tenant). ``hand_off``:
+        the prefill side of a prefill/decode hand-off: once the first token is sampled (and the
+        request did not finish with it) the request's state is copied into ``hand_off.state``
+        between two steps, its blocks are freed, and the stream ends after that token's delta.
 
         Raises ValueError (bad input, id in use) or EngineClosedError before the first yield, and
         EngineStepError if a step fails with the request in it. Stopping the iteration early
         (break + aclose, cancellation) aborts the request.
         """
+        self._check_open()
+        compiled_grammar = await self._compile_grammar(sampling_params)
+
+        def add() -> Request:
+            return self.engine.add_request(
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                cache_salt=cache_salt,
+                compiled_grammar=compiled_grammar,
+                hand_off=hand_off is not None,
+            )
+
+        async with contextlib.aclosing(self._stream(request_id, add, hand_off)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def reserve_hand_off(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Decode side: keep blocks and a slot for a hand-off on its way, until
+        ``generate_handed_off`` takes them or ``abort(request_id)`` gives them back. Raises
+        ValueError (too long, id in use, no room now) or EngineClosedError."""
+        self._check_open()
+        reserved: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def reserve() -> None:
+            if reserved.done():  # the caller left before the command ran
+                return
+            try:
+                self.engine.reserve_hand_off(request_id, num_prompt_tokens)
+            except ValueError as e:
+                reserved.set_exception(e)
+                return
+            reserved.set_result(None)
+
+        self._submit(reserve)
+        try:
+            await reserved
+        except asyncio.CancelledError:
+            self.abort(request_id)  # reserved or not: nothing is kept for a caller gone
+            raise
+
+    async def generate_handed_off(
+        self, state: RequestState, sampling_params: SamplingParams
+    ) -> AsyncIterator[RequestOutputDelta]:
+        """Decode side: continue a request from another engine's state (its reservation's blocks
+        and slot if it has one); as ``generate`` from the second output token on."""
+
+        def add() -> Request:
+            return self.engine.import_request(state, sampling_params)
+
+        async with contextlib.aclosing(self._stream(state.request_id, add, None)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    def _check_open(self) -> None:
         if self._is_broken:
             raise EngineClosedError("the engine failed and takes no new requests (see its log)")
         if self._is_draining:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
+
+    async def _stream(
+        self, request_id: str, add: Callable[[], Request], hand_off: HandOffExport | None
+    ) -> AsyncIterator[RequestOutputDelta]:
+        self._check_open()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        compiled_grammar = await self._compile_grammar(sampling_params)
-        stream = _Stream(request_id)
+        stream = _Stream(request_id, hand_off=hand_off)
         self._streams[request_id] = stream
         self._no_streams.clear()
         try:
             added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._submit(
-                lambda: self._add(
-                    stream, prompt_token_ids, sampling_params, cache_salt, added, compiled_grammar
-                )
-            )
+            self._submit(lambda: self._add(stream, add, added))
             await added
             while True:
                 item = await stream.queue.get()
+                if item is _LEFT:
+                    return
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -302,13 +372,7 @@ class AsyncEngine:
                 self._check_or_break("an engine command failed")
 
     def _add(
-        self,
-        stream: _Stream,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        cache_salt: str | None,
-        added: asyncio.Future[None],
-        compiled_grammar: Any = None,
+        self, stream: _Stream, add: Callable[[], Request], added: asyncio.Future[None]
     ) -> None:
         # The consumer may have left before the add was applied: its task was cancelled (which
         # cancels ``added`` at once) and may not have run its cleanup yet.
@@ -316,13 +380,7 @@ class AsyncEngine:
             added.cancel()
             return
         try:
-            stream.request = self.engine.add_request(
-                stream.request_id,
-                prompt_token_ids,
-                sampling_params,
-                cache_salt=cache_salt,
-                compiled_grammar=compiled_grammar,
-            )
+            stream.request = add()
         except ValueError as e:
             added.set_exception(e)
             return
@@ -455,6 +513,25 @@ class AsyncEngine:
             stream.queue.put_nowait(delta)
             if delta.finish_reason is not None:
                 self._finish_stream(stream, delta.finish_reason)
+            elif stream.hand_off is not None:
+                if self.engine.scheduler.held_request(delta.request_id) is not None:
+                    self._export(stream)
+
+    def _export(self, stream: _Stream) -> None:
+        """A prefill-side hand-off's first token is sampled: copy its state out (no step runs
+        now), free its blocks and slot, and end its stream."""
+        assert stream.hand_off is not None
+        request_id = stream.request_id
+        stream.is_finished = True
+        try:
+            stream.hand_off.state = self.engine.export_request(request_id)
+        except Exception as e:
+            logger.exception("exporting hand-off %r failed", request_id)
+            stream.queue.put_nowait(EngineStepError(f"exporting the request's state failed: {e}"))
+            return
+        finally:
+            self.engine.release_hand_off(request_id)
+        stream.queue.put_nowait(_LEFT)
 
     def _observe_admissions(self, step_started: float) -> None:
         # Admission is FCFS in add order, so the streams admitted by this step are a prefix.

@@ -51,6 +51,15 @@ class RequestState:
     slot: list[torch.Tensor]  # the state slot's parts
 
 
+@dataclass
+class HandOffExport:
+    """Where ``AsyncEngine.generate(..., hand_off=export)`` puts a prefill-side request's state
+    when it leaves the engine; None while it has not (or if it finished there, with its first
+    token)."""
+
+    state: RequestState | None = None
+
+
 class _StateHeader(msgspec.Struct):
     """A RequestState without its tensors, for a transport's header (msgpack)."""
 
@@ -139,8 +148,10 @@ def import_request(
     params: SamplingParams,
     eos_token_id: int | None,
 ) -> Request:
-    """Continue ``state`` on this engine: check, reserve, write, run. Raises ValueError (other
-    model or layout, malformed state, no room now) with nothing held."""
+    """Continue ``state`` on this engine: check, write, run. Its blocks and slot are the
+    request id's reservation (``Scheduler.reserve_hand_off``, made when the hand-off was
+    announced), else reserved now. Raises ValueError (other model or layout, malformed state, no
+    room now) with nothing taken: a reservation stays the caller's."""
     if state.model_salt != model_salt:
         raise ValueError(
             f"request {state.request_id!r}: its cache comes from another model or cache layout"
@@ -167,11 +178,21 @@ def import_request(
     ):
         for payload in payloads:
             _check_parts(state.request_id, kind, parts, payload, cache.dtype)
-    block_ids, slot = scheduler.reserve_hand_off(num_prompt)
+    reservation = scheduler.reservation(state.request_id)
+    if reservation is None:
+        scheduler.reserve_hand_off(state.request_id, num_prompt)
+        reservation = scheduler.reservation(state.request_id)
+        assert reservation is not None
+    block_ids, slot = reservation
+    if len(block_ids) != len(state.blocks):
+        raise ValueError(
+            f"request {state.request_id!r}: {len(block_ids)} blocks reserved for "
+            f"{len(state.blocks)} sent"
+        )
     for block_id, payload in zip(block_ids, state.blocks, strict=True):
         cache.write_block(block_id, [t.to(cache.device) for t in payload])
     cache.write_slot(slot, [t.to(cache.device) for t in state.slot])
-    scheduler.add_handed_off(request, block_ids, slot)
+    scheduler.add_handed_off(request)
     return request
 
 

@@ -270,8 +270,19 @@ class LLMEngine:
         """Free a held hand-off's blocks and slot (exported, or not collected)."""
         self.scheduler.release_held(request_id)
 
+    def reserve_hand_off(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Keep blocks and a slot for a hand-off on its way (decode side); ``import_request``
+        takes them, an abort gives them back. Raises ValueError (too long, id in use, no room)."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {num_prompt_tokens} tokens but "
+                f"max_model_len is {self.max_model_len}"
+            )
+        self.scheduler.reserve_hand_off(request_id, num_prompt_tokens)
+
     def import_request(self, state: RequestState, sampling_params: SamplingParams) -> Request:
-        """Continue a request another engine computed the prompt of (handoff.py)."""
+        """Continue a request another engine computed the prompt of (handoff.py), in its
+        reservation if it has one."""
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         if sampling_params.constraint is not None:
             raise ValueError("output constraints are not handed off between nodes yet")

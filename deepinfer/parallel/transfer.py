@@ -1,6 +1,8 @@
 """Moving tensors between two nodes: one process group per pair, on a store of its own.
 
     PairTransport.connect(address, port, rank, ...)   rank 0 hosts the pair's TCPStore
+    PairTransport.join(store, key, rank, ...)         a pair on a store shared by several
+                                                      (a decode node's: one key per pair)
       -> ProcessGroupGloo (CPU) | ProcessGroupNCCL (CUDA) over that store, world size 2: never
          the default group, which a node that is also an expert-parallel rank already owns
     sender: send(transfer_id, header, tensors)
@@ -37,7 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 class TransferError(RuntimeError):
-    """A transfer did not complete; nothing of it was applied."""
+    """A transfer did not complete; nothing of it was applied. ``reason`` (a metrics label):
+    "peer" (the other side failed or went away), "timeout" (it stalled past the pair's
+    timeout), "checksum", "join" (the pair could not be set up), or the raiser's own."""
+
+    def __init__(self, message: str, reason: str = "peer") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _failure(what: str, error: Exception) -> TransferError:
+    reason = "timeout" if "timed out" in str(error).lower() else "peer"
+    return TransferError(f"{what}: {error}", reason)
 
 
 class _Manifest(msgspec.Struct):
@@ -85,16 +98,40 @@ class PairTransport:
     ) -> PairTransport:
         """Join the pair at ``address:port`` (rank 0 listens there). Blocks until both ends are
         in, or raises TransferError after ``timeout_s``."""
-        device = device or torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store = dist.TCPStore(address, port, 2, is_master=rank == 0, timeout=timeout)
+        except (RuntimeError, ValueError) as error:
+            message = f"cannot join the pair at {address}:{port}: {error}"
+            raise TransferError(message, "join") from error
+        kwargs = {"device": device, "chunk_bytes": chunk_bytes}
+        return cls.join(store, "", rank, timeout_s=timeout_s, **kwargs)
+
+    @classmethod
+    def join(
+        cls,
+        store: dist.Store,
+        key: str,
+        rank: int,
+        *,
+        timeout_s: float,
+        device: torch.device | None = None,
+        chunk_bytes: int = 64 << 20,
+    ) -> PairTransport:
+        """Join the pair named ``key`` on ``store`` (the other end joins with the same key and
+        the other rank). Blocks until both are in, or raises TransferError after ``timeout_s``.
+        Every operation of the pair then fails after ``timeout_s`` without progress."""
+        device = device or torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if key:
+            store = dist.PrefixStore(f"pair/{key}", store)
+        try:
             if device.type == "cuda":
                 group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, 2)
             else:
                 group = dist.ProcessGroupGloo(store, rank, 2, timeout)
         except (RuntimeError, ValueError) as error:
-            raise TransferError(f"cannot join the pair at {address}:{port}: {error}") from error
+            raise TransferError(f"cannot join pair {key!r}: {error}", "join") from error
         return cls(group, rank, device, chunk_bytes)
 
     def send(
@@ -123,7 +160,9 @@ class PairTransport:
                 sums = torch.stack([checksum(p) for p in parts]) if parts else torch.zeros(0)
                 self._send(sums.to(torch.int64).to(self.device), transfer_id)
         except RuntimeError as error:
-            raise TransferError(f"transfer {transfer_id}: sending failed: {error}") from error
+            if isinstance(error, TransferError):
+                raise
+            raise _failure(f"transfer {transfer_id}: sending failed", error) from error
 
     def recv(self, transfer_id: int) -> tuple[bytes, list[torch.Tensor]]:
         try:
@@ -155,11 +194,13 @@ class PairTransport:
                         for i, (a, b) in enumerate(zip(ours, sums.tolist(), strict=True))
                         if a != b
                     ]
-                    raise TransferError(f"transfer {transfer_id}: parts {bad} differ from sent")
+                    raise TransferError(
+                        f"transfer {transfer_id}: parts {bad} differ from sent", "checksum"
+                    )
         except (RuntimeError, msgspec.DecodeError) as error:
             if isinstance(error, TransferError):
                 raise
-            raise TransferError(f"transfer {transfer_id}: receiving failed: {error}") from error
+            raise _failure(f"transfer {transfer_id}: receiving failed", error) from error
         return manifest.header, parts
 
     def _send(self, tensor: torch.Tensor, tag: int) -> None:
