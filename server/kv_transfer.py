@@ -34,7 +34,7 @@ The client sees one stream (the coordinator joins the two: server/pairing.py): i
 from the prefill node, the rest from the decode node; a failure at any point ends it with an
 error event, and every hand-off ends done, failed, aborted or timed out on both nodes.
 
-``DEEPINFER_KV_TRANSFER_PAUSE_S`` (tests only) pauses this long after each chunk a node sends,
+``DEEPINFER_TEST_TRANSFER_PAUSE_S`` (tests only) pauses this long after each chunk a node sends,
 so that tests can act while a transfer is in flight.
 """
 
@@ -75,7 +75,7 @@ from deepinfer.server.routing import NodeError
 
 logger = logging.getLogger(__name__)
 
-_PAUSE_ENV = "DEEPINFER_KV_TRANSFER_PAUSE_S"
+_PAUSE_ENV = "DEEPINFER_TEST_TRANSFER_PAUSE_S"
 _MAX_THREADS = 64  # transfers and pair joins in flight per node
 
 
