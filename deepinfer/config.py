@@ -359,8 +359,8 @@ class NodeConfig:
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Prefill/decode hand-off between nodes (server/kv_transfer.py): a decode node hosts its
-    pairs' store on ``store_host:store_port``; a prefill node joins a pair there per decode node, lazily, and
-    sends each request's cache over it (gloo between hosts' CPUs)."""
+    pairs' store on ``store_host:store_port``; a prefill node joins a pair there per decode
+    node, lazily, and sends each request's cache over it (gloo between hosts' CPUs)."""
 
     # Decode node: where its pairs' store listens and prefill nodes connect ("0.0.0.0": every
     # interface, told to prefill nodes as this machine's hostname). Unauthenticated: keep it on

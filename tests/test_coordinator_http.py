@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -736,9 +735,7 @@ async def test_a_prefill_node_serves_once_a_decode_node_is_there_and_ready_says_
         {
             "status": "no node ready",
             "num_ready_nodes": 0,
-            "nodes_not_ready": {
-                "n1": "role prefill: no decode node is in rotation to pair with"
-            },
+            "nodes_not_ready": {"n1": "role prefill: no decode node is in rotation to pair with"},
         },
     )
     assert (await _register(internal, node_id="n2", role="decode")).status == 200

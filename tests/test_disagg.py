@@ -19,6 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
+from oracle import oracle_prompts
 from processes import Process, clean_env, free_port, http_status
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -211,6 +212,23 @@ async def test_a_pair_of_node_processes_gives_one_engines_tokens_and_logprobs(
         mixed, _prompt(9), one
     )[0]
     await _assert_idle(session, cluster, "prefill", "decode")
+
+
+async def test_the_oracle_checkpoint_over_a_pair_gives_one_engines_tokens_and_logprobs(
+    tmp_path: Path, oracle_hf_dir: Path, session: aiohttp.ClientSession
+) -> None:
+    pair = Cluster(tmp_path, oracle_hf_dir)
+    try:
+        pair.start("decode")
+        pair.start("prefill")
+        model = {"device": "cpu", "path": str(oracle_hf_dir)}
+        engine = LLMEngine(Config.load(overrides={**ENGINE, "model": model}))
+        pair.wait_ready("decode", "prefill")
+        for prompt in oracle_prompts()[:2]:
+            got = await _pair_run(pair, session, prompt, GREEDY)
+            _assert_same(got[:2], _mixed_run(engine, prompt, GREEDY))
+    finally:
+        pair.stop()
 
 
 async def test_the_openai_client_through_the_coordinator_gets_serves_completion(

@@ -513,9 +513,11 @@ class AsyncEngine:
             stream.queue.put_nowait(delta)
             if delta.finish_reason is not None:
                 self._finish_stream(stream, delta.finish_reason)
-            elif stream.hand_off is not None:
-                if self.engine.scheduler.held_request(delta.request_id) is not None:
-                    self._export(stream)
+            elif (
+                stream.hand_off is not None
+                and self.engine.scheduler.held_request(delta.request_id) is not None
+            ):
+                self._export(stream)
 
     def _export(self, stream: _Stream) -> None:
         """A prefill-side hand-off's first token is sampled: copy its state out (no step runs
