@@ -3,9 +3,9 @@
     python benchmarks/handoff_transfer.py [--prompt 1024,8192,32768] [--repeats 3]
 
 What moves: a request's hand-off state (deepinfer/engine/handoff.py) in V4-Flash's cache layout
-(43 layers: 21 CSA, 20 HCA, 2 sliding; 128-token blocks, bf16): every paged part of the prompt's
-blocks and the whole state slot, as ``pack_state`` lays them out (one message per part). The
-parts hold random bytes of the right shapes (the transport does not look at values). A receiver
+(43 layers: 21 CSA, 20 HCA, 2 sliding; 128-token blocks, bf16): every paged part (all the
+prompt's blocks' rows of it in one tensor) and the whole state slot, as ``pack_state`` lays them
+out. The parts hold random bytes of the right shapes (the transport does not look at values). A receiver
 process joins the pair (deepinfer/parallel/transfer.py, gloo over loopback TCP, checksums off)
 and the sender times ``send`` until the receiver has every part (it acknowledges). The reference
 is a memory copy of the same bytes in one process (``torch.cat`` of the parts), measured in the
@@ -45,13 +45,13 @@ def _state(num_tokens: int) -> list[torch.Tensor]:
     spec = cache_spec(args, block_size=BLOCK_SIZE, ring_margin=16, max_draft=0)
     num_blocks = math.ceil(num_tokens / BLOCK_SIZE)
 
-    def part(p) -> torch.Tensor:
-        dtype = p.tensor_dtype(torch.bfloat16)
+    def part(p, *leading: int) -> torch.Tensor:
+        dtype, shape = p.tensor_dtype(torch.bfloat16), (*leading, *p.row_shape())
         if dtype.is_floating_point:
-            return torch.randn(p.row_shape(), dtype=dtype)
-        return torch.randint(0, 127, p.row_shape(), dtype=dtype)
+            return torch.randn(shape, dtype=dtype)
+        return torch.randint(0, 127, shape, dtype=dtype)
 
-    paged = [part(p) for _ in range(num_blocks) for p in spec.paged]
+    paged = [part(p, num_blocks) for p in spec.paged]  # every block's rows, stacked
     return paged + [part(p) for p in spec.state]
 
 

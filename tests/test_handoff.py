@@ -143,7 +143,7 @@ def test_held_hand_offs_free_what_they_hold_and_bad_states_are_refused(builtin):
     foreign = dataclasses.replace(state, model_salt=b"another model")
     with pytest.raises(ValueError, match="another model or cache layout"):
         decode.import_request(foreign, GREEDY)
-    short = dataclasses.replace(state, blocks=state.blocks[:2])
+    short = dataclasses.replace(state, blocks=[t[:2] for t in state.blocks])
     with pytest.raises(ValueError, match="2 blocks for 40 prompt tokens"):
         decode.import_request(short, GREEDY)
     mangled = dataclasses.replace(state, slot=[t[..., :1] for t in state.slot])

@@ -47,7 +47,8 @@ class RequestState:
     num_cached_tokens: int  # prompt tokens the prefill engine found in its prefix cache
     cache_salt: str | None  # the request's tenant salt (prefix cache isolation)
     model_salt: bytes  # the prefill engine's cache salt: model, weights, cache layout
-    blocks: list[list[torch.Tensor]]  # per block of the prompt: its paged parts
+    # Per paged part, the prompt's blocks' rows stacked: [num_blocks, *row_shape].
+    blocks: list[torch.Tensor]
     slot: list[torch.Tensor]  # the state slot's parts
 
 
@@ -70,14 +71,12 @@ class _StateHeader(msgspec.Struct):
     num_cached_tokens: int
     cache_salt: str | None
     model_salt: bytes
-    num_blocks: int
-    parts_per_block: int
+    num_paged_parts: int
 
 
 def pack_state(state: RequestState) -> tuple[bytes, list[torch.Tensor]]:
-    """(header, parts) for a transport (deepinfer/parallel/transfer.py): every block's parts,
-    block by block, then the slot's."""
-    parts_per_block = len(state.blocks[0]) if state.blocks else 0
+    """(header, parts) for a transport (deepinfer/parallel/transfer.py): the paged parts (each
+    every block's rows), then the slot's."""
     header = _StateHeader(
         state.request_id,
         state.prompt_token_ids,
@@ -87,10 +86,8 @@ def pack_state(state: RequestState) -> tuple[bytes, list[torch.Tensor]]:
         state.cache_salt,
         state.model_salt,
         len(state.blocks),
-        parts_per_block,
     )
-    tensors = [t for block in state.blocks for t in block] + list(state.slot)
-    return msgspec.msgpack.encode(header), tensors
+    return msgspec.msgpack.encode(header), [*state.blocks, *state.slot]
 
 
 def unpack_state(header: bytes, tensors: list[torch.Tensor]) -> RequestState:
@@ -99,12 +96,8 @@ def unpack_state(header: bytes, tensors: list[torch.Tensor]) -> RequestState:
         h = msgspec.msgpack.decode(header, type=_StateHeader)
     except msgspec.DecodeError as error:
         raise ValueError(f"a hand-off header that does not decode: {error}") from error
-    num_paged = h.num_blocks * h.parts_per_block
-    if len(tensors) < num_paged:
-        raise ValueError(f"{len(tensors)} parts for {h.num_blocks} blocks of {h.parts_per_block}")
-    blocks = [
-        tensors[i * h.parts_per_block : (i + 1) * h.parts_per_block] for i in range(h.num_blocks)
-    ]
+    if len(tensors) < h.num_paged_parts:
+        raise ValueError(f"{len(tensors)} parts for {h.num_paged_parts} paged parts")
     return RequestState(
         h.request_id,
         h.prompt_token_ids,
@@ -113,8 +106,8 @@ def unpack_state(header: bytes, tensors: list[torch.Tensor]) -> RequestState:
         h.num_cached_tokens,
         h.cache_salt,
         h.model_salt,
-        blocks,
-        tensors[num_paged:],
+        tensors[: h.num_paged_parts],
+        tensors[h.num_paged_parts :],
     )
 
 
@@ -135,7 +128,7 @@ def export_request(
         num_cached_tokens=request.num_cached_tokens,
         cache_salt=request.cache_salt,
         model_salt=model_salt,
-        blocks=[[t.cpu() for t in cache.block_payload(b)] for b in request.block_table],
+        blocks=[t.cpu() for t in cache.blocks_payload(request.block_table)],
         slot=[t.cpu() for t in cache.slot_payload(request.state_slot)],
     )
 
@@ -157,10 +150,12 @@ def import_request(
             f"request {state.request_id!r}: its cache comes from another model or cache layout"
         )
     num_prompt = len(state.prompt_token_ids)
-    if len(state.blocks) != -(-num_prompt // scheduler.block_size) or not state.output_token_ids:
+    num_blocks = -(-num_prompt // scheduler.block_size)
+    sent = sorted({len(t) for t in state.blocks})
+    if sent != [num_blocks] or not state.output_token_ids:
         raise ValueError(
-            f"request {state.request_id!r}: {len(state.blocks)} blocks for {num_prompt} prompt "
-            f"tokens and {len(state.output_token_ids)} output tokens"
+            f"request {state.request_id!r}: {'/'.join(map(str, sent))} blocks for {num_prompt} "
+            f"prompt tokens and {len(state.output_token_ids)} output tokens"
         )
     request = Request(
         request_id=state.request_id,
@@ -172,25 +167,19 @@ def import_request(
         output_logprobs=list(state.output_logprobs),
         num_cached_tokens=state.num_cached_tokens,
     )
-    for kind, parts, payloads in (
-        ("block", cache.spec.paged, state.blocks),
-        ("state slot", cache.spec.state, [state.slot]),
-    ):
-        for payload in payloads:
-            _check_parts(state.request_id, kind, parts, payload, cache.dtype)
+    _check_parts(state.request_id, "block", cache.spec.paged, state.blocks, cache.dtype, 1)
+    _check_parts(state.request_id, "state slot", cache.spec.state, state.slot, cache.dtype, 0)
     reservation = scheduler.reservation(state.request_id)
     if reservation is None:
         scheduler.reserve_hand_off(state.request_id, num_prompt)
         reservation = scheduler.reservation(state.request_id)
         assert reservation is not None
     block_ids, slot = reservation
-    if len(block_ids) != len(state.blocks):
+    if len(block_ids) != num_blocks:
         raise ValueError(
-            f"request {state.request_id!r}: {len(block_ids)} blocks reserved for "
-            f"{len(state.blocks)} sent"
+            f"request {state.request_id!r}: {len(block_ids)} blocks reserved for {num_blocks} sent"
         )
-    for block_id, payload in zip(block_ids, state.blocks, strict=True):
-        cache.write_block(block_id, [t.to(cache.device) for t in payload])
+    cache.write_blocks(block_ids, state.blocks)
     cache.write_slot(slot, [t.to(cache.device) for t in state.slot])
     scheduler.add_handed_off(request)
     return request
@@ -202,10 +191,12 @@ def _check_parts(
     parts: tuple[CachePart, ...],
     payload: list[torch.Tensor],
     cache_dtype: torch.dtype,
+    num_leading: int,
 ) -> None:
-    """Every part of a payload has its part's row shape and dtype (a copy would broadcast)."""
+    """Every part of a payload has its part's row shape (after ``num_leading`` dimensions, the
+    blocks') and dtype: a copy would broadcast a mis-shaped one."""
     want = [(part.row_shape(), part.tensor_dtype(cache_dtype)) for part in parts]
-    got = [(tuple(t.shape), t.dtype) for t in payload]
+    got = [(tuple(t.shape[num_leading:]), t.dtype) for t in payload]
     if got != want:
         raise ValueError(
             f"request {request_id!r}: its {kind} parts do not fit this cache: {got} != {want}"

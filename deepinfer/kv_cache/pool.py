@@ -94,6 +94,23 @@ class KVCache:
     def write_block(self, block_id: int, payload: list[torch.Tensor]) -> None:
         _write(self._parts(self.spec.paged), block_id, payload, "block")
 
+    def blocks_payload(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Those blocks' rows of every paged part, one tensor a part ``[len(block_ids), *row]``
+        (copies; one gather a part, so that many blocks cost no more calls than one)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return [_bytes(pool).index_select(0, index).view(pool.dtype) for pool in self._paged()]
+
+    def write_blocks(self, block_ids: list[int], payload: list[torch.Tensor]) -> None:
+        """``blocks_payload``'s inverse: each part's rows into those blocks."""
+        pools = self._paged()
+        assert len(payload) == len(pools), f"{len(payload)} paged parts != {len(pools)}"
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for pool, rows in zip(pools, payload, strict=True):
+            _bytes(pool).index_copy_(0, index, _bytes(rows.to(self.device)))
+
+    def _paged(self) -> list[torch.Tensor]:
+        return self._parts(self.spec.paged)
+
     def snapshot_payload(self, snapshot_id: int) -> list[torch.Tensor]:
         return [pool[snapshot_id].clone() for pool in self._snapshot_pool]
 
@@ -133,6 +150,12 @@ class KVCache:
             self.bytes_per_snapshot / max(spec.bytes_per_block(dtype), 1),
             self.nbytes / 2**20,
         )
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as uint8 (its last dimension times its element size): every dtype's
+    gather and scatter run as uint8's (fp8 has no index_copy_ of its own on every device)."""
+    return tensor.view(torch.uint8)
 
 
 def _write(parts: list[torch.Tensor], index: int, payload: list[torch.Tensor], kind: str) -> None:
