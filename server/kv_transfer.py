@@ -30,6 +30,12 @@ When each side frees what it holds:
 - a pair on which a transfer failed is closed on that side (a half-sent message may sit in it);
   the coordinator uses a new pair key after any failure, so a fresh group is built lazily.
 
+A pair's group is named by the coordinator's key and the decode node process's incarnation (in
+its Reserved frame), so a restarted decode node is never reached through its former process's
+pair; the coordinator renews the keys of a node that registers again or comes back into
+rotation, which covers a restarted prefill node. At most ``max_pairs`` pairs are kept; beyond
+that the least recently used one that no transfer uses is closed.
+
 The client sees one stream (the coordinator joins the two: server/pairing.py): its first token
 from the prefill node, the rest from the decode node; a failure at any point ends it with an
 error event, and every hand-off ends done, failed, aborted or timed out on both nodes.
@@ -45,13 +51,14 @@ import contextlib
 import datetime
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -99,23 +106,25 @@ class _Pair:
     closed: bool = False
 
 
-@dataclass
 class KVTransfers:
     """A prefill or decode node's pairs and transfers. Start with ``await start()`` (a decode
-    node opens its pairs' store there), end with ``close()``."""
+    node opens its pairs' store there), end with ``close()``. Pairs are joined and transfers run
+    in a pool of threads (gloo's calls block); the event loop only awaits them."""
 
-    config: KVTransferConfig
-    role: str  # "prefill" | "decode"
-    observer: TransferObserver | None = None
-    store_address: tuple[str, int] = ("", 0)  # a decode node's, once started
-    _pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="kv-transfer")
-    )
-    _store: dist.Store | None = None
-    _client_stores: dict[tuple[str, int], dist.Store] = field(default_factory=dict)
-    _pairs: OrderedDict[str, _Pair] = field(default_factory=OrderedDict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _collects: dict[str, asyncio.Event] = field(default_factory=dict)
+    def __init__(
+        self, config: KVTransferConfig, role: str, observer: TransferObserver | None = None
+    ) -> None:
+        assert role in ("prefill", "decode"), role
+        self.config = config
+        self.role = role
+        self.observer = observer
+        self.store_address: tuple[str, int] = ("", 0)  # a decode node's, once started
+        self.incarnation = secrets.token_hex(4)  # this process's: in its pairs' names
+        self._pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="kv-transfer")
+        self._store: dist.Store | None = None  # a decode node's pairs' store (it hosts it)
+        self._pairs: OrderedDict[str, _Pair] = OrderedDict()  # by key, least recent first
+        self._lock = threading.Lock()  # _pairs and their use counts, across threads
+        self._collects: dict[str, asyncio.Event] = {}  # decode: hand-offs awaiting collect
 
     async def start(self) -> None:
         if self.role != "decode":
@@ -150,19 +159,25 @@ class KVTransfers:
     def join(self, route: HandOffRoute) -> _Pair:
         """The pair of ``route.pair_key``, joined now if it is new (in a transfer thread: this
         returns at once). The decode node is rank 0, on its own store; the prefill node rank 1."""
+        key = self._group_key(route)
         with self._lock:
-            pair = self._pairs.get(route.pair_key)
+            pair = self._pairs.get(key)
             if pair is not None:
-                self._pairs.move_to_end(route.pair_key)
+                self._pairs.move_to_end(key)
                 return pair
-            pair = _Pair(route.pair_key, self._pool.submit(self._join, route))
-            self._pairs[route.pair_key] = pair
+            pair = _Pair(key, self._pool.submit(self._join, route, key))
+            self._pairs[key] = pair
             evicted = self._evict()
         for old in evicted:
             self._close(old)
         return pair
 
-    def _join(self, route: HandOffRoute) -> PairTransport:
+    def _group_key(self, route: HandOffRoute) -> str:
+        """The pair's group: the coordinator's key and the decode node process's incarnation."""
+        incarnation = self.incarnation if self.role == "decode" else route.decode_incarnation
+        return f"{route.pair_key}.{incarnation}"
+
+    def _join(self, route: HandOffRoute, key: str) -> PairTransport:
         timeout_s = self.config.lease_s
         if self.role == "decode":
             assert self._store is not None, "KVTransfers.start() was not awaited"
@@ -171,7 +186,7 @@ class KVTransfers:
             store, rank = self._client_store(route.store_host, route.store_port), 1
         transport = PairTransport.join(
             store,
-            route.pair_key,
+            key,
             rank,
             timeout_s=timeout_s,
             chunk_bytes=max(1, int(self.config.chunk_mib * 2**20)),
@@ -179,23 +194,17 @@ class KVTransfers:
         pause_s = float(os.environ.get(_PAUSE_ENV, "0") or 0)
         if pause_s > 0:
             transport.on_chunk = lambda chunk: time.sleep(pause_s)
-        logger.info("pair %s with %s joined (rank %d)", route.pair_key, route.peer, rank)
+        logger.info("pair %s with %s joined (rank %d)", key, route.peer, rank)
         return transport
 
     def _client_store(self, host: str, port: int) -> dist.Store:
-        with self._lock:
-            store = self._client_stores.get((host, port))
-        if store is None:
-            try:
-                store = dist.TCPStore(
-                    host, port, is_master=False, timeout=_seconds(self.config.lease_s)
-                )
-            except (RuntimeError, ValueError) as error:
-                message = f"cannot reach the decode node's pairs' store {host}:{port}: {error}"
-                raise TransferError(message, "join") from error
-            with self._lock:
-                store = self._client_stores.setdefault((host, port), store)
-        return store
+        """A connection to a decode node's pairs' store, one per pair (a decode node that
+        restarted on the same port is reached anew)."""
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=_seconds(self.config.lease_s))
+        except (RuntimeError, ValueError) as error:
+            message = f"cannot reach the decode node's pairs' store {host}:{port}: {error}"
+            raise TransferError(message, "join") from error
 
     def _evict(self) -> list[_Pair]:
         """Pairs beyond ``max_pairs``, least recently used first, that no transfer uses."""
@@ -277,16 +286,21 @@ class KVTransfers:
                 if self.observer is not None:
                     self.observer.transfer_failed(direction, failure.reason)
                 self._drop(pair)
+                if failure is error:
+                    raise
                 raise failure from error
-            finally:
-                with self._lock:
-                    pair.num_in_use -= 1
             seconds = time.monotonic() - start
             if self.observer is not None:
                 self.observer.transfer_done(direction, num_bytes, seconds)
             return num_bytes, seconds
 
-        return await asyncio.wrap_future(self._pool.submit(run))
+        future = self._pool.submit(run)
+        future.add_done_callback(lambda _: self._release(pair))  # also when it never ran
+        return await asyncio.wrap_future(future)
+
+    def _release(self, pair: _Pair) -> None:
+        with self._lock:
+            pair.num_in_use -= 1
 
     # -- the decode node's collect signal ------------------------------------------------------
 
@@ -361,7 +375,12 @@ async def decode_frames(
     try:
         transfers.join(route)
         host, port = transfers.store_address
-        yield Reserved(request_id=request_id, store_host=host, store_port=port)
+        yield Reserved(
+            request_id=request_id,
+            store_host=host,
+            store_port=port,
+            incarnation=transfers.incarnation,
+        )
         await collected.wait()
         try:
             state = await transfers.recv(route)

@@ -72,6 +72,11 @@ class PairKeys:
         """The pair failed: its next request gets a new key (a new group on both nodes)."""
         self._keys.pop((prefill_id, decode_id), None)
 
+    def renew_node(self, node_id: str) -> None:
+        """The node (re)started or came back: every pair of it gets a new key."""
+        for pair in [pair for pair in self._keys if node_id in pair]:
+            del self._keys[pair]
+
 
 class PairedBackend:
     """A NodeBackend over two nodes; see the module."""
@@ -100,6 +105,7 @@ class PairedBackend:
                     peer=d.node_id,
                     store_host=reserved.store_host,
                     store_port=reserved.store_port,
+                    decode_incarnation=reserved.incarnation,
                 )
                 on_prefill = _on(p, self._node(p).generate(_with(request, route)))
                 async with contextlib.aclosing(on_prefill) as prefilling:

@@ -72,8 +72,12 @@ class HandOffRoute(msgspec.Struct, kw_only=True, frozen=True):
     pair_key: str  # the pair's process group; a new key after any failure on the pair
     transfer_id: int  # this request's transfer on the pair (the tag of its messages)
     peer: str  # the other node's id (for logs)
-    store_host: str = ""  # the decode node's pairs' store (from its Reserved frame); the
-    store_port: int = 0  # decode node itself gets "" and 0
+    # The decode node's pairs' store and its process's incarnation (from its Reserved frame; the
+    # decode node itself gets them empty): a decode node that restarted has a new incarnation,
+    # so no prefill node reuses a pair with its former process.
+    store_host: str = ""
+    store_port: int = 0
+    decode_incarnation: str = ""
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -124,6 +128,7 @@ class Reserved(msgspec.Struct, tag="reserved", kw_only=True):
     request_id: str
     store_host: str
     store_port: int
+    incarnation: str  # this decode node process's (random at its start)
 
 
 class HandedOff(msgspec.Struct, tag="handed_off", kw_only=True):

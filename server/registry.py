@@ -130,6 +130,7 @@ class NodeRegistry:
                 self._nodes[registration.node_id] = entry
             entry.backend = backend
         # Updated in place: requests in flight hold this entry and count themselves off it.
+        self.pair_keys.renew_node(entry.node_id)  # a restarted node's pairs are new
         entry.lease_id = secrets.token_urlsafe(16)
         entry.max_model_len = registration.max_model_len
         entry.max_num_seqs = registration.max_num_seqs
@@ -197,6 +198,7 @@ class NodeRegistry:
         if not entry.is_ready:
             logger.info("node %s heartbeats again", entry.node_id)
             entry.is_ready = True
+            self.pair_keys.renew_node(entry.node_id)
         return entry
 
     def mark_unresponsive(self, entry: NodeEntry, reason: str) -> None:
@@ -214,6 +216,7 @@ class NodeRegistry:
         for entry, is_ready in zip(entries, answers, strict=True):
             if is_ready and not entry.is_responsive:
                 logger.info("node %s answers its probe: back in rotation", entry.node_id)
+                self.pair_keys.renew_node(entry.node_id)  # it may have restarted meanwhile
             elif not is_ready and entry.is_responsive:
                 logger.warning("node %s is not ready when probed: out of rotation", entry.node_id)
             entry.is_responsive = is_ready

@@ -420,6 +420,24 @@ async def test_a_lease_that_runs_out(cluster, session) -> None:
     assert status == 200 and "[DONE]" in text, cluster.logs()
 
 
+async def test_nodes_restarted_while_idle_pair_again_at_once(cluster, session) -> None:
+    """A node restarted (SIGTERM, then started again) leaves its partner a pair with a process
+    that is gone: the next request builds a new one, with no failure and no wait."""
+    for name in ("decode", "prefill"):
+        before = {n: await _metrics(session, cluster, n) for n in ("prefill", "decode")}
+        cluster.kill(name, signal.SIGTERM)
+        assert cluster.processes[name].popen.wait(timeout=30) == 0
+        cluster.restart(name)
+        started = time.monotonic()
+        status, text = await _stream(session, cluster, _chat(4))
+        assert status == 200 and "[DONE]" in text, cluster.logs()
+        assert time.monotonic() - started < LEASE_S
+        survivor = "prefill" if name == "decode" else "decode"
+        after = await _metrics(session, cluster, survivor)
+        failures = {k: v - before[survivor].get(k, 0) for k, v in after.items() if k[0] == FAILED}
+        assert not any(failures.values()), failures
+
+
 async def test_a_storm_of_aborts_and_a_kill(cluster, session) -> None:
     """Requests of every length, half of them abandoned at random points, and kill -9 of the
     decode node in the middle: each ends (done, error or abandoned) in bounded time, and the
