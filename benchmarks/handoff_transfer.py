@@ -2,14 +2,14 @@
 
     python benchmarks/handoff_transfer.py [--prompt 1024,8192,32768] [--repeats 3]
 
-What moves: a request's hand-off state (deepinfer/engine/handoff.py) in V4-Flash's cache layout
-(43 layers: 21 CSA, 20 HCA, 2 sliding; 128-token blocks, bf16): every paged part (all the
-prompt's blocks' rows of it in one tensor) and the whole state slot, as ``pack_state`` lays them
-out. The parts hold random bytes of the right shapes (the transport does not look at values). A receiver
-process joins the pair (deepinfer/parallel/transfer.py, gloo over loopback TCP, checksums off)
-and the sender times ``send`` until the receiver has every part (it acknowledges). The reference
-is a memory copy of the same bytes in one process (``torch.cat`` of the parts), measured in the
-same run: the ratio says how far the transport is from moving bytes at memory speed.
+What moves: a request's hand-off state (deepinfer/engine/handoff.py) in V4-Flash's cache layout (43
+layers: 21 CSA, 20 HCA, 2 sliding; 128-token blocks, bf16): every paged part (all the prompt's
+blocks' rows of it in one tensor) and the whole state slot, as ``pack_state`` lays them out. The
+parts hold random bytes of the right shapes (the transport does not look at values). A receiver
+process joins the pair (deepinfer/parallel/transfer.py, gloo over loopback TCP, checksums off) and
+the sender times ``send`` until the receiver has every part (it acknowledges). The reference is a
+memory copy of the same bytes in one process (``torch.cat`` of the parts), measured in the same
+run: the ratio says how far the transport is from moving bytes at memory speed.
 
 Between GPUs the same interface runs on NCCL (not measured here: one GPU cannot hold both ends).
 """

@@ -345,42 +345,36 @@ def _count(after: dict, before: dict, *key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-@pytest.mark.parametrize("phase", ["transfer", "decode"])
-async def test_kill_9_of_the_decode_node(cluster, session, phase: str) -> None:
-    before = await _metrics(session, cluster, "prefill")
-    request = asyncio.create_task(_stream(session, cluster, _chat(200 if phase == "decode" else 8)))
-    if phase == "transfer":
-        await _wait_for(session, cluster, "decode", (IN_FLIGHT, "recv"), 1.0)
-    else:
-        await _wait_for(session, cluster, "decode", "deepinfer_num_requests_running", 1.0)
-    cluster.kill("decode")
+# Where each phase shows: (the node, the sample that says the request is in that phase there).
+_PHASES = {
+    "prefill": ("prefill", "deepinfer_num_requests_running"),
+    "transfer": ("decode", (IN_FLIGHT, "recv")),
+    "decode": ("decode", "deepinfer_num_requests_running"),
+}
+
+
+@pytest.mark.parametrize(
+    ("victim", "phase"),
+    [("decode", "transfer"), ("decode", "decode"), ("prefill", "prefill"), ("prefill", "transfer")],
+)
+async def test_kill_9_of_a_node(cluster, session, victim: str, phase: str) -> None:
+    """The client gets an error within a bounded time; the surviving node holds nothing once
+    idle; mid-transfer, the survivor's side of it failed as the peer's (at once, not at the
+    lease), and nothing received was decoded from."""
+    survivor = "prefill" if victim == "decode" else "decode"
+    body = _chat(200) if phase == "decode" else _chat(8, words=600)
+    request = asyncio.create_task(_stream(session, cluster, body))
+    await _wait_for(session, cluster, *_PHASES[phase], 1.0)
+    before = await _metrics(session, cluster, survivor)
+    cluster.kill(victim)
     killed = time.monotonic()
     assert _failed(*await _within(request, 15.0, cluster))
     assert time.monotonic() - killed < 10.0
-    await _assert_idle(session, cluster, "prefill")
-    # Mid-transfer, the prefill node's send failed as the peer's (at once, not at the lease).
-    failed = _count(await _metrics(session, cluster, "prefill"), before, FAILED, "send", "peer")
+    await _assert_idle(session, cluster, survivor)
+    direction = "send" if survivor == "prefill" else "recv"
+    failed = _count(await _metrics(session, cluster, survivor), before, FAILED, direction, "peer")
     assert failed == (phase == "transfer")
-    cluster.restart("decode")
-
-
-@pytest.mark.parametrize("phase", ["prefill", "transfer"])
-async def test_kill_9_of_the_prefill_node(cluster, session, phase: str) -> None:
-    request = asyncio.create_task(_stream(session, cluster, _chat(8, words=600)))
-    if phase == "prefill":
-        await _wait_for(session, cluster, "prefill", "deepinfer_num_requests_running", 1.0)
-    else:
-        await _wait_for(session, cluster, "decode", (IN_FLIGHT, "recv"), 1.0)
-    before = await _metrics(session, cluster, "decode")
-    cluster.kill("prefill")
-    killed = time.monotonic()
-    assert _failed(*await _within(request, 15.0, cluster))
-    assert time.monotonic() - killed < 10.0
-    await _assert_idle(session, cluster, "decode")
-    # Mid-transfer, the decode node's receive failed (and nothing of it was decoded from).
-    failed = _count(await _metrics(session, cluster, "decode"), before, FAILED, "recv", "peer")
-    assert failed == (phase == "transfer")
-    cluster.restart("prefill")
+    cluster.restart(victim)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "transfer"])
