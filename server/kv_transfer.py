@@ -283,6 +283,14 @@ class KVTransfers:
                 failure = error
                 if not isinstance(error, TransferError):  # the join timed out or failed
                     failure = TransferError(f"pair {route.pair_key}: {error!r}", "join")
+                logger.warning(
+                    "transfer %d (%s) with %s failed (%s): %s; its pair is closed",
+                    route.transfer_id,
+                    direction,
+                    route.peer,
+                    failure.reason,
+                    failure,
+                )
                 if self.observer is not None:
                     self.observer.transfer_failed(direction, failure.reason)
                 self._drop(pair)

@@ -10,6 +10,7 @@ import asyncio
 import random
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,8 @@ async def test_the_openai_client_through_the_coordinator_gets_serves_completion(
 
 
 def _chat(max_tokens: int, words: int = 4) -> dict[str, Any]:
+    """A streamed chat request; its own cache salt, so that no prompt of it is ever served
+    from the prefill node's prefix cache (each prefill takes its full time)."""
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": " ".join(["sea"] * words)}],
@@ -274,6 +277,7 @@ def _chat(max_tokens: int, words: int = 4) -> dict[str, Any]:
         "ignore_eos": True,
         "stream": True,
         "thinking": {"type": "disabled"},
+        "cache_salt": uuid.uuid4().hex,
     }
 
 
