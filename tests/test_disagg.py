@@ -7,6 +7,7 @@ bounded time and leave no block or slot in use on any surviving node."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import time
@@ -249,14 +250,26 @@ async def test_the_openai_client_through_the_coordinator_gets_serves_completion(
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
     assert got.choices[0].message.content == text and got.usage.completion_tokens == 12
-    # `deepinfer serve`'s answer: the same engine, whole, behind the same frontend.
+    # A structured answer: the first token under the grammar on the prefill node, the rest on
+    # the decode node under the matcher it rebuilt.
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}},
+              "required": ["c"], "additionalProperties": False}  # fmt: skip
+    response_format = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}}
+    structured = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 1.0,
+                  "seed": 3, "extra_body": {"thinking": {"type": "disabled"}},
+                  "response_format": response_format}  # fmt: skip
+    got_structured = await client.chat.completions.create(**structured)
+    assert json.loads(got_structured.choices[0].message.content)["c"] in ("red", "green")
+    # `deepinfer serve`'s answers: the same engine, whole, behind the same frontend.
     async with TestServer(create_serve_app(AsyncEngine(mixed), mixed.config)) as server:
         serve_client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k",
                                           max_retries=0)  # fmt: skip
         want = await serve_client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=extra
         )
+        want_structured = await serve_client.chat.completions.create(**structured)
     assert got.choices[0].message.content == want.choices[0].message.content
+    assert got_structured.choices[0].message.content == want_structured.choices[0].message.content
     samples = await _metrics(session, cluster, "prefill")
     assert samples[("deepinfer_kv_transfer_bytes_total", "send")] > 0
     assert (await _metrics(session, cluster, "decode"))[

@@ -5,6 +5,7 @@ prompt shape; held hand-offs free what they hold; a state that does not fit is r
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,20 @@ def test_prefix_cache_hits_and_seeded_sampling_hand_off_exactly(builtin):
     _assert_same(
         builtin.handed_off(_prompt(21, 4), seeded), builtin.mixed_run(_prompt(21, 4), seeded)
     )
+
+
+def test_a_constrained_request_hands_off_exactly_and_its_output_keeps_the_constraint(builtin):
+    """The prefill engine samples the first token under the grammar; the decode engine rebuilds
+    the matcher, feeds it that token, and samples on under it."""
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}}, "required": ["c"],
+              "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, logprobs=1,
+                            constraint=("json", json.dumps(schema)))  # fmt: skip
+    prompt = _prompt(30, 5)
+    got = builtin.handed_off(prompt, params)
+    _assert_same(got, builtin.mixed_run(prompt, params))
+    assert len(got[0]) < 24  # it ended: a whole object
+    assert json.loads(builtin.mixed.tokenizer.decode(got[0]))["c"] in ("red", "green")
 
 
 def test_the_oracle_checkpoint_hands_off_exactly(oracle_hf_dir):

@@ -281,8 +281,11 @@ class AsyncEngine:
         """Decode side: continue a request from another engine's state (its reservation's blocks
         and slot if it has one); as ``generate`` from the second output token on."""
 
+        self._check_open()
+        compiled_grammar = await self._compile_grammar(sampling_params)
+
         def add() -> Request:
-            return self.engine.import_request(state, sampling_params)
+            return self.engine.import_request(state, sampling_params, compiled_grammar)
 
         async with contextlib.aclosing(self._stream(state.request_id, add, None)) as deltas:
             async for delta in deltas:

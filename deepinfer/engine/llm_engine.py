@@ -218,8 +218,6 @@ class LLMEngine:
         the prefill side of a prefill/decode hand-off (handoff.py): the request is held after
         its first token, for ``export_request``. Raises ValueError (ConstraintError for a bad
         constraint) before anything is admitted."""
-        if hand_off and sampling_params.constraint is not None:
-            raise ValueError("output constraints are not handed off between nodes yet")
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -280,14 +278,26 @@ class LLMEngine:
             )
         self.scheduler.reserve_hand_off(request_id, num_prompt_tokens)
 
-    def import_request(self, state: RequestState, sampling_params: SamplingParams) -> Request:
+    def import_request(
+        self, state: RequestState, sampling_params: SamplingParams, compiled_grammar: Any = None
+    ) -> Request:
         """Continue a request another engine computed the prompt of (handoff.py), in its
-        reservation if it has one."""
+        reservation if it has one. A constrained request's matcher is rebuilt here and fed the
+        tokens the other engine sampled (its grammar ``compiled_grammar``, or compiled now).
+        Raises ValueError (ConstraintError) with nothing taken."""
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
+        matcher = None
         if sampling_params.constraint is not None:
-            raise ValueError("output constraints are not handed off between nodes yet")
+            if compiled_grammar is None:
+                compiled_grammar = self.compile_grammar(sampling_params)
+            assert self.grammar_compiler is not None
+            matcher = self.grammar_compiler.matcher(compiled_grammar, state.prompt_token_ids)
+            if not all(matcher.accept(t) for t in state.output_token_ids):
+                raise ValueError(
+                    f"request {state.request_id!r}: its sampled tokens break its constraint"
+                )
         runner = self._model_runner()
-        return import_request(
+        request = import_request(
             self.scheduler,
             runner.kv_cache,
             runner.cache_salt,
@@ -295,6 +305,8 @@ class LLMEngine:
             sampling_params,
             self.executor.eos_token_id,
         )
+        request.matcher = matcher
+        return request
 
     def _model_runner(self) -> ModelRunner:
         if not isinstance(self.executor, ModelRunner):
