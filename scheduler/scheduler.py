@@ -144,6 +144,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the waiting requests' and the running ones' rest."""
+        waiting = sum(r.num_prompt_tokens for r in self._waiting)
+        running = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._running)
+        return waiting + running
+
     def needs_sampled_tokens(self) -> bool:
         """True when scheduling the next step needs a running request's pending token on the host
         first: with prefix caching, its next chunk ends a block whose hash (for a snapshot)

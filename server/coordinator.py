@@ -165,6 +165,7 @@ def create_coordinator_app(
         config.body_read_timeout_s,
     )
     metrics = CoordinatorMetrics(served_model_name, export_vllm_names=export_vllm_names)
+    registry.pair_observer = metrics.pair_request
     metrics.bind_gauges(
         lambda: admission.num_running,
         lambda: admission.num_waiting,

@@ -19,6 +19,9 @@ Measured on the coordinator:
   step as vLLM's benchmark counts it.
 - e2e latency: HTTP receipt -> last delta. queue time: time waiting for an admission slot.
 - running / waiting: requests in flight to nodes / waiting in the admission queue.
+- a prefill/decode pair's request (server/pairing.py): its TTFT split into the prefill node's
+  part (sent -> first token), the transfer (first token -> the decode node has the cache) and the
+  decode node's first step (-> the second token), and its requests per pair.
 """
 
 from __future__ import annotations
@@ -179,6 +182,22 @@ class CoordinatorMetrics:
             [*m, "endpoint", "finished_reason"],
             registry=r,
         )
+        self._handoff_phase = Histogram(
+            "deepinfer_handoff_phase_seconds",
+            "A prefill/decode pair's request: time of each phase (prefill: sent to the first "
+            "token; transfer: to the decode node having the cache; first_decode: to the second "
+            "token).",
+            [*m, "phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self._pair_requests = Counter(
+            "deepinfer_pair_requests",
+            "Requests sent to a prefill/decode pair, by pair and outcome (handed_off: the decode "
+            "node took over; prefill_only: it ended with its first token; failed; aborted).",
+            [*m, "prefill", "decode", "outcome"],
+            registry=r,
+        )
 
     def bind_gauges(
         self,
@@ -197,6 +216,15 @@ class CoordinatorMetrics:
 
     def finished(self, endpoint: str, finished_reason: str) -> None:
         self._finished.labels("coordinator", self.model_name, endpoint, finished_reason).inc()
+
+    def pair_request(
+        self, prefill: str, decode: str, outcome: str, phases: dict[str, float]
+    ) -> None:
+        """A pair's request ended (server/pairing.py PairObserver)."""
+        labels = ("coordinator", self.model_name)
+        self._pair_requests.labels(*labels, prefill, decode, outcome).inc()
+        for phase, seconds in phases.items():
+            self._handoff_phase.labels(*labels, phase).observe(seconds)
 
     def render(self) -> bytes:
         return render(self.parts, export_vllm_names=self.export_vllm_names)

@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -57,6 +58,10 @@ class HandOffNode(Protocol):
     async def finish(self, request_id: str, stop_reason: int | str | None) -> None: ...
 
 
+# (prefill node id, decode node id, outcome, {phase: seconds}): the coordinator's metrics.
+PairObserver = Callable[[str, str, str, dict[str, float]], None]
+
+
 class PairKeys:
     """Per (prefill, decode) pair: its current key and the last transfer id used on it."""
 
@@ -81,10 +86,17 @@ class PairKeys:
 class PairedBackend:
     """A NodeBackend over two nodes; see the module."""
 
-    def __init__(self, prefill: NodeEntry, decode: NodeEntry, keys: PairKeys) -> None:
+    def __init__(
+        self,
+        prefill: NodeEntry,
+        decode: NodeEntry,
+        keys: PairKeys,
+        observer: PairObserver | None = None,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.keys = keys
+        self.observer = observer
 
     def _node(self, entry: NodeEntry) -> HandOffNode:
         return entry.backend  # type: ignore[return-value]
@@ -93,7 +105,11 @@ class PairedBackend:
         p, d = self.prefill, self.decode
         key, transfer_id = self.keys.next(p.node_id, d.node_id)
         route = HandOffRoute(pair_key=key, transfer_id=transfer_id, peer=p.node_id)
+        clock = _Phases()
         collect: asyncio.Task | None = None
+        num_prompt = len(request.prompt_token_ids)
+        p.num_prefill_tokens_inflight += num_prompt  # until its first token
+        outcome = "aborted"  # the client left, or a timeout or drain closed the stream
         try:
             on_decode = _on(d, self._node(d).decode(_with(request, route)))
             async with contextlib.aclosing(on_decode) as decoding:
@@ -111,28 +127,41 @@ class PairedBackend:
                 async with contextlib.aclosing(on_prefill) as prefilling:
                     async for frame in prefilling:
                         if isinstance(frame, HandedOff):
+                            clock.mark("transfer")
                             break
                         assert isinstance(frame, TokenDelta), frame
+                        if frame.token_ids and num_prompt:
+                            clock.mark("prefill")
+                            p.num_prefill_tokens_inflight -= num_prompt
+                            num_prompt = 0
                         if frame.token_ids and frame.finish_reason is None:
                             # The prefill node sends now: the decode node receives.
                             call = _on_call(d, self._node(d).collect(request.request_id))
                             collect = asyncio.create_task(call)
                         yield frame
                         if frame.finish_reason is not None:
-                            return  # ended with its first token: nothing to hand off
+                            outcome = "prefill_only"  # ended with its first token
+                            return
                 if collect is None:
                     raise _failed(p, f"node {p.node_id} handed off before its first token")
                 await collect
+                outcome = "handed_off"
                 async for frame in decoding:
                     assert isinstance(frame, TokenDelta), frame
+                    if frame.token_ids:
+                        clock.mark("first_decode")
                     yield frame
         except NodeError as error:
             if error.status not in _CLIENT_FAULTS:
                 self.keys.renew(p.node_id, d.node_id)
+            outcome = "failed"
             raise
         finally:
+            p.num_prefill_tokens_inflight -= num_prompt
             if collect is not None and not collect.done():
                 collect.cancel()
+            if self.observer is not None:
+                self.observer(p.node_id, d.node_id, outcome, clock.phases)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         prefill, decode = self._node(self.prefill), self._node(self.decode)
@@ -149,6 +178,20 @@ class PairedBackend:
     async def ready(self) -> bool:
         answers = await asyncio.gather(self.prefill.backend.ready(), self.decode.backend.ready())
         return all(answers)
+
+
+class _Phases:
+    """Each phase's time, from the previous phase's end (the first: from the start)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        if phase not in self.phases:
+            now = time.monotonic()
+            self.phases[phase] = now - self._last
+            self._last = now
 
 
 def _with(request: GenerateRequest, route: HandOffRoute) -> GenerateRequest:

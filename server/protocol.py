@@ -154,6 +154,7 @@ class NodeLoad(msgspec.Struct, kw_only=True):
 
     num_running: int = 0
     num_waiting: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens still to compute there (a prefill node's load)
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_used_slots: int = 0

@@ -40,9 +40,16 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.server.pairing import PairedBackend, PairKeys
+from deepinfer.server.pairing import PairedBackend, PairKeys, PairObserver
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
-from deepinfer.server.routing import LeastLoadedPolicy, NodeBackend, NodeEntry, RoutingPolicy
+from deepinfer.server.routing import (
+    LeastLoadedPairing,
+    LeastLoadedPolicy,
+    NodeBackend,
+    NodeEntry,
+    PairingPolicy,
+    RoutingPolicy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,7 @@ class NodeRegistry:
         clock: Callable[[], float] = time.monotonic,
         probe_timeout_s: float = 5.0,
         max_nodes: int = 256,
+        pairing: PairingPolicy | None = None,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.probe_timeout_s = probe_timeout_s
@@ -91,6 +99,8 @@ class NodeRegistry:
         self._clock = clock
         self._nodes: dict[str, NodeEntry] = {}
         self.pair_keys = PairKeys()
+        self.pairing: PairingPolicy = pairing or LeastLoadedPairing()
+        self.pair_observer: PairObserver | None = None  # the coordinator's metrics
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -280,23 +290,25 @@ class NodeRegistry:
                     break
         return down
 
-    def routes(self, exclude: Container[str] = ()) -> list[NodeEntry]:
-        """Where a request can go: every mixed node ready, and the pair of the least loaded
-        prefill node and decode node ready (none of them in ``exclude``)."""
+    def routes(self, exclude: Container[str] = (), num_tokens: int = 0) -> list[NodeEntry]:
+        """Where a request of ``num_tokens`` can go: every mixed node ready, and the pair the
+        pairing policy makes of the prefill and decode nodes ready whose context it fits (none of
+        them in ``exclude``)."""
         ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
         routes = [n for n in ready if n.role == "mixed"]
-        prefill = [n for n in ready if n.role == "prefill"]
-        decode = [n for n in ready if n.role == "decode"]
-        if prefill and decode:
-            p = min(prefill, key=lambda n: (n.load_score, n.node_id))
-            d = min(decode, key=lambda n: (n.load_score, -n.load.num_free_blocks, n.node_id))
-            routes.append(self._pair(p, d))
+        fits = [n for n in ready if n.max_model_len >= num_tokens]
+        for nodes in (fits, ready):  # a pair that does not fit: refused as too long
+            prefill = [n for n in nodes if n.role == "prefill"]
+            decode = [n for n in nodes if n.role == "decode"]
+            if prefill and decode:
+                routes.append(self._pair(*self.pairing.pair(prefill, decode, num_tokens)))
+                break
         return routes
 
     def _pair(self, p: NodeEntry, d: NodeEntry) -> NodeEntry:
         return NodeEntry(
             f"{p.node_id}+{d.node_id}",
-            PairedBackend(p, d, self.pair_keys),
+            PairedBackend(p, d, self.pair_keys, self.pair_observer),
             min(p.max_model_len, d.max_model_len),
             d.max_num_seqs,
             role="pair",
@@ -358,10 +370,13 @@ class NodeRegistry:
     def _candidates(self, num_tokens: int, exclude: Container[str]) -> list[NodeEntry]:
         """The routes (none of whose nodes is in ``exclude``) whose context ``num_tokens`` fits
         (never empty). Raises NoReadyNodeError or NoFittingNodeError."""
-        ready = self.routes(exclude)
+        ready = self.routes(exclude, num_tokens)
         if not ready:
             raise NoReadyNodeError("no node is ready")
         fitting = [n for n in ready if n.max_model_len >= num_tokens]
+        pairs = [n for n in fitting if n.members]
+        if pairs:  # prefill/decode nodes first; mixed nodes when no pair is ready
+            return pairs
         if not fitting:
             raise NoFittingNodeError(
                 f"This model's maximum context length is "

@@ -89,6 +89,8 @@ class NodeEntry:
     is_ready: bool = True  # heartbeats arrive (static nodes: always)
     is_responsive: bool = True  # its last request or probe reached it and found it ready
     num_inflight: int = 0
+    # A prefill node: prompt tokens of this coordinator's requests there not computed yet.
+    num_prefill_tokens_inflight: int = 0
     # A prefill/decode pair (server/pairing.py): its two nodes, which count its requests too.
     members: tuple[NodeEntry, ...] = ()
 
@@ -110,6 +112,39 @@ class NodeEntry:
     @property
     def load_score(self) -> int:
         return max(self.num_inflight, self.load.num_running + self.load.num_waiting)
+
+
+class PairingPolicy(Protocol):
+    def pair(
+        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], num_prompt_tokens: int
+    ) -> tuple[NodeEntry, NodeEntry]:
+        """Pick a prefill node and a decode node (both non-empty, all ready) for a request."""
+        ...
+
+
+class LeastLoadedPairing:
+    """The prefill node with the fewest prompt tokens still to compute (the larger of this
+    coordinator's there and what the node last reported: it includes other coordinators'), and
+    the decode node with the most KV room (its share of free blocks), then the fewest requests;
+    ties to the lower id."""
+
+    def pair(
+        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], num_prompt_tokens: int
+    ) -> tuple[NodeEntry, NodeEntry]:
+        assert prefill and decode, "pair() needs a prefill node and a decode node"
+        p = min(prefill, key=lambda n: (pending_prefill_tokens(n), n.node_id))
+        d = min(decode, key=lambda n: (-kv_room(n), n.load_score, n.node_id))
+        return p, d
+
+
+def pending_prefill_tokens(node: NodeEntry) -> int:
+    return max(node.num_prefill_tokens_inflight, node.load.num_prefill_tokens)
+
+
+def kv_room(node: NodeEntry) -> float:
+    """The share of a node's KV blocks free when it last reported (1.0 when it never did)."""
+    total = node.load.num_total_blocks
+    return node.load.num_free_blocks / total if total else 1.0
 
 
 class RoutingPolicy(Protocol):

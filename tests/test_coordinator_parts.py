@@ -96,6 +96,43 @@ def test_least_loaded_policy() -> None:
     assert policy.select([_entry("y", 0, 0, 0), _entry("x", 0, 0, 0)], 1).node_id == "x"
 
 
+def _node(registry: NodeRegistry, node_id: str, role: str, **load: int) -> NodeEntry:
+    registration = NodeRegistration(
+        node_id=node_id, url=f"http://{node_id}", role=role, model="m", max_model_len=1024
+    )
+    entry = registry.register(registration)
+    entry.load = NodeLoad(**load)
+    return entry
+
+
+def test_pairs_by_pending_prompt_tokens_and_kv_room_and_mixed_only_without_a_pair() -> None:
+    registry = NodeRegistry(10.0, lambda url: FakeBackend())
+    mixed = _node(registry, "m0", "mixed")
+    # Prefill nodes: the fewest prompt tokens still to compute, reported or sent from here.
+    _node(registry, "p0", "prefill", num_prefill_tokens=5000)
+    p1 = _node(registry, "p1", "prefill", num_prefill_tokens=300)
+    p2 = _node(registry, "p2", "prefill", num_prefill_tokens=200)
+    p2.num_prefill_tokens_inflight = 900  # this coordinator's, not in p2's last report yet
+    # Decode nodes: the largest share of free KV blocks, then the fewest requests.
+    _node(registry, "d0", "decode", num_free_blocks=100, num_total_blocks=1000, num_running=1)
+    _node(registry, "d1", "decode", num_free_blocks=800, num_total_blocks=1000, num_running=9)
+    d2 = _node(registry, "d2", "decode", num_free_blocks=80, num_total_blocks=100, num_running=2)
+    with registry.select(100) as chosen:
+        assert chosen.node_id == "p1+d2" and chosen.members == (p1, d2)
+        assert p1.num_inflight == d2.num_inflight == 1 and mixed.num_inflight == 0
+    assert p1.num_inflight == d2.num_inflight == 0
+    with registry.select(100, exclude=["p1", "d2"]) as chosen:
+        assert chosen.node_id == "p2+d1"  # p2's 900 tokens in flight < p0's 5000
+    # No decode node in rotation: the mixed node takes the requests, and /ready's reason says so.
+    for node in registry.nodes:
+        if node.role == "decode":
+            registry.mark_unresponsive(node, "test")
+    with registry.select(100) as chosen:
+        assert chosen is mixed
+    assert [n.node_id for n in registry.serving_nodes()] == ["m0"]
+    assert registry.max_num_seqs() == mixed.max_num_seqs
+
+
 def test_ranks_route_by_instance_then_rank_and_only_when_complete() -> None:
     registry = NodeRegistry(10.0, lambda url: FakeBackend())
 

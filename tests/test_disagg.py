@@ -270,6 +270,15 @@ async def test_the_openai_client_through_the_coordinator_gets_serves_completion(
         want_structured = await serve_client.chat.completions.create(**structured)
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got_structured.choices[0].message.content == want_structured.choices[0].message.content
+    # The coordinator splits a pair's TTFT and counts its requests.
+    async with session.get(cluster.url("coordinator") + "/metrics") as response:
+        families = {f.name: f for f in text_string_to_metric_families(await response.text())}
+    phase_samples = families["deepinfer_handoff_phase_seconds"].samples
+    phases = {s.labels["phase"]: s.value for s in phase_samples if s.name.endswith("_count")}
+    assert phases["prefill"] == phases["transfer"] == phases["first_decode"] == 3
+    pair_samples = families["deepinfer_pair_requests"].samples
+    outcomes = {s.labels["outcome"]: s.value for s in pair_samples if s.name.endswith("_total")}
+    assert outcomes == {"handed_off": 3.0}
     samples = await _metrics(session, cluster, "prefill")
     assert samples[("deepinfer_kv_transfer_bytes_total", "send")] > 0
     assert (await _metrics(session, cluster, "decode"))[

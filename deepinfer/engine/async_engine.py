@@ -83,6 +83,7 @@ class EngineLoad:
 
     num_running: int
     num_waiting: int
+    num_prefill_tokens: int  # prompt tokens still to compute (waiting and running requests)
     num_free_blocks: int
     num_total_blocks: int
     num_used_slots: int
@@ -205,6 +206,7 @@ class AsyncEngine:
         return EngineLoad(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
+            num_prefill_tokens=scheduler.num_prefill_tokens,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_total_blocks=scheduler.block_manager.num_blocks,
             num_used_slots=scheduler.state_slots.num_used_slots,
