@@ -1,17 +1,18 @@
-"""Prefill/decode hand-off through the server: the same workload against `deepinfer serve` (one
-mixed node) and against `deepinfer coordinator --prefill-node --decode-node` over two nodes,
-with each hand-off's bytes and seconds read from the nodes' /metrics.
+"""What prefill/decode disaggregation buys, through the server: one prefill + one decode node
+against two mixed nodes behind `deepinfer coordinator`, on a mixed workload (long prompts
+arriving while other requests decode), with each hand-off's bytes and seconds read from the
+nodes' /metrics.
 
     python3 -P benchmarks/pd_serve.py --tiny            # the built-in model, CPU, 1 thread a node
     python3 -P benchmarks/pd_serve.py [--layers swa,csa,hca,csa]   # V4-Flash-shaped layers,
-        random bf16, both nodes on one GPU (bash scripts/gpu_bench.sh benchmarks/pd_serve.py)
+        random bf16, all nodes on one GPU (bash scripts/gpu_bench.sh benchmarks/pd_serve.py)
 
-Every server is a real process; the workload is `deepinfer bench serve --dataset-name random
---ignore-eos` at each --concurrency. Printed: TTFT, ITL and output tok/s of both setups, the
-hand-offs' mean size and time, their rate against this machine's host copy bandwidth (measured
-in the same run), and the transfers' failures (0 expected). On one GPU the two nodes share the
-device, so this shows what the hand-off costs, not what disaggregation buys (that needs nodes on
-their own accelerators: the second part of the work).
+Every server is a real process. Two `deepinfer bench serve` clients run at once against each
+setup: the decode stream (short prompts, long outputs, --decode-concurrency at a time) and the
+long prompts (--long-len tokens in, 16 out, --long-rate a second, Poisson). Printed per setup:
+the decode stream's ITL and TPOT, the long prompts' TTFT (p50, p99), output tok/s; for the pair,
+the hand-offs' mean size and time and their rate against this machine's copy rate of the path
+used (host memcpy; on a GPU also device-to-host), measured in the same run.
 """
 
 from __future__ import annotations
@@ -32,17 +33,31 @@ from serve_graphs import _free_port, _get
 from v4_flash import LAYER_TYPES, write_config
 
 
-def _bench(base: str, concurrency: int, name: str, ns: argparse.Namespace) -> dict:
-    command = [
+def _bench_command(base: str, name: str, ns: argparse.Namespace, kind: str) -> list[str]:
+    if kind == "decode":
+        shape = ["--random-input-len", "128", "--random-output-len", str(ns.decode_len),
+                 "--max-concurrency", str(ns.decode_concurrency),
+                 "--num-prompts", str(ns.decode_prompts), "--request-rate", "inf"]  # fmt: skip
+    else:
+        shape = ["--random-input-len", str(ns.long_len), "--random-output-len", "16",
+                 "--num-prompts", str(ns.long_prompts), "--request-rate", str(ns.long_rate),
+                 "--seed", "1"]  # fmt: skip
+    return [
         sys.executable, "-P", "-m", "deepinfer.cli", "bench", "serve", "--base-url", base,
-        "--dataset-name", "random", "--random-input-len", str(ns.input_len),
-        "--random-output-len", str(ns.output_len), "--ignore-eos",
-        "--max-concurrency", str(concurrency), "--num-prompts", str(ns.num_prompts),
-        "--request-rate", "inf", "--save-result", "--result-dir", str(ns.out),
-        "--result-filename", f"{name}.json", "--disable-tqdm",
+        "--dataset-name", "random", "--ignore-eos", *shape, "--save-result",
+        "--result-dir", str(ns.out), "--result-filename", f"{name}_{kind}.json", "--disable-tqdm",
     ]  # fmt: skip
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((ns.out / f"{name}.json").read_text())
+
+
+def _run_workload(base: str, name: str, ns: argparse.Namespace) -> dict[str, dict]:
+    """Both clients at once; their results by kind."""
+    clients = {
+        kind: subprocess.Popen(_bench_command(base, name, ns, kind), stdout=subprocess.DEVNULL)
+        for kind in ("decode", "long")
+    }
+    for kind, client in clients.items():
+        assert client.wait() == 0, f"bench serve ({kind}) failed"
+    return {k: json.loads((ns.out / f"{name}_{k}.json").read_text()) for k in clients}
 
 
 def _samples(base: str) -> dict:
@@ -65,7 +80,7 @@ class Servers:
         else:
             layers = [LAYER_TYPES[name] for name in ns.layers.split(",")]
             model_dir = write_config(ns.out / "v4-flash-shaped", layers)
-            self.common = ["--model", str(model_dir), "--gpu-memory-utilization", "0.4"]
+            self.common = ["--model", str(model_dir), "--gpu-memory-utilization", "0.45"]
             self.env["DEEPINFER_MODEL_RANDOM_WEIGHTS"] = "true"
         self.running: list[subprocess.Popen] = []
 
@@ -73,6 +88,23 @@ class Servers:
         log = (self.ns.out / f"{name}.log").open("wb")
         argv = [sys.executable, "-P", "-m", "deepinfer.cli", *args]
         self.running.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=log))
+
+    def cluster(self, roles: tuple[str, str]) -> tuple[str, dict[str, str]]:
+        """Two nodes of ``roles`` and a coordinator over them; (its URL, the nodes' URLs)."""
+        nodes, flags = {}, []
+        for i, role in enumerate(roles):
+            port = _free_port()
+            name = f"{role}{i}"
+            nodes[name] = f"http://127.0.0.1:{port}"
+            self.start(name, "node", *self.common, "--role", role, "--port", str(port))
+            flags += ["--node" if role == "mixed" else f"--{role}-node", nodes[name]]
+        port = _free_port()
+        limit = str(self.ns.max_model_len)
+        self.start("coordinator", "coordinator", "--port", str(port), "--internal-port",
+                   str(_free_port()), "--max-model-len", limit, *flags)  # fmt: skip
+        coordinator = f"http://127.0.0.1:{port}"
+        self.wait(*nodes.values(), coordinator)
+        return coordinator, nodes
 
     def wait(self, *bases: str) -> None:
         deadline = time.monotonic() + 600
@@ -90,21 +122,25 @@ class Servers:
         self.running = []
 
 
-def _row(setup: str, concurrency: int, r: dict) -> tuple:
-    m = r["metrics"]
-    return (setup, concurrency, r["completed"], r["failed"], m["ttft"]["median_ms"],
-            m["ttft"]["percentiles_ms"]["99"], m["itl"]["median_ms"],
-            m["itl"]["percentiles_ms"]["99"], r["output_throughput"])  # fmt: skip
+def _row(setup: str, results: dict[str, dict]) -> tuple:
+    d, long = results["decode"], results["long"]
+    return (setup, d["completed"] + long["completed"], d["failed"] + long["failed"],
+            d["metrics"]["itl"]["median_ms"], d["metrics"]["itl"]["percentiles_ms"]["99"],
+            d["metrics"]["tpot"]["median_ms"], long["metrics"]["ttft"]["median_ms"],
+            long["metrics"]["ttft"]["percentiles_ms"]["99"],
+            d["output_throughput"] + long["output_throughput"])  # fmt: skip
 
 
-def _host_copy_gbps() -> float:
-    """A 256 MiB host-to-host copy: this machine's memcpy rate (GB/s), best of 5."""
-    a = torch.empty(256 << 20, dtype=torch.uint8)
-    b = torch.empty_like(a)
+def _copy_gbps(device: str) -> float:
+    """A 256 MiB copy on this path (host to host, or device to pinned host), best of 5, GB/s."""
+    a = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    b = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=device == "cuda")
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         b.copy_(a)
+        if device == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return a.numel() / best / 1e9
 
@@ -114,64 +150,52 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the built-in model on the CPU")
     ap.add_argument("--layers", default="swa,csa,hca,csa")
     ap.add_argument("--max-model-len", type=int, default=16384)
-    ap.add_argument("--input-len", type=int, default=2048)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--decode-len", type=int, default=256)
+    ap.add_argument("--decode-concurrency", type=int, default=4)
+    ap.add_argument("--decode-prompts", type=int, default=16)
+    ap.add_argument("--long-len", type=int, default=8192)
+    ap.add_argument("--long-rate", type=float, default=1.0)
+    ap.add_argument("--long-prompts", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/pd_serve")))
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     servers = Servers(ns)
-    levels = [int(c) for c in ns.concurrency.split(",")]
     rows = []
+    for setup, roles in (("2 mixed", ("mixed", "mixed")), ("1P + 1D", ("prefill", "decode"))):
+        try:
+            coordinator, nodes = servers.cluster(roles)
+            rows.append(_row(setup, _run_workload(coordinator, setup.replace(" ", ""), ns)))
+            if "prefill0" in nodes:
+                sent, received = _samples(nodes["prefill0"]), _samples(nodes["decode1"])
+        finally:
+            servers.stop()
 
-    port = _free_port()
-    serve = f"http://127.0.0.1:{port}"
-    servers.start("serve", "serve", *servers.common, "--port", str(port),
-                  "--internal-port", str(_free_port()))  # fmt: skip
-    try:
-        servers.wait(serve)
-        rows += [_row("mixed", c, _bench(serve, c, f"mixed_c{c}", ns)) for c in levels]
-    finally:
-        servers.stop()
-
-    ports = {role: _free_port() for role in ("prefill", "decode", "coordinator")}
-    nodes = {role: f"http://127.0.0.1:{ports[role]}" for role in ("prefill", "decode")}
-    for role in ("decode", "prefill"):
-        servers.start(role, "node", *servers.common, "--role", role, "--port", str(ports[role]))
-    coordinator = f"http://127.0.0.1:{ports['coordinator']}"
-    servers.start("coordinator", "coordinator", "--port", str(ports["coordinator"]),
-                  "--internal-port", str(_free_port()), "--max-model-len", str(ns.max_model_len),
-                  "--prefill-node", nodes["prefill"], "--decode-node", nodes["decode"])  # fmt: skip
-    try:
-        servers.wait(nodes["decode"], nodes["prefill"], coordinator)
-        rows += [_row("P/D", c, _bench(coordinator, c, f"pd_c{c}", ns)) for c in levels]
-        sent, received = _samples(nodes["prefill"]), _samples(nodes["decode"])
-    finally:
-        servers.stop()
-
-    print(f"{ns.input_len} in / {ns.output_len} out, {ns.num_prompts} prompts a level")
-    print("| setup | c | completed | failed | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-          "ITL p99 ms | output tok/s |")  # fmt: skip
+    print(f"decode stream: 128 in / {ns.decode_len} out, {ns.decode_concurrency} at a time, "
+          f"{ns.decode_prompts} requests; long prompts: {ns.long_len} in / 16 out, "
+          f"{ns.long_rate}/s, {ns.long_prompts} requests")  # fmt: skip
+    print("| setup | completed | failed | decode ITL p50 ms | decode ITL p99 ms | "
+          "decode TPOT p50 ms | long TTFT p50 ms | long TTFT p99 ms | output tok/s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print("| {} | {} | {} | {} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.0f} |".format(*row))
+        print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.1f} | {:.0f} |".format(*row))
     count = sent[("deepinfer_kv_transfer_seconds_count", "send", None)]
     num_bytes = sent[("deepinfer_kv_transfer_bytes_total", "send", None)]
     seconds = sent[("deepinfer_kv_transfer_seconds_sum", "send", None)]
     recv_seconds = received[("deepinfer_kv_transfer_seconds_sum", "recv", None)]
     failures = {k: v for k, v in {**sent, **received}.items() if "failures" in k[0] and v}
-    copy = _host_copy_gbps()
-    rate = num_bytes / seconds / 1e9
     same = received[("deepinfer_kv_transfer_bytes_total", "recv", None)] == num_bytes
+    rate = num_bytes / seconds / 1e9
+    paths = {"host copy": _copy_gbps("cpu")}
+    if torch.cuda.is_available():
+        paths["device to pinned host"] = _copy_gbps("cuda")
+    against = ", ".join(f"{rate / v:.3f} of the {k} rate ({v:.1f} GB/s)" for k, v in paths.items())
     print(
         f"hand-offs: {count:.0f}, {num_bytes / count / 2**20:.2f} MiB each; send "
         f"{seconds / count * 1e3:.1f} ms (the wait for the decode node's collect included), "
-        f"receive {recv_seconds / count * 1e3:.1f} ms; {rate:.2f} GB/s sent = "
-        f"{rate / copy:.3f} of this host's copy rate ({copy:.1f} GB/s); bytes received "
-        f"{'equal' if same else 'DIFFER from'} those sent; failures: {failures or 0}"
+        f"receive {recv_seconds / count * 1e3:.1f} ms; {rate:.2f} GB/s sent = {against}; bytes "
+        f"received {'equal' if same else 'DIFFER from'} those sent; failures: {failures or 0}"
     )
-    return 0 if not failures and all(r[3] == 0 for r in rows) else 1
+    return 0 if not failures and all(r[2] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":
