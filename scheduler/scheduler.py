@@ -564,10 +564,10 @@ class Scheduler:
         self._free_resources(request, status)
         request.status = status
 
-    def reserve_hand_off(self, request_id: str, num_tokens: int) -> None:
+    def reserve_hand_off(self, request_id: str, num_tokens: int) -> tuple[list[int], int]:
         """Decode side: keep blocks for positions 0 .. num_tokens - 1 and a state slot for a
-        request computed elsewhere (ValueError when the id is in use, NoRoomError when there is
-        no room now).
+        request computed elsewhere: (block ids, slot). ValueError when the id is in use,
+        NoRoomError when there is no room now.
         ``add_handed_off`` takes them over; ``unreserve`` (or an abort) gives them back."""
         if request_id in self._requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -579,8 +579,9 @@ class Scheduler:
             raise NoRoomError(f"{num_blocks + 1} free KV blocks needed")
         if not self.state_slots.can_allocate():
             raise NoRoomError("no free state slot")
-        block_ids = self.block_manager.allocate(num_blocks)
-        self._reserved[request_id] = (block_ids, self.state_slots.allocate())
+        reservation = (self.block_manager.allocate(num_blocks), self.state_slots.allocate())
+        self._reserved[request_id] = reservation
+        return reservation
 
     def reservation(self, request_id: str) -> tuple[list[int], int] | None:
         """(block ids, state slot) kept for a hand-off on its way, None if there is none."""

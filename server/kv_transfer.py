@@ -52,7 +52,6 @@ import datetime
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -70,6 +69,7 @@ from deepinfer.engine.handoff import HandOffExport, RequestState, pack_state, un
 from deepinfer.parallel.transfer import PairTransport, TransferError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.scheduler import NoRoomError
+from deepinfer.server import listen
 from deepinfer.server.node_stream import engine_token_deltas, token_deltas
 from deepinfer.server.protocol import (
     GenerateRequest,
@@ -131,10 +131,7 @@ class KVTransfers:
             return
         loop = asyncio.get_running_loop()
         self._store = await loop.run_in_executor(self._pool, self._open_store)
-        host = self.config.store_host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        self.store_address = (host, self._store.port)
+        self.store_address = (listen.advertised_host(self.config.store_host), self._store.port)
         logger.info("pairs' store for hand-offs on %s:%d", *self.store_address)
 
     def _open_store(self) -> dist.Store:
@@ -243,7 +240,7 @@ class KVTransfers:
 
         def send(transport: PairTransport) -> int:
             transport.send(route.transfer_id, header, parts, checksum_parts=self.config.checksum)
-            return len(header) + sum(p.numel() * p.element_size() for p in parts)
+            return _num_bytes(header, parts)
 
         num_bytes, seconds = await self._run("send", route, send)
         return HandedOff(request_id=state.request_id, num_bytes=num_bytes, seconds=seconds)
@@ -255,7 +252,7 @@ class KVTransfers:
         def recv(transport: PairTransport) -> int:
             header, parts = transport.recv(route.transfer_id)
             received.append((header, parts))
-            return len(header) + sum(p.numel() * p.element_size() for p in parts)
+            return _num_bytes(header, parts)
 
         await self._run("recv", route, recv)
         try:
@@ -326,6 +323,10 @@ class KVTransfers:
 
     def forget(self, request_id: str) -> None:
         self._collects.pop(request_id, None)
+
+
+def _num_bytes(header: bytes, parts: list[torch.Tensor]) -> int:
+    return len(header) + sum(p.numel() * p.element_size() for p in parts)
 
 
 def _seconds(value: float) -> datetime.timedelta:

@@ -15,6 +15,12 @@ class PortInUseError(ValueError):
     """The address cannot be bound (in use, not ours, no such interface)."""
 
 
+def advertised_host(host: str) -> str:
+    """The host others reach a listener bound to ``host`` at: the machine's hostname for the
+    wildcard addresses, else ``host``."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
 def bind(host: str, port: int, section: str, prefix: str = "") -> socket.socket:
     """A TCP socket bound to ``host:port`` (the ``[section]`` keys ``<prefix>host`` and
     ``<prefix>port``), not yet listening, with the options asyncio's servers set (SO_REUSEADDR;

@@ -138,11 +138,10 @@ def create_node_app(
 
 def node_identity(node: NodeConfig) -> tuple[str, str]:
     """(node_id, the URL the coordinator reaches the node at), defaults filled in."""
-    hostname = socket.gethostname()
-    host = hostname if node.host in ("0.0.0.0", "::", "") else node.host
+    host = listen.advertised_host(node.host)
     if ":" in host:
         host = f"[{host}]"
-    node_id = node.node_id or f"{hostname}:{node.port}"
+    node_id = node.node_id or f"{socket.gethostname()}:{node.port}"
     return node_id, node.advertise_url or f"http://{host}:{node.port}"
 
 

@@ -16,6 +16,16 @@ from deepinfer.ops.registry import ParallelContext
 from deepinfer.sampling_params import SamplingParams
 
 
+def drain(engine: LLMEngine) -> tuple[list[int], list[dict[int, float]]]:
+    """Step ``engine`` until it has no request left: (its new tokens, their logprobs)."""
+    tokens, logprobs = [], []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+            logprobs += delta.new_logprobs or []
+    return tokens, logprobs
+
+
 def abort_mid_steps(config: Config, rank: int, plan: dict, conn: Connection) -> None:
     """Rank ``rank``: add ``plan["prompts"][rank]``, step in lock-step, abort ``plan["abort"]``
     (if it is this rank's) after ``plan["abort_after"]`` steps; send back the tokens, the
@@ -114,11 +124,7 @@ def decode_handoffs(config: Config, port: int, plan: dict, conn: Connection) -> 
             continue
         state = unpack_state(*got)
         engine.import_request(state, params)
-        tokens = list(state.output_token_ids)
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                tokens += delta.new_token_ids
-        results[transfer_id] = tokens
+        results[transfer_id] = list(state.output_token_ids) + drain(engine)[0]
     receive(plan["broken"])
     results[plan["broken"]] = received[plan["broken"]]
     conn.send((results, engine.scheduler.block_manager.num_used_blocks))

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from oracle import oracle_prompts
 from processes import Process, clean_env, free_port, http_status
 from prometheus_client.parser import text_string_to_metric_families
+from rank_workers import drain
 
 from deepinfer.config import Config
 from deepinfer.engine.async_engine import AsyncEngine
@@ -162,12 +163,7 @@ async def _pair_run(
 
 def _mixed_run(engine: LLMEngine, prompt: list[int], sampling: SamplingOptions) -> tuple:
     engine.add_request(f"mixed-{next(_ids)}", prompt, sampling.to_sampling_params())
-    tokens, logprobs = [], []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens += delta.new_token_ids
-            logprobs += delta.new_logprobs or []
-    return tokens, logprobs
+    return drain(engine)
 
 
 def _assert_same(got: tuple, want: tuple) -> None:

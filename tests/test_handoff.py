@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import oracle_prompts
+from rank_workers import drain
 
 from deepinfer.config import Config
 from deepinfer.engine.llm_engine import LLMEngine
@@ -50,7 +51,7 @@ class Engines:
         state = self.prefill.export_request(request_id)
         self.prefill.release_hand_off(request_id)
         self.decode.import_request(state, params)
-        rest, rest_logprobs = _drain(self.decode)
+        rest, rest_logprobs = drain(self.decode)
         for engine in (self.prefill, self.decode):
             engine.scheduler.check_integrity()
             assert engine.scheduler.block_manager.num_used_blocks == 0
@@ -64,16 +65,7 @@ class Engines:
 
 def _run(engine: LLMEngine, request_id: str, prompt, params, **kw) -> tuple[list, list]:
     engine.add_request(request_id, prompt, params, **kw)
-    return _drain(engine)
-
-
-def _drain(engine: LLMEngine) -> tuple[list, list]:
-    tokens, logprobs = [], []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens += delta.new_token_ids
-            logprobs += delta.new_logprobs or []
-    return tokens, logprobs
+    return drain(engine)
 
 
 def _assert_same(got: tuple[list, list], want: tuple[list, list]) -> None:
@@ -167,5 +159,5 @@ def test_held_hand_offs_free_what_they_hold_and_bad_states_are_refused(builtin):
     assert decode.scheduler.block_manager.num_used_blocks == 0  # nothing held after refusals
     assert decode.scheduler.state_slots.num_used_slots == 0
     decode.import_request(state, GREEDY)  # the state itself still continues
-    _drain(decode)
+    drain(decode)
     decode.scheduler.check_integrity()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from rank_workers import decode_handoffs, receive_forever
+from rank_workers import decode_handoffs, drain, receive_forever
 
 from deepinfer.config import Config
 from deepinfer.engine.handoff import pack_state
@@ -39,11 +39,7 @@ def _config() -> Config:
 def _tokens(engine: LLMEngine, request_id: str, prompt: list[int], **kw) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     engine.add_request(request_id, prompt, params, **kw)
-    tokens = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens += delta.new_token_ids
-    return tokens
+    return drain(engine)[0]
 
 
 def test_hand_offs_over_the_pair_decode_as_one_engine_and_a_cut_transfer_is_not_applied():

@@ -170,11 +170,7 @@ def import_request(
     _check_parts(state.request_id, "block", cache.spec.paged, state.blocks, cache.dtype, 1)
     _check_parts(state.request_id, "state slot", cache.spec.state, state.slot, cache.dtype, 0)
     reservation = scheduler.reservation(state.request_id)
-    if reservation is None:
-        scheduler.reserve_hand_off(state.request_id, num_prompt)
-        reservation = scheduler.reservation(state.request_id)
-        assert reservation is not None
-    block_ids, slot = reservation
+    block_ids, slot = reservation or scheduler.reserve_hand_off(state.request_id, num_prompt)
     if len(block_ids) != num_blocks:
         raise ValueError(
             f"request {state.request_id!r}: {len(block_ids)} blocks reserved for {num_blocks} sent"
