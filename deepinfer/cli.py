@@ -88,13 +88,19 @@ def encode_chat(tokenizer_json: Path, message: str) -> list[int]:
 def _tiny_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder (created; must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="store the weights as V4-Flash does: FP8 linears with 128x128 ue8m0 block scales, "
+        "routed experts packed FP4 (e2m1, ue8m0 per 32)",
+    )
     add_config_flags(p, ("log",))
 
 
 def _make_tiny(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.model.tiny import make_tiny_model
 
-    path = make_tiny_model(Path(ns.dir), seed=ns.seed)
+    path = make_tiny_model(Path(ns.dir), seed=ns.seed, quantized=ns.quantized)
     print(path)
     return 0
 

@@ -45,6 +45,10 @@ class ModelConfig:
     # CUDA: keep the checkpoint's FP8 linear weights FP8 (block-scaled W8A8 GEMMs, kernel.linear)
     # instead of dequantizing them to dtype; ignored on other devices.
     fp8_weights: bool = False
+    # Keep the checkpoint's FP4 routed experts packed (e2m1 + ue8m0 per 32, a quarter of bf16's
+    # bytes; the MoE kernels dequantize in registers, exactly) instead of dequantizing them to
+    # dtype. Same values either way, so the same tokens; ignored for checkpoints without FP4.
+    fp4_experts: bool = True
     # The most top alternatives a request may ask for (logprobs, prompt_logprobs), as OpenAI
     # and vLLM cap them: each costs a [V] sort row and bytes on the wire per token.
     max_logprobs: int = 20

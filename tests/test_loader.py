@@ -17,12 +17,12 @@ import deepinfer.model.tiny as tiny
 from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, MOE, SLIDING
 from deepinfer.model.deepseek_v4.checkpoint import (
     CheckpointError,
-    dequantize_fp4,
     dequantize_fp8,
     load_checkpoint,
     load_model_args,
 )
 from deepinfer.model.deepseek_v4.weights import expected_shapes
+from deepinfer.ops.moe import dequantize_mxfp4
 
 FP4_LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -226,11 +226,11 @@ def test_fp4_dequant_on_hand_made_bytes():
         (packed, e8m0.view(torch.uint8)),
         (packed.view(torch.float4_e2m1fn_x2), e8m0),
     ]:
-        got = dequantize_fp4(weight, s)
+        got = dequantize_mxfp4(weight, s)
         assert torch.equal(got, expected)
         assert torch.equal(got.signbit(), expected.signbit())  # -0.0 stays -0.0
     with pytest.raises(ValueError, match="one scale per 32"):
-        dequantize_fp4(packed, e8m0[:, :1])
+        dequantize_mxfp4(packed, e8m0[:, :1])
 
 
 def _fp4_quantize(gen: torch.Generator, rows: int, cols: int) -> tuple[torch.Tensor, ...]:

@@ -203,3 +203,40 @@ def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> No
         LIMIT,
     )
     assert torch.equal(alone[0], batched[position])
+
+
+# MXFP4 experts: D and I whole scale groups (multiples of 32), not multiples of the 64-wide K
+# tile below, so the masked K tail of the packed loads runs too.
+FP4_DIM, FP4_INTER = 96, 160
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "tile"),
+    [(1, None), (37, None), (37, (16, 64, 64, 1, 4, 2)), (37, (32, 32, 128, 2, 4, 2))],
+)
+def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
+    moe_triton: ModuleType, num_tokens: int, tile: tuple[int, ...] | None
+) -> None:
+    """Packed experts dequantized in registers: the same bits as the dense kernel given
+    ``dequantize_mxfp4``'s weights and the same tiles (the values are exact and the dot sees
+    them in the same order), and the torch reference on the packed weights to FP32_TOL."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    config = moe_triton.TileConfig(*tile) if tile else None
+    top_k = 3
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    dense = (
+        torch.randn(NUM_EXPERTS, FP4_INTER, FP4_DIM, generator=gen) * FP4_DIM**-0.5,
+        torch.randn(NUM_EXPERTS, FP4_DIM, FP4_INTER, generator=gen) * FP4_INTER**-0.5,
+        torch.randn(NUM_EXPERTS, FP4_INTER, FP4_DIM, generator=gen) * FP4_DIM**-0.5,
+    )
+    packed = [torch_ref.quantize_mxfp4(w) for w in dense]
+    dequantized = [w.dequantize() for w in packed]
+    topk_ids = _routing("unused_experts", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
+    same = moe_triton.fused_moe(x, *dequantized, topk_ids, topk_weights, LIMIT, config=config)
+    ref = torch_ref.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    assert torch.equal(out, same)
+    assert _rel_err(out, ref) < FP32_TOL
+    # The packed weights are not their dense source: the check above is not vacuous.
+    assert _rel_err(torch_ref.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT), ref) > 1e-2

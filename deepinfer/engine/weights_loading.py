@@ -1,7 +1,8 @@
 """Weight loading: a checkpoint folder (or random weights in its shapes) -> the model on a device.
 
     model_dir (config.json + safetensors) -> the family's load_weights / random_weights
-    -> the model built on the meta device -> FP8 linears swapped in (model.fp8_weights, CUDA)
+    -> the model built on the meta device -> FP8 linears swapped in (model.fp8_weights, CUDA),
+       packed routed experts (model.fp4_experts, FP4 checkpoints)
     -> load_state_dict(assign=True) on ``device`` -> LoadedModel
 
 Building on the meta device allocates nothing: ``assign=True`` makes the loaded tensors the
@@ -22,7 +23,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.model.family import ModelFamily
 from deepinfer.model.fingerprint import checkpoint_fingerprint
-from deepinfer.model.layers import use_fp8_linears
+from deepinfer.model.layers import use_fp8_linears, use_mxfp4_experts
 from deepinfer.ops import Kernels
 
 logger = logging.getLogger(__name__)
@@ -58,17 +59,33 @@ def load_model(
     if config.random_weights:
         seed = config.tiny_model_seed
         logger.info("model: random weights (seed %d) in the shapes of %s", seed, model_dir)
-        fp8 = block if keep_fp8 else None
-        weights = family.random_weights(args, seed, device, dtype, fp8_block=fp8, experts=experts)
+        weights = family.random_weights(
+            args,
+            seed,
+            device,
+            dtype,
+            fp8_block=block if keep_fp8 else None,
+            fp4_experts=config.fp4_experts and family.fp4_experts(args),
+            experts=experts,
+        )
     else:
         weights = family.load_weights(
-            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8, experts=experts
+            model_dir,
+            args,
+            device=device,
+            dtype=dtype,
+            keep_fp8=keep_fp8,
+            keep_fp4=config.fp4_experts,
+            experts=experts,
         )
     with torch.device("meta"):
         model = family.build_model(args, kernels, experts)
         num_fp8 = use_fp8_linears(model, weights, block, kernels.linear)
+        num_fp4 = use_mxfp4_experts(model, weights)
     if keep_fp8:
         logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
+    if num_fp4:
+        logger.info("model: routed experts of %d layers packed FP4 (MXFP4)", num_fp4)
     model.load_state_dict(weights, strict=True, assign=True)
     family.init_buffers(model, device)
     model.eval()

@@ -59,6 +59,11 @@ class ModelFamily(Protocol):
         """Rows and columns of a weight that share one FP8 scale."""
         ...
 
+    def fp4_experts(self, args: Any) -> bool:
+        """Whether the checkpoint stores its routed experts as FP4 (random weights in its
+        shapes are packed the same way under ``model.fp4_experts``)."""
+        ...
+
     def load_weights(
         self,
         model_dir: Path,
@@ -67,9 +72,12 @@ class ModelFamily(Protocol):
         device: torch.device,
         dtype: torch.dtype,
         keep_fp8: bool,
+        keep_fp4: bool = False,
         experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The state dict, with only the routed ``experts`` (None: all), read from the folder."""
+        """The state dict, with only the routed ``experts`` (None: all), read from the folder;
+        ``keep_fp8`` / ``keep_fp4``: the checkpoint's FP8 linears / FP4 routed experts as they
+        are stored (with their scales) instead of dequantized."""
         ...
 
     def random_weights(
@@ -80,11 +88,13 @@ class ModelFamily(Protocol):
         dtype: torch.dtype,
         *,
         fp8_block: tuple[int, int] | None,
+        fp4_experts: bool = False,
         experts: range | None = None,
     ) -> dict[str, torch.Tensor]: ...
 
-    def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
-        """``config.json`` and the weights of the built-in tiny checkpoint."""
+    def write_tiny_checkpoint(self, folder: Path, seed: int, quantized: bool = False) -> None:
+        """``config.json`` and the weights of the built-in tiny checkpoint (``quantized``: in
+        the checkpoints' own FP8 / FP4 formats)."""
         ...
 
     def cache_spec(

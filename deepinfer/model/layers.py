@@ -74,3 +74,17 @@ def use_fp8_linears(
         setattr(model.get_submodule(parent), attr, new)
         count += 1
     return count
+
+
+def use_mxfp4_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Make packed each routed-experts module whose ``w1`` in ``state`` is packed MXFP4 (uint8,
+    beside ``w1_scales``): the module's ``to_mxfp4``, so that ``model.load_state_dict(state)``
+    fits; returns how many. Call it where the model was built (e.g. on the meta device)."""
+    count = 0
+    for name in state:
+        path, _, leaf = name.rpartition(".")
+        if leaf == "w1_scales":
+            assert state[f"{path}.w1"].dtype == torch.uint8, f"{path}.w1 is not packed"
+            model.get_submodule(path).to_mxfp4()
+            count += 1
+    return count

@@ -25,12 +25,15 @@ BUILDER_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def make_tiny_model(folder: str | Path, seed: int = 0, model_type: str = "deepseek_v4") -> Path:
+def make_tiny_model(
+    folder: str | Path, seed: int = 0, model_type: str = "deepseek_v4", quantized: bool = False
+) -> Path:
     """Write the tiny checkpoint of ``model_type`` into ``folder`` (created if needed), with the
-    real tokenizer; same bytes for the same seed (the family's ``write_tiny_checkpoint``)."""
+    real tokenizer; same bytes for the same seed (the family's ``write_tiny_checkpoint``).
+    ``quantized``: the weights in the real checkpoints' FP8 / FP4 formats."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    load_family(model_type).write_tiny_checkpoint(folder, seed)
+    load_family(model_type).write_tiny_checkpoint(folder, seed, quantized)
     copy_tokenizer(folder)
     return folder
 

@@ -72,10 +72,11 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(
-    weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+    weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK, *, ue8m0: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``dequantize_fp8`` up to e4m3 rounding: weight [N, K] (any float dtype) ->
-    (q [N, K] float8_e4m3fn, scale [ceil(N/bn), ceil(K/bk)] fp32), scale = block amax / 448.
+    (q [N, K] float8_e4m3fn, scale [ceil(N/bn), ceil(K/bk)] fp32), scale = block amax / 448;
+    ``ue8m0``: that scale rounded up to a power of two (DeepSeek's ``scale_fmt`` "ue8m0").
 
     For random-weight benchmarks and tests: checkpoints ship their own FP8 weights.
     """
@@ -86,6 +87,9 @@ def quantize_fp8(
     padded[:n, :k] = weight
     blocks = padded.view(nb, bn, kb, bk)
     scale = _div_by_fp8_max(blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS))  # [nb, kb]
+    if ue8m0:
+        mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, [0.5, 1)
+        scale = torch.exp2((exponent - (mantissa == 0.5).to(exponent.dtype)).float())
     q = _to_e4m3(blocks / scale[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k]
     return q.contiguous(), scale
 

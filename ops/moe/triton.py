@@ -31,7 +31,13 @@ bitwise the same alone or in any batch that picks the same TileConfig (pick_tile
 T * k, so batches in one bucket of the table agree; across buckets the GEMM tile shapes, and with
 them the summation order, differ).
 
-One file of ~460 lines: a backend is one module per op family (``ops/registry.py``); the
+MXFP4 experts (``Mxfp4Weight``: e2m1 codes two per byte, one ue8m0 scale per 32 inputs) run the
+same kernels with W_FP4 set: each K tile of a weight is read as its [BLOCK_K/2, BLOCK_N] bytes
+and [BLOCK_K/32, BLOCK_N] scale bytes (a quarter of bf16's bytes, plus 1/64) and dequantized in
+registers to x's dtype, exactly (``_mxfp4_tile``). The dot then sees the values a dense kernel
+sees on ``dequantize_mxfp4``'s weights, in the same order: the outputs are the same bits.
+
+One file of ~560 lines: a backend is one module per op family (``ops/registry.py``); the
 alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
 ``TritonMoEBackend`` at the end is the backend object: it keeps any tile override.
 """
@@ -44,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.moe.torch_ref import swiglu
+from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK, ExpertWeight, Mxfp4Weight, swiglu
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision
 
@@ -164,11 +170,104 @@ def _tile_ids(pid, num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _mxfp4_tile(
+    w_ptr,
+    s_ptr,
+    w_rows,
+    s_rows,
+    k_start,
+    K: tl.constexpr,
+    stride_wk,
+    stride_sk,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """The weight's K tile [BLOCK_K, BLOCK_N] (k_start..) in DTYPE, from packed MXFP4.
+
+    w_rows, s_rows: [1, BLOCK_N] offsets of the tile's rows (expert and N) in the packed bytes
+    and in the scale bytes. Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high).
+    An e2m1 code becomes fp32 bits: sign << 31, and for exponent bits e > 0 the biased exponent
+    e + 126 with the mantissa bit at 22; e = 0 is 0 or 0.5. Times 2 ** (scale byte - 127), made
+    from the byte as an fp32 exponent. Every step is exact.
+    """
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_j = k_start // 2 + tl.arange(0, HALF_K)  # byte columns
+    offs_g = k_start // 32 + tl.arange(0, GROUPS)  # scale groups
+    b_ptrs = w_ptr + w_rows + offs_j[:, None] * stride_wk  # [BK/2, BN]
+    s_ptrs = s_ptr + s_rows + offs_g[:, None] * stride_sk  # [BK/32, BN]
+    if EVEN_K:
+        packed = tl.load(b_ptrs)
+        exps = tl.load(s_ptrs)
+    else:
+        packed = tl.load(b_ptrs, mask=offs_j[:, None] < K // 2, other=0)
+        exps = tl.load(s_ptrs, mask=offs_g[:, None] < K // 32, other=127)
+    packed = packed.to(tl.uint32)
+    codes = tl.join(packed & 0xF, packed >> 4)  # [BK/2, BN, 2]: columns 2j, 2j + 1
+    codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    exponent = (codes >> 1) & 3
+    mantissa = codes & 1
+    bits = tl.where(
+        exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22)
+    )
+    values = (bits | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)
+    scales = (exps.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # [BK/32, BN]
+    scales = tl.reshape(
+        tl.broadcast_to(scales[:, None, :], (GROUPS, 32, BLOCK_N)), (BLOCK_K, BLOCK_N)
+    )
+    return (values * scales).to(DTYPE)
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    w_rows,
+    s_rows,
+    k_start,
+    K: tl.constexpr,
+    stride_wk,
+    stride_sk,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W_FP4: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """A weight's K tile [BLOCK_K, BLOCK_N] (rows w_rows, columns k_start..) in DTYPE: dense
+    (zeros past K) or MXFP4 (``_mxfp4_tile``; s_ptr, s_rows, stride_sk its scales)."""
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    if W_FP4:
+        return _mxfp4_tile(
+            w_ptr,
+            s_ptr,
+            w_rows,
+            s_rows,
+            k_start,
+            K,
+            stride_wk,
+            stride_sk,
+            BLOCK_K,
+            BLOCK_N,
+            EVEN_K,
+            DTYPE,
+        )
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + w_rows + offs_k[:, None] * stride_wk
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_k[:, None] < K, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
     x_ptr,
     w1_ptr,
     w3_ptr,
+    s1_ptr,
+    s3_ptr,
     h_ptr,
     sorted_pair_ids_ptr,
     block_expert_ptr,
@@ -180,6 +279,9 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_hm,
     stride_hn,
     N: tl.constexpr,
@@ -190,11 +292,13 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    W_FP4: tl.constexpr,
 ):
     """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
 
     N = I, K = D. Padding rows gather nothing (A rows of zeros) and store swiglu(0, 0) = 0, so
     every row of a used block is written and the down kernel reads h without a row mask.
+    W_FP4: w1, w3 are packed bytes with scales s1, s3 (strides stride_s*); else s1, s3 unused.
     """
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -210,27 +314,50 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = x_ptr + token_ids[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BM, BK]
-    w_offs = expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    w1_ptrs = w1_ptr + w_offs  # [BK, BN]: w1[e, n, k] read as its transpose
-    w3_ptrs = w3_ptr + w_offs
+    # Tiles [BK, BN]: w[e, n, k] read as its transpose.
+    w_rows = expert * stride_we + offs_n[None, :] * stride_wn
+    s_rows = expert * stride_se + offs_n[None, :] * stride_sn
+    dtype = x_ptr.dtype.element_ty
 
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
-            b1 = tl.load(w1_ptrs)
-            b3 = tl.load(w3_ptrs)
         else:
             in_k = offs_k < K - k_start
             a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=in_k[:, None], other=0.0)
-            b3 = tl.load(w3_ptrs, mask=in_k[:, None], other=0.0)
+        b1 = _weight_tile(
+            w1_ptr,
+            s1_ptr,
+            w_rows,
+            s_rows,
+            k_start,
+            K,
+            stride_wk,
+            stride_sk,
+            BLOCK_K,
+            BLOCK_N,
+            W_FP4,
+            dtype,
+        )
+        b3 = _weight_tile(
+            w3_ptr,
+            s3_ptr,
+            w_rows,
+            s_rows,
+            k_start,
+            K,
+            stride_wk,
+            stride_sk,
+            BLOCK_K,
+            BLOCK_N,
+            W_FP4,
+            dtype,
+        )
         gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xk
-        w1_ptrs += BLOCK_K * stride_wk
-        w3_ptrs += BLOCK_K * stride_wk
 
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -245,6 +372,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,
     w2_ptr,
+    s2_ptr,
     pair_out_ptr,
     topk_weights_ptr,
     sorted_pair_ids_ptr,
@@ -256,6 +384,9 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_om,
     stride_on,
     N: tl.constexpr,
@@ -265,6 +396,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    W_FP4: tl.constexpr,
 ):
     """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
 
@@ -282,20 +414,32 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :] * stride_hk
-    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w_rows = expert * stride_we + offs_n[None, :] * stride_wn
+    s_rows = expert * stride_se + offs_n[None, :] * stride_sn
+    dtype = h_ptr.dtype.element_ty
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
         else:
-            in_k = offs_k < K - k_start
-            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k_start, other=0.0)
+        b = _weight_tile(
+            w2_ptr,
+            s2_ptr,
+            w_rows,
+            s_rows,
+            k_start,
+            K,
+            stride_wk,
+            stride_sk,
+            BLOCK_K,
+            BLOCK_N,
+            W_FP4,
+            dtype,
+        )
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_hk
-        w_ptrs += BLOCK_K * stride_wk
 
     routing_weight = tl.load(topk_weights_ptr + pair_ids, mask=is_pair, other=0.0)
     acc = acc * routing_weight.to(tl.float32)[:, None]
@@ -339,9 +483,9 @@ def _combine_kernel(
 
 def fused_moe(
     x: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     limit: float,
@@ -350,30 +494,33 @@ def fused_moe(
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
 
-    x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], all of one dtype (bf16, fp16 or fp32);
-    topk_ids: [T, k] int64; topk_weights: [T, k] fp32. Returns [T, D] in x's dtype. GEMMs
-    accumulate in fp32; h and the weighted per-pair outputs are rounded to x's dtype before the
-    fp32 combine. fp32 inputs use the IEEE dot, so they match the CPU reference to ~1e-6.
-    config: tiles other than pick_tile_config's (for tuning).
+    x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], all dense in x's dtype (bf16, fp16 or fp32)
+    or all ``Mxfp4Weight`` (D and I multiples of 32); topk_ids: [T, k] int64; topk_weights:
+    [T, k] fp32. Returns [T, D] in x's dtype. GEMMs accumulate in fp32; h and the weighted
+    per-pair outputs are rounded to x's dtype before the fp32 combine. fp32 inputs use the IEEE
+    dot, so they match the CPU reference to ~1e-6. config: tiles other than
+    pick_tile_config's (for tuning).
     """
     num_tokens, dim = x.shape
     num_experts, inter, _ = w1.shape
     top_k = topk_ids.shape[1]
     assert w1.shape == w3.shape == (num_experts, inter, dim), f"w1 {w1.shape}, w3 {w3.shape}"
     assert w2.shape == (num_experts, dim, inter), f"w2 {w2.shape}, expected {w1.shape[::2]}"
-    assert w1.stride() == w3.stride(), f"w1 strides {w1.stride()} != w3 strides {w3.stride()}"
-    assert x.dtype == w1.dtype == w2.dtype == w3.dtype, (
-        f"dtypes: x {x.dtype}, w1 {w1.dtype}, w2 {w2.dtype}, w3 {w3.dtype}"
-    )
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (
         f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}, T = {num_tokens}"
     )
+    (w1, s1), (w2, s2), (w3, s3) = (_operand(w, x.dtype) for w in (w1, w2, w3))
+    packed = s1 is not None
+    assert packed == (s2 is not None) == (s3 is not None), "w1, w2, w3: all MXFP4 or none"
+    assert w1.stride() == w3.stride(), f"w1 strides {w1.stride()} != w3 strides {w3.stride()}"
+    assert not packed or s1.stride() == s3.stride(), f"scale strides {s1.stride()}, {s3.stride()}"
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
 
     num_pairs = num_tokens * top_k
     config = config or pick_tile_config(num_pairs, x.dtype)
+    assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
     launch = {
@@ -383,6 +530,7 @@ def fused_moe(
         "GROUP_M": config.group_m,
         # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
         "DOT_PRECISION": dot_precision(x.dtype, for_16bit="tf32"),
+        "W_FP4": packed,
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
@@ -393,6 +541,8 @@ def fused_moe(
         x,
         w1,
         w3,
+        w1 if s1 is None else s1,
+        w3 if s3 is None else s3,
         h,
         sorted_pair_ids,
         block_expert,
@@ -401,6 +551,7 @@ def fused_moe(
         float(limit),
         *x.stride(),
         *w1.stride(),
+        *(w1 if s1 is None else s1).stride(),
         *h.stride(),
         N=inter,
         K=dim,
@@ -414,6 +565,7 @@ def fused_moe(
     _down_kernel[grid](
         h,
         w2,
+        w2 if s2 is None else s2,
         pair_out,
         flat_weights,
         sorted_pair_ids,
@@ -422,6 +574,7 @@ def fused_moe(
         num_blocks,
         *h.stride(),
         *w2.stride(),
+        *(w2 if s2 is None else s2).stride(),
         *pair_out.stride(),
         N=dim,
         K=inter,
@@ -434,6 +587,16 @@ def fused_moe(
         pair_out, out, *pair_out.stride(), *out.stride(), D=dim, TOP_K=top_k, BLOCK_D=block_d
     )
     return out
+
+
+def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the weight's tensor, its scale bytes or None): a dense weight must be in ``dtype``."""
+    if isinstance(w, Mxfp4Weight):
+        _, _, cols = w.shape
+        assert cols % MXFP4_BLOCK == 0, f"MXFP4 rows of {cols} inputs: not whole scale groups"
+        return w.packed, w.scale
+    assert w.dtype == dtype, f"weight dtype {w.dtype}, activations {dtype}"
+    return w, None
 
 
 class TritonMoEBackend(Backend):
@@ -455,9 +618,9 @@ class TritonMoEBackend(Backend):
     def fused_moe(
         self,
         x: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        w3: torch.Tensor,
+        w1: ExpertWeight,
+        w2: ExpertWeight,
+        w3: ExpertWeight,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,

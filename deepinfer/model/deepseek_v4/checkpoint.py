@@ -8,7 +8,9 @@ Data flow, one shard at a time (safetensors ``safe_open``, memory-mapped on the 
 
 Everything comes back dequantized, except with ``keep_fp8``: then the FP8 e4m3 weights of the
 linears that ``Fp8Linear`` can run (``weights.is_fp8_linear``) stay e4m3, next to their block
-scales in fp32 (``layers.0.attn.wq_a.scale``); FP4 routed experts are dequantized either way.
+scales in fp32 (``layers.0.attn.wq_a.scale``); and with ``keep_fp4``: FP4 routed experts stay
+packed, stacked as uint8 [E, N, K/2] next to their ue8m0 scale bytes [E, N, K/32]
+(``layers.0.ffn.experts.w1_scales``), the layout ``ops.moe.Mxfp4Weight`` reads.
 ``mtp.*`` tensors are skipped (no MTP module yet). With ``experts`` (expert parallelism: the
 routed experts one rank holds) only those experts' tensors are read: other experts' per-expert
 tensors are skipped unread, stacked ones are read as a slice of rows.
@@ -41,32 +43,14 @@ from deepinfer.model.deepseek_v4.weights import (
     is_integer_param,
     is_stacked_experts,
     map_checkpoint_name,
+    mxfp4_scale_name,
 )
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, scale_to_float
+from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK as FP4_BLOCK
+from deepinfer.ops.moe.torch_ref import dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
-FP4_BLOCK = 32
-# e2m1 code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa. Same table as DeepSeek-V4's
-# inference/convert.py (FP4_TABLE) and transformers' integrations/finegrained_fp8.py.
-_FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 _FP4_X2 = getattr(torch, "float4_e2m1fn_x2", torch.int8)
 _FP4_DTYPES = (torch.int8, torch.uint8, _FP4_X2)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -91,6 +75,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     show_progress: bool = True,
     keep_fp8: bool = False,
+    keep_fp4: bool = False,
     experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
@@ -99,9 +84,10 @@ def load_checkpoint(
     dequantized) except the few kept in fp32 (``is_fp32_param``), ``tid2eid`` in int64. Shapes
     are ``expected_shapes(args)``. ``keep_fp8``: a float8_e4m3fn weight of an ``is_fp8_linear``
     name stays float8_e4m3fn, followed by its block scales [ceil(N/bn), ceil(K/bk)] fp32 under
-    ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). ``experts``: the routed experts to hold
-    (None: all), stacked in that order from slot 0. Raises ``CheckpointError`` on a missing,
-    unexpected, duplicated or mis-shaped tensor.
+    ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). ``keep_fp4``: FP4 routed experts stay
+    packed (module docstring), their scales under ``mxfp4_scale_name``. ``experts``: the
+    routed experts to hold (None: all), stacked in that order from slot 0. Raises
+    ``CheckpointError`` on a missing, unexpected, duplicated or mis-shaped tensor.
     """
     experts = experts if experts is not None else range(args.num_experts)
     folder = Path(folder)
@@ -150,6 +136,10 @@ def load_checkpoint(
                             state.place_fp8(key, target.names[0], tensor, scale, block)
                             num_kept += 1
                             continue
+                        if keep_fp4 and _stays_fp4(target, tensor):
+                            state.place_mxfp4(key, target, tensor, scale)
+                            num_kept += 1
+                            continue
                         tensor = _dequantize(key, tensor, scale, block)
                     elif tensor.dtype in _QUANTIZED_DTYPES:
                         raise CheckpointError(
@@ -188,33 +178,6 @@ def _is_stacked(target: TensorTarget) -> bool:
     )
 
 
-def dequantize_fp4(
-    packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK
-) -> torch.Tensor:
-    """Packed e2m1 FP4 with ue8m0 scales -> fp32.
-
-    ``packed`` [..., M, N/2] int8 / uint8 / float4_e2m1fn_x2, two values per byte, the LOW nibble
-    first (column 2j = low, 2j+1 = high); ``scale`` [..., M, ceil(N/32)], one per 32 inputs of a
-    row. Layout as in DeepSeek-V4's ``inference/convert.py`` (``cast_e2m1fn_to_e4m3fn``: int8
-    weight [out, in/2], ``low = x & 0x0F`` then ``high = x >> 4`` stacked on the last dim, scale
-    [out, in/32] float8_e8m0fnu); transformers' ``Fp8Dequantize._unpack_fp4`` agrees::
-
-        byte j of a row:  [ high nibble: col 2j+1 | low nibble: col 2j ]
-    """
-    *lead, m, half = packed.shape
-    n = 2 * half
-    grid = (*lead, m, -(-n // block))
-    if tuple(scale.shape) != grid:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match packed FP4 weight shape "
-            f"{tuple(packed.shape)} (= {n} inputs, one scale per {block}; expected {grid})"
-        )
-    u8 = packed.view(torch.uint8)
-    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
-    values = torch.stack((lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]), dim=-1).flatten(-2)
-    return values * scale_to_float(scale).repeat_interleave(block, -1)[..., :n]
-
-
 def _dequantize(
     key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
@@ -222,7 +185,7 @@ def _dequantize(
         if weight.dtype in _FP8_DTYPES:
             return dequantize_fp8(weight, scale, block)
         if weight.dtype in _FP4_DTYPES:
-            return dequantize_fp4(weight, scale)
+            return dequantize_mxfp4(weight, scale)
     except ValueError as e:
         raise CheckpointError(f"tensor {key!r}: {e}") from e
     raise CheckpointError(f"tensor {key!r} has a block scale but dtype {weight.dtype}")
@@ -241,6 +204,28 @@ def _stays_fp8(target: TensorTarget, tensor: torch.Tensor) -> bool:
         and tensor.dtype == torch.float8_e4m3fn
         and is_fp8_linear(target.names[0])
     )
+
+
+def _stays_fp4(target: TensorTarget, tensor: torch.Tensor) -> bool:
+    return tensor.dtype in _FP4_DTYPES and (
+        target.kind in ("expert", "gate_up") or is_stacked_experts(target.names[0])
+    )
+
+
+def _scale_bytes(key: str, scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales as their raw biased-exponent bytes (uint8); fp32 scales must be powers of
+    two."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.view(torch.uint8)
+    mantissa, exponent = torch.frexp(scale.float())
+    if not (mantissa == 0.5).all() or not ((exponent >= -126) & (exponent <= 128)).all():
+        raise CheckpointError(
+            f"tensor {key!r}: its scale is not a power of two within ue8m0's range; FP4 "
+            "experts stay packed (model.fp4_experts) only with ue8m0 scales"
+        )
+    return (exponent + 126).to(torch.uint8)
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -301,6 +286,7 @@ class _StateBuilder:
         self.source: dict[str, str] = {}
         self.filled: dict[str, set[int]] = {}  # stacked expert tensor -> expert slots written
         self.fp8_scales: dict[str, torch.Tensor] = {}  # FP8 weight kept -> its fp32 block scales
+        self.mxfp4_scales: dict[str, torch.Tensor] = {}  # packed experts -> their scale bytes
 
     def place(self, key: str, target: TensorTarget, tensor: torch.Tensor) -> None:
         if target.kind == "copy":
@@ -311,18 +297,9 @@ class _StateBuilder:
         elif target.kind == "expert":
             name = target.names[0]
             shape = self._expected(key, name)
-            slot = target.expert - self.first_expert
-            if not 0 <= slot < shape[0]:
-                raise CheckpointError(
-                    f"unexpected tensor {key!r}: expert {target.expert} but the model holds "
-                    f"experts {self.first_expert}..{self.first_expert + shape[0] - 1}"
-                )
             self._check(key, name, tensor, shape[1:])
-            slots = self.filled.setdefault(name, set())
-            if slot in slots or name in self.source:
-                raise CheckpointError(f"tensor {name!r} expert {target.expert} is given twice")
-            slots.add(slot)
-            self._stacked(name, shape)[slot] = self._cast(key, name, tensor)
+            slot = self._expert_slot(key, name, target.expert)
+            self._stacked(key, name, shape)[slot] = self._cast(key, name, tensor)
         else:
             w1, w3 = target.names
             e, i, d = self._expected(key, w1)
@@ -352,6 +329,35 @@ class _StateBuilder:
         self.out[name] = weight
         self.fp8_scales[name] = scale_to_float(scale)
 
+    def place_mxfp4(
+        self, key: str, target: TensorTarget, packed: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """FP4 routed experts kept packed: one expert's [N, K/2] into its slot, or a stacked
+        [E, N, K/2] (transformers' gate_up rows split into w1 and w3), with the scale bytes."""
+        packed, scale = packed.view(torch.uint8), _scale_bytes(key, scale)
+        if target.kind == "expert":
+            name = target.names[0]
+            slot = self._expert_slot(key, name, target.expert)
+            dest, dest_scale = self._stacked_mxfp4(key, name)
+            self._check(key, name, packed, dest.shape[1:])
+            self._check(key, mxfp4_scale_name(name), scale, dest_scale.shape[1:])
+            dest[slot], dest_scale[slot] = packed, scale
+            return
+        parts = [(target.names[0], packed, scale)]
+        if target.kind == "gate_up":
+            i = self._expected(key, target.names[0])[1]
+            parts = [
+                (n, packed[:, r], scale[:, r])
+                for n, r in zip(target.names, (slice(0, i), slice(i, None)), strict=True)
+            ]
+        for name, part, part_scale in parts:
+            e, n, k = self._expected(key, name)
+            self._check(key, name, part, (e, n, k // 2))
+            self._check(key, mxfp4_scale_name(name), part_scale, (e, n, -(-k // FP4_BLOCK)))
+            self._claim(key, name)
+            self.out[name] = part.contiguous()
+            self.mxfp4_scales[name] = part_scale.contiguous()
+
     def finish(self, folder: Path) -> dict[str, torch.Tensor]:
         missing = [n for n in self.expected if n not in self.out and n not in self.filled]
         for name, slots in self.filled.items():
@@ -369,6 +375,8 @@ class _StateBuilder:
             out[name] = self.out[name]
             if name in self.fp8_scales:
                 out[fp8_scale_name(name)] = self.fp8_scales[name]
+            if name in self.mxfp4_scales:
+                out[mxfp4_scale_name(name)] = self.mxfp4_scales[name]
         return out
 
     def _expected(self, key: str, name: str) -> tuple[int, ...]:
@@ -402,7 +410,41 @@ class _StateBuilder:
             raise CheckpointError(f"tensor {key!r} must be floating point, got {tensor.dtype}")
         return tensor.to(torch.float32 if is_fp32_param(name) else self.dtype)
 
-    def _stacked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _expert_slot(self, key: str, name: str, expert: int) -> int:
+        """The stacked slot of one expert's tensor, claimed (each expert is given once)."""
+        num_slots = self._expected(key, name)[0]
+        slot = expert - self.first_expert
+        if not 0 <= slot < num_slots:
+            raise CheckpointError(
+                f"unexpected tensor {key!r}: expert {expert} but the model holds "
+                f"experts {self.first_expert}..{self.first_expert + num_slots - 1}"
+            )
+        slots = self.filled.setdefault(name, set())
+        if slot in slots or name in self.source:
+            raise CheckpointError(f"tensor {name!r} expert {expert} is given twice")
+        slots.add(slot)
+        return slot
+
+    def _stacked(self, key: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name in self.mxfp4_scales:
+            raise CheckpointError(
+                f"tensor {key!r} is not FP4 but other experts of {name!r} are: the experts of "
+                "a layer are either all packed FP4 or none"
+            )
         if name not in self.out:
             self.out[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return self.out[name]
+
+    def _stacked_mxfp4(self, key: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        e, n, k = self._expected(key, name)
+        if name in self.out and name not in self.mxfp4_scales:
+            raise CheckpointError(
+                f"tensor {key!r} is FP4 but other experts of {name!r} are not: the experts of "
+                "a layer are either all packed FP4 or none"
+            )
+        if name not in self.out:
+            self.out[name] = torch.empty(e, n, k // 2, dtype=torch.uint8, device=self.device)
+            self.mxfp4_scales[name] = torch.empty(
+                e, n, -(-k // FP4_BLOCK), dtype=torch.uint8, device=self.device
+            )
+        return self.out[name], self.mxfp4_scales[name]

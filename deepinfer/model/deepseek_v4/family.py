@@ -51,6 +51,9 @@ class DeepseekV4Family:
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)
 
+    def fp4_experts(self, args: ModelArgs) -> bool:
+        return (args.quantization or {}).get("expert_dtype") == "fp4"
+
     def load_weights(
         self,
         model_dir: Path,
@@ -59,10 +62,17 @@ class DeepseekV4Family:
         device: torch.device,
         dtype: torch.dtype,
         keep_fp8: bool,
+        keep_fp4: bool = False,
         experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
         return load_checkpoint(
-            model_dir, args, device=device, dtype=dtype, keep_fp8=keep_fp8, experts=experts
+            model_dir,
+            args,
+            device=device,
+            dtype=dtype,
+            keep_fp8=keep_fp8,
+            keep_fp4=keep_fp4,
+            experts=experts,
         )
 
     def random_weights(
@@ -73,12 +83,21 @@ class DeepseekV4Family:
         dtype: torch.dtype,
         *,
         fp8_block: tuple[int, int] | None,
+        fp4_experts: bool = False,
         experts: range | None = None,
     ) -> dict[str, torch.Tensor]:
-        return tiny.random_weights(args, seed, device, dtype, fp8_block=fp8_block, experts=experts)
+        return tiny.random_weights(
+            args,
+            seed,
+            device,
+            dtype,
+            fp8_block=fp8_block,
+            fp4_experts=fp4_experts,
+            experts=experts,
+        )
 
-    def write_tiny_checkpoint(self, folder: Path, seed: int) -> None:
-        tiny.write_tiny_checkpoint(folder, seed)
+    def write_tiny_checkpoint(self, folder: Path, seed: int, quantized: bool = False) -> None:
+        tiny.write_tiny_checkpoint(folder, seed, quantized)
 
     def cache_spec(
         self, args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int

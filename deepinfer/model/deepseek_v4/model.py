@@ -22,7 +22,7 @@ from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, 
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
-from deepinfer.ops.moe.torch_ref import swiglu
+from deepinfer.ops.moe import MXFP4_BLOCK, ExpertWeight, Mxfp4Weight, swiglu
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
 
@@ -122,14 +122,39 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, stacked: w1/w3 [E, I, D], w2 [E, D, I]; E = the experts this rank holds
-    (all of them, or its share under expert parallelism)."""
+    (all of them, or its share under expert parallelism). Dense, or after ``to_mxfp4`` packed
+    as the checkpoint ships them (``model.fp4_experts``): each ``wN`` uint8 [E, rows, cols/2]
+    beside ``wN_scales`` uint8 [E, rows, cols/32] (``ops.moe.Mxfp4Weight``)."""
 
     def __init__(self, args: ModelArgs, num_local: int) -> None:
         super().__init__()
         e, i, d = num_local, args.moe_intermediate_size, args.hidden_size
-        self.w1 = nn.Parameter(torch.zeros(e, i, d))
-        self.w2 = nn.Parameter(torch.zeros(e, d, i))
-        self.w3 = nn.Parameter(torch.zeros(e, i, d))
+        self.shapes = {"w1": (e, i, d), "w2": (e, d, i), "w3": (e, i, d)}
+        self.packed = False
+        for name, shape in self.shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+
+    def to_mxfp4(self) -> None:
+        """Packed parameters in place of the dense ones (empty: the loader fills them)."""
+        for name, (e, rows, cols) in self.shapes.items():
+            for suffix, width in (("", cols // 2), ("_scales", -(-cols // MXFP4_BLOCK))):
+                empty = torch.empty(e, rows, width, dtype=torch.uint8)
+                self.register_parameter(name + suffix, nn.Parameter(empty, requires_grad=False))
+        self.packed = True
+
+    def weights(self) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+        """(w1, w2, w3) as the MoE backends take them."""
+        if not self.packed:
+            return self.w1, self.w2, self.w3
+        w1, w2, w3 = (
+            Mxfp4Weight(self.get_parameter(n), self.get_parameter(n + "_scales"))
+            for n in ("w1", "w2", "w3")
+        )
+        return w1, w2, w3
+
+    @property
+    def dim(self) -> int:
+        return self.shapes["w2"][1]
 
 
 class MLP(nn.Module):
@@ -163,19 +188,17 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        e = self.experts
-        routed = self.kernels.moe.fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
+        routed = self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
         return routed + self.shared_experts(x)
 
     def exchange_only(self, dtype: torch.dtype) -> None:
         """A placeholder step's part: the routed experts' call with no tokens of this rank, so
         that an expert-parallel backend serves this rank's experts to the others."""
-        e = self.experts
-        device = e.w2.device
-        x = torch.empty(0, e.w2.shape[1], dtype=dtype, device=device)
+        device = self.experts.w2.device
+        x = torch.empty(0, self.experts.dim, dtype=dtype, device=device)
         ids = torch.empty(0, self.topk, dtype=torch.int64, device=device)
         weights = torch.empty(0, self.topk, dtype=torch.float32, device=device)
-        self.kernels.moe.fused_moe(x, e.w1, e.w2, e.w3, ids, weights, self.limit)
+        self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
 
 
 class Block(nn.Module):

@@ -15,7 +15,17 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelArgs
-from deepinfer.model.deepseek_v4.weights import expected_shapes
+from deepinfer.model.deepseek_v4.checkpoint import fp8_block
+from deepinfer.model.deepseek_v4.weights import (
+    expected_shapes,
+    fp8_scale_name,
+    is_fp8_linear,
+    is_fp32_param,
+    is_stacked_experts,
+    mxfp4_scale_name,
+)
+from deepinfer.ops.linear.torch_ref import quantize_fp8
+from deepinfer.ops.moe.torch_ref import quantize_mxfp4
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -76,7 +86,20 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def write_tiny_checkpoint(folder: Path, seed: int) -> None:
+# ``make-tiny-model --quantized``: V4-Flash's quantization, as its config.json states it.
+QUANTIZED_CONFIG: dict[str, Any] = {
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "expert_dtype": "fp4",
+}
+
+
+def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> None:
     """Write the tiny checkpoint into ``folder`` (created if needed); same bytes for the same seed.
 
     Initialisation (torch.Generator seeded with ``seed``, tensors drawn in ``expected_shapes``
@@ -90,8 +113,14 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
       attention sinks N(0, 1), compressor ``ape`` N(0, 0.5²), MoE gate bias N(0, 0.1²),
       hc ``base`` N(0, 0.5²), hc ``scale`` 1 + N(0, 0.2²), RMSNorm weights 1 + N(0, 0.1²);
     - ``tid2eid``: for every token id, top-k *distinct* experts drawn uniformly.
+
+    ``quantized``: the same draws stored as V4-Flash stores them (``QUANTIZED_CONFIG``): the
+    ``is_fp8_linear`` weights float8_e4m3fn with 128 x 128 ue8m0 block scales (``X.scale``,
+    float8_e8m0fnu), the routed experts packed FP4 (int8 [rows, cols/2] with ue8m0 scales per
+    32 inputs, ``ops.moe.quantize_mxfp4``); everything else as in the plain checkpoint.
     """
-    args = ModelArgs.from_dict(TINY_CONFIG)
+    config = {**TINY_CONFIG, **(QUANTIZED_CONFIG if quantized else {})}
+    args = ModelArgs.from_dict(config)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(args).items():
@@ -99,13 +128,23 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
         base, _, proj = name.rpartition(".")
         if base.endswith("ffn.experts"):
             # Upstream ships routed experts one by one: layers.{i}.ffn.experts.{e}.w1.weight.
+            packed = quantize_mxfp4(value) if quantized else None
             for e in range(shape[0]):
-                tensors[f"{base}.{e}.{proj}.weight"] = value[e].clone()
+                key = f"{base}.{e}.{proj}"
+                if packed is None:
+                    tensors[f"{key}.weight"] = value[e].clone()
+                else:
+                    tensors[f"{key}.weight"] = packed.packed[e].view(torch.int8).clone()
+                    tensors[f"{key}.scale"] = packed.scale[e].view(torch.float8_e8m0fnu).clone()
+        elif quantized and is_fp8_linear(name):
+            weight, scale = quantize_fp8(value, fp8_block(args), ue8m0=True)
+            tensors[name] = weight
+            tensors[fp8_scale_name(name)] = scale.to(torch.float8_e8m0fnu)
         else:
             tensors[name] = value
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with open(folder / "config.json", "w") as f:
-        json.dump(TINY_CONFIG, f, indent=2)
+        json.dump(config, f, indent=2)
         f.write("\n")
 
 
@@ -116,26 +155,21 @@ def random_weights(
     dtype: torch.dtype,
     *,
     fp8_block: tuple[int, int] | None = None,
+    fp4_experts: bool = False,
     experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts),
     initialised as ``make_tiny_model`` documents; the parameters kept in fp32 are fp32.
     ``fp8_block``: the ``is_fp8_linear`` weights quantized to float8_e4m3fn in blocks of that
     shape, each followed by its fp32 block scales, as ``load_checkpoint(keep_fp8=True)`` gives.
+    ``fp4_experts``: the routed experts packed MXFP4 with their scale bytes, as
+    ``load_checkpoint(keep_fp4=True)`` gives.
     ``experts``: keep only those routed experts (every rank draws all of them, so that the ranks'
     shares are of one model).
 
     For benchmarks in real shapes (V4-Flash layers do not fit a checkpoint written here): the
     values depend on the device's generator, so they are not those of ``make_tiny_model``.
     """
-    from deepinfer.model.deepseek_v4.weights import (
-        fp8_scale_name,
-        is_fp8_linear,
-        is_fp32_param,
-        is_stacked_experts,
-    )
-    from deepinfer.ops.linear.torch_ref import quantize_fp8
-
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(args).items():
@@ -145,6 +179,9 @@ def random_weights(
             out[name] = out[name][experts.start : experts.stop].clone()
         if fp8_block is not None and is_fp8_linear(name):
             out[name], out[fp8_scale_name(name)] = quantize_fp8(out[name], fp8_block)
+        if fp4_experts and is_stacked_experts(name):
+            packed = quantize_mxfp4(out[name])
+            out[name], out[mxfp4_scale_name(name)] = packed.packed, packed.scale
     return out
 
 

@@ -157,6 +157,13 @@ def fp8_scale_name(name: str) -> str:
     return name.removesuffix(".weight") + ".scale"
 
 
+def mxfp4_scale_name(name: str) -> str:
+    """Our name of packed routed experts' ue8m0 scales (``model.fp4_experts``):
+    ``layers.0.ffn.experts.w1`` -> ``layers.0.ffn.experts.w1_scales``."""
+    assert is_stacked_experts(name), name
+    return name + "_scales"
+
+
 # Parameters transformers and upstream keep in fp32 whatever the compute dtype: norm weights,
 # hyper-connection mixing, attention sinks, compressor position biases, router correction bias.
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
