@@ -29,6 +29,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
 from deepinfer.model.families import load_family
+from deepinfer.model.layers import use_mxfp4_experts
 from deepinfer.ops import Kernels, select_kernels
 
 # The model, its weights and its cache, as the engine gets them: through the family table.
@@ -220,11 +221,17 @@ def describe_kernels(kernels: Kernels) -> str:
     )
 
 
-def build_model(args: ModelArgs, kernels: Kernels, setup: Setup, seed: int) -> torch.nn.Module:
-    """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign)."""
-    weights = FAMILY.random_weights(args, seed, setup.device, setup.dtype, fp8_block=None)
+def build_model(
+    args: ModelArgs, kernels: Kernels, setup: Setup, seed: int, fp4_experts: bool = False
+) -> torch.nn.Module:
+    """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign);
+    ``fp4_experts``: the routed experts packed MXFP4, as V4-Flash ships them."""
+    weights = FAMILY.random_weights(
+        args, seed, setup.device, setup.dtype, fp8_block=None, fp4_experts=fp4_experts
+    )
     with torch.device("meta"):
         model = FAMILY.build_model(args, kernels)
+        use_mxfp4_experts(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model.init_rope(setup.device)
     return model.eval()
@@ -237,6 +244,7 @@ def each_layer_model(
     setup: Setup,
     seed: int,
     measure: Callable[[str, ModelArgs, torch.nn.Module], None],
+    fp4_experts: bool = False,
 ) -> str:
     """Build one model per layer type (``outer`` first: no layers), call ``measure(kind,
     cache_args, model)``, free the model before the next. ``cache_args`` shapes the inputs and
@@ -246,7 +254,7 @@ def each_layer_model(
     every_type = ModelArgs.from_dict(config_dict(list(LAYER_TYPES.values()), setup.tiny))
     for kind in [OUTER, *kinds]:
         args = model_args(kind, depth, setup.tiny)
-        model = build_model(args, kernels, setup, seed)
+        model = build_model(args, kernels, setup, seed, fp4_experts)
         measure(kind, every_type if kind == OUTER else args, model)
         del model
         release()

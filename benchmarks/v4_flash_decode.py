@@ -40,6 +40,7 @@ Prints a per-layer table, the full-depth table last, then a RESULTS: block for R
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -82,24 +83,40 @@ def main() -> None:
     ap.add_argument("--batch", help="batch sizes (default 1,8,32,128,256; --tiny: 1,4)")
     ap.add_argument("--context", help="context lengths (default 4096,32768; --tiny: 64)")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
+    ap.add_argument(
+        "--experts",
+        default="bf16",
+        help="routed experts: bf16 (dense) and/or fp4 (packed MXFP4), e.g. bf16,fp4",
+    )
     add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
     kinds = parse_layers(ns.layers)
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))
     contexts = parse_ints(ns.context or ("64" if ns.tiny else "4096,32768"))
+    variants = [v.strip() for v in ns.experts.split(",") if v.strip()]
+    if not variants or set(variants) - {"bf16", "fp4"}:
+        raise SystemExit(f"--experts: expected bf16 and/or fp4, got {ns.experts!r}")
 
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
 
+    variant = variants[0]
+
     def measure(kind: str, args, model) -> None:
         use_graph = ns.graph
         for context in contexts:
             for batch_size in batches:
                 batch, cache = decode_inputs(args, setup, batch_size, context, ns.seed)
-                row = {"kind": "decode", "layer": kind, "batch": batch_size, "context": context}
+                row = {
+                    "kind": "decode",
+                    "layer": kind,
+                    "experts": variant,
+                    "batch": batch_size,
+                    "context": context,
+                }
 
                 def step(batch=batch, cache=cache) -> object:
                     return model(batch, cache)  # plans built on the first call, kept on batch
@@ -133,7 +150,9 @@ def main() -> None:
                     graph_model_s=graph,
                     experts_hit=hit,
                     experts_counted=counted,
-                    bytes=decode_bytes(args, kind, batch_size, context, hit, setup.dtype),
+                    bytes=decode_bytes(
+                        args, kind, batch_size, context, hit, setup.dtype, variant == "fp4"
+                    ),
                 )
                 rows.append(row)
                 shown = "" if graph is None else f", graph {graph * 1e3:.3f} ms"
@@ -145,19 +164,22 @@ def main() -> None:
         derive(rows, bandwidth, ns.depth)
         write_json(ns.json, payload)
 
-    kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure)
+    for variant in variants:  # measure() reads the variant being built
+        kernels = each_layer_model(
+            kinds, ns.depth, ns.backend, setup, ns.seed, measure, variant == "fp4"
+        )
     payload["kernels"] = kernels
     write_json(ns.json, payload)
-    report(rows, kinds, batches, contexts, setup, kernels, bandwidth, ns)
+    report(rows, kinds, batches, contexts, variants, setup, kernels, bandwidth, ns)
 
 
 def derive(rows: list[dict], bandwidth: float, depth: int) -> None:
     """Per-layer times (model − outer on the same batch and context, / depth) and bounds; the
     per-step parts (outer, plans) as measured."""
-    outer = {(r["batch"], r["context"]): r for r in rows if r["layer"] == OUTER}
+    outer = {(r["batch"], r["context"], r["experts"]): r for r in rows if r["layer"] == OUTER}
     for r in rows:
         r["layer_s"], r["layer_graph_s"] = r["model_s"], r["graph_model_s"]
-        base = outer[r["batch"], r["context"]]
+        base = outer[r["batch"], r["context"], r["experts"]]
         if r["layer"] not in (OUTER, PLANS):
             r["layer_s"] = (r["model_s"] - base["model_s"]) / depth
             if r["graph_model_s"] is not None and base["graph_model_s"] is not None:
@@ -167,11 +189,14 @@ def derive(rows: list[dict], bandwidth: float, depth: int) -> None:
         r["bound_s"] = r["bytes"] / bandwidth
 
 
-def report(rows, kinds, batches, contexts, setup, kernels, bandwidth, ns) -> None:
-    per_layer_headers = "layer|batch|ctx|eager ms|graph ms|experts hit|MB read|bound ms|eager/bound"
+def report(rows, kinds, batches, contexts, variants, setup, kernels, bandwidth, ns) -> None:
+    per_layer_headers = (
+        "layer|experts|batch|ctx|eager ms|graph ms|experts hit|MB read|bound ms|eager/bound"
+    )
     per_layer = [
         [
             r["layer"],
+            r["experts"],
             r["batch"],
             r["context"],
             ms(r["layer_s"]),
@@ -183,38 +208,41 @@ def report(rows, kinds, batches, contexts, setup, kernels, bandwidth, ns) -> Non
         ]
         for r in rows
     ]
-    full_headers = (
-        "batch|ctx|eager ms|graph ms|bound ms|eager/bound|tok/s eager|tok/s graph|tok/s bound"
+    full_headers = "experts|batch|ctx|eager ms|graph ms|bound ms|eager/bound|tok/s eager|" + (
+        "tok/s graph|tok/s bound"
     )
     full, notes = [], set()
-    for context in contexts:
-        for batch_size in batches:
-            eager, graph, bound = (
-                full_depth_from(rows, kinds, field, notes, batch=batch_size, context=context)
-                for field in ("layer_s", "layer_graph_s", "bound_s")
+    for variant, context, batch_size in itertools.product(variants, contexts, batches):
+        eager, graph, bound = (
+            full_depth_from(
+                rows, kinds, field, notes, batch=batch_size, context=context, experts=variant
             )
-            full.append(
-                [
-                    batch_size,
-                    context,
-                    ms(eager),
-                    ms(graph),
-                    ms(bound),
-                    ratio(eager, bound),
-                    ratio(batch_size, eager),
-                    ratio(batch_size, graph),
-                    ratio(batch_size, bound),
-                ]
-            )
+            for field in ("layer_s", "layer_graph_s", "bound_s")
+        )
+        full.append(
+            [
+                variant,
+                batch_size,
+                context,
+                ms(eager),
+                ms(graph),
+                ms(bound),
+                ratio(eager, bound),
+                ratio(batch_size, eager),
+                ratio(batch_size, graph),
+                ratio(batch_size, bound),
+            ]
+        )
     print("\nPer layer (measured; outer = embedding + hc head + norm + LM head, per step):")
     print(table(per_layer_headers.split("|"), per_layer))
     print("\nFull depth, 21 CSA + 20 HCA + 2 sliding + outer + plans (extrapolated):")
     print(table(full_headers.split("|"), full))
     for row in full:
-        if row[0] == 1 and row[6] is not None and row[8] is not None:
+        if row[1] == 1 and row[7] is not None and row[9] is not None:
             print(
-                f"batch 1, ctx {row[1]}: per-user ceiling {row[8]:.1f} tok/s (HBM bound), "
-                f"measured {row[6]:.1f} tok/s eager = {100 * row[6] / row[8]:.1f}% of it"
+                f"{row[0]} experts, batch 1, ctx {row[2]}: per-user ceiling {row[9]:.1f} tok/s "
+                f"(HBM bound), measured {row[7]:.1f} tok/s eager = {100 * row[7] / row[9]:.1f}% "
+                "of it"
             )
     counted = all(r.get("experts_counted", True) for r in rows)
     hits = "counted from the router" if counted else "from E(1-(1-k/E)^B)"

@@ -129,7 +129,10 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def layer_weights(args: ModelArgs, layer: int, dtype: torch.dtype) -> LayerWeights:
+def layer_weights(
+    args: ModelArgs, layer: int, dtype: torch.dtype, fp4_experts: bool = False
+) -> LayerWeights:
+    """``fp4_experts``: routed experts packed MXFP4 (half a byte a value + a byte per 32)."""
     dense_bytes = dense_matmul = expert_numel = 0
     prefix = f"layers.{layer}."
     for name, shape in expected_shapes(args).items():
@@ -142,7 +145,8 @@ def layer_weights(args: ModelArgs, layer: int, dtype: torch.dtype) -> LayerWeigh
         dense_bytes += numel * (4 if is_fp32_param(name) else _itemsize(dtype))
         if len(shape) == 2 and not name.endswith(".ape"):
             dense_matmul += numel
-    return LayerWeights(dense_bytes, dense_matmul, expert_numel * _itemsize(dtype), expert_numel)
+    expert_bytes = expert_numel * 17 // 32 if fp4_experts else expert_numel * _itemsize(dtype)
+    return LayerWeights(dense_bytes, dense_matmul, expert_bytes, expert_numel)
 
 
 def outer_weight_bytes(args: ModelArgs, num_tokens: int, dtype: torch.dtype) -> int:
@@ -168,12 +172,18 @@ def decode_kv_bytes(args: ModelArgs, kind: str, context: int, dtype: torch.dtype
 
 
 def decode_bytes(
-    args: ModelArgs, kind: str, batch: int, context: int, hit: float, dtype: torch.dtype
+    args: ModelArgs,
+    kind: str,
+    batch: int,
+    context: int,
+    hit: float,
+    dtype: torch.dtype,
+    fp4_experts: bool = False,
 ) -> float:
     """Bytes one decode step of one layer of ``kind`` must read (``outer``: embed/head)."""
     if kind not in LAYER_TYPES:
         return outer_weight_bytes(args, batch, dtype) if kind == OUTER else 0
-    w = layer_weights(args, 0, dtype)
+    w = layer_weights(args, 0, dtype, fp4_experts)
     return (
         w.dense_bytes + hit * w.expert_bytes + batch * decode_kv_bytes(args, kind, context, dtype)
     )

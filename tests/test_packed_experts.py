@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main as cli_main
-from deepinfer.model.deepseek_v4.checkpoint import CheckpointError, load_checkpoint
+from deepinfer.model.deepseek_v4.checkpoint import CheckpointError, fp8_block, load_checkpoint
 from deepinfer.model.deepseek_v4.checkpoint import load_model_args as load_args
-from deepinfer.model.deepseek_v4.weights import is_fp8_linear
+from deepinfer.model.deepseek_v4.weights import held_bytes, is_fp8_linear
 from deepinfer.ops.moe import Mxfp4Weight, quantize_mxfp4
 from deepinfer.ops.moe.torch_ref import E2M1_VALUES
 
@@ -176,3 +176,16 @@ def test_engine_on_packed_experts_gives_the_tokens_of_the_dequantized_weights(
     assert packed_bytes.routed_experts * 128 == dense_bytes.routed_experts * 17
     saved = dense_bytes.routed_experts - packed_bytes.routed_experts
     assert dense_bytes.total - packed_bytes.total == saved
+
+
+@pytest.mark.parametrize(("keep_fp8", "keep_fp4"), [(False, False), (True, True), (False, True)])
+def test_sizing_from_shapes_is_what_the_loader_holds(
+    quantized_dir: Path, keep_fp8: bool, keep_fp4: bool
+) -> None:
+    """``held_bytes`` (for models too big to load here) counts exactly the loaded bytes, packed
+    experts and FP8 linears with their scales included."""
+    args = load_args(quantized_dir)
+    state = _load(quantized_dir, keep_fp8=keep_fp8, keep_fp4=keep_fp4, experts=range(2, 6))
+    loaded = sum(t.numel() * t.element_size() for t in state.values())
+    block = fp8_block(args) if keep_fp8 else None
+    assert loaded == held_bytes(args, 4, fp8_block=block, fp4_experts=keep_fp4, num_experts=4)

@@ -301,3 +301,27 @@ def test_async_scheduling_on_and_off(
     )
     if dtype == "float32":
         assert all(same)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_fp4_experts_give_the_tokens_of_dequantized_ones(
+    dtype: str, tmp_path: Path, record_figure: Callable[[str], None]
+) -> None:
+    """The tiny checkpoint in V4-Flash's formats (FP4 experts), Triton MoE with decode graphs:
+    packed experts vs the same values dequantized, identical tokens and logprobs in both
+    dtypes (the in-register dequantization is exact and keeps the dense kernel's order)."""
+    from deepinfer.model.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "quantized", seed=1, quantized=True)
+    runs = {}
+    for fp4 in (True, False):
+        llm = _llm(folder, "cuda", dtype, fp4_experts=fp4)
+        assert type(llm.engine.executor.kernels.moe).__module__.endswith("triton")
+        runs[fp4] = (_batched(llm), llm.engine.executor.weight_bytes.routed_experts)
+    (packed, packed_bytes), (dense, dense_bytes) = runs[True], runs[False]
+    assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in dense]
+    assert _max_logprob_diff(packed, dense) == 0.0
+    record_figure(
+        f"{dtype} CUDA, packed FP4 experts vs dequantized: identical tokens and logprobs; "
+        f"routed experts {packed_bytes} B vs {dense_bytes} B"
+    )

@@ -176,3 +176,53 @@ def test_bf16_captures_in_a_cuda_graph(moe_triton: ModuleType, bf16_experts: Exp
     graph.replay()
     expected = moe_triton.fused_moe(new_x, w1, w2, w3, new_ids, new_weights, LIMIT)
     assert torch.equal(out, expected)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_experts(bf16_experts: Experts) -> tuple[list[torch_ref.Mxfp4Weight], Experts]:
+    """The bf16 experts packed MXFP4, and the packed values dequantized to bf16 (exact)."""
+    packed = [torch_ref.quantize_mxfp4(w) for w in bf16_experts]
+    dense = tuple(w.dequantize().bfloat16() for w in packed)
+    return packed, dense  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_mxfp4_is_bitwise_the_bf16_kernel_on_dequantized_weights(
+    moe_triton: ModuleType,
+    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
+    record_figure: Callable[[str], None],
+    num_tokens: int,
+) -> None:
+    """E = 256 at V4-Flash shapes, decode to prefill tiles: the packed path dequantizes to the
+    exact bf16 values in registers and runs the dense kernel's dot in its order."""
+    packed, dense = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=10 + num_tokens)
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    same = moe_triton.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT)
+    assert torch.equal(out, same)
+    bytes_ = sum(w.packed.numel() + w.scale.numel() for w in packed)
+    record_figure(
+        f"triton fused_moe MXFP4 E=256 T={num_tokens}: bitwise = bf16 on dequantized weights; "
+        f"{bytes_ / 2**30:.2f} GiB packed vs {sum(w.numel() * 2 for w in dense) / 2**30:.2f} GiB"
+    )
+
+
+def test_mxfp4_captures_in_a_cuda_graph(
+    moe_triton: ModuleType, mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts]
+) -> None:
+    packed, _ = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(8, 256, torch.bfloat16, seed=20)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    new_x, new_ids, new_weights = _batch(8, 256, torch.bfloat16, seed=21)
+    x.copy_(new_x)
+    topk_ids.copy_(new_ids)
+    topk_weights.copy_(new_weights)
+    graph.replay()
+    assert torch.equal(out, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))

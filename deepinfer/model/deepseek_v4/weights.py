@@ -227,6 +227,41 @@ def expected_shapes(args: ModelArgs, num_experts: int | None = None) -> dict[str
     return shapes
 
 
+def held_bytes(
+    args: ModelArgs,
+    itemsize: int,
+    *,
+    fp8_block: tuple[int, int] | None = None,
+    fp4_experts: bool = False,
+    num_experts: int | None = None,
+) -> int:
+    """Bytes of the weights as the model holds them (the state dict ``load_checkpoint`` or
+    ``random_weights`` returns), computed from the shapes alone: ``itemsize`` bytes per value
+    of the compute dtype, 4 for the fp32 parameters, 8 for ``tid2eid``; ``fp8_block``: the
+    ``is_fp8_linear`` weights 1 byte per value plus fp32 block scales; ``fp4_experts``: the
+    routed experts half a byte per value plus one scale byte per 32; ``num_experts``: the
+    routed experts one rank holds (None: all). For sizing a model that is not loaded (a
+    full-depth V4-Flash on the accelerators it needs)."""
+    total = 0
+    for name, shape in expected_shapes(args, num_experts).items():
+        numel = 1
+        for size in shape:
+            numel *= size
+        if is_integer_param(name):
+            total += 8 * numel
+        elif is_fp32_param(name):
+            total += 4 * numel
+        elif fp8_block is not None and is_fp8_linear(name):
+            rows, cols = shape
+            scales = -(-rows // fp8_block[0]) * -(-cols // fp8_block[1])
+            total += numel + 4 * scales
+        elif fp4_experts and is_stacked_experts(name):
+            total += numel // 2 + numel // 32
+        else:
+            total += itemsize * numel
+    return total
+
+
 def _attention_shapes(args: ModelArgs, p: str, attn_type: str) -> dict[str, tuple[int, ...]]:
     d, hd, h, g = args.hidden_size, args.head_dim, args.num_heads, args.o_groups
     shapes = {
