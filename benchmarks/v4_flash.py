@@ -77,6 +77,16 @@ V4_FLASH = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
+    # As the release's config.json: FP8 linears in 128 x 128 ue8m0 blocks, FP4 routed experts
+    # (random weights are packed the same way under model.fp4_experts / model.fp8_weights).
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "expert_dtype": "fp4",
 }
 
 # --tiny: every dimension shrunk (CPU smoke tests); HCA pools every 16 tokens so that ~64-token
