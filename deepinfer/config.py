@@ -147,7 +147,7 @@ class KernelConfig:
     reason are logged) and CPU threading. Backend names are checked by deepinfer.ops."""
 
     attention: str = "auto"  # auto | triton | torch_ref: sparse attention and the indexer
-    linear: str = "auto"  # auto | triton | torch_ref: FP8 block-scaled GEMMs (model.fp8_weights)
+    linear: str = "auto"  # auto | deepgemm | triton | torch_ref: FP8 GEMMs (model.fp8_weights)
     moe: str = "auto"  # auto | triton | torch_ref: the routed experts
     norm: str = "auto"  # auto | triton | torch_ref: RMSNorm and the hyper-connection mixing
     sampling: str = "auto"  # auto | torch_ref: the sampler (top-k, top-p, min-p, penalties)

@@ -2,8 +2,10 @@
 ``fp8_linear(x, weight, weight_scale, block)`` with torch_ref's signature: x [M, K] bf16/fp32,
 weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype.
 
-Backends, fastest first: ``triton`` (CUDA: activations quantized to e4m3 per token per K block,
-FP8 tensor-core GEMM with the block scales applied per K block; one launch at decode),
+Backends, fastest first: ``deepgemm`` (DeepSeek's DeepGEMM, SM90+; chosen by auto only when it
+is installed and a probe GEMM runs right in a child process: ``deepgemm.py``), ``triton`` (CUDA:
+activations quantized to e4m3 per token per K block, FP8 tensor-core GEMM with the block
+scales applied per K block; one launch at decode),
 ``torch_ref`` (the oracle: the dequantized weight, an fp32 matmul, x unquantized).
 """
 
@@ -23,6 +25,12 @@ from deepinfer.ops.linear.torch_ref import (
 from deepinfer.ops.registry import OpRegistry, triton_available
 
 
+def _deepgemm_available(device: torch.device) -> tuple[bool, str]:
+    from deepinfer.ops.linear.deepgemm import is_available
+
+    return is_available(device)
+
+
 @runtime_checkable
 class LinearBackend(Protocol):
     """The FP8 linear of one backend object. Producer: ``BACKENDS.select`` (or
@@ -39,6 +47,11 @@ class LinearBackend(Protocol):
 
 
 BACKENDS = OpRegistry("linear", LinearBackend)
+BACKENDS.register(
+    "deepgemm",
+    "deepinfer.ops.linear.deepgemm:DeepGEMMLinearBackend",
+    _deepgemm_available,
+)
 BACKENDS.register("triton", "deepinfer.ops.linear.triton:TritonLinearBackend", triton_available)
 BACKENDS.register("torch_ref", "deepinfer.ops.linear.torch_ref:TorchRefLinearBackend")
 
