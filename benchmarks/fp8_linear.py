@@ -16,7 +16,10 @@ per-call figure is the replay time / calls), median of ``--repeats``:
 - scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
   Triton quantizer, W 128x128 scales; cuBLAS on SM90, CUDA >= 12.9), where torch and cuBLAS
   accept the shape; else the error, shortened. Its relative difference to the Triton output is
-  reported (both quantize x identically, so it is the GEMMs' accumulation only).
+  reported (both quantize x identically, so it is the GEMMs' accumulation only);
+- deepgemm: ``ops.linear.deepgemm.fp8_linear`` (the Triton quantizer, then DeepSeek's
+  ``deep_gemm.fp8_gemm_nt``) when DeepGEMM is available (scripts/build_deepgemm.sh; the
+  backend's own probe decides), with its relative difference to the Triton output.
 
 Ceilings: decode (M <= 128) is bound by reading the weight once: bytes = the FP8 weight and its
 scales (bf16: the bf16 weight), against --bandwidth (4.25 TB/s, H200). Prefill is bound by the
@@ -123,6 +126,7 @@ def _measure(
     row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(
         x, weight, scale, ours, fp8_triton, setup, ns
     )
+    row["deepgemm_s"], row["deepgemm_note"] = _deepgemm(x, weight, scale, ours, setup, ns)
     row["fp8_bytes_per_s"] = (weight.numel() + scale.numel() * 4) / row["fp8_s"]
     row["bf16_bytes_per_s"] = w_dense.numel() * w_dense.element_size() / row["bf16_s"]
     row["fp8_flops_per_s"] = 2 * m * n * k / row["fp8_s"]
@@ -171,6 +175,27 @@ def _scaled_mm(
     return _time(run, setup, ns), f"rel diff to Triton {diff:.1e}"
 
 
+def _deepgemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    ours: torch.Tensor,
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> tuple[float | None, str]:
+    """(seconds per call, "rel diff to Triton ...") or (None, why DeepGEMM is not available)."""
+    from deepinfer.ops.linear import deepgemm
+
+    ok, why = deepgemm.is_available(setup.device)
+    if not ok:
+        return None, why
+    out = deepgemm.fp8_linear(x, weight, scale)
+    diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+    return _time(lambda: deepgemm.fp8_linear(x, weight, scale), setup, ns), (
+        f"rel diff to Triton {diff:.1e}"
+    )
+
+
 def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
     headers = [
         "linear",
@@ -180,10 +205,13 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
         "bf16 cuBLAS µs",
         "bf16 / fp8",
         "scaled_mm µs",
+        "deepgemm µs",
+        "bf16 / deepgemm",
         "fp8 TB/s (% of bound)",
         "bf16 TB/s",
         "fp8 TFLOP/s (% of peak)",
         "scaled_mm",
+        "deepgemm",
     ]
     out = []
     for r in rows:
@@ -199,10 +227,13 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
                 _us(r["bf16_s"]),
                 ratio(r["bf16_s"], r["fp8_s"]),
                 _us(r["scaled_mm_s"]),
+                _us(r["deepgemm_s"]),
+                ratio(r["bf16_s"], r["deepgemm_s"]),
                 bandwidth if decode else "—",
                 f"{r['bf16_bytes_per_s'] / 1e12:.2f}" if decode else "—",
                 flops if not decode else "—",
                 r["scaled_mm_note"],
+                r["deepgemm_note"],
             ]
         )
     return markdown(headers, out)

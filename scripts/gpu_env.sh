@@ -46,3 +46,9 @@ for name, folder in package_dir.items():
         link.symlink_to(root / folder)
 EOF
 export PYTHONPATH="$SITE:$TREE"
+# DeepGEMM, when scripts/build_deepgemm.sh built it: its module, the C++ runtime its JIT needs
+# preloaded, a cache for the kernels it compiles.
+if [ -d /tmp/deepgemm-site/deep_gemm ]; then
+  export PYTHONPATH="/tmp/deepgemm-site:$PYTHONPATH" DG_JIT_CACHE_DIR=/tmp/deepgemm-cache
+  export LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libstdc++.so.6${LD_PRELOAD:+:$LD_PRELOAD}"
+fi

@@ -109,3 +109,29 @@ def test_kernels_hold_one_reference_backend_object_per_family(
         assert contract_mismatches(backend, interface) == [], family
         assert type(backend).__name__ == f"TorchRef{interface.__name__}", family
         assert type(backend).__module__ == f"deepinfer.ops.{family}.torch_ref", family
+
+
+def test_deepgemm_probe_survives_a_crashing_child_and_auto_skips_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepGEMM is only ever tried in a child process: a segfault there is a reason, not a
+    crash of the caller; without CUDA (or the preload its JIT needs) auto passes it by."""
+    import os
+
+    from deepinfer.ops.linear import BACKENDS as LINEAR
+    from deepinfer.ops.linear import deepgemm
+
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert deepgemm.probe(crash, dict(os.environ), 60) == (
+        False,
+        "DeepGEMM probe was killed by SIGSEGV: ",
+    )
+    ok, why = deepgemm.probe("raise SystemExit('no sm90 kernel')", dict(os.environ), 60)
+    assert not ok and why.endswith("(exit 1): no sm90 kernel")
+    assert deepgemm.probe("print('ok, 1e-3')", dict(os.environ), 60) == (
+        True,
+        "DeepGEMM probe: ok, 1e-3",
+    )
+    assert deepgemm.is_available(torch.device("cpu"))[0] is False
+    assert LINEAR.names[0] == "deepgemm"
+    assert type(LINEAR.select("auto", torch.device("cpu"))).__name__ == "TorchRefLinearBackend"
