@@ -96,7 +96,7 @@ def main() -> None:
         scores = torch.rand((num_tokens, NUM_EXPERTS), generator=gen, device=setup.device)
         topk_ids = scores.topk(TOP_K, dim=-1).indices
         topk_weights = torch.rand((num_tokens, TOP_K), generator=gen, device=setup.device)
-        chosen = ours.pick_tile_config(num_tokens * TOP_K, x.dtype)
+        chosen = ours.pick_tile_config(num_tokens * TOP_K, x.dtype, packed=True)
         dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
         packed_out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
         diff = ((packed_out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()

@@ -80,7 +80,7 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def test_registered_before_torch_ref(linear_triton: ModuleType) -> None:
-    assert BACKENDS.names == ["triton", "torch_ref"]
+    assert BACKENDS.names == ["deepgemm", "triton", "torch_ref"]
     assert type(BACKENDS.select("auto", torch.device("cpu"))) is torch_ref.TorchRefLinearBackend
     ours = inspect.signature(linear_triton.fp8_linear).parameters
     ref = inspect.signature(torch_ref.fp8_linear).parameters

@@ -142,7 +142,7 @@ def test_fused_moe_larger_m_blocks_and_grouped_tiles(
     # A prefill-like tile: 32-row M blocks, several N tiles swept by groups of two M blocks,
     # K loops of several full tiles (D and I are multiples of 16).
     tile = moe_triton.TileConfig(32, 16, 16, 2, 4, 2)
-    monkeypatch.setattr(moe_triton, "pick_tile_config", lambda num_pairs, dtype: tile)
+    monkeypatch.setattr(moe_triton, "pick_tile_config", lambda *args: tile)
     gen = torch.Generator().manual_seed(7)
     num_tokens, top_k = 37, 3
     x = torch.randn(num_tokens, DIM, generator=gen)
@@ -239,3 +239,10 @@ def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
     assert _rel_err(out, same) < FP32_TOL and _rel_err(out, ref) < FP32_TOL
     # The packed weights are not their dense source: the check above is not vacuous.
     assert _rel_err(torch_ref.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT), ref) > 1e-2
+
+
+def test_mxfp4_keeps_the_decode_tiles_up_to_4096_pairs(moe_triton: ModuleType) -> None:
+    pick = moe_triton.pick_tile_config
+    decode = pick(6, torch.bfloat16)
+    assert pick(3072, torch.bfloat16, packed=True) == decode != pick(3072, torch.bfloat16)
+    assert pick(4097, torch.bfloat16, packed=True) == pick(4097, torch.bfloat16)

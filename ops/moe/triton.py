@@ -99,13 +99,22 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
 )
 
 
-def pick_tile_config(num_pairs: int, dtype: torch.dtype) -> TileConfig:
-    """The tile configuration for T * k = ``num_pairs`` pairs of ``dtype`` activations.
+# MXFP4 experts keep the decode row longer: at T = 512 (3,072 pairs) its tiles beat the second
+# row's by 7% on the H200 (benchmarks/moe_fp4.py, RESULTS.md 2026-12-01); elsewhere the bf16 rows
+# were within noise of the fastest packed candidate.
+_MXFP4_DECODE_PAIRS = 4096
+
+
+def pick_tile_config(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> TileConfig:
+    """The tile configuration for T * k = ``num_pairs`` pairs of ``dtype`` activations
+    (``packed``: MXFP4 experts).
 
     fp32 (the engine's parity mode) runs the IEEE FMA dot, not tensor cores: 4-byte operands
     held in registers, so smaller M and K tiles and two stages keep it within registers and
     shared memory. It is for exactness, not speed.
     """
+    if packed and num_pairs <= _MXFP4_DECODE_PAIRS:
+        num_pairs = 1
     config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)
     if dtype == torch.float32:
         return TileConfig(
@@ -519,7 +528,7 @@ def fused_moe(
         return out
 
     num_pairs = num_tokens * top_k
-    config = config or pick_tile_config(num_pairs, x.dtype)
+    config = config or pick_tile_config(num_pairs, x.dtype, packed)
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
