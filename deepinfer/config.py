@@ -142,6 +142,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: drafts verified by one forward (scheduler/drafts.py)."""
+
+    # none | ngram (prompt lookup: drafts copied from the request's own earlier text, no
+    # weights). Deterministic mode (kernel.deterministic) runs without drafts.
+    method: str = "none"
+    num_speculative_tokens: int = 3  # drafts per request per step (cache.max_draft_tokens)
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix that is looked up
+    prompt_lookup_max: int = 4  # ngram: the longest
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative.method", self.method, ("none", "ngram"))
+        _check_positive("speculative.num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("speculative.prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative.prompt_lookup_max={self.prompt_lookup_max} must be >= "
+                f"speculative.prompt_lookup_min={self.prompt_lookup_min}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     """Backend per op family ("auto": the first available, fastest first; the choice and the
     reason are logged) and CPU threading. Backend names are checked by deepinfer.ops."""
@@ -415,12 +441,32 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        # Drafts need a cache that can roll them back: speculative decoding sizes
+        # cache.max_draft_tokens (0, the default, becomes num_speculative_tokens).
+        spec, cache = self.speculative, self.cache
+        if not spec.enabled or cache.max_draft_tokens >= spec.num_speculative_tokens:
+            return
+        if cache.max_draft_tokens:
+            raise ValueError(
+                f"cache.max_draft_tokens={cache.max_draft_tokens} is fewer than "
+                f"speculative.num_speculative_tokens={spec.num_speculative_tokens}"
+            )
+        if spec.num_speculative_tokens > cache.ring_margin:
+            raise ValueError(
+                f"speculative.num_speculative_tokens={spec.num_speculative_tokens} must be <= "
+                f"cache.ring_margin={cache.ring_margin} (rolled-back drafts use the ring's margin)"
+            )
+        resized = dataclasses.replace(cache, max_draft_tokens=spec.num_speculative_tokens)
+        object.__setattr__(self, "cache", resized)
 
     @classmethod
     def load(

@@ -30,7 +30,7 @@ from typing import Any
 from deepinfer.config import SECTIONS, env_var, parse_value
 
 # What the engine reads: `generate`, and with more, `node` and `serve` (server/node.py, serve.py).
-ENGINE_USES = ("model", "cache", "scheduler", "kernel", "parallel", "log")
+ENGINE_USES = ("model", "cache", "scheduler", "kernel", "speculative", "parallel", "log")
 
 _NAMES: dict[str, tuple[str, ...]] = {
     "model.path": ("--model",),
@@ -38,6 +38,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "server.api_keys": ("--api-keys", "--api-key"),
     "log.level": ("--log-level",),
     "log.format": ("--log-format",),
+    "speculative.method": ("--speculative-method",),
 }
 
 
@@ -63,16 +64,56 @@ def add_config_flags(
             groups[section] = parser.add_argument_group(f"[{section}] {doc}")
         is_shared = counts[key] > 1
         _add_flag(groups[section], section, key, is_shared)
+    if "speculative" in groups:
+        groups["speculative"].add_argument(
+            "--speculative-config",
+            dest=SPECULATIVE_JSON,
+            type=_speculative_json,
+            default=argparse.SUPPRESS,
+            metavar="JSON",
+            help='vLLM\'s form of the [speculative] keys, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 3}\'; the single-key flags override it',
+        )
 
 
 def overrides(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The config keys given as flags, ``{section: {key: value}}``."""
     out: dict[str, dict[str, Any]] = {}
+    if hasattr(ns, SPECULATIVE_JSON):
+        out["speculative"] = dict(getattr(ns, SPECULATIVE_JSON))
     for dest, value in vars(ns).items():
         section, dot, key = dest.partition(".")
         if dot and section in SECTIONS:
             out.setdefault(section, {})[key] = value
     return out
+
+
+SPECULATIVE_JSON = "speculative_config_json"
+
+
+def speculative_keys(value: Any, source: str) -> dict[str, Any]:
+    """A ``speculative_config`` dict (vLLM's form: the [speculative] keys), checked: a dict
+    whose keys are [speculative]'s; ``source`` names where it came from in errors."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{source} must be a JSON object / dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(SECTIONS["speculative"])}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return value
+
+
+def _speculative_json(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    try:
+        return speculative_keys(value, "--speculative-config")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def flag_names(section: str, key: str, is_shared: bool = False) -> tuple[str, ...]:

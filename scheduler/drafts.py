@@ -15,7 +15,10 @@ drafts). A grammar masks each drafted position with its state after the drafts b
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from deepinfer.scheduler.request import Request
 
@@ -66,3 +69,118 @@ def accepted(drafts: list[int], samples: list[int]) -> list[int]:
             break
         kept.append(sample)
     return kept
+
+
+class NgramDrafter:
+    """Prompt lookup (vLLM's ``ngram`` method): find the longest suffix of the request's tokens,
+    ``min_n`` to ``max_n`` long, that occurred before in its prompt or output, and propose the
+    tokens that followed its most recent earlier occurrence (the most recent with a full run of
+    drafts after it, if any). No weights, no device work; it pays
+    off where the output copies its context (code edits, quotes, retrieval answers).
+
+    Per request it keeps the token ids as a growing numpy array (``Request.drafter_state``,
+    dropped with the request): a proposal appends the tokens since the last one and scans the
+    array once (O(tokens) vectorised), so a long prompt costs no per-step Python loop.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        if max_tokens <= 0:
+            return []
+        tokens = _TokenArray.of(request)
+        return lookup(tokens.view(), self.min_n, self.max_n, max_tokens)
+
+
+def lookup(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> list[int]:
+    """The prompt-lookup proposal for ``tokens`` (1-D int array): up to ``max_tokens`` ids that
+    followed an earlier occurrence of the longest suffix of ``min_n``..``max_n`` tokens (the
+    most recent one with ``max_tokens`` ids after it, else the most recent); [] when no suffix
+    of ``min_n`` tokens occurred before."""
+    length = len(tokens)
+    if length < min_n + 1:
+        return []
+    # Candidate occurrences end at j (j < length - 1) where tokens[j] is the last token.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    if ends.size == 0:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched backwards from j
+    alive = np.ones(ends.size, dtype=bool)
+    for back in range(1, min(max_n, length - 1)):
+        earlier = ends - back
+        alive &= earlier >= 0
+        alive[alive] = tokens[earlier[alive]] == tokens[length - 1 - back]
+        matched += alive
+    best = int(matched.max())
+    if best < min_n:
+        return []
+    starts = ends[matched == best] + 1
+    # The most recent occurrence with max_tokens tokens after it, else the most recent one.
+    full = starts[starts + max_tokens <= length]
+    start = int(full[-1] if full.size else starts[-1])
+    return tokens[start : start + max_tokens].tolist()
+
+
+@dataclass
+class _TokenArray:
+    """A request's token ids as an int64 array that grows by doubling."""
+
+    data: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    length: int = 0
+
+    @classmethod
+    def of(cls, request: Request) -> _TokenArray:
+        state = request.drafter_state
+        if not isinstance(state, cls):
+            state = request.drafter_state = cls()
+        state.extend(request.get_token_ids(state.length, request.num_tokens))
+        return state
+
+    def extend(self, ids: list[int]) -> None:
+        end = self.length + len(ids)
+        if end > len(self.data):
+            grown = np.empty(max(end, 2 * len(self.data), 64), dtype=np.int64)
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+        self.data[self.length : end] = ids
+        self.length = end
+
+    def view(self) -> np.ndarray:
+        return self.data[: self.length]
+
+
+@dataclass
+class SpecDecodeStats:
+    """What verification steps did, for metrics (vLLM's spec_decode_* counters): one ``draft``
+    is one verified run of draft tokens after a request's last token."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Drafts accepted at position 0, 1, ... of their run (grows to the longest run seen).
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Runs by tokens they gained: accepted drafts + the token sampled after them (1 .. k + 1).
+    acceptance_lengths: dict[int, int] = field(default_factory=dict)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            grow = num_draft_tokens - len(self.accepted_per_position)
+            self.accepted_per_position += [0] * grow
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        length = num_accepted + 1
+        self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_lengths": dict(self.acceptance_lengths),
+        }

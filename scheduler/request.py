@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
@@ -124,6 +124,9 @@ class Request:
     # Speculative decoding: draft tokens the step in flight verifies after the request's last
     # token (0 when none is in flight). Set by schedule(), cleared by update().
     num_drafts_in_flight: int = 0
+    # The drafter's own state for this request (the n-gram drafter's token array); it goes
+    # with the request.
+    drafter_state: Any = field(default=None, repr=False, compare=False)
     # Prefill/decode hand-off, prefill side: after its first output token the request leaves
     # the running queue with its blocks and slot held, until they are exported and released.
     hand_off: bool = False

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.scheduler.block_manager import BlockManager
-from deepinfer.scheduler.drafts import Drafter, num_draft_slots
+from deepinfer.scheduler.drafts import Drafter, SpecDecodeStats, num_draft_slots
 from deepinfer.scheduler.integrity import check_integrity
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
@@ -88,6 +88,7 @@ class Scheduler:
         # Speculative decoding (scheduler/drafts.py): the drafter, and the most drafts a step
         # verifies per request (what the cache can roll back).
         self.drafter: Drafter | None = None
+        self.spec_stats = SpecDecodeStats()
         self.max_draft_tokens = max_draft_tokens
         self._init_managers(num_blocks, num_state_slots, prefix_caching, tiers)
         self._init_queues()
@@ -511,6 +512,8 @@ class Scheduler:
         )
         request.num_computed_tokens -= num_rejected
         request.num_drafts_in_flight = 0
+        if scheduled.num_draft_tokens:
+            self.spec_stats.record(scheduled.num_draft_tokens, num_kept - 1)
 
     def _append_token(
         self, request: Request, token_id: int, logprobs: dict[int, float] | None

@@ -31,6 +31,9 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_kv_transfer_failures_total{direction,reason}   counter: peer | timeout | checksum |
                                                       join | malformed
     deepinfer_kv_transfer_in_flight{direction}        gauge
+    deepinfer_spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens   counter  vllm:
+    deepinfer_spec_decode_num_accepted_tokens_per_pos{position}   counter     vllm:
+    deepinfer_spec_decode_acceptance_length    histogram: tokens a verified run gained (1..k+1)
     (the kv_transfer series on prefill and decode nodes only: server/kv_transfer.py)
 
 ("vllm:" alone: the same name under vLLM's prefix.)
@@ -43,7 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepinfer.outputs import FinishReason
 from deepinfer.scheduler.output import RequestOutputDelta
@@ -92,6 +95,12 @@ class NodeMetrics:
         "deepinfer_preemptions": ("vllm:num_preemptions",),
         "deepinfer_finished_requests": ("vllm:request_success",),
         "deepinfer_iteration_tokens": ("vllm:iteration_tokens_total",),
+        "deepinfer_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+        "deepinfer_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+        "deepinfer_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+        "deepinfer_spec_decode_num_accepted_tokens_per_pos": (
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+        ),
     }
 
     def __init__(
@@ -121,6 +130,10 @@ class NodeMetrics:
         """Export the decode graphs captured at start-up and while serving
         (LLMEngine.graph_stats) at every scrape."""
         self.registry.register(_GraphCollector(self.labels, stats))
+
+    def watch_drafts(self, stats: Callable[[], dict]) -> None:
+        """Export the verification steps' counters (LLMEngine.spec_stats) at every scrape."""
+        self.registry.register(_SpecDecodeCollector(self.labels, stats))
 
     def watch_ranks(self, stats: Callable[[], dict]) -> None:
         """Export a lock-step rank's steps by kind and its experts' tokens
@@ -287,6 +300,50 @@ class _GraphCollector:
         for phase, count in self._stats().items():
             family.add_metric([*self._labels, phase], count)
         yield family
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding (scheduler/drafts.py SpecDecodeStats): drafts verified, their
+    tokens, the accepted ones (in all and by position in the run), and the runs by tokens
+    gained (accepted + 1) as a histogram. Nothing while no draft was verified."""
+
+    def __init__(self, labels: tuple[str, ...], stats: Callable[[], dict]) -> None:
+        self._labels = list(labels)
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        s, node = self._stats(), self._labels
+        if not s.get("num_drafts"):
+            return
+        for key, doc in (
+            ("num_drafts", "Runs of draft tokens verified."),
+            ("num_draft_tokens", "Draft tokens verified."),
+            ("num_accepted_tokens", "Draft tokens accepted."),
+        ):
+            family = CounterMetricFamily(f"deepinfer_spec_decode_{key}", doc, labels=_LABELS)
+            family.add_metric(node, s[key])
+            yield family
+        per_pos = CounterMetricFamily(
+            "deepinfer_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in their run (0: the first draft).",
+            labels=[*_LABELS, "position"],
+        )
+        for position, count in enumerate(s["accepted_per_position"]):
+            per_pos.add_metric([*node, str(position)], count)
+        yield per_pos
+        lengths = s["acceptance_lengths"]
+        buckets, total = [], 0
+        for length in range(1, max(lengths) + 1):
+            total += lengths.get(length, 0)
+            buckets.append((str(length), total))
+        buckets.append(("+Inf", total))
+        gained = HistogramMetricFamily(
+            "deepinfer_spec_decode_acceptance_length",
+            "Tokens one verified run gained: its accepted drafts + the token sampled after them.",
+            labels=_LABELS,
+        )
+        gained.add_metric(node, buckets, sum_value=sum(n * c for n, c in lengths.items()))
+        yield gained
 
 
 class TransferMetrics:

@@ -2,7 +2,7 @@
 
 Each request's output is a script of token ids, chosen from its prompt; after the script the
 executor emits EOS. The real scheduler runs around it, so blocks, slots, chunked prefill,
-preemption and finish reasons behave as in production.
+preemption, finish reasons and draft verification behave as in production.
 
     executor = ScriptedExecutor({7: [10, 11, 12]})   # prompts containing token 7 -> 10, 11, 12
     engine = LLMEngine(Config(), executor=executor)    # then EOS (finish_reason "stop")
@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from deepinfer.scheduler.drafts import accepted
 from deepinfer.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 Script = list[int]
@@ -103,12 +104,19 @@ class ScriptedExecutor:
                     request.prompt_token_ids
                 )
             # Indexed by the output position, so a recompute after preemption replays the script.
+            # Drafts (the chunk's last num_draft_tokens ids) are verified as a model would: the
+            # token at each drafted position is the script's, kept while the drafts match it.
             index = request.num_output_tokens
-            token_id = script[index] if index < len(script) else self._end_token()
-            output.sampled_token_ids[request.request_id] = [token_id]
+            samples = [
+                script[i] if i < len(script) else self._end_token()
+                for i in range(index, index + scheduled.num_draft_tokens + 1)
+            ]
+            drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_draft_tokens :]
+            token_ids = accepted(drafts, samples)
+            output.sampled_token_ids[request.request_id] = token_ids
             if params.logprobs is not None:
                 output.logprobs[request.request_id] = [
-                    self._logprobs(token_id, -0.25, params.logprobs)
+                    self._logprobs(token_id, -0.25, params.logprobs) for token_id in token_ids
                 ]
         return output
 

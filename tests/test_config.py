@@ -140,6 +140,8 @@ _OTHER_VALUES = {
     "log.format": "json",
     "parallel.data_parallel_size": 4,  # rank 1 + 3 local ranks fit
     "parallel.backend": "gloo",
+    "speculative.method": "ngram",
+    "cache.max_draft_tokens": 5,  # >= speculative.num_speculative_tokens' other value, 4
 }
 
 
@@ -226,7 +228,7 @@ def test_every_key_is_a_flag_of_a_subcommand_that_reads_it() -> None:
         "scheduler",  # max_num_seqs: what a static --node runs at once (derived limits)
     }
     assert {s for s, _ in _config_flags(parsers["generate"])} == {
-        "model", "cache", "scheduler", "kernel", "parallel", "log"
+        "model", "cache", "scheduler", "kernel", "speculative", "parallel", "log"
     }  # fmt: skip
 
 
@@ -332,3 +334,28 @@ def test_config_subcommand_shows_flags_and_hides_secrets(
     assert '[node]\nhost = "127.0.0.1"\nport = 9100\n' in out
     assert "enable_prefix_caching = false\n" in out
     assert "# api_keys = (set, not shown)\n" in out
+
+
+def test_speculative_config_json_flag_is_vllms_form() -> None:
+    """--speculative-config takes vLLM's JSON; a single-key flag overrides it; bad JSON or an
+    unknown key is an argparse error naming it."""
+    import argparse
+
+    from deepinfer.flags import add_config_flags, overrides
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_config_flags(parser, ("cache", "speculative"), config_file=False)
+    ns = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+         "--prompt-lookup-max", "6"]
+    )  # fmt: skip
+    config = Config.load(overrides=overrides(ns))
+    assert config.speculative.method == "ngram"
+    assert (config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_max) == (
+        4,
+        6,
+    )
+    assert config.cache.max_draft_tokens == 4
+    for bad, message in (("{not json", "not JSON"), ('{"k": 1}', "unknown key")):
+        with pytest.raises(argparse.ArgumentError, match=message):
+            parser.parse_args(["--speculative-config", bad])

@@ -46,7 +46,7 @@ from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.parallel.group import RankGroup, with_rendezvous_port
 from deepinfer.parallel.lockstep import LockStep, RankStep
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.drafts import Drafter
+from deepinfer.scheduler.drafts import Drafter, NgramDrafter
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -150,6 +150,29 @@ class LLMEngine:
             # Deterministic steps run one token per forward: no drafts to verify in one.
             max_draft_tokens=0 if config.kernel.deterministic else config.cache.max_draft_tokens,
         )
+        self._init_drafter()
+
+    def _init_drafter(self) -> None:
+        """The drafter that [speculative] names (none: no drafts)."""
+        spec = self.config.speculative
+        if not spec.enabled:
+            return
+        if self.config.kernel.deterministic:
+            logger.warning("speculative.method=%s: off in deterministic mode", spec.method)
+            return
+        self.set_drafter(NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        logger.info(
+            "speculative decoding: %s, up to %d drafts a step (n-grams of %d..%d tokens)",
+            spec.method,
+            self.scheduler.max_draft_tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+        )
+
+    def spec_stats(self) -> dict:
+        """Verification steps so far (scheduler/drafts.py SpecDecodeStats); read by the node's
+        metrics."""
+        return self.scheduler.spec_stats.as_dict()
 
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Speculative decoding: ``drafter`` proposes tokens that the next steps verify, up to

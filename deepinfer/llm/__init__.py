@@ -21,6 +21,7 @@ from typing import Any
 
 from deepinfer.config import Config
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.flags import speculative_keys
 from deepinfer.llm.loop import EngineLoop, Prompt
 from deepinfer.llm.ranks import RankPool
 from deepinfer.outputs import RequestOutput
@@ -36,7 +37,9 @@ class LLM:
     "float32" | "bfloat16". ``config``: a config.toml path or a Config; ``model``, ``device`` and
     ``dtype`` override it only when given (not None / "auto"). Any other keyword names a config
     key of any section (``max_num_batched_tokens=256``, ``num_blocks=64``,
-    ``data_parallel_size=2``, ``enable_expert_parallel=True``, ...).
+    ``data_parallel_size=2``, ``enable_expert_parallel=True``, ...); ``speculative_config``
+    takes the [speculative] keys as a dict, as vLLM's does (``{"method": "ngram",
+    "num_speculative_tokens": 3}``).
 
     With ``data_parallel_size`` > 1 the engine runs in rank processes (``self.ranks``; one
     thread each on the CPU): ``self.engine`` is None there. A rank's failure ends them all:
@@ -134,6 +137,9 @@ def _split_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for f in dataclasses.fields(section.default_factory()):
             owners.setdefault(f.name, section.name)
     sections: dict[str, dict[str, Any]] = {}
+    if "speculative_config" in overrides:  # vLLM's form: LLM(speculative_config={...})
+        value = overrides.pop("speculative_config")
+        sections["speculative"] = dict(speculative_keys(value, "speculative_config"))
     for key, value in overrides.items():
         if key not in owners:
             raise TypeError(f"LLM() got an unknown keyword argument {key!r}")
