@@ -189,3 +189,35 @@ def test_node_metrics_export_the_verification_counters() -> None:
         f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 7.0",
     ):
         assert line in text, line
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_equality_acceptance_is_the_rejection_rule_for_one_token_drafts(agrees: bool) -> None:
+    """A one-token draft d (q = one-hot) is kept when the sample at its position equals it: the
+    rejection rule accepts with probability min(1, p(d) / q(d)) = p(d) and otherwise samples the
+    residual p without d. 10^5 seeded rows of a synthetic p through our sampler (keyed draws):
+    the acceptance rate is p(d) and the rejected rows' tokens follow p without d, each within
+    3 sigma; for a drafter that agrees with the target (its argmax) and one that does not."""
+    from deepinfer.ops.sampling.torch_ref import SamplingMetadata, sample
+    from deepinfer.scheduler.drafts import accepted
+
+    num = 100_000
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    draft = 0 if agrees else 4
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(num)]
+    metadata = SamplingMetadata.build(
+        params, [[1]] * num, [[]] * num, [7] * num, eos_token_id=None, device="cpu"
+    )
+    samples = sample(p.log().expand(num, -1).contiguous(), metadata).token_ids.tolist()
+    # What the verification keeps at the drafted position: samples[0] is the token before it.
+    kept = [accepted([draft], [s, -1]) for s in samples]
+    is_accepted = torch.tensor([len(k) == 2 for k in kept])
+    rate, want = is_accepted.float().mean().item(), p[draft].item()
+    assert abs(rate - want) < 3 * (want * (1 - want) / num) ** 0.5
+    residual = p.clone()
+    residual[draft] = 0
+    residual /= residual.sum()
+    rejected = torch.tensor(samples)[~is_accepted]
+    counts = torch.bincount(rejected, minlength=5).float() / len(rejected)
+    sigma = (residual * (1 - residual) / len(rejected)).sqrt()
+    assert ((counts - residual).abs() <= 3 * sigma + 1e-12).all(), (counts, residual)
