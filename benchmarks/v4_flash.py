@@ -28,6 +28,7 @@ from deepinfer.config import CacheConfig, KernelConfig
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
+from deepinfer.model.deepseek_v4.tiny import QUANTIZED_CONFIG
 from deepinfer.model.families import load_family
 from deepinfer.model.layers import use_mxfp4_experts
 from deepinfer.ops import Kernels, select_kernels
@@ -79,14 +80,7 @@ V4_FLASH = {
     "torch_dtype": "bfloat16",
     # As the release's config.json: FP8 linears in 128 x 128 ue8m0 blocks, FP4 routed experts
     # (random weights are packed the same way under model.fp4_experts / model.fp8_weights).
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "scale_fmt": "ue8m0",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    },
-    "expert_dtype": "fp4",
+    **QUANTIZED_CONFIG,
 }
 
 # --tiny: every dimension shrunk (CPU smoke tests); HCA pools every 16 tokens so that ~64-token
