@@ -8,8 +8,8 @@ bit) two values per byte, with one ue8m0 scale (a biased power of two) per 32 in
     scale  [E, N, K/32] uint8  w[e, n, k] = E2M1[code(e, n, k)] * 2**(scale[e, n, k // 32] - 127)
 
 A dequantized value is exact in bf16 and fp32 (two significant bits times a power of two), so
-a kernel that dequantizes in registers computes what the dense kernel computes on
-``dequantize_mxfp4``'s weights, to the bit when it keeps the dense kernel's tiles.
+a kernel that dequantizes in registers computes the function the dense kernel computes on
+``dequantize_mxfp4``'s weights; only the order of its sums may differ.
 """
 
 from __future__ import annotations

@@ -32,11 +32,14 @@ T * k, so batches in one bucket of the table agree; across buckets the GEMM tile
 them the summation order, differ).
 
 MXFP4 experts (``Mxfp4Weight``: e2m1 codes two per byte, one ue8m0 scale per 32 inputs) run the
-same kernels with W_FP4 set, one scale group at a time (``_mxfp4_group_dot``): a row's 16 bytes
-of the group are read once (a quarter of bf16's bytes, plus a scale byte per 32), their low and
-high nibbles become two exact [16, BLOCK_N] value planes that multiply the even and the odd
-activations, and the group's scale (a power of two) multiplies the fp32 partial sum. The values
-are those of ``dequantize_mxfp4``; only the summation order differs from the dense kernel's.
+same kernels with W_FP4 set: each K tile of a weight is read as its [BLOCK_K/2, BLOCK_N] bytes and
+[BLOCK_N, BLOCK_K/32] scale bytes (a quarter of bf16's bytes, plus a byte per 32). Compiled
+bf16 / fp16 runs hand them to ``tl.dot_scaled`` (e2m1 x ue8m0, upcast in registers on Hopper);
+fp32 (parity) runs and Triton's interpreter, which has no scaled dot, take one scale group at a
+time (``_mxfp4_group_dot``: the low and high nibbles become two exact value planes that multiply
+the even and the odd activations, and the group's scale, a power of two, multiplies the fp32
+partial sum). Either way the values are those of ``dequantize_mxfp4``; only the summation order
+differs from the dense kernel's. benchmarks/moe_fp4.py measures them against bf16.
 
 One file of ~590 lines: a backend is one module per op family (``ops/registry.py``); the
 alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
