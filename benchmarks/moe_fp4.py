@@ -71,7 +71,15 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument(
+        "--tiles",
+        help="candidates instead of the built-in list: m,n,k,group,warps,stages;... (BLOCK_K a "
+        "multiple of 32)",
+    )
     ns = ap.parse_args()
+    candidates = CANDIDATES
+    if ns.tiles:
+        candidates = [tuple(parse_ints(t)) for t in ns.tiles.split(";") if t.strip()]
     setup = make_setup(tiny=False)  # exits without CUDA
     from deepinfer.ops.moe import triton as ours
 
@@ -114,7 +122,7 @@ def main() -> None:
             "grouped_mm": functools.partial(grouped_mm_moe, x, w13_t, w2_t, topk_ids, topk_weights),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
         }
-        for tiles in CANDIDATES:
+        for tiles in candidates:
             config = ours.TileConfig(*tiles)
             runs[f"fp4 {_name(tiles)}"] = functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=config
