@@ -241,8 +241,22 @@ def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
     assert _rel_err(torch_ref.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT), ref) > 1e-2
 
 
-def test_mxfp4_keeps_the_decode_tiles_up_to_4096_pairs(moe_triton: ModuleType) -> None:
+def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
+    moe_triton: ModuleType,
+) -> None:
     pick = moe_triton.pick_tile_config
     decode = pick(6, torch.bfloat16)
     assert pick(3072, torch.bfloat16, packed=True) == decode != pick(3072, torch.bfloat16)
-    assert pick(4097, torch.bfloat16, packed=True) == pick(4097, torch.bfloat16)
+    for num_pairs in (4097, 16384):
+        assert pick(num_pairs, torch.bfloat16, packed=True) == pick(num_pairs, torch.bfloat16)
+    prefill = pick(16385, torch.bfloat16, packed=True)
+    assert (
+        (prefill.block_m, prefill.block_n)
+        == (128, 64)
+        != (
+            pick(16385, torch.bfloat16).block_m,
+            pick(16385, torch.bfloat16).block_n,
+        )
+    )
+    # fp32 (parity) runs keep their own small tiles whatever the row.
+    assert pick(49152, torch.float32, packed=True).block_k == 32

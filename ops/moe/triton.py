@@ -102,10 +102,13 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
 )
 
 
-# MXFP4 experts keep the decode row longer: at T = 512 (3,072 pairs) its tiles beat the second
-# row's by 7% on the H200 (benchmarks/moe_fp4.py, RESULTS.md 2026-12-01); elsewhere the bf16 rows
-# were within noise of the fastest packed candidate.
+# MXFP4 experts (benchmarks/moe_fp4.py on the H200, RESULTS.md 2026-12-01): the decode row up to
+# 4,096 pairs (at 3,072 it beats the second row by 7%), the bf16 rows up to 16,384 (at 12,288 the
+# third row was the fastest candidate), then taller, narrower tiles than bf16's last row: 1.44x
+# faster at 24,576 pairs (T = 4096), 1.24x at 49,152.
 _MXFP4_DECODE_PAIRS = 4096
+_MXFP4_PREFILL_PAIRS = 16384
+_MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 
 
 def pick_tile_config(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> TileConfig:
@@ -119,6 +122,8 @@ def pick_tile_config(num_pairs: int, dtype: torch.dtype, packed: bool = False) -
     if packed and num_pairs <= _MXFP4_DECODE_PAIRS:
         num_pairs = 1
     config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)
+    if packed and num_pairs > _MXFP4_PREFILL_PAIRS:
+        config = _MXFP4_PREFILL_TILES
     if dtype == torch.float32:
         return TileConfig(
             block_m=min(config.block_m, 64),
