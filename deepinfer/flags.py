@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import json
 import textwrap
 import tokenize
 import typing
@@ -40,6 +41,8 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "log.format": ("--log-format",),
     "speculative.method": ("--speculative-method",),
 }
+# The Namespace entry of --speculative-config (vLLM's JSON form of the [speculative] keys).
+SPECULATIVE_JSON = "speculative_config_json"
 
 
 def add_config_flags(
@@ -88,9 +91,6 @@ def overrides(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
-SPECULATIVE_JSON = "speculative_config_json"
-
-
 def speculative_keys(value: Any, source: str) -> dict[str, Any]:
     """A ``speculative_config`` dict (vLLM's form: the [speculative] keys), checked: a dict
     whose keys are [speculative]'s; ``source`` names where it came from in errors."""
@@ -104,8 +104,6 @@ def speculative_keys(value: Any, source: str) -> dict[str, Any]:
 
 
 def _speculative_json(text: str) -> dict[str, Any]:
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:

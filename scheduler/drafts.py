@@ -15,6 +15,7 @@ drafts). A grammar masks each drafted position with its state after the drafts b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,8 +76,8 @@ class NgramDrafter:
     """Prompt lookup (vLLM's ``ngram`` method): find the longest suffix of the request's tokens,
     ``min_n`` to ``max_n`` long, that occurred before in its prompt or output, and propose the
     tokens that followed its most recent earlier occurrence (the most recent with a full run of
-    drafts after it, if any). No weights, no device work; it pays
-    off where the output copies its context (code edits, quotes, retrieval answers).
+    drafts after it, if any). No weights, no device work; it pays off where the output copies
+    its context (code edits, quotes, retrieval answers).
 
     Per request it keeps the token ids as a growing numpy array (``Request.drafter_state``,
     dropped with the request): a proposal appends the tokens since the last one and scans the
@@ -177,10 +178,4 @@ class SpecDecodeStats:
         self.acceptance_lengths[length] = self.acceptance_lengths.get(length, 0) + 1
 
     def as_dict(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_lengths": dict(self.acceptance_lengths),
-        }
+        return dataclasses.asdict(self)

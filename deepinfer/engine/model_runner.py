@@ -19,6 +19,7 @@ state; what each step stage does lives in the modules named above.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -72,8 +73,13 @@ class ModelRunner:
         self._init_threads()
         self._init_precision()
         ep = group is not None and group.expert_parallel
+        kernel = config.kernel
+        if not config.model.fp8_weights and kernel.linear == "auto":
+            # Only FP8 linears call the linear family: without them auto probes nothing (the
+            # DeepGEMM probe runs a child process and compiles a kernel).
+            kernel = dataclasses.replace(kernel, linear="torch_ref")
         self.kernels = select_kernels(
-            config.kernel, self.device, experts=group.moe_context() if ep else None
+            kernel, self.device, experts=group.moe_context() if ep else None
         )
         # The routed experts this rank holds (None: all of them), over how many ranks.
         self.experts = group.experts(self.family.num_experts(args)) if ep else None

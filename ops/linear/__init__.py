@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.ops.linear.deepgemm import is_available as deepgemm_available
 from deepinfer.ops.linear.torch_ref import (
     FP8_BLOCK,
     dequantize_fp8,
@@ -23,12 +24,6 @@ from deepinfer.ops.linear.torch_ref import (
     quantize_fp8,
 )
 from deepinfer.ops.registry import OpRegistry, triton_available
-
-
-def _deepgemm_available(device: torch.device) -> tuple[bool, str]:
-    from deepinfer.ops.linear.deepgemm import is_available
-
-    return is_available(device)
 
 
 @runtime_checkable
@@ -48,9 +43,7 @@ class LinearBackend(Protocol):
 
 BACKENDS = OpRegistry("linear", LinearBackend)
 BACKENDS.register(
-    "deepgemm",
-    "deepinfer.ops.linear.deepgemm:DeepGEMMLinearBackend",
-    _deepgemm_available,
+    "deepgemm", "deepinfer.ops.linear.deepgemm:DeepGEMMLinearBackend", deepgemm_available
 )
 BACKENDS.register("triton", "deepinfer.ops.linear.triton:TritonLinearBackend", triton_available)
 BACKENDS.register("torch_ref", "deepinfer.ops.linear.torch_ref:TorchRefLinearBackend")

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK
-from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.registry import Backend
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
 PROBE_TIMEOUT_S = 600.0  # the first call compiles a kernel with nvcc: seconds, more when cold
@@ -113,15 +113,17 @@ def fp8_linear(
     """As torch_ref.fp8_linear, with x quantized per token per 128 (the Triton quantizer) and
     DeepGEMM's FP8 GEMM: x [M, K] bf16 (other dtypes are cast), weight [N, K] e4m3, weight_scale
     [ceil(N/128), ceil(K/128)] fp32. Returns [M, N] in x's dtype. Other weight blocks (V4.1's
-    32 x 32) run the Triton GEMM."""
+    32 x 32) and shapes off DeepGEMM's tiles (toy models) run the Triton GEMM."""
     import deep_gemm
 
     from deepinfer.ops.linear import triton
 
-    if tuple(block) != (128, 128):  # DeepGEMM's SM90 recipe: 1 x 128 and 128 x 128 scales
-        return triton.fp8_linear(x, weight, weight_scale, block)
-    m, _ = x.shape
+    m, k = x.shape
     n = weight.shape[0]
+    # DeepGEMM's SM90 recipe (1 x 128 and 128 x 128 scales) at the shapes it was checked on:
+    # whole 128-wide K blocks and N a multiple of 64 (every V4-Flash linear).
+    if tuple(block) != (128, 128) or k % 128 or n % 64:
+        return triton.fp8_linear(x, weight, weight_scale, block)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.to(x.dtype)
@@ -132,8 +134,5 @@ def fp8_linear(
 
 class DeepGEMMLinearBackend(Backend):
     """DeepGEMM's FP8 GEMM on one CUDA device; it keeps nothing (DeepGEMM caches its kernels)."""
-
-    def __init__(self, device: torch.device, parallel: ParallelContext | None = None) -> None:
-        super().__init__(device, parallel)
 
     fp8_linear = staticmethod(fp8_linear)

@@ -46,8 +46,7 @@ from deepinfer.model.deepseek_v4.weights import (
     mxfp4_scale_name,
 )
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, scale_to_float
-from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK as FP4_BLOCK
-from deepinfer.ops.moe.torch_ref import dequantize_mxfp4
+from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +352,7 @@ class _StateBuilder:
         for name, part, part_scale in parts:
             e, n, k = self._expected(key, name)
             self._check(key, name, part, (e, n, k // 2))
-            self._check(key, mxfp4_scale_name(name), part_scale, (e, n, -(-k // FP4_BLOCK)))
+            self._check(key, mxfp4_scale_name(name), part_scale, (e, n, -(-k // MXFP4_BLOCK)))
             self._claim(key, name)
             self.out[name] = part.contiguous()
             self.mxfp4_scales[name] = part_scale.contiguous()
@@ -445,6 +444,6 @@ class _StateBuilder:
         if name not in self.out:
             self.out[name] = torch.empty(e, n, k // 2, dtype=torch.uint8, device=self.device)
             self.mxfp4_scales[name] = torch.empty(
-                e, n, -(-k // FP4_BLOCK), dtype=torch.uint8, device=self.device
+                e, n, -(-k // MXFP4_BLOCK), dtype=torch.uint8, device=self.device
             )
         return self.out[name], self.mxfp4_scales[name]

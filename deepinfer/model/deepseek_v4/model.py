@@ -130,7 +130,6 @@ class Experts(nn.Module):
         super().__init__()
         e, i, d = num_local, args.moe_intermediate_size, args.hidden_size
         self.shapes = {"w1": (e, i, d), "w2": (e, d, i), "w3": (e, i, d)}
-        self.packed = False
         for name, shape in self.shapes.items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
 
@@ -140,7 +139,10 @@ class Experts(nn.Module):
             for suffix, width in (("", cols // 2), ("_scales", -(-cols // MXFP4_BLOCK))):
                 empty = torch.empty(e, rows, width, dtype=torch.uint8)
                 self.register_parameter(name + suffix, nn.Parameter(empty, requires_grad=False))
-        self.packed = True
+
+    @property
+    def packed(self) -> bool:
+        return self.w1.dtype == torch.uint8
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
         """(w1, w2, w3) as the MoE backends take them."""
