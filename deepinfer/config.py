@@ -353,6 +353,45 @@ class ServerConfig:
                 raise ValueError(f"server.{key} must be > 0, got {getattr(self, key)}")
 
 
+ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Which node (or lock-step rank, or prefill node of a pair) gets a request
+    (server/routing.py). ``cache_aware`` weighs each node's cost in prompt tokens:
+
+        cost = prompt tokens not cached there + host_hit_cost x host hits
+               + disk_hit_cost x disk hits + request_cost_tokens x requests on the node
+
+    over the nodes whose load (requests running and waiting) is within the guard: more than
+    ``balance_abs_requests`` above the least loaded node's *and* more than ``balance_ratio``
+    times it is too far. Equal costs go to the same node for prompts that begin alike (their
+    first ``affinity_tokens`` tokens), so that a conversation's turns stay together.
+    """
+
+    policy: str = "cache_aware"  # round_robin | least_loaded | cache_aware
+    request_cost_tokens: int = 256  # a request on a node costs this many prompt tokens' work
+    host_hit_cost: float = 0.05  # a host-tier hit costs this share of computing the token
+    disk_hit_cost: float = 0.25  # a disk-tier hit (a shared mount counts for all) likewise
+    # The load guard: a node more than this many requests above the least loaded one's load...
+    balance_abs_requests: int = 8
+    balance_ratio: float = 1.5  # ...and more than this times it is left out of the choice
+    affinity_tokens: int = 512  # equal costs: prompts agreeing on this many tokens go together
+
+    def __post_init__(self) -> None:
+        _check_choice("routing.policy", self.policy, ROUTING_POLICIES)
+        for key in ("request_cost_tokens", "balance_abs_requests"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"routing.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("host_hit_cost", "disk_hit_cost"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"routing.{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.balance_ratio < 1:
+            raise ValueError(f"routing.balance_ratio must be >= 1, got {self.balance_ratio}")
+        _check_positive("routing.affinity_tokens", self.affinity_tokens)
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """A node's internal API (`deepinfer node`): token ids in, token deltas out."""
@@ -374,10 +413,21 @@ class NodeConfig:
     heartbeat_interval_s: float = 2.0  # seconds between heartbeats to the coordinator
     max_step_s: float = 30.0  # /ready answers 503 while one engine step runs longer than this
     drain_timeout_s: float = 30.0  # SIGTERM: time in-flight requests get before they are aborted
+    # A registered node posts what its prefix cache stores and evicts, for cache-aware routing
+    # ([routing]), at most this often; 0 posts none.
+    cache_event_interval_s: float = 0.05
+    # Events kept while the coordinator does not take them; beyond, they are dropped and a
+    # snapshot of the whole cache follows.
+    max_pending_cache_events: int = 100_000
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"node.port must be in 1..65535, got {self.port}")
+        if self.cache_event_interval_s < 0:
+            raise ValueError(
+                f"node.cache_event_interval_s must be >= 0, got {self.cache_event_interval_s}"
+            )
+        _check_positive("node.max_pending_cache_events", self.max_pending_cache_events)
         _check_choice("node.role", self.role, ("mixed", "prefill", "decode"))
         for key in ("heartbeat_interval_s", "max_step_s"):
             if getattr(self, key) <= 0:
@@ -444,6 +494,7 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -40,6 +40,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "log.level": ("--log-level",),
     "log.format": ("--log-format",),
     "speculative.method": ("--speculative-method",),
+    "routing.policy": ("--routing-policy",),
 }
 # The Namespace entry of --speculative-config (vLLM's JSON form of the [speculative] keys).
 SPECULATIVE_JSON = "speculative_config_json"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepinfer.kv_cache.events import CacheEventLog
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.scheduler.request import Request
-
-_TOKEN = struct.Struct("<I")
 
 
 def chain_root(salt: bytes, cache_salt: str | None) -> bytes:
@@ -34,9 +34,9 @@ def chain_root(salt: bytes, cache_salt: str | None) -> bytes:
     return root.digest()
 
 
-def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     h = hashlib.sha256(parent)
-    h.update(b"".join(_TOKEN.pack(t) for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # each id as 4 bytes, little-endian
     return h.digest()
 
 
@@ -56,6 +56,7 @@ class PrefixCache:
         self._blocks: dict[bytes, int] = {}
         self.evicted: list[tuple[int, bytes]] = []  # since the last drain, for offloading
         self.stats = PrefixCacheStats()
+        self.events: CacheEventLog | None = None  # the node's, when it publishes to a router
         block_manager.on_evict = self._evict
 
     def __len__(self) -> int:
@@ -94,24 +95,32 @@ class PrefixCache:
         if request.reuse.num_inserted_blocks >= num_full:
             return
         hashes = self.block_hashes(request, num_full * self.block_size)
+        inserted = []
         for k in range(request.reuse.num_inserted_blocks, num_full):
             block_id = request.block_table[k]
             # The same content computed twice (two cold requests at once): keep the first copy.
             if hashes[k] not in self._blocks and self.block_manager.block_hash(block_id) is None:
                 self._blocks[hashes[k]] = block_id
                 self.block_manager.set_hash(block_id, hashes[k])
+                inserted.append(hashes[k])
         request.reuse.num_inserted_blocks = num_full
+        if self.events is not None:
+            self.events.stored("device", inserted)
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Cache a block whose content the executor loads from a lower tier before it is read."""
         assert block_hash not in self._blocks, "a lower-tier hit for a block already on device"
         self._blocks[block_hash] = block_id
         self.block_manager.set_hash(block_id, block_hash)
+        if self.events is not None:
+            self.events.stored("device", (block_hash,))
 
     def unregister(self, block_id: int) -> None:
         block_hash = self.block_manager.clear_hash(block_id)
         if block_hash is not None:
             del self._blocks[block_hash]
+            if self.events is not None:
+                self.events.removed("device", (block_hash,))
 
     def _evict(self, block_id: int, block_hash: bytes) -> None:
         assert self._blocks.get(block_hash) == block_id, (
@@ -120,3 +129,5 @@ class PrefixCache:
         del self._blocks[block_hash]
         self.evicted.append((block_id, block_hash))
         self.stats.num_evicted_blocks += 1
+        if self.events is not None:
+            self.events.removed("device", (block_hash,))

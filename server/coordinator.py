@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import importlib.metadata
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,7 +40,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from deepinfer.config import Config, SchedulerConfig, ServerConfig
+from deepinfer.config import Config, RoutingConfig, SchedulerConfig, ServerConfig
 from deepinfer.flags import add_config_flags
 from deepinfer.model.families import model_type_of, read_config
 from deepinfer.server import listen, systemd
@@ -54,6 +55,9 @@ from deepinfer.server.openai_api import OpenAIApi
 from deepinfer.server.preparation import PreparationPool, read_body
 from deepinfer.server.protocol import (
     MESSAGE_CONTENT_TYPE,
+    CacheEventBatch,
+    CacheSnapshot,
+    CacheSync,
     NodeHeartbeat,
     NodeLease,
     NodeRegistration,
@@ -67,7 +71,7 @@ from deepinfer.server.registry import (
     WrongLeaseError,
 )
 from deepinfer.server.response_store import ResponseStore
-from deepinfer.server.routing import NodeBackend, NodeEntry, RoutingPolicy
+from deepinfer.server.routing import NodeBackend, NodeEntry, RoutingPolicy, make_policy
 from deepinfer.server.service import CoordinatorService
 from deepinfer.server.tokenization import TokenizationApi
 from deepinfer.tokenizer import tokenizer_json
@@ -93,7 +97,9 @@ _METRICS_KEY_MESSAGE = (
     "(Authorization: Bearer <server.metrics_key>)"
 )
 _MAX_NODE_MESSAGE_BYTES = 1 << 20  # a registration or heartbeat is a few hundred bytes
-_M = TypeVar("_M", NodeRegistration, NodeHeartbeat)
+# A cache snapshot: ~9 bytes a block (some 7 million blocks).
+_MAX_CACHE_MESSAGE_BYTES = 64 << 20
+_M = TypeVar("_M", NodeRegistration, NodeHeartbeat, CacheEventBatch, CacheSnapshot)
 _OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 
 
@@ -109,6 +115,7 @@ def create_coordinator_app(
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
     backend_factory: BackendFactory | None = None,
     policy: RoutingPolicy | None = None,
+    routing: RoutingConfig | None = None,
     observability: Sequence[web.RouteDef] = (),
     export_vllm_names: bool = True,
 ) -> web.Application:
@@ -120,9 +127,10 @@ def create_coordinator_app(
     ``roles`` their roles (mixed | prefill | decode; default: all mixed).
     Nodes may also register on the internal app; their backends come from
     ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
-    session). ``policy`` picks a node per request (default: least loaded). ``model_type`` is the
-    checkpoint's (``deepseek_v4`` | ``deepseek_v41``). ``observability`` are more routes served
-    beside /health, /ready and /metrics. ``export_vllm_names``: ``metrics.export_vllm_names``.
+    session). ``policy`` picks a node per request (default: ``routing``'s, [routing]).
+    ``model_type`` is the checkpoint's (``deepseek_v4`` | ``deepseek_v41``). ``observability``
+    are more routes served beside /health, /ready and /metrics. ``export_vllm_names``:
+    ``metrics.export_vllm_names``.
     """
     if backends and max_model_len is None:
         raise ValueError("max_model_len is required with static backends")
@@ -141,7 +149,7 @@ def create_coordinator_app(
     registry = NodeRegistry(
         config.heartbeat_timeout_s,
         backend_factory or _node_client_factory(app, config),
-        policy,
+        policy or make_policy(routing or RoutingConfig()),
         probe_timeout_s=max(config.node_probe_interval_s, 1.0),
         max_nodes=config.max_registered_nodes,
     )
@@ -166,6 +174,7 @@ def create_coordinator_app(
     )
     metrics = CoordinatorMetrics(served_model_name, export_vllm_names=export_vllm_names)
     registry.pair_observer = metrics.pair_request
+    metrics.bind_router(registry.cache_index, registry.policy)
     metrics.bind_gauges(
         lambda: admission.num_running,
         lambda: admission.num_waiting,
@@ -203,7 +212,7 @@ def _create_internal_app(
     """The nodes' control plane, on the public app's registry, service and metrics."""
     internal = web.Application(
         middlewares=[error_middleware, _internal_auth_middleware],
-        client_max_size=_MAX_NODE_MESSAGE_BYTES,
+        client_max_size=_MAX_CACHE_MESSAGE_BYTES,
     )
     internal[CONFIG] = public[CONFIG]
     internal[FRONTEND] = public[FRONTEND]
@@ -214,6 +223,8 @@ def _create_internal_app(
         [
             web.post("/internal/register", _register),
             web.post("/internal/heartbeat", _heartbeat),
+            web.post("/internal/cache_events", _cache_events),
+            web.post("/internal/cache_snapshot", _cache_snapshot),
             *observability_routes,
         ]
     )
@@ -370,9 +381,15 @@ def _is_json(request: web.Request) -> bool:
     return request.content_type == "application/json"
 
 
-async def _decode_node_message(request: web.Request, kind: type[_M]) -> _M:
+async def _decode_node_message(
+    request: web.Request, kind: type[_M], max_bytes: int = _MAX_NODE_MESSAGE_BYTES
+) -> _M:
     """msgpack (the nodes' encoding, server/protocol.py) or JSON, by Content-Type."""
+    if (request.content_length or 0) > max_bytes:
+        raise ApiError(413, f"A {kind.__name__} is at most {max_bytes} bytes")
     raw = await read_body(request, request.app[CONFIG].body_read_timeout_s)
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"A {kind.__name__} is at most {max_bytes} bytes")
     try:
         if _is_json(request):
             return msgspec.json.decode(raw, type=kind)
@@ -419,20 +436,50 @@ async def _register(request: web.Request) -> web.Response:
 
 async def _heartbeat(request: web.Request) -> web.Response:
     heartbeat = await _decode_node_message(request, NodeHeartbeat)
-    try:
+    with _lease_errors(request, "heartbeat", heartbeat.node_id):
         request.app[REGISTRY].heartbeat(heartbeat)
+    return web.json_response({"node_id": heartbeat.node_id})
+
+
+async def _cache_events(request: web.Request) -> web.Response:
+    """A node's cache events (server/cache_index.py): applied, or a snapshot asked for."""
+    batch = await _decode_node_message(request, CacheEventBatch, _MAX_CACHE_MESSAGE_BYTES)
+    registry = request.app[REGISTRY]
+    with _lease_errors(request, "cache events", batch.node_id):
+        registry.holder(batch.node_id, batch.lease_id)
+    applied = registry.cache_index.apply(batch.node_id, batch.first_seq, batch.events)
+    sync = CacheSync(needs_snapshot=True) if applied is None else CacheSync(applied_seq=applied)
+    return _node_reply(request, sync)
+
+
+async def _cache_snapshot(request: web.Request) -> web.Response:
+    snapshot = await _decode_node_message(request, CacheSnapshot, _MAX_CACHE_MESSAGE_BYTES)
+    registry = request.app[REGISTRY]
+    with _lease_errors(request, "cache snapshot", snapshot.node_id):
+        registry.holder(snapshot.node_id, snapshot.lease_id)
+    if not registry.cache_index.load(snapshot.node_id, snapshot.seq, snapshot.held):
+        raise ApiError(409, f"Node {snapshot.node_id!r} registered without a cache layout")
+    return _node_reply(request, CacheSync(applied_seq=snapshot.seq))
+
+
+@contextlib.contextmanager
+def _lease_errors(request: web.Request, what: str, node_id: str) -> Iterator[None]:
+    """A message from an unknown node is a 404 (register first), one without the node's
+    current lease a 403."""
+    try:
+        yield
     except UnknownNodeError:
-        raise ApiError(404, f"Unknown node {heartbeat.node_id!r}; register first") from None
+        raise ApiError(404, f"Unknown node {node_id!r}; register first") from None
     except WrongLeaseError:
         logger.warning(
-            "heartbeat for node %r from %s refused: not its registration's lease",
-            heartbeat.node_id,
+            "%s for node %r from %s refused: not its registration's lease",
+            what,
+            node_id,
             request.remote,
         )
         raise ApiError(
-            403, f"This heartbeat does not carry node {heartbeat.node_id!r}'s lease; register"
+            403, f"This {what} does not carry node {node_id!r}'s lease; register"
         ) from None
-    return web.json_response({"node_id": heartbeat.node_id})
 
 
 # ---- background work --------------------------------------------------------------------------
@@ -555,6 +602,7 @@ async def _serve_until_signal(
 # What `deepinfer coordinator` reads: [server], and of [model] what names and limits the model.
 COORDINATOR_USES = (
     "server",
+    "routing",
     "metrics",
     "log",
     "model.path",
@@ -623,6 +671,7 @@ async def _run(
         roles=[role for _, role in static],
         max_model_len=max_model_len,
         export_vllm_names=config.metrics.export_vllm_names,
+        routing=config.routing,
         # --node nodes are taken to run this config's [scheduler] max_num_seqs.
         max_num_seqs=config.scheduler.max_num_seqs,
     )

@@ -26,13 +26,18 @@ Measured on the coordinator:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.kv_cache.events import TIERS
+from deepinfer.server.cache_index import CacheIndex
 
 prometheus_client.disable_created_metrics()
 
@@ -191,6 +196,25 @@ class CoordinatorMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self._predicted_cached = Counter(
+            "deepinfer_router_predicted_cached_tokens",
+            "Prompt tokens the router's cache index expected a request to find cached on its "
+            "node (a prefill/decode pair: the prefill node).",
+            [*m, "node"],
+            registry=r,
+        )
+        self._reported_cached = Counter(
+            "deepinfer_router_reported_cached_tokens",
+            "Prompt tokens the node reported cached for the requests routed there.",
+            [*m, "node"],
+            registry=r,
+        )
+        self._mispredicted = Counter(
+            "deepinfer_router_mispredicted_requests",
+            "Requests whose cached tokens on the node differed from the router's prediction.",
+            [*m, "node"],
+            registry=r,
+        )
         self._pair_requests = Counter(
             "deepinfer_pair_requests",
             "Requests sent to a prefill/decode pair, by pair and outcome (handed_off: the decode "
@@ -226,5 +250,70 @@ class CoordinatorMetrics:
         for phase, seconds in phases.items():
             self._handoff_phase.labels(*labels, phase).observe(seconds)
 
+    def cache_prediction(self, node_id: str, predicted: int, reported: int) -> None:
+        """A request finished on ``node_id``: the cached prompt tokens the router predicted
+        there, and those the node reported."""
+        labels = ("coordinator", self.model_name, node_id)
+        self._predicted_cached.labels(*labels).inc(predicted)
+        self._reported_cached.labels(*labels).inc(reported)
+        if predicted != reported:
+            self._mispredicted.labels(*labels).inc()
+
+    def bind_router(self, index: CacheIndex, policy: object) -> None:
+        """The cache index's size, events and resyncs per node, and the load guard's count,
+        read at scrape time."""
+        self.registry.register(_RouterCollector(self.model_name, index, policy))
+
     def render(self) -> bytes:
         return render(self.parts, export_vllm_names=self.export_vllm_names)
+
+
+class _RouterCollector(Collector):
+    def __init__(self, model_name: str, index: CacheIndex, policy: object) -> None:
+        self.model_name = model_name
+        self.index = index
+        self.policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        base = ["coordinator", self.model_name]
+        labels = ["component", "model_name"]
+        blocks = GaugeMetricFamily(
+            "deepinfer_router_index_blocks",
+            "Blocks the coordinator's cache index holds per node and tier (a shared disk tier: "
+            "on each node mounting it).",
+            labels=[*labels, "node", "tier"],
+        )
+        events = CounterMetricFamily(
+            "deepinfer_router_cache_events",
+            "Cache events applied to the coordinator's index, per node.",
+            labels=[*labels, "node"],
+        )
+        resyncs = CounterMetricFamily(
+            "deepinfer_router_resyncs",
+            "Snapshots asked of a node (it had none applied, or its events had a gap).",
+            labels=[*labels, "node"],
+        )
+        seqs = GaugeMetricFamily(
+            "deepinfer_router_index_seq",
+            "The node's last cache event applied to the index (-1: waiting for a snapshot).",
+            labels=[*labels, "node"],
+        )
+        for node_id, cache in self.index.nodes():
+            for tier in TIERS:
+                keys = cache.tier(tier)
+                if keys is not None:
+                    blocks.add_metric([*base, node_id, tier], len(keys))
+            events.add_metric([*base, node_id], cache.num_events)
+            resyncs.add_metric([*base, node_id], cache.num_resyncs)
+            applied = cache.applied_seq
+            seqs.add_metric([*base, node_id], -1 if applied is None else applied)
+        yield from (blocks, events, resyncs, seqs)
+        guarded = getattr(self.policy, "num_guarded", None)
+        if guarded is not None:
+            family = CounterMetricFamily(
+                "deepinfer_router_guarded_choices",
+                "Requests the load guard sent elsewhere than the node of least cost.",
+                labels=labels,
+            )
+            family.add_metric(base, guarded)
+            yield family

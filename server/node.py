@@ -53,9 +53,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from deepinfer.config import Config, NodeConfig, is_loopback
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.flags import ENGINE_USES, add_config_flags
+from deepinfer.kv_cache.events import CacheEventLog
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
+from deepinfer.server.cache_events import CachePublisher
 from deepinfer.server.kv_transfer import KVTransfers, decode_frames, prefill_frames
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.node_stream import node_load, sampling_params_of, token_deltas
@@ -63,6 +65,7 @@ from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
     AbortRequest,
+    CacheLayout,
     CollectRequest,
     FinishRequest,
     GenerateRequest,
@@ -85,6 +88,7 @@ NODE_CONFIG = web.AppKey("node_config", NodeConfig)
 METRICS = web.AppKey("metrics", NodeMetrics)
 REGISTRATION = web.AppKey("registration", NodeRegistration)
 TRANSFERS = web.AppKey("transfers", KVTransfers)
+PUBLISHER = web.AppKey("publisher", CachePublisher)
 
 _MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of msgpack
 _MAX_RETRY_S = 30.0
@@ -115,6 +119,7 @@ def create_node_app(
         rank=parallel.data_parallel_rank,
         num_ranks=parallel.data_parallel_size,
     )
+    _publish_cache_events(app, engine, config.node)
     if config.node.role != "mixed":
         observer = metrics.watch_transfers()
         app[TRANSFERS] = KVTransfers(config.kv_transfer, config.node.role, observer)
@@ -134,6 +139,20 @@ def create_node_app(
         ]
     )
     return app
+
+
+def _publish_cache_events(app: web.Application, engine: AsyncEngine, node: NodeConfig) -> None:
+    """A registered node tells the coordinator what its prefix cache holds (for routing)."""
+    if node.coordinator_internal_url is None or node.cache_event_interval_s == 0:
+        return
+    events = CacheEventLog(node.max_pending_cache_events)
+    layout = engine.engine.publish_cache_events(events)
+    if layout is None:
+        return  # no prefix caching: nothing to publish
+    app[REGISTRATION].cache = CacheLayout(
+        salt=layout.salt, block_size=layout.block_size, disk_tier_id=layout.disk_tier_id
+    )
+    app[PUBLISHER] = CachePublisher(events, node.cache_event_interval_s)
 
 
 def node_identity(node: NodeConfig) -> tuple[str, str]:
@@ -370,8 +389,10 @@ async def _register_and_heartbeat(app: web.Application) -> None:
     """Register, then heartbeat every ``heartbeat_interval_s`` with the lease the registration
     got; on failure retry with exponential backoff (logged). A heartbeat answered 404 (the
     coordinator forgot us, e.g. it restarted) or 403 (our lease is no longer the node id's)
-    registers again. Never raises: the node serves whether or not this works."""
-    config, engine, registration = app[CONFIG], app[ENGINE], app[REGISTRATION]
+    registers again. Beside it, the cache publisher (server/cache_events.py) posts the prefix
+    cache's events under the current lease. Never raises: the node serves whether or not this
+    works."""
+    config = app[CONFIG]
     node = config.node
     assert node.coordinator_internal_url is not None
     base = node.coordinator_internal_url.rstrip("/")
@@ -379,51 +400,74 @@ async def _register_and_heartbeat(app: web.Application) -> None:
     if config.server.node_token:
         headers[hdrs.AUTHORIZATION] = f"Bearer {config.server.node_token}"
     timeout = aiohttp.ClientTimeout(total=max(5.0, node.heartbeat_interval_s))
+    publisher = app.get(PUBLISHER)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        publishing = None
+        if publisher is not None:
+            publishing = asyncio.create_task(publisher.run(session, base), name="cache-events")
+        try:
+            await _heartbeats(app, session, base, publisher)
+        finally:
+            if publishing is not None:
+                publishing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publishing
+
+
+async def _heartbeats(
+    app: web.Application,
+    session: aiohttp.ClientSession,
+    base: str,
+    publisher: CachePublisher | None,
+) -> None:
+    engine, registration, node = app[ENGINE], app[REGISTRATION], app[NODE_CONFIG]
     lease: NodeLease | None = None
     backoff_s = node.heartbeat_interval_s
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        while True:
-            try:
-                if lease is not None:
-                    beat = NodeHeartbeat(
-                        node_id=lease.node_id,
-                        load=node_load(engine.load()),
-                        lease_id=lease.lease_id,
-                    )
-                    async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
-                        if r.status in (403, 404):
-                            logger.warning(
-                                "coordinator %s no longer holds this node's lease (%d); "
-                                "registering",
-                                base,
-                                r.status,
-                            )
-                            lease = None
-                            continue
-                        r.raise_for_status()
-                else:
-                    message = msgspec.structs.replace(registration, load=node_load(engine.load()))
-                    async with session.post(f"{base}/internal/register", data=encode(message)) as r:
-                        r.raise_for_status()
-                        lease = decode(await r.read(), NodeLease)
-                    logger.info("registered as %r with coordinator %s", lease.node_id, base)
-                backoff_s = node.heartbeat_interval_s
-                await asyncio.sleep(node.heartbeat_interval_s)
-            except Exception as e:
-                # Any failure (network, coordinator, a bug here) is retried, never fatal.
-                action = "heartbeat to" if lease is not None else "registration with"
-                logger.warning(
-                    "%s coordinator %s failed (%s); retrying in %.1f s",
-                    action,
-                    base,
-                    _describe_failure(e),
-                    backoff_s,
-                    exc_info=not isinstance(
-                        e, aiohttp.ClientError | TimeoutError | msgspec.DecodeError
-                    ),
+    while True:
+        try:
+            if lease is not None:
+                beat = NodeHeartbeat(
+                    node_id=lease.node_id,
+                    load=node_load(engine.load()),
+                    lease_id=lease.lease_id,
                 )
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, _MAX_RETRY_S)
+                async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
+                    if r.status in (403, 404):
+                        logger.warning(
+                            "coordinator %s no longer holds this node's lease (%d); registering",
+                            base,
+                            r.status,
+                        )
+                        lease = None
+                        if publisher is not None:
+                            publisher.new_lease(None)
+                        continue
+                    r.raise_for_status()
+            else:
+                message = msgspec.structs.replace(registration, load=node_load(engine.load()))
+                async with session.post(f"{base}/internal/register", data=encode(message)) as r:
+                    r.raise_for_status()
+                    lease = decode(await r.read(), NodeLease)
+                logger.info("registered as %r with coordinator %s", lease.node_id, base)
+                if publisher is not None:
+                    publisher.new_lease(lease)
+            backoff_s = node.heartbeat_interval_s
+            await asyncio.sleep(node.heartbeat_interval_s)
+        except Exception as e:
+            # Any failure (network, coordinator, a bug here) is retried, never fatal.
+            action = "heartbeat to" if lease is not None else "registration with"
+            logger.warning(
+                "%s coordinator %s failed (%s); retrying in %.1f s",
+                action,
+                base,
+                _describe_failure(e),
+                backoff_s,
+                exc_info=not isinstance(
+                    e, aiohttp.ClientError | TimeoutError | msgspec.DecodeError
+                ),
+            )
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, _MAX_RETRY_S)
 
 
 def _describe_failure(e: Exception) -> str:

@@ -10,6 +10,8 @@
     a prefill node's /internal/generate with ``hand_off`` ends with HandedOff (kv_transfer.py)
     node --NodeRegistration--> coordinator POST /internal/register  (reply: NodeLease)
     node --NodeHeartbeat-----> coordinator POST /internal/heartbeat (carries the lease id)
+    node --CacheEventBatch---> coordinator POST /internal/cache_events   (reply: CacheSync)
+    node --CacheSnapshot-----> coordinator POST /internal/cache_snapshot (reply: CacheSync)
 
 Frames on the generate stream: 4-byte big-endian length, then one msgpack-encoded ``StreamFrame``
 (a tagged union of TokenDelta and StreamError). Token ids only: nodes never see text.
@@ -29,6 +31,7 @@ from typing import TypeVar
 import msgspec
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.kv_cache.events import CacheEvent
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -162,6 +165,15 @@ class NodeLoad(msgspec.Struct, kw_only=True):
     is_healthy: bool = True
 
 
+class CacheLayout(msgspec.Struct, kw_only=True):
+    """How a node names its prefix cache's blocks (deepinfer/kv_cache/events.py CacheLayout):
+    the coordinator hashes prompts the same way to know each node's hit."""
+
+    salt: bytes
+    block_size: int
+    disk_tier_id: str = ""  # the disk tier it shares with the nodes reporting the same id
+
+
 class NodeRegistration(msgspec.Struct, kw_only=True):
     node_id: str
     url: str  # where the coordinator reaches the node's internal API
@@ -175,6 +187,8 @@ class NodeRegistration(msgspec.Struct, kw_only=True):
     instance_id: str = ""  # "": the node is an instance of one
     rank: int = 0
     num_ranks: int = 1
+    # Set: the node publishes its prefix cache's events (CacheEventBatch) for routing.
+    cache: CacheLayout | None = None
 
 
 class NodeLease(msgspec.Struct, kw_only=True):
@@ -191,6 +205,34 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
     node_id: str
     load: NodeLoad
     lease_id: str = ""  # from the node's NodeLease
+
+
+class CacheEventBatch(msgspec.Struct, kw_only=True):
+    """Changes to what a node's prefix cache holds. Producer: the node's publisher
+    (server/cache_events.py); consumer: the coordinator's CacheIndex. ``events[i]`` is the
+    node's event number ``first_seq + i``."""
+
+    node_id: str
+    lease_id: str
+    first_seq: int
+    events: list[CacheEvent]
+
+
+class CacheSnapshot(msgspec.Struct, kw_only=True):
+    """Everything a node's prefix cache holds after its event ``seq``: block keys by tier."""
+
+    node_id: str
+    lease_id: str
+    seq: int
+    held: dict[str, list[int]]
+
+
+class CacheSync(msgspec.Struct, kw_only=True):
+    """The coordinator's answer to either: the events it applied up to ``applied_seq``, or
+    (``needs_snapshot``) none: it knows nothing of the node, or saw a gap."""
+
+    applied_seq: int = 0
+    needs_snapshot: bool = False
 
 
 class FinishRequest(msgspec.Struct, kw_only=True):

@@ -39,16 +39,21 @@ import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 
+import msgspec
+
 from deepinfer.config import SchedulerConfig
+from deepinfer.kv_cache.events import CacheLayout
+from deepinfer.server.cache_index import NO_HIT, CacheIndex, PrefixHit, prompt_keys
 from deepinfer.server.pairing import PairedBackend, PairKeys, PairObserver
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
 from deepinfer.server.routing import (
-    LeastLoadedPairing,
     LeastLoadedPolicy,
     NodeBackend,
     NodeEntry,
     PairingPolicy,
+    RouteRequest,
     RoutingPolicy,
+    make_pairing,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,7 +104,8 @@ class NodeRegistry:
         self._clock = clock
         self._nodes: dict[str, NodeEntry] = {}
         self.pair_keys = PairKeys()
-        self.pairing: PairingPolicy = pairing or LeastLoadedPairing()
+        self.pairing: PairingPolicy = pairing or make_pairing(self.policy)
+        self.cache_index = CacheIndex()  # what registered nodes' prefix caches hold
         self.pair_observer: PairObserver | None = None  # the coordinator's metrics
 
     # ---- membership -----------------------------------------------------------------------
@@ -153,6 +159,9 @@ class NodeRegistry:
         entry.last_heartbeat = self._clock()
         entry.is_ready = True
         entry.is_responsive = True
+        cache = registration.cache
+        layout = None if cache is None else CacheLayout(**msgspec.structs.asdict(cache))
+        self.cache_index.add(entry.node_id, layout)  # known once its snapshot arrives
         logger.info(
             "node %s registered: %s role=%s model=%s max_model_len=%d",
             entry.node_id,
@@ -189,15 +198,22 @@ class NodeRegistry:
             )
         oldest = min(expired, key=lambda n: n.last_heartbeat)
         del self._nodes[oldest.node_id]
+        self.cache_index.drop(oldest.node_id)
         logger.info("node %s forgotten to make room for a new registration", oldest.node_id)
+
+    def holder(self, node_id: str, lease_id: str) -> NodeEntry:
+        """The registered node that ``lease_id`` speaks for. Raises UnknownNodeError (register
+        first) or WrongLeaseError."""
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            raise UnknownNodeError(node_id)
+        if entry.is_static or not secrets.compare_digest(entry.lease_id, lease_id):
+            raise WrongLeaseError(node_id)
+        return entry
 
     def heartbeat(self, heartbeat: NodeHeartbeat) -> NodeEntry:
         """Raises UnknownNodeError (register first) or WrongLeaseError."""
-        entry = self._nodes.get(heartbeat.node_id)
-        if entry is None:
-            raise UnknownNodeError(heartbeat.node_id)
-        if entry.is_static or not secrets.compare_digest(entry.lease_id, heartbeat.lease_id):
-            raise WrongLeaseError(heartbeat.node_id)
+        entry = self.holder(heartbeat.node_id, heartbeat.lease_id)
         if heartbeat.load.is_healthy != entry.load.is_healthy:
             if heartbeat.load.is_healthy:
                 logger.info("node %s reports its engine healthy again", entry.node_id)
@@ -251,6 +267,7 @@ class NodeRegistry:
             if now - entry.last_heartbeat > self.heartbeat_timeout_s:
                 entry.is_ready = False
                 expired.append(entry.node_id)
+                self.cache_index.forget(entry.node_id)  # resynchronized if it comes back
                 logger.warning(
                     "node %s missed heartbeats for %.1f s: out of rotation",
                     entry.node_id,
@@ -290,20 +307,52 @@ class NodeRegistry:
                     break
         return down
 
-    def routes(self, exclude: Container[str] = (), num_tokens: int = 0) -> list[NodeEntry]:
-        """Where a request of ``num_tokens`` can go: every mixed node ready, and the pair the
-        pairing policy makes of the prefill and decode nodes ready whose context it fits (none of
-        them in ``exclude``)."""
+    def routes(
+        self, exclude: Container[str] = (), request: RouteRequest | None = None
+    ) -> list[NodeEntry]:
+        """Where ``request`` can go: every mixed node ready, and the pair the pairing policy
+        makes of the prefill and decode nodes ready whose context it fits (none of them in
+        ``exclude``). No request: where any request could."""
+        request = request or RouteRequest((), 0)
         ready = [n for n in self.ready_nodes() if n.node_id not in exclude]
         routes = [n for n in ready if n.role == "mixed"]
-        fits = [n for n in ready if n.max_model_len >= num_tokens]
+        fits = [n for n in ready if n.max_model_len >= request.num_tokens]
         for nodes in (fits, ready):  # a pair that does not fit: refused as too long
             prefill = [n for n in nodes if n.role == "prefill"]
             decode = [n for n in nodes if n.role == "decode"]
             if prefill and decode:
-                routes.append(self._pair(*self.pairing.pair(prefill, decode, num_tokens)))
+                routes.append(self._pair(*self.pairing.pair(prefill, decode, request)))
                 break
         return routes
+
+    def route_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        num_tokens: int,
+        cache_salt: str | None = None,
+        *,
+        looks_up: bool = True,
+    ) -> RouteRequest:
+        """A request as the policies see it, its hit on each node from the cache index (the
+        prompt hashed once per block layout). ``looks_up`` False: the node computes every
+        prompt token (it asks for prompt logprobs), so no node has a hit."""
+        keys: dict[tuple[bytes, int], list[int]] = {}
+        hits: dict[str, PrefixHit] = {}
+
+        def hit(route: NodeEntry) -> PrefixHit:
+            node = route.members[0] if route.members else route  # a pair: its prefill node
+            cache = self.cache_index.node(node.node_id)
+            if not looks_up or cache is None:
+                return NO_HIT
+            if node.node_id not in hits:
+                layout = cache.layout
+                name = (layout.salt, layout.block_size)
+                if name not in keys:
+                    keys[name] = prompt_keys(prompt_token_ids, layout, cache_salt)
+                hits[node.node_id] = self.cache_index.hit(node.node_id, keys[name])
+            return hits[node.node_id]
+
+        return RouteRequest(prompt_token_ids, num_tokens, hit)
 
     def _pair(self, p: NodeEntry, d: NodeEntry) -> NodeEntry:
         return NodeEntry(
@@ -338,10 +387,10 @@ class NodeRegistry:
             raise NoReadyNodeError("no node is ready")
         return max(n.max_model_len for n in routes)
 
-    def has_candidate(self, num_tokens: int, exclude: Container[str] = ()) -> bool:
-        """Whether ``select(num_tokens, exclude)`` would find a node."""
+    def has_candidate(self, request: RouteRequest, exclude: Container[str] = ()) -> bool:
+        """Whether ``select(request, exclude)`` would find a node."""
         try:
-            return bool(self._candidates(num_tokens, exclude))
+            return bool(self._candidates(request, exclude))
         except (NoReadyNodeError, NoFittingNodeError):
             return False
 
@@ -351,13 +400,13 @@ class NodeRegistry:
         return sum(n.max_num_seqs for n in self.serving_nodes() if n.role != "prefill")
 
     @contextmanager
-    def select(self, num_tokens: int, exclude: Container[str] = ()) -> Iterator[NodeEntry]:
-        """Pick a node for a request of ``num_tokens`` (prompt + the most it may generate)
-        among those in rotation whose context it fits, not in ``exclude``, and count the
-        request against it while the block runs. Raises NoReadyNodeError (none in rotation,
-        or all excluded) or NoFittingNodeError (every limit is too small)."""
-        fitting = self._candidates(num_tokens, exclude)
-        entry = self.policy.select(fitting, num_tokens)
+    def select(self, request: RouteRequest, exclude: Container[str] = ()) -> Iterator[NodeEntry]:
+        """Pick a node for ``request`` among those in rotation whose context its
+        ``num_tokens`` (prompt + the most it may generate) fits, not in ``exclude``, and count
+        the request against it while the block runs. Raises NoReadyNodeError (none in
+        rotation, or all excluded) or NoFittingNodeError (every limit is too small)."""
+        fitting = self._candidates(request, exclude)
+        entry = self.policy.select(fitting, request)
         counted = (entry, *entry.members)
         for node in counted:
             node.num_inflight += 1
@@ -367,10 +416,11 @@ class NodeRegistry:
             for node in counted:
                 node.num_inflight -= 1
 
-    def _candidates(self, num_tokens: int, exclude: Container[str]) -> list[NodeEntry]:
-        """The routes (none of whose nodes is in ``exclude``) whose context ``num_tokens`` fits
-        (never empty). Raises NoReadyNodeError or NoFittingNodeError."""
-        ready = self.routes(exclude, num_tokens)
+    def _candidates(self, request: RouteRequest, exclude: Container[str]) -> list[NodeEntry]:
+        """The routes (none of whose nodes is in ``exclude``) whose context the request's
+        ``num_tokens`` fits (never empty). Raises NoReadyNodeError or NoFittingNodeError."""
+        num_tokens = request.num_tokens
+        ready = self.routes(exclude, request)
         if not ready:
             raise NoReadyNodeError("no node is ready")
         fitting = [n for n in ready if n.max_model_len >= num_tokens]

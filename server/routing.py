@@ -8,18 +8,22 @@
 ``NodeClient`` implements it over HTTP, the in-process ``serve`` implements it directly,
 server/pairing.py's ``PairedBackend`` over a prefill and a decode node, and tests use scripted
 fakes. ``NodeEntry`` is one node with its backend and load, as server/registry.py keeps it (or
-a pair of them, made per request). ``RoutingPolicy`` picks one of the routes;
-``LeastLoadedPolicy`` is the default and is meant to be replaced (cache-aware, P/D pairing)
-without touching the registry or the handlers.
+a pair of them, made per request). ``RoutingPolicy`` picks one of the routes for a
+``RouteRequest``: ``RoundRobinPolicy``, ``LeastLoadedPolicy`` or ``CacheAwarePolicy``
+([routing] policy); ``PairingPolicy`` makes the pair of a prefill/decode route. The fleet
+simulator runs the same policies on simulated nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import hashlib
+import struct
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from deepinfer.config import SchedulerConfig
+from deepinfer.config import RoutingConfig, SchedulerConfig
+from deepinfer.server.cache_index import NO_HIT, PrefixHit
 from deepinfer.server.protocol import GenerateRequest, NodeLoad, TokenDelta
 
 
@@ -114,9 +118,31 @@ class NodeEntry:
         return max(self.num_inflight, self.load.num_running + self.load.num_waiting)
 
 
+@dataclass
+class RouteRequest:
+    """What a policy knows of the request it routes. Producer: NodeRegistry.route_request
+    (the coordinator) or the fleet simulator; ``hit(node)`` is the prompt's prefix that node
+    would find in its cache (a pair: its prefill node's), memoized per node."""
+
+    prompt_token_ids: Sequence[int]
+    num_tokens: int  # prompt + the most it may generate: the context a route must fit
+    hit: Callable[[NodeEntry], PrefixHit] = lambda node: NO_HIT
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class RoutingPolicy(Protocol):
+    def select(self, candidates: Sequence[NodeEntry], request: RouteRequest) -> NodeEntry:
+        """Pick one of ``candidates`` (non-empty, all ready) for a new request. Candidates may
+        be ranks of lock-step instances (``instance``, ``rank``): the choice is of both."""
+        ...
+
+
 class PairingPolicy(Protocol):
     def pair(
-        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], num_prompt_tokens: int
+        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], request: RouteRequest
     ) -> tuple[NodeEntry, NodeEntry]:
         """Pick a prefill node and a decode node (both non-empty, all ready) for a request."""
         ...
@@ -124,15 +150,21 @@ class PairingPolicy(Protocol):
 
 class LeastLoadedPairing:
     """The prefill node with the fewest prompt tokens still to compute (the larger of this
-    coordinator's there and what the node last reported: it includes other coordinators'), and
-    the decode node with the most KV room (its share of free blocks), then the fewest requests;
-    ties to the lower id."""
+    coordinator's there and what the node last reported: it includes other coordinators'), or
+    the one ``prefill_policy`` picks; and the decode node with the most KV room (its share of
+    free blocks), then the fewest requests; ties to the lower id."""
+
+    def __init__(self, prefill_policy: RoutingPolicy | None = None) -> None:
+        self.prefill_policy = prefill_policy
 
     def pair(
-        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], num_prompt_tokens: int
+        self, prefill: Sequence[NodeEntry], decode: Sequence[NodeEntry], request: RouteRequest
     ) -> tuple[NodeEntry, NodeEntry]:
         assert prefill and decode, "pair() needs a prefill node and a decode node"
-        p = min(prefill, key=lambda n: (pending_prefill_tokens(n), n.node_id))
+        if self.prefill_policy is not None:
+            p = self.prefill_policy.select(prefill, request)
+        else:
+            p = min(prefill, key=lambda n: (pending_prefill_tokens(n), n.node_id))
         d = min(decode, key=lambda n: (-kv_room(n), n.load_score, n.node_id))
         return p, d
 
@@ -147,10 +179,18 @@ def kv_room(node: NodeEntry) -> float:
     return node.load.num_free_blocks / total if total else 1.0
 
 
-class RoutingPolicy(Protocol):
-    def select(self, candidates: Sequence[NodeEntry], num_prompt_tokens: int) -> NodeEntry:
-        """Pick one of ``candidates`` (non-empty, all ready) for a new request."""
-        ...
+class RoundRobinPolicy:
+    """Each node in turn (in id order), whatever its load or cache."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def select(self, candidates: Sequence[NodeEntry], request: RouteRequest) -> NodeEntry:
+        assert candidates, "select() needs at least one ready node"
+        ordered = sorted(candidates, key=lambda n: n.node_id)
+        node = ordered[self._turn % len(ordered)]
+        self._turn += 1
+        return node
 
 
 class LeastLoadedPolicy:
@@ -162,7 +202,7 @@ class LeastLoadedPolicy:
     to more free KV blocks, then to the lower id, so that the choice is deterministic.
     """
 
-    def select(self, candidates: Sequence[NodeEntry], num_prompt_tokens: int) -> NodeEntry:
+    def select(self, candidates: Sequence[NodeEntry], request: RouteRequest) -> NodeEntry:
         assert candidates, "select() needs at least one ready node"
         instances: dict[str, list[NodeEntry]] = {}
         for node in candidates:
@@ -175,3 +215,69 @@ class LeastLoadedPolicy:
 
         _, ranks = min(instances.items(), key=instance_key)
         return min(ranks, key=lambda n: (n.load_score, -n.load.num_free_blocks, n.node_id))
+
+
+class CacheAwarePolicy:
+    """The node (or rank: each has its own cache) of least cost among those within the load
+    guard (config.py RoutingConfig says how both are weighed); equal costs to the node that
+    rendezvous hashing of the prompt's first ``affinity_tokens`` tokens prefers, so that
+    prompts beginning alike (a conversation's turns) land together, and a node joining or
+    leaving moves only its share of them. ``num_guarded``: choices the guard changed."""
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self.config = config or RoutingConfig()
+        self.num_guarded = 0
+
+    def cost(self, node: NodeEntry, request: RouteRequest) -> float:
+        c = self.config
+        hit = request.hit(node)
+        uncached = max(0, request.num_prompt_tokens - hit.num_tokens)
+        work = uncached + c.host_hit_cost * hit.host + c.disk_hit_cost * hit.disk
+        return work + pending_prefill_tokens(node) + c.request_cost_tokens * node.load_score
+
+    def within_guard(self, candidates: Sequence[NodeEntry]) -> list[NodeEntry]:
+        """The nodes whose load is not too far above the least loaded one's."""
+        c, least = self.config, min(n.load_score for n in candidates)
+        return [
+            n for n in candidates
+            if n.load_score - least <= c.balance_abs_requests
+            or n.load_score <= c.balance_ratio * least
+        ]  # fmt: skip
+
+    def select(self, candidates: Sequence[NodeEntry], request: RouteRequest) -> NodeEntry:
+        assert candidates, "select() needs at least one ready node"
+        affinity = self._affinity(request)
+
+        def key(node: NodeEntry) -> tuple[float, int]:
+            return (self.cost(node, request), -_rendezvous(affinity, node.node_id))
+
+        best = min(candidates, key=key)
+        guarded = self.within_guard(candidates)
+        if best in guarded:
+            return best
+        self.num_guarded += 1
+        return min(guarded, key=key)
+
+    def _affinity(self, request: RouteRequest) -> bytes:
+        head = request.prompt_token_ids[: self.config.affinity_tokens]
+        return hashlib.blake2b(struct.pack(f"<{len(head)}I", *head), digest_size=16).digest()
+
+
+def _rendezvous(affinity: bytes, node_id: str) -> int:
+    digest = hashlib.blake2b(affinity + node_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def make_policy(config: RoutingConfig) -> RoutingPolicy:
+    """config.toml's [routing] policy."""
+    if config.policy == "round_robin":
+        return RoundRobinPolicy()
+    if config.policy == "least_loaded":
+        return LeastLoadedPolicy()
+    return CacheAwarePolicy(config)
+
+
+def make_pairing(policy: RoutingPolicy) -> PairingPolicy:
+    """Prefill nodes chosen by a cache-aware policy (a prompt's hit is on its prefill node),
+    else by the prompt tokens they have yet to compute."""
+    return LeastLoadedPairing(policy if isinstance(policy, CacheAwarePolicy) else None)

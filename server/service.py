@@ -26,12 +26,13 @@ from aiohttp import web
 
 from deepinfer.outputs import FinishReason
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
+from deepinfer.server.cache_index import NO_HIT, PrefixHit
 from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.preparation import PreparationPool
 from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
 from deepinfer.server.registry import NodeRegistry, NoFittingNodeError, NoReadyNodeError
-from deepinfer.server.routing import NodeEntry, NodeError
+from deepinfer.server.routing import NodeEntry, NodeError, RouteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class ApiRequest:
     status: ApiRequestStatus = ApiRequestStatus.WAITING
     node: NodeEntry | None = None
     num_cached_tokens: int = 0
+    predicted_hit: PrefixHit = NO_HIT  # what the coordinator's cache index expected there
     num_output_tokens: int = 0
     num_deltas: int = 0  # token deltas passed to the handler (a retry needs none)
     first_token_time: float | None = None
@@ -147,14 +149,21 @@ class CoordinatorService:
             async with self.admission.admit(req.num_prompt_tokens) as admission:
                 self.metrics.queue_time.observe(admission.queue_time)
                 failed_nodes: list[str] = []
+                route = self.registry.route_request(
+                    req.prompt_token_ids,
+                    req.num_tokens,
+                    req.cache_salt,
+                    looks_up=req.sampling.prompt_logprobs is None,
+                )
                 while True:
                     try:
-                        async with aclosing(self._generate_on_a_node(req, failed_nodes)) as deltas:
+                        generation = self._generate_on_a_node(req, route, failed_nodes)
+                        async with aclosing(generation) as deltas:
                             async for delta in deltas:
                                 yield delta
                         return
                     except NodeError as e:
-                        if not self._retries(req, e, failed_nodes):
+                        if not self._retries(req, route, e, failed_nodes):
                             raise
         except AdmissionError as e:
             raise self._refused(e) from None
@@ -185,11 +194,12 @@ class CoordinatorService:
                 self._record_finish(req)
 
     async def _generate_on_a_node(
-        self, req: ApiRequest, exclude: list[str]
+        self, req: ApiRequest, route: RouteRequest, exclude: list[str]
     ) -> AsyncIterator[TokenDelta]:
         """Route the request to a node (not in ``exclude``) and stream its deltas there."""
-        with self.registry.select(req.num_tokens, exclude) as node:
+        with self.registry.select(route, exclude) as node:
             req.node = node
+            req.predicted_hit = route.hit(node)
             req.status = ApiRequestStatus.RUNNING
             stream = node.backend.generate(self._generate_request(req))
             async with aclosing(stream) as deltas:
@@ -207,7 +217,9 @@ class CoordinatorService:
                 502, "The node's stream ended before the request finished", is_node_failure=True
             )
 
-    def _retries(self, req: ApiRequest, error: NodeError, failed_nodes: list[str]) -> bool:
+    def _retries(
+        self, req: ApiRequest, route: RouteRequest, error: NodeError, failed_nodes: list[str]
+    ) -> bool:
         """After a NodeError: take a failed node out of rotation, and say whether the request
         goes to another one (once, and only if the client has been sent nothing yet)."""
         failed = error.node or req.node  # a pair: the one of its nodes that failed
@@ -217,7 +229,7 @@ class CoordinatorService:
         failed_nodes.append(failed.node_id)
         if req.num_deltas or len(failed_nodes) > 1:
             return False
-        if not self.registry.has_candidate(req.num_tokens, failed_nodes):
+        if not self.registry.has_candidate(route, failed_nodes):
             return False
         logger.warning(
             "request %s: node %s failed before its first token (%d %s); retrying on another node",
@@ -296,6 +308,9 @@ class CoordinatorService:
             m.e2e.observe(req.last_token_time - req.arrival_time)
         m.prompt_tokens.inc(req.num_prompt_tokens)
         m.cached_prompt_tokens.inc(req.num_cached_tokens)
+        if req.num_deltas and req.node is not None:
+            node = req.node.members[0] if req.node.members else req.node  # a pair: its prefill
+            m.cache_prediction(node.node_id, req.predicted_hit.num_tokens, req.num_cached_tokens)
         m.generation_tokens.inc(req.num_output_tokens)
         m.finished(req.endpoint, req.status.value if req.status.is_finished else FinishReason.ABORT)
 

@@ -142,6 +142,9 @@ _OTHER_VALUES = {
     "parallel.backend": "gloo",
     "speculative.method": "ngram",
     "cache.max_draft_tokens": 5,  # >= speculative.num_speculative_tokens' other value, 4
+    "routing.policy": "least_loaded",
+    "routing.balance_ratio": 3.0,
+    "routing.host_hit_cost": 0.5,
 }
 
 
@@ -222,6 +225,7 @@ def test_every_key_is_a_flag_of_a_subcommand_that_reads_it() -> None:
     }
     assert {s for s, _ in _config_flags(parsers["coordinator"])} == {
         "server",
+        "routing",
         "metrics",
         "log",
         "model",

@@ -27,7 +27,7 @@ from deepinfer.server.registry import (
     RegistryFullError,
     WrongLeaseError,
 )
-from deepinfer.server.routing import LeastLoadedPolicy, NodeEntry
+from deepinfer.server.routing import LeastLoadedPolicy, NodeEntry, RouteRequest
 
 # ---- admission -------------------------------------------------------------------------------
 
@@ -81,6 +81,11 @@ async def test_admission_is_fifo_bounded_and_cancellable() -> None:
 # ---- routing and the registry -----------------------------------------------------------------
 
 
+def _route(num_tokens: int) -> RouteRequest:
+    """A request of ``num_tokens`` positions, as the routing policies see it."""
+    return RouteRequest((), num_tokens)
+
+
 def _entry(node_id: str, inflight: int, running: int, free_blocks: int) -> NodeEntry:
     entry = NodeEntry(node_id, FakeBackend(), max_model_len=1024)
     entry.num_inflight = inflight
@@ -91,9 +96,11 @@ def _entry(node_id: str, inflight: int, running: int, free_blocks: int) -> NodeE
 def test_least_loaded_policy() -> None:
     policy = LeastLoadedPolicy()
     a, b, c = _entry("a", 3, 0, 10), _entry("b", 0, 2, 10), _entry("c", 1, 2, 50)
-    assert policy.select([a, b, c], 100).node_id == "c"  # loads 3, 2, 2: more free blocks wins
-    assert policy.select([a, b], 100).node_id == "b"
-    assert policy.select([_entry("y", 0, 0, 0), _entry("x", 0, 0, 0)], 1).node_id == "x"
+    assert (
+        policy.select([a, b, c], _route(100)).node_id == "c"
+    )  # loads 3, 2, 2: more free blocks wins
+    assert policy.select([a, b], _route(100)).node_id == "b"
+    assert policy.select([_entry("y", 0, 0, 0), _entry("x", 0, 0, 0)], _route(1)).node_id == "x"
 
 
 def _node(registry: NodeRegistry, node_id: str, role: str, **load: int) -> NodeEntry:
@@ -117,17 +124,17 @@ def test_pairs_by_pending_prompt_tokens_and_kv_room_and_mixed_only_without_a_pai
     _node(registry, "d0", "decode", num_free_blocks=100, num_total_blocks=1000, num_running=1)
     _node(registry, "d1", "decode", num_free_blocks=800, num_total_blocks=1000, num_running=9)
     d2 = _node(registry, "d2", "decode", num_free_blocks=80, num_total_blocks=100, num_running=2)
-    with registry.select(100) as chosen:
+    with registry.select(_route(100)) as chosen:
         assert chosen.node_id == "p1+d2" and chosen.members == (p1, d2)
         assert p1.num_inflight == d2.num_inflight == 1 and mixed.num_inflight == 0
     assert p1.num_inflight == d2.num_inflight == 0
-    with registry.select(100, exclude=["p1", "d2"]) as chosen:
+    with registry.select(_route(100), exclude=["p1", "d2"]) as chosen:
         assert chosen.node_id == "p2+d1"  # p2's 900 tokens in flight < p0's 5000
     # No decode node in rotation: the mixed node takes the requests, and /ready's reason says so.
     for node in registry.nodes:
         if node.role == "decode":
             registry.mark_unresponsive(node, "test")
-    with registry.select(100) as chosen:
+    with registry.select(_route(100)) as chosen:
         assert chosen is mixed
     assert [n.node_id for n in registry.serving_nodes()] == ["m0"]
     assert registry.max_num_seqs() == mixed.max_num_seqs
@@ -149,10 +156,10 @@ def test_ranks_route_by_instance_then_rank_and_only_when_complete() -> None:
     a1 = rank("a1", "A", 1, running=5)
     b0, b1 = rank("b0", "B", 0, running=2), rank("b1", "B", 1, running=2)
     # A's ranks average 3, B's 2: instance B, then its lower id (loads tie).
-    with registry.select(10) as chosen:
+    with registry.select(_route(10)) as chosen:
         assert chosen is b0
     a1.load = NodeLoad(num_running=0)  # A now averages 0.5: instance A, its least loaded rank
-    with registry.select(10) as chosen:
+    with registry.select(_route(10)) as chosen:
         assert chosen is a1
     b1.load = NodeLoad(is_healthy=False)  # a failed rank takes its whole instance out
     assert {n.node_id for n in registry.ready_nodes()} == {"a0", "a1"}
@@ -186,7 +193,7 @@ def test_registry_heartbeats_expiry_and_roles() -> None:
     assert [n.node_id for n in registry.routes()] == ["static-0", "n1"]
     assert [n.node_id for n in registry.serving_nodes()] == ["static-0", "n1"]
     assert registry.max_model_len() == 4096  # the largest: select() finds a node that fits
-    with registry.select(10) as chosen:
+    with registry.select(_route(10)) as chosen:
         assert chosen is entry  # both idle: the lower node id
         assert registry.register(registration) is entry  # re-registration keeps the entry...
         assert entry.num_inflight == 1  # ...and the count of requests in flight there
@@ -213,12 +220,12 @@ async def test_registry_routes_by_limit_health_and_probes() -> None:
         NodeRegistration(node_id="n1", url="http://n1", role="mixed", model="m", max_model_len=2)
     )
     # A node with a tiny limit takes what fits it, and limits no one else.
-    with registry.select(2) as chosen:
+    with registry.select(_route(2)) as chosen:
         assert chosen is small
-    with registry.select(3) as chosen:
+    with registry.select(_route(3)) as chosen:
         assert chosen.node_id == "static-0"
     with pytest.raises(NoFittingNodeError, match="maximum context length is 4096 tokens"):
-        registry.select(4097).__enter__()
+        registry.select(_route(4097)).__enter__()
     # Engine health rides on heartbeats: a failed engine leaves rotation at once.
     registry.heartbeat(
         NodeHeartbeat(node_id="n1", lease_id=small.lease_id, load=NodeLoad(is_healthy=False))
@@ -231,12 +238,12 @@ async def test_registry_routes_by_limit_health_and_probes() -> None:
     small.backend.is_ready = static.is_ready = False
     await registry.probe()
     assert registry.ready_nodes() == []
-    assert not registry.has_candidate(2)
+    assert not registry.has_candidate(_route(2))
     small.backend.is_ready = static.is_ready = True
     await registry.probe()
     assert [n.node_id for n in registry.ready_nodes()] == ["static-0", "n1"]
-    assert registry.has_candidate(2, exclude=["static-0"])
-    assert not registry.has_candidate(3, exclude=["static-0"])
+    assert registry.has_candidate(_route(2), exclude=["static-0"])
+    assert not registry.has_candidate(_route(3), exclude=["static-0"])
 
 
 def _registration(node_id: str, url: str, max_num_seqs: int = 8) -> NodeRegistration:

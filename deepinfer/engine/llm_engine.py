@@ -40,6 +40,7 @@ from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.device import resolve_device
 from deepinfer.engine.handoff import RequestState, export_request, import_request
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.kv_cache.events import CacheEventLog, CacheLayout
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args
 from deepinfer.model.tiny import ensure_tiny_model
@@ -204,6 +205,22 @@ class LLMEngine:
             vocab_size=self.executor.vocab_size,
             eos_token_id=self.executor.eos_token_id,
         )
+
+    def publish_cache_events(self, events: CacheEventLog) -> CacheLayout | None:
+        """Record every change to what the prefix cache's tiers hold in ``events`` (for the
+        coordinator's router), and say how the blocks are named; None without prefix caching
+        (nothing to publish). Call before the engine steps."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return None
+        prefix.cache.events = events
+        disk_tier_id = ""
+        if self.tiers is not None and self.tiers.host is not None:
+            self.tiers.host.events = events
+        if self.tiers is not None and self.tiers.disk is not None:
+            self.tiers.disk.publish_to(events)
+            disk_tier_id = self.tiers.disk.tier_id()
+        return CacheLayout(prefix.options.salt, self.scheduler.block_size, disk_tier_id)
 
     def _prefix_caching_options(self) -> PrefixCachingOptions | None:
         cache = self.config.cache

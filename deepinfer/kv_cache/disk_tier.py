@@ -38,12 +38,14 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from deepinfer.kv_cache.events import CacheEventLog
 from deepinfer.kv_cache.kv_file import MAGIC, KVFileError, decode, encode_chunks
 from deepinfer.kv_cache.tiers import Payload, TierStats, payload_nbytes
 
 logger = logging.getLogger(__name__)
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_]*")
+_TIER_ID_FILE = "tier-id"
 _STALE_TMP_SECONDS = 3600.0  # a temp file this old belongs to a crashed writer, on any node
 
 _WriteJob = tuple[Path, str, bytes, Payload]
@@ -90,6 +92,7 @@ class DiskTier:
         self._warned: set[Path] = set()  # ignored files already logged and counted
         self._stats = TierStats()
         self._closed = False
+        self._events: CacheEventLog | None = None  # the node's, when it publishes to a router
 
     def _init_index(self) -> None:
         found: list[tuple[int, Path, int]] = []
@@ -161,6 +164,7 @@ class DiskTier:
                 logger.debug("disk KV tier: dropped write of %s (%s)", path.name, reason)
                 return
             self._pending[path] = payload
+            self._record(True, [path])  # served from memory until written
 
     def get(self, kind: str, key: bytes) -> Payload | None:
         """Read and verify the payload synchronously (file I/O: keep it off the step path).
@@ -180,6 +184,7 @@ class DiskTier:
         except FileNotFoundError:
             with self._lock:
                 self._forget(path)
+                self._record(False, [path])
                 self._stats.misses += 1
             return None
         except (OSError, KVFileError) as e:
@@ -191,6 +196,7 @@ class DiskTier:
             self._stats.read_seconds += time.perf_counter() - start
             if path not in self._index:  # written by another node, or before our scan
                 self._num_bytes += len(buf)
+                self._record(True, [path])
             self._index[path] = len(buf)
             self._index.move_to_end(path)
         _touch(path)
@@ -259,6 +265,7 @@ class DiskTier:
             logger.warning("disk KV tier: writing %s failed", path, exc_info=True)
             with self._lock:
                 self._pending.pop(path, None)
+                self._record(False, [path])
             return
         with self._lock:
             self._pending.pop(path, None)
@@ -301,6 +308,7 @@ class DiskTier:
             self._stats.misses += 1
             # Forget it either way: a foreign file at our path gets overwritten by the next put.
             self._forget(path)
+            self._record(False, [path])
             if path in self._warned:
                 return
             self._stats.corrupt_files += 1
@@ -310,6 +318,7 @@ class DiskTier:
         logger.warning("disk KV tier: ignoring %s (%s); %s", path, error, action)
 
     def _forget(self, path: Path) -> None:
+        """Called with the lock held, as are the next two."""
         size = self._index.pop(path, None)
         if size is not None:
             self._num_bytes -= size
@@ -321,7 +330,39 @@ class DiskTier:
             self._num_bytes -= size
             victims.append(path)
         self._stats.evictions += len(victims)
+        self._record(False, victims)
         return victims
+
+    def _record(self, is_stored: bool, paths: list[Path]) -> None:
+        if self._events is None:
+            return
+        keys = [bytes.fromhex(p.stem) for p in paths if p.parent.parent.name == "block"]
+        if is_stored:
+            self._events.stored("disk", keys)
+        else:
+            self._events.removed("disk", keys)
+
+    def tier_id(self) -> str:
+        """A name shared by every node that mounts this directory (random, kept in the file
+        ``tier-id`` there; the first node to ask creates it), so that a router knows which
+        nodes see the same files."""
+        path = self.directory / _TIER_ID_FILE
+        if not path.is_file():
+            tmp = path.with_name(f".{_TIER_ID_FILE}.{secrets.token_hex(8)}.tmp")
+            tmp.write_text(secrets.token_hex(16), encoding="ascii")
+            try:
+                os.link(tmp, path)  # atomic, and fails where another node was first
+            except FileExistsError:
+                pass
+            finally:
+                _unlink(tmp)
+        return path.read_text(encoding="ascii").strip()
+
+    def publish_to(self, events: CacheEventLog) -> None:
+        """Record in ``events`` the blocks indexed now and every change from here on."""
+        with self._lock:
+            self._events = events
+            self._record(True, list(self._index))
 
     def _remove(self, victims: list[Path]) -> None:
         for path in victims:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kv_cache.events import CacheEventLog
+
 logger = logging.getLogger(__name__)
 
 Payload = list[torch.Tensor]
@@ -93,6 +95,7 @@ class HostTier:
         self._num_bytes = 0
         self._stats = TierStats()
         self._lock = threading.Lock()
+        self.events: CacheEventLog | None = None  # the node's, when it publishes to a router
 
     def put(self, kind: str, key: bytes, payload: Payload) -> Evicted:
         """Store a host copy of ``payload`` (any device and dtypes) as the most recently used entry.
@@ -122,6 +125,9 @@ class HostTier:
             self._stats.evictions += len(evicted)
             self._stats.bytes_written += nbytes
             self._stats.write_seconds += time.perf_counter() - start
+            if self.events is not None:
+                self.events.stored("host", [key] if kind == "block" else [])
+                self.events.removed("host", [k for kind_, k, _ in evicted if kind_ == "block"])
         return evicted
 
     def get(self, kind: str, key: bytes) -> Payload | None:
@@ -148,6 +154,8 @@ class HostTier:
             if entry is None:
                 return None
             self._num_bytes -= entry[1]
+            if self.events is not None and kind == "block":
+                self.events.removed("host", [key])
             return entry[0]
 
     def keys(self) -> list[tuple[str, bytes]]:
