@@ -153,6 +153,7 @@ def _publish_cache_events(app: web.Application, engine: AsyncEngine, node: NodeC
         salt=layout.salt, block_size=layout.block_size, disk_tier_id=layout.disk_tier_id
     )
     app[PUBLISHER] = CachePublisher(events, node.cache_event_interval_s)
+    app[METRICS].watch_cache_events(lambda: events.last_seq)
 
 
 def node_identity(node: NodeConfig) -> tuple[str, str]:

@@ -140,6 +140,17 @@ class NodeMetrics:
         (LLMEngine.rank_stats) at every scrape; nothing for an engine alone."""
         self.registry.register(_RankCollector(self.labels, stats))
 
+    def watch_cache_events(self, last_seq: Callable[[], int]) -> None:
+        """The number of the prefix cache's newest event for the router (server/cache_events.py);
+        the coordinator's deepinfer_router_index_seq for this node catches up to it."""
+        gauge = Gauge(
+            "deepinfer_cache_event_seq",
+            "The prefix cache's newest event published to the coordinator's router.",
+            _LABELS,
+            registry=self.registry,
+        )
+        gauge.labels(*self.labels).set_function(last_seq)
+
     def watch_transfers(self) -> TransferMetrics:
         """The hand-off transfer series (a prefill or decode node's KVTransfers observer)."""
         return TransferMetrics(self.registry, self.labels)
