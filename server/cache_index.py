@@ -15,14 +15,17 @@ registers again) loses its entries; a disk tier's set goes with the last node mo
 
 ``hit`` mirrors the node's own lookup (scheduler/prefix_reuse.py ``admit``): the longest prefix
 of the prompt's full blocks (its last token excluded) on the device, then the run of blocks that
-continues it in the host or disk tier. With every event applied, it is what the node will report
-as the request's cached tokens.
+continues it in the host or disk tier. With every event applied and no request in flight there,
+it is what the node will report as the request's cached tokens. Blocks of requests routed to a
+node and still running count too (``hold``), apart (``PrefixHit.in_flight``): the node has them
+once those prompts are computed, which a request queued behind them finds.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.kv_cache.events import CacheEvent, CacheLayout, block_key
@@ -33,15 +36,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Prompt tokens a node would find in each tier of its cache."""
+    """Prompt tokens a node would find in each tier of its cache; ``in_flight``: in blocks
+    that requests routed there and still running have in their prompts, not yet published as
+    stored (being computed, or their events on the way)."""
 
     device: int = 0
     host: int = 0
     disk: int = 0
+    in_flight: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.device + self.host + self.disk
+        return self.device + self.host + self.disk + self.in_flight
 
 
 NO_HIT = PrefixHit()
@@ -71,6 +77,7 @@ class NodeCache:
     applied_seq: int | None = None  # None: the next message must be a snapshot
     device: set[int] = field(default_factory=set)
     host: set[int] = field(default_factory=set)
+    in_flight: Counter[int] = field(default_factory=Counter)  # key -> requests routed there
     num_events: int = 0
     num_resyncs: int = 0
 
@@ -111,6 +118,23 @@ class CacheIndex:
         node = self._nodes.get(node_id)
         if node is not None:
             self.add(node_id, node.layout)
+
+    def hold(self, node_id: str, keys: Sequence[int]) -> Callable[[], None]:
+        """A request with these prompt blocks was routed to the node: count them as (about to
+        be) there until the returned release is called, when the request ends. So requests
+        sharing a prefix that arrive together find each other before any block is published."""
+        node = self._nodes.get(node_id)
+        if node is None or not keys:
+            return lambda: None
+        node.in_flight.update(keys)
+
+        def release() -> None:
+            node.in_flight.subtract(keys)
+            for key in keys:
+                if node.in_flight[key] <= 0:
+                    del node.in_flight[key]
+
+        return release
 
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)
@@ -168,14 +192,17 @@ class CacheIndex:
         node = self._nodes.get(node_id)
         if node is None or node.applied_seq is None:
             return NO_HIT
-        num_device = 0
+        num_device = num_in_flight = 0
         for key in keys:
-            if key not in node.device:
+            if key in node.device:
+                num_device += 1
+            elif key in node.in_flight:
+                num_in_flight += 1
+            else:
                 break
-            num_device += 1
         num_host = num_disk = 0
         disk = node.disk.keys if node.disk is not None else ()
-        for key in keys[num_device:]:
+        for key in keys[num_device + num_in_flight :]:
             if key in node.host:
                 num_host += 1
             elif key in disk:
@@ -183,4 +210,4 @@ class CacheIndex:
             else:
                 break
         bs = node.layout.block_size
-        return PrefixHit(num_device * bs, num_host * bs, num_disk * bs)
+        return PrefixHit(num_device * bs, num_host * bs, num_disk * bs, num_in_flight * bs)

@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from deepinfer.kv_cache.events import TIERS
-from deepinfer.server.cache_index import CacheIndex
+from deepinfer.server.cache_index import CacheIndex, PrefixHit
 
 prometheus_client.disable_created_metrics()
 
@@ -199,8 +199,9 @@ class CoordinatorMetrics:
         self._predicted_cached = Counter(
             "deepinfer_router_predicted_cached_tokens",
             "Prompt tokens the router's cache index expected a request to find cached on its "
-            "node (a prefill/decode pair: the prefill node).",
-            [*m, "node"],
+            "node (a prefill/decode pair: the prefill node), by source: index (published by "
+            "the node), in_flight (in prompts of requests running there).",
+            [*m, "node", "source"],
             registry=r,
         )
         self._reported_cached = Counter(
@@ -250,13 +251,16 @@ class CoordinatorMetrics:
         for phase, seconds in phases.items():
             self._handoff_phase.labels(*labels, phase).observe(seconds)
 
-    def cache_prediction(self, node_id: str, predicted: int, reported: int) -> None:
+    def cache_prediction(self, node_id: str, predicted: PrefixHit, reported: int) -> None:
         """A request finished on ``node_id``: the cached prompt tokens the router predicted
-        there, and those the node reported."""
+        there (published, and in blocks of requests in flight there), and those the node
+        reported."""
         labels = ("coordinator", self.model_name, node_id)
-        self._predicted_cached.labels(*labels).inc(predicted)
+        in_flight = predicted.in_flight
+        self._predicted_cached.labels(*labels, "index").inc(predicted.num_tokens - in_flight)
+        self._predicted_cached.labels(*labels, "in_flight").inc(in_flight)
         self._reported_cached.labels(*labels).inc(reported)
-        if predicted != reported:
+        if predicted.num_tokens != reported:
             self._mispredicted.labels(*labels).inc()
 
     def bind_router(self, index: CacheIndex, policy: object) -> None:

@@ -336,23 +336,31 @@ class NodeRegistry:
         """A request as the policies see it, its hit on each node from the cache index (the
         prompt hashed once per block layout). ``looks_up`` False: the node computes every
         prompt token (it asks for prompt logprobs), so no node has a hit."""
-        keys: dict[tuple[bytes, int], list[int]] = {}
+        keys_by_layout: dict[tuple[bytes, int], list[int]] = {}
         hits: dict[str, PrefixHit] = {}
+
+        def keys(node: NodeEntry) -> list[int]:
+            cache = self.cache_index.node(node.node_id)
+            if cache is None:
+                return []
+            name = (cache.layout.salt, cache.layout.block_size)
+            if name not in keys_by_layout:
+                keys_by_layout[name] = prompt_keys(prompt_token_ids, cache.layout, cache_salt)
+            return keys_by_layout[name]
 
         def hit(route: NodeEntry) -> PrefixHit:
             node = route.members[0] if route.members else route  # a pair: its prefill node
-            cache = self.cache_index.node(node.node_id)
-            if not looks_up or cache is None:
+            if not looks_up:
                 return NO_HIT
             if node.node_id not in hits:
-                layout = cache.layout
-                name = (layout.salt, layout.block_size)
-                if name not in keys:
-                    keys[name] = prompt_keys(prompt_token_ids, layout, cache_salt)
-                hits[node.node_id] = self.cache_index.hit(node.node_id, keys[name])
+                hits[node.node_id] = self.cache_index.hit(node.node_id, keys(node))
             return hits[node.node_id]
 
-        return RouteRequest(prompt_token_ids, num_tokens, hit)
+        def hold(route: NodeEntry) -> Callable[[], None]:
+            node = route.members[0] if route.members else route
+            return self.cache_index.hold(node.node_id, keys(node))
+
+        return RouteRequest(prompt_token_ids, num_tokens, hit, hold)
 
     def _pair(self, p: NodeEntry, d: NodeEntry) -> NodeEntry:
         return NodeEntry(
@@ -410,9 +418,12 @@ class NodeRegistry:
         counted = (entry, *entry.members)
         for node in counted:
             node.num_inflight += 1
+        request.hit(entry)  # what it finds there without itself (memoized for the metrics)
+        release = request.hold(entry)
         try:
             yield entry
         finally:
+            release()
             for node in counted:
                 node.num_inflight -= 1
 

@@ -127,10 +127,17 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     num_tokens: int  # prompt + the most it may generate: the context a route must fit
     hit: Callable[[NodeEntry], PrefixHit] = lambda node: NO_HIT
+    # The request goes to this route: count its prompt's blocks there until the returned
+    # release is called (the request ended).
+    hold: Callable[[NodeEntry], Callable[[], None]] = lambda node: _no_release
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def _no_release() -> None:
+    pass
 
 
 class RoutingPolicy(Protocol):

@@ -310,7 +310,7 @@ class CoordinatorService:
         m.cached_prompt_tokens.inc(req.num_cached_tokens)
         if req.num_deltas and req.node is not None:
             node = req.node.members[0] if req.node.members else req.node  # a pair: its prefill
-            m.cache_prediction(node.node_id, req.predicted_hit.num_tokens, req.num_cached_tokens)
+            m.cache_prediction(node.node_id, req.predicted_hit, req.num_cached_tokens)
         m.generation_tokens.inc(req.num_output_tokens)
         m.finished(req.endpoint, req.status.value if req.status.is_finished else FinishReason.ABORT)
 

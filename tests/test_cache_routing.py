@@ -169,6 +169,23 @@ def test_index_applies_in_order_skips_repeats_and_asks_for_a_snapshot_after_a_ga
     assert index.hit("n1", keys) == PrefixHit(device=4, host=4)
 
 
+def test_blocks_of_requests_in_flight_count_until_they_end() -> None:
+    index = CacheIndex()
+    index.add("n1", LAYOUT)
+    index.load("n1", 0, {"device": [_key(1)]})
+    keys = [_key(n) for n in (1, 2, 3)]
+    release = index.hold("n1", keys[:2])
+    again = index.hold("n1", keys)
+    assert index.hit("n1", keys) == PrefixHit(device=4, in_flight=8)
+    release()
+    assert index.hit("n1", keys) == PrefixHit(device=4, in_flight=8)  # the other still runs
+    index.apply("n1", 1, _log_events(("device", True, [2])))  # computed and published
+    assert index.hit("n1", keys) == PrefixHit(device=8, in_flight=4)
+    again()
+    assert index.hit("n1", keys) == PrefixHit(device=8)
+    assert not index.node("n1").in_flight
+
+
 def test_a_shared_disk_tier_is_a_hit_on_every_node_mounting_it() -> None:
     index = CacheIndex()
     shared = CacheLayout(b"model-salt", 4, disk_tier_id="mount-1")
@@ -410,8 +427,15 @@ def test_route_requests_look_up_the_registry_s_index() -> None:
     registry.cache_index.apply("n2", 1, [CacheEvent("device", True, tuple(keys[:2]))])
     with registry.select(registry.route_request(prompt, 20)) as chosen:
         assert chosen.node_id == "n2"
+        # While it runs, a request with the same prompt counts its third block there too.
+        assert registry.route_request(prompt, 20).hit(chosen) == PrefixHit(device=8, in_flight=4)
     route = registry.route_request(prompt, 20)
-    assert [route.hit(n).device for n in registry.nodes] == [0, 8]
+    assert [route.hit(n) for n in registry.nodes] == [PrefixHit(), PrefixHit(device=8)]
+    # A least-loaded choice predicts what the node finds without the request's own blocks.
+    registry.policy = LeastLoadedPolicy()
+    route = registry.route_request(prompt, 20)
+    with registry.select(route) as chosen:
+        assert chosen.node_id == "n1" and route.hit(chosen) == PrefixHit()
     # Prompt logprobs: the node computes every token, so no node has a hit.
     no_lookup = registry.route_request(prompt, 20, looks_up=False)
     assert [no_lookup.hit(n).device for n in registry.nodes] == [0, 0]

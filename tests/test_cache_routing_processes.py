@@ -84,7 +84,7 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
             labels = tuple(
                 sorted((k, v) for k, v in s.labels.items() if k == "node" or k == "tier")
             )
-            out[s.name, labels] = s.value
+            out[s.name, labels] = out.get((s.name, labels), 0.0) + s.value  # other labels summed
     return out
 
 
@@ -113,9 +113,19 @@ def _complete(fleet: Fleet, prompt: list[int]) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
-def _router_counts(fleet: Fleet, name: str) -> dict[str, float]:
+def _num_finished(fleet: Fleet) -> float:
     samples = _scrape(fleet.public)
-    return {labels[0][1]: v for (n, labels), v in samples.items() if n == f"{name}_total"}
+    return sum(v for (n, _), v in samples.items() if n == "deepinfer_finished_requests_total")
+
+
+def _router_counts(fleet: Fleet, name: str) -> dict[str, float]:
+    """A router counter per node (summed over its other labels)."""
+    counts: dict[str, float] = {}
+    for (n, labels), value in _scrape(fleet.public).items():
+        if n == f"{name}_total":
+            node = dict(labels)["node"]
+            counts[node] = counts.get(node, 0) + value
+    return counts
 
 
 def test_predicted_hits_equal_the_nodes_cached_tokens(fleet: Fleet) -> None:
@@ -132,7 +142,12 @@ def test_predicted_hits_equal_the_nodes_cached_tokens(fleet: Fleet) -> None:
     for prompt in prompts:
         _in_step(fleet)
         before = _router_counts(fleet, "deepinfer_router_predicted_cached_tokens")
+        finished = _num_finished(fleet)
         cached = _complete(fleet, prompt)
+        deadline = time.monotonic() + 10  # counted once the request's handler has ended
+        while _num_finished(fleet) == finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         after = _router_counts(fleet, "deepinfer_router_predicted_cached_tokens")
         predicted = sum(after.values()) - sum(before.values())
         assert predicted == cached, (prompt[:4], predicted, cached)
