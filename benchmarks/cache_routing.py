@@ -51,7 +51,7 @@ WORKLOADS = {
 class Fleet:
     """A coordinator and ``num_nodes`` registered nodes of the built-in model."""
 
-    def __init__(self, policy: str, num_nodes: int, out: Path) -> None:
+    def __init__(self, policy: str, num_nodes: int, out: Path, routing: dict[str, str]) -> None:
         self.port, internal = _free_port(), _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {
@@ -59,6 +59,7 @@ class Fleet:
             "DEEPINFER_ROUTING_POLICY": policy,
             "DEEPINFER_NODE_COORDINATOR_INTERNAL_URL": f"http://127.0.0.1:{internal}",
             "DEEPINFER_CACHE_HOST_TIER_GIB": "0",
+            **{f"DEEPINFER_ROUTING_{k.upper()}": v for k, v in routing.items()},
         }
         cli = [sys.executable, "-P", "-m", "deepinfer.cli"]
         self.logs = []
@@ -163,7 +164,9 @@ class LoadSampler(threading.Thread):
 
 
 def run_setup(policy: str, num_nodes: int, workload: str, ns: argparse.Namespace) -> dict:
-    fleet = Fleet(policy, num_nodes, ns.out)
+    cost = ns.request_cost_tokens
+    routing = {} if cost is None else {"request_cost_tokens": str(cost)}
+    fleet = Fleet(policy, num_nodes, ns.out, routing)
     name = f"{policy}-{num_nodes}-{workload}"
     try:
         sampler = LoadSampler(fleet, RoutingConfig())
@@ -209,17 +212,23 @@ def main() -> None:
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("/tmp/cache_routing"))
+    parser.add_argument("--one-node", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--request-cost-tokens", type=int, default=None, help="routing.request_cost_tokens"
+    )
     ns = parser.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for workload in ns.workloads.split(","):
-        rows.append(run_setup("least_loaded", 1, workload, ns))
+        if ns.one_node:
+            rows.append(run_setup("least_loaded", 1, workload, ns))
         for policy in ns.policies.split(","):
             rows.append(run_setup(policy, ns.nodes, workload, ns))
             print(json.dumps(rows[-1]), flush=True)
     columns = [
         "workload", "setup", "completed", "failed", "hit_rate", "ttft_p50", "ttft_p99",
-        "per_node", "predicted", "in_flight", "reported", "mispredicted", "guarded", "max_spread", "over_guard",
+        "per_node", "predicted", "in_flight", "reported", "mispredicted", "guarded",
+        "max_spread", "over_guard",
     ]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))

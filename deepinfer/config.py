@@ -371,7 +371,7 @@ class RoutingConfig:
     """
 
     policy: str = "cache_aware"  # round_robin | least_loaded | cache_aware
-    request_cost_tokens: int = 256  # a request on a node costs this many prompt tokens' work
+    request_cost_tokens: int = 64  # a request on a node costs this many prompt tokens' work
     host_hit_cost: float = 0.05  # a host-tier hit costs this share of computing the token
     disk_hit_cost: float = 0.25  # a disk-tier hit (a shared mount counts for all) likewise
     # The load guard: a node more than this many requests above the least loaded one's load...

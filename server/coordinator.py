@@ -5,7 +5,8 @@
                           handler: parse → prepare (preparation pool) → admit → route
                                    → stream (deepseek-recipe StreamProcessor) → SSE / JSON
     node ──msgpack──▶ internal app (server.internal_host:internal_port)
-                          error_middleware → auth (node token) → /internal/register, /heartbeat
+                          error_middleware → auth (node token) → /internal/register, /heartbeat,
+                          /cache_events, /cache_snapshot (the router's cache index)
 
 Two apps on two listeners, sharing one registry, service and metrics: the public one serves the
 OpenAI, Responses and Anthropic APIs under /v1 and vLLM's /tokenize, /detokenize, /version and

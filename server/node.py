@@ -24,7 +24,8 @@ frees the request's blocks. With ``server.node_token`` set, every /internal/* ca
 bound to an address other than loopback refuses to start without it.
 
 With ``node.coordinator_internal_url`` set the node registers on the coordinator's internal
-listener and heartbeats there with the lease its registration got (server/protocol.py NodeLease).
+listener and heartbeats there with the lease its registration got (server/protocol.py NodeLease),
+and posts its prefix cache's events there for cache-aware routing (server/cache_events.py).
 
 Handlers only parse -> submit -> stream; the engine steps in its own thread (AsyncEngine), and
 server/node_stream.py turns its deltas and errors into the wire's (as for `serve`'s LocalNode).
