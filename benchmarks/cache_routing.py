@@ -91,31 +91,22 @@ class Fleet:
         self.logs.append(handle)
         self.processes.append(subprocess.Popen(argv, env=env, stdout=handle, stderr=handle))
 
-    def node_loads(self) -> list[float]:
-        loads = []
+    def _node_sums(self, names: tuple[str, ...]) -> list[float]:
+        """Per node: the sum of these samples (a family's counters: its ``_total``)."""
+        sums = []
         for url in self.node_urls:
             _, text = _get(url + "/metrics")
-            load = 0.0
-            for family in text_string_to_metric_families(text):
-                if family.name in (
-                    "deepinfer_num_requests_running",
-                    "deepinfer_num_requests_waiting",
-                ):
-                    load += sum(s.value for s in family.samples)
-            loads.append(load)
-        return loads
+            samples = (s for f in text_string_to_metric_families(text) for s in f.samples)
+            sums.append(sum(s.value for s in samples if s.name in names))
+        return sums
+
+    def node_loads(self) -> list[float]:
+        """Requests running and waiting on each node."""
+        return self._node_sums(("deepinfer_num_requests_running", "deepinfer_num_requests_waiting"))
 
     def node_requests(self) -> list[int]:
         """Requests each node finished."""
-        counts = []
-        for url in self.node_urls:
-            _, text = _get(url + "/metrics")
-            count = 0.0
-            for family in text_string_to_metric_families(text):
-                if family.name == "deepinfer_finished_requests":
-                    count += sum(s.value for s in family.samples if s.name.endswith("_total"))
-            counts.append(int(count))
-        return counts
+        return [int(n) for n in self._node_sums(("deepinfer_finished_requests_total",))]
 
     def router(self) -> dict[str, dict[str, float]]:
         _, text = _get(self.base + "/metrics")

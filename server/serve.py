@@ -105,7 +105,9 @@ def create_serve_app(
 # What `deepinfer serve` reads: the engine's sections, the public API's, and of [node] what
 # its in-process node uses (it has no listener of its own). With --data-parallel-size N its rank
 # nodes take the rest of [node] from the file or the environment (ports node.port + rank).
-SERVE_USES = (*ENGINE_USES, "server", "metrics", "node.node_id", "node.max_step_s")
+SERVE_USES = (
+    *ENGINE_USES, "server", "routing", "metrics", "node.node_id", "node.max_step_s"
+)  # fmt: skip
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

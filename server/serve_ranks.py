@@ -153,6 +153,7 @@ async def serve_ranks(config: Config) -> int:
         served_model_name=ranks_config.server.served_model_name or "",
         model_type=model_type_of(read_config(model_dir)),
         export_vllm_names=config.metrics.export_vllm_names,
+        routing=config.routing,  # which rank takes a request
     )
     ranks = RankNodes(ranks_config)
     watcher = asyncio.create_task(ranks.watch())
