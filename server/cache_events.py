@@ -21,7 +21,7 @@ import logging
 
 import aiohttp
 
-from deepinfer.kv_cache.events import CacheEventLog
+from deepinfer.kv_cache.events import TIERS, CacheEventLog
 from deepinfer.server.protocol import (
     CacheEventBatch,
     CacheSnapshot,
@@ -35,6 +35,28 @@ logger = logging.getLogger(__name__)
 
 _MAX_EVENTS_PER_MESSAGE = 4096
 _MAX_RETRY_S = 30.0
+
+
+# What fits the coordinator's message limit (64 MiB, ~9 bytes a key).
+MAX_SNAPSHOT_KEYS = 6_000_000
+
+
+def _bounded(seq: int, held: dict[str, list[int]]) -> tuple[int, dict[str, list[int]]]:
+    """A snapshot within MAX_SNAPSHOT_KEYS: the device's blocks first, then the host's, then
+    the disk's. Left out blocks only make the coordinator predict shorter hits there."""
+    room, out = MAX_SNAPSHOT_KEYS, {}
+    for tier in TIERS:
+        keys = held.get(tier, [])
+        if len(keys) > room:
+            logger.warning(
+                "cache snapshot: %d of the %s tier's %d blocks left out (the coordinator takes "
+                "%d at most)", len(keys) - room, tier, len(keys), MAX_SNAPSHOT_KEYS,
+            )  # fmt: skip
+            keys = keys[:room]
+        if keys:
+            out[tier] = keys
+        room -= len(keys)
+    return seq, out
 
 
 class CachePublisher:
@@ -74,7 +96,7 @@ class CachePublisher:
         while True:
             pending = self.events.pending(_MAX_EVENTS_PER_MESSAGE)
             if self._synced_lease_id != lease.lease_id or pending is None:
-                seq, held = self.events.snapshot()
+                seq, held = _bounded(*self.events.snapshot())
                 message = CacheSnapshot(
                     node_id=lease.node_id, lease_id=lease.lease_id, seq=seq, held=held
                 )

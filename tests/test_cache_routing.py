@@ -367,6 +367,25 @@ def test_cache_aware_cost_weighs_hits_tiers_and_load() -> None:
     assert policy.select(fleet, _request(1000, hits)).node_id == "a"
 
 
+def test_ranks_of_lock_step_instances_are_chosen_by_their_own_cache() -> None:
+    fleet = _fleet(a0=0, a1=0, b0=1, b1=1)
+    for node in fleet:
+        node.instance_id, node.rank, node.num_ranks = node.node_id[0], int(node.node_id[1]), 2
+    hits = {"b1": PrefixHit(device=1024)}  # each rank keeps its own requests' blocks
+    assert CacheAwarePolicy().select(fleet, _request(1100, hits)).node_id == "b1"
+    assert LeastLoadedPolicy().select(fleet, _request(1100, hits)).node_id == "a0"
+
+
+def test_a_snapshot_too_large_for_one_message_keeps_the_device_s_blocks_first(
+    monkeypatch,
+) -> None:
+    from deepinfer.server import cache_events
+
+    monkeypatch.setattr(cache_events, "MAX_SNAPSHOT_KEYS", 3)
+    held = {"device": [1, 2], "host": [3, 4], "disk": [5]}
+    assert cache_events._bounded(9, held) == (9, {"device": [1, 2], "host": [3]})
+
+
 def test_the_load_guard_keeps_overloaded_nodes_out() -> None:
     config = RoutingConfig(request_cost_tokens=1, balance_abs_requests=4, balance_ratio=2.0)
     policy = CacheAwarePolicy(config)
