@@ -182,6 +182,19 @@ def _bench(ns: argparse.Namespace, config: Config) -> int:
     return bench_serve(ns)
 
 
+def _sim_parser(p: argparse.ArgumentParser) -> None:
+    from deepinfer.bench.sim import add_sim_arguments
+
+    add_sim_arguments(p)
+    add_config_flags(p, ("log",))
+
+
+def _sim(ns: argparse.Namespace, config: Config) -> int:
+    from deepinfer.bench.sim import main as sim
+
+    return sim(ns)
+
+
 _Runner = Callable[[argparse.Namespace, Config], int]
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _Runner]] = {
     "serve": ("the API server with one in-process node (the default)", _serve_parser, _serve),
@@ -189,6 +202,7 @@ _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _R
     "coordinator": ("run the public API in front of nodes", _coordinator_parser, _coordinator),
     "node": ("run one node: token ids in, token deltas out (internal API)", _node_parser, _node),
     "bench": ("benchmarks: `bench serve` measures a running server", _bench_parser, _bench),
+    "sim": ("simulate a fleet's routing policies on a request trace", _sim_parser, _sim),
     "make-tiny-model": ("write a small random V4 checkpoint", _tiny_parser, _make_tiny),
     "config": ("print the resolved configuration", _config_parser, _show_config),
 }

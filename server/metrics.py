@@ -316,7 +316,7 @@ class _RouterCollector(Collector):
         if guarded is not None:
             family = CounterMetricFamily(
                 "deepinfer_router_guarded_choices",
-                "Requests the load guard sent elsewhere than the node of least cost.",
+                "Requests whose cheapest nodes the load guard all left out (too loaded).",
                 labels=labels,
             )
             family.add_metric(base, guarded)

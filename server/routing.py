@@ -229,7 +229,8 @@ class CacheAwarePolicy:
     guard (config.py RoutingConfig says how both are weighed); equal costs to the node that
     rendezvous hashing of the prompt's first ``affinity_tokens`` tokens prefers, so that
     prompts beginning alike (a conversation's turns) land together, and a node joining or
-    leaving moves only its share of them. ``num_guarded``: choices the guard changed."""
+    leaving moves only its share of them. ``num_guarded``: requests whose cheapest nodes were all
+    left out by the guard."""
 
     def __init__(self, config: RoutingConfig | None = None) -> None:
         self.config = config or RoutingConfig()
@@ -245,25 +246,21 @@ class CacheAwarePolicy:
     def within_guard(self, candidates: Sequence[NodeEntry]) -> list[NodeEntry]:
         """The nodes whose load is not too far above the least loaded one's."""
         c, least = self.config, min(n.load_score for n in candidates)
-        return [
-            n for n in candidates
-            if n.load_score - least <= c.balance_abs_requests
-            or n.load_score <= c.balance_ratio * least
-        ]  # fmt: skip
+        abs_bound, ratio_bound = least + c.balance_abs_requests, c.balance_ratio * least
+        return [n for n in candidates if n.load_score <= abs_bound or n.load_score <= ratio_bound]
 
     def select(self, candidates: Sequence[NodeEntry], request: RouteRequest) -> NodeEntry:
         assert candidates, "select() needs at least one ready node"
-        affinity = self._affinity(request)
-
-        def key(node: NodeEntry) -> tuple[float, int]:
-            return (self.cost(node, request), -_rendezvous(affinity, node.node_id))
-
-        best = min(candidates, key=key)
+        costs = {id(n): self.cost(n, request) for n in candidates}
         guarded = self.within_guard(candidates)
-        if best in guarded:
-            return best
-        self.num_guarded += 1
-        return min(guarded, key=key)
+        best = min(costs[id(n)] for n in guarded)
+        if min(costs.values()) < best:
+            self.num_guarded += 1  # the cheapest nodes were all too loaded
+        tied = [n for n in guarded if costs[id(n)] == best]
+        if len(tied) == 1:
+            return tied[0]
+        affinity = self._affinity(request)
+        return max(tied, key=lambda n: _rendezvous(affinity, n.node_id))
 
     def _affinity(self, request: RouteRequest) -> bytes:
         head = request.prompt_token_ids[: self.config.affinity_tokens]
