@@ -16,6 +16,8 @@ simulator runs the same policies on simulated nodes.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -226,10 +228,10 @@ class LeastLoadedPolicy:
 
 class CacheAwarePolicy:
     """The node (or rank: each has its own cache) of least cost among those within the load
-    guard (config.py RoutingConfig says how both are weighed); equal costs to the node that
-    rendezvous hashing of the prompt's first ``affinity_tokens`` tokens prefers, so that
-    prompts beginning alike (a conversation's turns) land together, and a node joining or
-    leaving moves only its share of them. ``num_guarded``: requests whose cheapest nodes were all
+    guard (config.py RoutingConfig says how both are weighed); equal costs to the node nearest
+    on a hash ring to the prompt's first ``affinity_tokens`` tokens, so that prompts beginning
+    alike (a conversation's turns) land together, and a node joining or leaving moves only its
+    share of them. ``num_guarded``: requests whose cheapest nodes were all
     left out by the guard."""
 
     def __init__(self, config: RoutingConfig | None = None) -> None:
@@ -259,17 +261,34 @@ class CacheAwarePolicy:
         tied = [n for n in guarded if costs[id(n)] == best]
         if len(tied) == 1:
             return tied[0]
-        affinity = self._affinity(request)
-        return max(tied, key=lambda n: _rendezvous(affinity, n.node_id))
+        point = self.affinity_point(request)
+        return min(tied, key=lambda n: (ring_distance(point, n.node_id), n.node_id))
 
-    def _affinity(self, request: RouteRequest) -> bytes:
+    def affinity_point(self, request: RouteRequest) -> int:
+        """Where the request's first ``affinity_tokens`` tokens fall on the hash ring."""
         head = request.prompt_token_ids[: self.config.affinity_tokens]
-        return hashlib.blake2b(struct.pack(f"<{len(head)}I", *head), digest_size=16).digest()
+        return _hash64(struct.pack(f"<{len(head)}I", *head))
 
 
-def _rendezvous(affinity: bytes, node_id: str) -> int:
-    digest = hashlib.blake2b(affinity + node_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+RING_POINTS_PER_NODE = 16  # each node's points on the tie-break's ring: even shares
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def ring_points(node_id: str) -> tuple[int, ...]:
+    """A node's points on the ring (consistent hashing with virtual nodes), sorted."""
+    return tuple(sorted(_hash64(f"{node_id}#{i}".encode()) for i in range(RING_POINTS_PER_NODE)))
+
+
+def ring_distance(point: int, node_id: str) -> int:
+    """How far clockwise from ``point`` the node's nearest point is: among tied nodes the
+    nearest wins, so a node joining or leaving moves only the prompts next to its points."""
+    points = ring_points(node_id)
+    i = bisect.bisect_left(points, point)
+    return (points[i] if i < len(points) else points[0] + 2**64) - point
 
 
 def make_policy(config: RoutingConfig) -> RoutingPolicy:

@@ -12,6 +12,7 @@ import pytest
 from deepinfer.bench.datasets import TraceRecord
 from deepinfer.bench.sim import FleetSpec, SpeedModel, replicate, simulate
 from deepinfer.cli import main
+from deepinfer.config import RoutingConfig
 
 # 1 ms a prompt token; a decode step takes 10 ms alone, 16 ms with two requests.
 SPEED = SpeedModel(
@@ -121,3 +122,38 @@ def test_the_command_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["sim", "--trace", str(trace), "--nodes", "2", "--plot-dir", str(tmp_path)]) == 2
     assert "pip install 'deepinfer[test]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_nodes, span_ms", [(12, 3000), (150, 60_000)])
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
+def test_the_shortlist_chooses_as_the_whole_fleet_does(
+    policy: str, num_nodes: int, span_ms: int
+) -> None:
+    """The simulator hands each policy the few nodes that can win; the choices are those the
+    policy makes over every node, on a busy fleet (shared prefixes, the guard at work,
+    evictions, a host tier) and on a mostly idle one (ties among more than 64 nodes: the ring
+    walk): every request lands on the same node with the same hit."""
+    rng = __import__("random").Random(11)
+    docs = [tuple(range(100 * d, 100 * d + rng.randint(0, 3))) for d in range(30)]
+    trace = []
+    for i in range(600):
+        doc = rng.choice(docs)
+        tail = rng.randint(1, 3)
+        ids = (*doc, *range(10_000 + 10 * i, 10_000 + 10 * i + tail))
+        n_in = 4 * len(ids) - rng.randint(0, 3)
+        trace.append(_record(rng.uniform(0, span_ms), n_in, rng.randint(1, 30), *ids))
+    trace.sort(key=lambda r: r.timestamp_ms)
+    spec = _spec(num_nodes=num_nodes, capacity_blocks=40, host_capacity_blocks=6)
+    routed_fast: list = []
+    routed_full: list = []
+    # Pure cache affinity and a tight guard: the guard has work on the busy fleet.
+    routing = RoutingConfig(request_cost_tokens=0, balance_abs_requests=2)
+    fast = simulate(trace, spec, policy, routing, shortlist=True, routed=routed_fast)
+    full = simulate(trace, spec, policy, routing, shortlist=False, routed=routed_full)
+    assert routed_fast == routed_full
+    if policy == "cache_aware":
+        assert full["hit_rate"] > 0.2
+        assert (full["guarded"] > 0) == (num_nodes == 12)
+    assert {k: v for k, v in fast.items() if k != "run_seconds"} == {
+        k: v for k, v in full.items() if k != "run_seconds"
+    }

@@ -25,6 +25,7 @@ imbalance (most requests on one node / the mean), output throughput.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -32,7 +33,7 @@ import json
 import random
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,18 @@ from deepinfer.config import ROUTING_POLICIES, RoutingConfig
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.server.cache_index import PrefixHit
 from deepinfer.server.protocol import NodeLoad
-from deepinfer.server.routing import NodeEntry, RouteRequest, RoutingPolicy, make_policy
+from deepinfer.server.routing import (
+    CacheAwarePolicy,
+    LeastLoadedPolicy,
+    NodeEntry,
+    RoundRobinPolicy,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+    pending_prefill_tokens,
+    ring_distance,
+    ring_points,
+)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ class SimRequest:
     done_ms: float = 0.0
     block_ids: list[int] = field(default_factory=list)
     release: Callable[[], None] = lambda: None
+    node_id: str = ""  # where it was routed
 
     @property
     def num_full_blocks(self) -> int:
@@ -151,7 +164,11 @@ class SimNode:
             self.host[h] = None
             self.host.move_to_end(h)
             while len(self.host) > self.spec.host_capacity_blocks:
-                self.host.popitem(last=False)
+                self.sim.index.dropped(self, self.host.popitem(last=False)[0])
+        self.sim.index.dropped(self, h)
+
+    def holds(self, h: int) -> bool:
+        return h in self.cached or h in self.in_flight or h in self.host
 
     def hit(self, request: SimRequest) -> PrefixHit:
         """What the router predicts: device blocks, blocks in flight, then the host tier's."""
@@ -173,12 +190,16 @@ class SimNode:
     def hold(self, request: SimRequest) -> Callable[[], None]:
         keys = request.hash_ids[: request.num_full_blocks]
         self.in_flight.update(keys)
+        if keys:
+            self.sim.index.added(self, keys[0])
 
         def release() -> None:
             self.in_flight.subtract(keys)
             for key in keys:
                 if self.in_flight[key] <= 0:
                     del self.in_flight[key]
+            if keys:
+                self.sim.index.dropped(self, keys[0])
 
         return release
 
@@ -218,6 +239,7 @@ class SimNode:
     def _cache(self, h: int, block: int) -> None:
         self.cached[h] = block
         self.blocks.set_hash(block, h.to_bytes(8, "big", signed=True))
+        self.sim.index.added(self, h)
 
     def _insert(self, request: SimRequest) -> None:
         """The prompt is computed: its full blocks enter the cache."""
@@ -295,6 +317,7 @@ class SimNode:
         request.release()
         self.entry.num_inflight -= 1
         self.sim.finished.append(request)
+        self._update_load()
 
     def _update_load(self) -> None:
         load = self.entry.load
@@ -302,12 +325,19 @@ class SimNode:
         load.num_waiting = len(self.queue)
         load.num_prefill_tokens = self.num_queued_tokens
         load.num_free_blocks = self.blocks.num_free_blocks
+        self.sim.index.moved(self)
 
 
 class Simulation:
-    def __init__(self, spec: FleetSpec, policy: RoutingPolicy) -> None:
+    """``shortlist``: hand each policy only the nodes that can win (FleetIndex); False: every
+    node, as the coordinator does. Both choose the same nodes (tests/test_sim.py)."""
+
+    def __init__(self, spec: FleetSpec, policy: RoutingPolicy, shortlist: bool = True) -> None:
         self.spec, self.policy = spec, policy
+        self.index = FleetIndex(shortlist)
         self.nodes = [SimNode(f"node{i}", spec, self) for i in range(spec.num_nodes)]
+        for node in self.nodes:
+            self.index.join(node)
         self._by_id = {n.entry.node_id: n for n in self.nodes}
         self._events: list[tuple[float, int, Callable, object]] = []
         self._seq = 0
@@ -338,14 +368,171 @@ class Simulation:
         def hold(entry: NodeEntry) -> Callable[[], None]:
             return self._by_id[entry.node_id].hold(request)
 
+        candidates = self.index.candidates(self.policy, request)
         route = RouteRequest(
             _PromptTokens(request), request.input_length + request.output_length, hit, hold
         )
-        entry = self.policy.select([n.entry for n in self.nodes], route)
+        entry = self.policy.select(candidates, route)
+        request.node_id = entry.node_id
         entry.num_inflight += 1
         node = self._by_id[entry.node_id]
         request.release = node.hold(request)
         node.arrive(request, now)
+
+
+class FleetIndex:
+    """The nodes a policy must weigh for a request so that its choice is the one it would make
+    over the whole fleet, found without visiting every node:
+
+    - round_robin: every node (its turn counts requests, not nodes);
+    - least_loaded: the node of least (load, -free blocks, id): the policy's own order;
+    - cache_aware: every node holding the prompt's first block (only they have a hit), the
+      least loaded node (the guard's reference), a node of the least load cost among those
+      without a hit, and, among the nodes within the guard without a hit, of the least load
+      cost there, the one nearest the prompt on the tie-break's ring (the policy's choice
+      among them if they tie): a ring walk from the prompt's point (``ring_distance``).
+
+    Load cost = pending prefill tokens + request_cost_tokens x requests, as the policy's cost
+    without the prompt's own tokens. Kept up to date by ``moved`` (a node's load changed),
+    ``added``/``dropped`` (a block entered or left a node's device, host or in-flight set)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.nodes: list[SimNode] = []
+        self.holders: dict[int, set[SimNode]] = {}
+        self._cost_of: dict[SimNode, tuple[float, int]] = {}  # node -> (load cost, load)
+        self._by_cost: dict[float, set[SimNode]] = {}
+        self._cost_heap: list[float] = []
+        self._by_load: dict[int, set[SimNode]] = {}
+        self._load_heap: list[int] = []
+        self._least_loaded: list[tuple] = []  # (load, -free blocks, id, version, node)
+        self._version: dict[SimNode, int] = {}
+        self._ring: list[tuple[int, SimNode]] = []
+        self._request_cost = RoutingConfig.request_cost_tokens
+
+    def join(self, node: SimNode) -> None:
+        self.nodes.append(node)
+        self.nodes.sort(key=lambda n: n.entry.node_id)
+        for point in ring_points(node.entry.node_id):
+            bisect.insort(self._ring, (point, node), key=lambda item: item[0])
+        self._version[node] = 0
+        self.moved(node)
+
+    # -- upkeep -------------------------------------------------------------------------------
+
+    def added(self, node: SimNode, h: int) -> None:
+        if self.enabled:
+            self.holders.setdefault(h, set()).add(node)
+
+    def dropped(self, node: SimNode, h: int) -> None:
+        if self.enabled and not node.holds(h):
+            holders = self.holders.get(h)
+            if holders is not None:
+                holders.discard(node)
+                if not holders:
+                    del self.holders[h]
+
+    def moved(self, node: SimNode) -> None:
+        if not self.enabled:
+            return
+        entry = node.entry
+        load = entry.load_score
+        cost = pending_prefill_tokens(entry) + self._request_cost * load
+        old = self._cost_of.get(node)
+        if old is not None:
+            for buckets, key in ((self._by_cost, old[0]), (self._by_load, old[1])):
+                buckets[key].discard(node)
+                if not buckets[key]:
+                    del buckets[key]
+        self._cost_of[node] = (cost, load)
+        if cost not in self._by_cost or not self._by_cost[cost]:
+            heapq.heappush(self._cost_heap, cost)
+        self._by_cost.setdefault(cost, set()).add(node)
+        if load not in self._by_load or not self._by_load[load]:
+            heapq.heappush(self._load_heap, load)
+        self._by_load.setdefault(load, set()).add(node)
+        version = self._version[node] + 1
+        self._version[node] = version
+        free = entry.load.num_free_blocks
+        heapq.heappush(self._least_loaded, (load, -free, entry.node_id, version, node))
+
+    def _min_key(self, heap: list, buckets: dict) -> object:
+        while not buckets.get(heap[0]):
+            heapq.heappop(heap)
+        return heap[0]
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def candidates(self, policy: RoutingPolicy, request: SimRequest) -> list[NodeEntry]:
+        if not self.enabled or isinstance(policy, RoundRobinPolicy):
+            return [n.entry for n in self.nodes]
+        if isinstance(policy, LeastLoadedPolicy):
+            return [self._least_loaded_node().entry]
+        assert isinstance(policy, CacheAwarePolicy), f"no shortlist for {type(policy).__name__}"
+        self._request_cost = policy.config.request_cost_tokens
+        return [n.entry for n in self._cache_aware(policy, request)]
+
+    def _least_loaded_node(self) -> SimNode:
+        heap = self._least_loaded
+        while heap[0][3] != self._version[heap[0][4]]:
+            heapq.heappop(heap)
+        if len(heap) > 8 * len(self.nodes):  # drop the stale entries now and then
+            heap[:] = [e for e in heap if e[3] == self._version[e[4]]]
+            heapq.heapify(heap)
+        return heap[0][4]
+
+    def _cache_aware(self, policy: CacheAwarePolicy, request: SimRequest) -> set[SimNode]:
+        full = request.hash_ids[: request.num_full_blocks]
+        hit = self.holders.get(full[0], set()) if full else set()
+        least = self._min_key(self._load_heap, self._by_load)
+        out = set(hit)
+        out.add(next(iter(self._by_load[least])))
+        c = policy.config
+        bound = max(least + c.balance_abs_requests, c.balance_ratio * least)
+        point = policy.affinity_point(RouteRequest(_PromptTokens(request), 0))
+        found_any = False
+        for cost in self._costs_in_order():
+            bucket = self._by_cost[cost]
+            without_hit = next((n for n in bucket if n not in hit), None)
+            if without_hit is None:
+                continue
+            if not found_any:
+                out.add(without_hit)  # of the least cost of all: what the guard's count needs
+                found_any = True
+            nearest = self._nearest(point, bucket, hit, bound)
+            if nearest is not None:
+                out.add(nearest)
+                break
+        return out
+
+    def _costs_in_order(self) -> Iterator[float]:
+        first = self._min_key(self._cost_heap, self._by_cost)
+        yield first
+        yield from sorted(k for k in self._by_cost if k != first)
+
+    def _nearest(
+        self, point: int, bucket: set[SimNode], hit: set[SimNode], bound: float
+    ) -> SimNode | None:
+        """The node of ``bucket`` without a hit and within the guard nearest ``point`` on the
+        ring: the policy's pick among them when they tie."""
+
+        def qualifies(n: SimNode) -> bool:
+            return n not in hit and n.entry.load_score <= bound
+
+        if len(bucket) <= 64:
+            eligible = [n for n in bucket if qualifies(n)]
+            if not eligible:
+                return None
+            return min(
+                eligible, key=lambda n: (ring_distance(point, n.entry.node_id), n.entry.node_id)
+            )
+        ring = self._ring
+        start = bisect.bisect_left(ring, point, key=lambda item: item[0])
+        for i in range(len(ring)):
+            node = ring[(start + i) % len(ring)][1]
+            if node in bucket and qualifies(node):
+                return node
+        return None
 
 
 # ---- traces -------------------------------------------------------------------------------------
@@ -415,11 +602,14 @@ def simulate(
     spec: FleetSpec,
     policy: str,
     routing: RoutingConfig | None = None,
+    *,
+    shortlist: bool = True,
+    routed: list[tuple[str, int]] | None = None,
 ) -> dict:
     """One policy on one fleet: its summary."""
     _BLOCK_TOKENS[0] = spec.block_tokens
     config = dataclasses.replace(routing or RoutingConfig(), policy=policy)
-    sim = Simulation(spec, make_policy(config))
+    sim = Simulation(spec, make_policy(config), shortlist)
     requests = [
         SimRequest(r.timestamp_ms, r.input_length, max(1, r.output_length), r.hash_ids)
         for r in records
@@ -439,7 +629,11 @@ def simulate(
     start = time.perf_counter()
     sim.run(requests)
     assert len(sim.finished) == len(requests), "a simulated request never finished"
-    return summarize(requests, sim.nodes, time.perf_counter() - start)
+    summary = summarize(requests, sim.nodes, time.perf_counter() - start)
+    summary["guarded"] = getattr(sim.policy, "num_guarded", 0)
+    if routed is not None:  # each request's node and cached tokens, in trace order
+        routed += [(r.node_id, r.cached_tokens) for r in requests]
+    return summary
 
 
 # ---- `deepinfer sim` ----------------------------------------------------------------------------
