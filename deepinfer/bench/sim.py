@@ -127,11 +127,22 @@ class _PromptTokens(Sequence[int]):
         return self.request.input_length
 
     def __getitem__(self, index):  # type: ignore[override]
-        bt, ids = _BLOCK_TOKENS[0], self.request.hash_ids
+        if not isinstance(index, slice):
+            return self._token(range(len(self))[index])
         positions = range(len(self))[index]
-        if isinstance(index, slice):
-            return [ids[p // bt] % 2**32 if p // bt < len(ids) else 0 for p in positions]
-        return ids[positions // bt] % 2**32 if positions // bt < len(ids) else 0
+        if positions.step != 1:
+            return [self._token(p) for p in positions]
+        bt, out = _BLOCK_TOKENS[0], []
+        p = positions.start
+        while p < positions.stop:  # a block's tokens at a time
+            end = min(positions.stop, (p // bt + 1) * bt)
+            out += [self._token(p)] * (end - p)
+            p = end
+        return out
+
+    def _token(self, position: int) -> int:
+        block, ids = position // _BLOCK_TOKENS[0], self.request.hash_ids
+        return ids[block] % 2**32 if block < len(ids) else 0
 
 
 class SimNode:
