@@ -21,6 +21,7 @@ from deepinfer.bench.sim import FleetSpec, simulate
 
 NUM_NODES = 2
 NODE_BLOCKS = 40  # 128-token blocks per node: 10 of the trace's 512-token blocks, so LRU evicts
+# (the simulator models the nodes' block size: node_block_tokens)
 
 
 def _trace(path: Path) -> None:
@@ -47,6 +48,10 @@ def test_simulated_hit_rate_matches_the_servers(tmp_path: Path) -> None:
         DEEPINFER_NODE_COORDINATOR_INTERNAL_URL=f"http://127.0.0.1:{internal}",
         DEEPINFER_CACHE_NUM_BLOCKS=str(NODE_BLOCKS),
         DEEPINFER_CACHE_HOST_TIER_GIB="0",
+        # Requests land by arrival order alone, in both: what is compared is the caches'
+        # hits and evictions (cache_aware's ties are broken by hashing the prompt's tokens,
+        # which the trace has not: the simulator hashes block ids).
+        DEEPINFER_ROUTING_POLICY="round_robin",
     )
     processes = [
         Process.start(["coordinator", "--port", str(port), "--internal-port", str(internal)],
@@ -74,13 +79,13 @@ def test_simulated_hit_rate_matches_the_servers(tmp_path: Path) -> None:
             process.stop()
     real = json.loads((tmp_path / "real.json").read_text())
     assert real["completed"] == 40 and real["num_missing_usage"] == 0
-    spec = FleetSpec(num_nodes=NUM_NODES, capacity_blocks=NODE_BLOCKS * 128 // 512)
-    sim = simulate(read_trace(trace), spec, "cache_aware")
+    spec = FleetSpec(num_nodes=NUM_NODES, capacity_blocks=NODE_BLOCKS, node_block_tokens=128)
+    sim = simulate(read_trace(trace), spec, "round_robin")
     print(
         f"hit rate: real {real['cache_hit_rate']:.4f}, simulated {sim['hit_rate']:.4f}; "
         f"TTFT p50 ms: real {real['median_ttft_ms']:.0f} (CPU), simulated {sim['ttft_p50_ms']:.0f}"
     )
-    assert sim["hit_rate"] > 0.3
+    assert sim["hit_rate"] > 0.2
     assert abs(real["cache_hit_rate"] - sim["hit_rate"]) <= 0.02
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import heapq
 import itertools
 import json
+import multiprocessing
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -87,14 +88,18 @@ class SpeedModel:
 @dataclass(frozen=True)
 class FleetSpec:
     num_nodes: int
-    capacity_blocks: int = 4096  # device KV blocks per node (of block_tokens each)
+    capacity_blocks: int = 4096  # device KV blocks per node (of node_block_tokens each)
     host_capacity_blocks: int = 0  # blocks the host tier keeps after eviction (0: none)
     block_tokens: int = 512  # the trace's block size (Mooncake's: 512)
+    # The nodes' KV block (cache.block_size), dividing block_tokens; None: block_tokens. A
+    # trace block of id h is then its r = block_tokens / node_block_tokens node blocks
+    # h*r .. h*r + r - 1: allocation, hits and eviction at the nodes' granularity.
+    node_block_tokens: int | None = None
     max_num_seqs: int = 256
     speed: SpeedModel = field(default_factory=SpeedModel)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimRequest:
     arrival_ms: float
     input_length: int
@@ -362,6 +367,8 @@ class Simulation:
         heapq.heappush(self._events, (at_ms, self.next_seq(), action, arg))
 
     def run(self, requests: Sequence[SimRequest]) -> None:
+        if self.index.enabled and isinstance(self.policy, CacheAwarePolicy):
+            self.index.first_blocks = {r.hash_ids[0] for r in requests if r.num_full_blocks}
         for request in requests:
             self.schedule(request.arrival_ms, self._route, request)
         while self._events:
@@ -409,6 +416,9 @@ class FleetIndex:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        # Only cache_aware asks who holds a block, and only of a prompt's first block: only
+        # those are tracked (``first_blocks``, set before the run).
+        self.first_blocks: set[int] = set()
         self.nodes: list[SimNode] = []
         self.holders: dict[int, set[SimNode]] = {}
         self._cost_of: dict[SimNode, tuple[float, int]] = {}  # node -> (load cost, load)
@@ -432,11 +442,11 @@ class FleetIndex:
     # -- upkeep -------------------------------------------------------------------------------
 
     def added(self, node: SimNode, h: int) -> None:
-        if self.enabled:
+        if h in self.first_blocks:
             self.holders.setdefault(h, set()).add(node)
 
     def dropped(self, node: SimNode, h: int) -> None:
-        if self.enabled and not node.holds(h):
+        if h in self.first_blocks and not node.holds(h):
             holders = self.holders.get(h)
             if holders is not None:
                 holders.discard(node)
@@ -618,13 +628,23 @@ def simulate(
     routed: list[tuple[str, int]] | None = None,
 ) -> dict:
     """One policy on one fleet: its summary."""
+    node_tokens = spec.node_block_tokens or spec.block_tokens
+    if spec.block_tokens % node_tokens:
+        raise ValueError(
+            f"the nodes' block ({node_tokens} tokens) must divide the trace's ({spec.block_tokens})"
+        )
+    per = spec.block_tokens // node_tokens
+    spec = dataclasses.replace(spec, block_tokens=node_tokens, node_block_tokens=None)
     _BLOCK_TOKENS[0] = spec.block_tokens
     config = dataclasses.replace(routing or RoutingConfig(), policy=policy)
     sim = Simulation(spec, make_policy(config), shortlist)
     requests = [
-        SimRequest(r.timestamp_ms, r.input_length, max(1, r.output_length), r.hash_ids)
+        SimRequest(
+            r.timestamp_ms, r.input_length, max(1, r.output_length),
+            r.hash_ids if per == 1 else tuple(h * per + j for h in r.hash_ids for j in range(per)),
+        )
         for r in records
-    ]
+    ]  # fmt: skip
     too_long = [
         r
         for r in requests
@@ -663,6 +683,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(ROUTING_POLICIES), help="comma-separated")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--block-tokens", type=int, default=512, help="the trace's block size")
+    p.add_argument("--node-block-tokens", type=int, default=None,
+                   help="the nodes' KV block size (default: the trace's)")  # fmt: skip
     p.add_argument("--capacity-blocks", type=int, default=FleetSpec.capacity_blocks,
                    help="device KV blocks per node")  # fmt: skip
     p.add_argument("--host-capacity-blocks", type=int, default=0,
@@ -678,6 +700,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode step time by batch, BATCH:MS,... (linear between)")  # fmt: skip
     p.add_argument("--request-cost-tokens", type=int, default=RoutingConfig.request_cost_tokens)
     p.add_argument("--plot-dir", default=None, help="write a PNG of the policies' figures here")
+    p.add_argument("--jobs", type=int, default=1, help="policies simulated at once (processes)")
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -698,14 +721,20 @@ def main(ns: argparse.Namespace) -> int:
     spec = FleetSpec(
         num_nodes=ns.nodes, capacity_blocks=ns.capacity_blocks,
         host_capacity_blocks=ns.host_capacity_blocks, block_tokens=ns.block_tokens,
+        node_block_tokens=ns.node_block_tokens,
         max_num_seqs=ns.max_num_seqs,
         speed=SpeedModel(ns.prefill_ms_per_token, ns.prefill_fixed_ms, points),
     )  # fmt: skip
     records = replicate(read_trace(ns.trace, ns.num_requests), ns.replicate, ns.seed)
     routing = RoutingConfig(request_cost_tokens=ns.request_cost_tokens)
-    results = {}
-    for policy in policies:
-        results[policy] = simulate(records, spec, policy, routing)
+    if ns.jobs > 1 and len(policies) > 1:
+        # fork: the workers share the trace read here.
+        context = multiprocessing.get_context("fork")
+        with context.Pool(min(ns.jobs, len(policies))) as pool:
+            runs = pool.starmap(simulate, [(records, spec, p, routing) for p in policies])
+        results = dict(zip(policies, runs, strict=True))
+    else:
+        results = {policy: simulate(records, spec, policy, routing) for policy in policies}
     print(f"{len(records)} requests, {ns.nodes} nodes ({ns.trace}, x{ns.replicate})")
     print("| policy | " + " | ".join(title for _, title, _ in _COLUMNS) + " |")
     print("|---" * (len(_COLUMNS) + 1) + "|")
