@@ -104,7 +104,8 @@ class SimRequest:
     arrival_ms: float
     input_length: int
     output_length: int
-    hash_ids: tuple[int, ...]
+    hash_ids: tuple[int, ...]  # of its blocks of block_tokens
+    block_tokens: int = 512
     node: SimNode | None = None
     cached_tokens: int = 0
     first_token_ms: float = 0.0
@@ -115,10 +116,7 @@ class SimRequest:
 
     @property
     def num_full_blocks(self) -> int:
-        return (self.input_length - 1) // _BLOCK_TOKENS[0]
-
-
-_BLOCK_TOKENS = [512]  # the run's block size (one run at a time per process)
+        return (self.input_length - 1) // self.block_tokens
 
 
 class _PromptTokens(Sequence[int]):
@@ -137,7 +135,7 @@ class _PromptTokens(Sequence[int]):
         positions = range(len(self))[index]
         if positions.step != 1:
             return [self._token(p) for p in positions]
-        bt, out = _BLOCK_TOKENS[0], []
+        bt, out = self.request.block_tokens, []
         p = positions.start
         while p < positions.stop:  # a block's tokens at a time
             end = min(positions.stop, (p // bt + 1) * bt)
@@ -146,7 +144,7 @@ class _PromptTokens(Sequence[int]):
         return out
 
     def _token(self, position: int) -> int:
-        block, ids = position // _BLOCK_TOKENS[0], self.request.hash_ids
+        block, ids = position // self.request.block_tokens, self.request.hash_ids
         return ids[block] % 2**32 if block < len(ids) else 0
 
 
@@ -635,13 +633,13 @@ def simulate(
         )
     per = spec.block_tokens // node_tokens
     spec = dataclasses.replace(spec, block_tokens=node_tokens, node_block_tokens=None)
-    _BLOCK_TOKENS[0] = spec.block_tokens
     config = dataclasses.replace(routing or RoutingConfig(), policy=policy)
     sim = Simulation(spec, make_policy(config), shortlist)
     requests = [
         SimRequest(
             r.timestamp_ms, r.input_length, max(1, r.output_length),
             r.hash_ids if per == 1 else tuple(h * per + j for h in r.hash_ids for j in range(per)),
+            node_tokens,
         )
         for r in records
     ]  # fmt: skip
