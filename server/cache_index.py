@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.kv_cache.events import CacheEvent, CacheLayout, block_key
@@ -62,6 +62,36 @@ def prompt_keys(token_ids: Sequence[int], layout: CacheLayout, cache_salt: str |
         parent = hash_block(parent, token_ids[start : start + bs])
         keys.append(block_key(parent))
     return keys
+
+
+def walk_prefix(
+    keys: Sequence[int],
+    device: Container[int],
+    in_flight: Container[int],
+    host: Container[int],
+    disk: Container[int],
+    block_size: int,
+) -> PrefixHit:
+    """A node's lookup (scheduler/prefix_reuse.py ``admit``) on sets of block keys: the run of
+    blocks on the device (or in flight there), then the run continuing it in host or disk."""
+    num_device = num_in_flight = 0
+    for key in keys:
+        if key in device:
+            num_device += 1
+        elif key in in_flight:
+            num_in_flight += 1
+        else:
+            break
+    num_host = num_disk = 0
+    for key in keys[num_device + num_in_flight :]:
+        if key in host:
+            num_host += 1
+        elif key in disk:
+            num_disk += 1
+        else:
+            break
+    bs = block_size
+    return PrefixHit(num_device * bs, num_host * bs, num_disk * bs, num_in_flight * bs)
 
 
 @dataclass
@@ -192,22 +222,7 @@ class CacheIndex:
         node = self._nodes.get(node_id)
         if node is None or node.applied_seq is None:
             return NO_HIT
-        num_device = num_in_flight = 0
-        for key in keys:
-            if key in node.device:
-                num_device += 1
-            elif key in node.in_flight:
-                num_in_flight += 1
-            else:
-                break
-        num_host = num_disk = 0
         disk = node.disk.keys if node.disk is not None else ()
-        for key in keys[num_device + num_in_flight :]:
-            if key in node.host:
-                num_host += 1
-            elif key in disk:
-                num_disk += 1
-            else:
-                break
-        bs = node.layout.block_size
-        return PrefixHit(num_device * bs, num_host * bs, num_disk * bs, num_in_flight * bs)
+        return walk_prefix(
+            keys, node.device, node.in_flight, node.host, disk, node.layout.block_size
+        )

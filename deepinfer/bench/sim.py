@@ -43,7 +43,7 @@ import numpy as np
 from deepinfer.bench.datasets import TraceRecord, read_trace
 from deepinfer.config import ROUTING_POLICIES, RoutingConfig
 from deepinfer.scheduler.block_manager import BlockManager
-from deepinfer.server.cache_index import PrefixHit
+from deepinfer.server.cache_index import PrefixHit, walk_prefix
 from deepinfer.server.protocol import NodeLoad
 from deepinfer.server.routing import (
     CacheAwarePolicy,
@@ -186,20 +186,8 @@ class SimNode:
 
     def hit(self, request: SimRequest) -> PrefixHit:
         """What the router predicts: device blocks, blocks in flight, then the host tier's."""
-        ids, bt = request.hash_ids[: request.num_full_blocks], self.spec.block_tokens
-        device = in_flight = host = 0
-        for h in ids:
-            if h in self.cached:
-                device += 1
-            elif h in self.in_flight:
-                in_flight += 1
-            else:
-                break
-        for h in ids[device + in_flight :]:
-            if h not in self.host:
-                break
-            host += 1
-        return PrefixHit(device=device * bt, host=host * bt, in_flight=in_flight * bt)
+        ids = request.hash_ids[: request.num_full_blocks]
+        return walk_prefix(ids, self.cached, self.in_flight, self.host, (), self.spec.block_tokens)
 
     def hold(self, request: SimRequest) -> Callable[[], None]:
         keys = request.hash_ids[: request.num_full_blocks]
