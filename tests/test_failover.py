@@ -137,7 +137,7 @@ async def test_kill_9_of_one_static_node_fails_over(processes: Processes, tiny_d
     processes.start("coordinator", "coordinator", "--port", str(port),
                     "--internal-port", str(free_port()),
                     "--node", f"http://127.0.0.1:{port_a}", "--node", f"http://127.0.0.1:{port_b}",
-                    "--max-model-len", "8192")  # fmt: skip
+                    "--max-model-len", "8192", "--routing-policy", "least_loaded")  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     for url in (f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}", base):
         processes.wait_ready(url + "/ready")
