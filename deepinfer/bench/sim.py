@@ -106,7 +106,6 @@ class SimRequest:
     output_length: int
     hash_ids: tuple[int, ...]  # of its blocks of block_tokens
     block_tokens: int = 512
-    node: SimNode | None = None
     cached_tokens: int = 0
     first_token_ms: float = 0.0
     done_ms: float = 0.0
@@ -254,12 +253,11 @@ class SimNode:
     # -- requests -----------------------------------------------------------------------------
 
     def arrive(self, request: SimRequest, now: float) -> None:
-        request.node = self
         self.num_routed += 1
         self.queue.append(request)
         self.num_queued_tokens += request.input_length
-        self._update_load()
         self._start_prefill(now)
+        self._update_load()
 
     def _start_prefill(self, now: float) -> None:
         if self.prefilling is not None or not self.queue:
@@ -274,7 +272,6 @@ class SimNode:
         self.prefilling = request
         uncached = request.input_length - request.cached_tokens
         self.sim.schedule(now + self.spec.speed.prefill_ms(uncached), self._prefill_done, request)
-        self._update_load()
 
     def _prefill_done(self, now: float, request: SimRequest) -> None:
         self.prefilling = None
@@ -319,9 +316,9 @@ class SimNode:
         request.release()
         self.entry.num_inflight -= 1
         self.sim.finished.append(request)
-        self._update_load()
 
     def _update_load(self) -> None:
+        """After every event that changed the node (its callers run it once, at their end)."""
         load = self.entry.load
         load.num_running = len(self.decoding) + (self.prefilling is not None)
         load.num_waiting = len(self.queue)
@@ -336,7 +333,7 @@ class Simulation:
 
     def __init__(self, spec: FleetSpec, policy: RoutingPolicy, shortlist: bool = True) -> None:
         self.spec, self.policy = spec, policy
-        self.index = FleetIndex(shortlist)
+        self.index = FleetIndex(policy, shortlist)
         self.nodes = [SimNode(f"node{i}", spec, self) for i in range(spec.num_nodes)]
         for node in self.nodes:
             self.index.join(node)
@@ -353,7 +350,7 @@ class Simulation:
         heapq.heappush(self._events, (at_ms, self.next_seq(), action, arg))
 
     def run(self, requests: Sequence[SimRequest]) -> None:
-        if self.index.enabled and isinstance(self.policy, CacheAwarePolicy):
+        if self.index.kind == "cache_aware":
             self.index.first_blocks = {r.hash_ids[0] for r in requests if r.num_full_blocks}
         for request in requests:
             self.schedule(request.arrival_ms, self._route, request)
@@ -369,12 +366,9 @@ class Simulation:
                 hits[entry.node_id] = self._by_id[entry.node_id].hit(request)
             return hits[entry.node_id]
 
-        def hold(entry: NodeEntry) -> Callable[[], None]:
-            return self._by_id[entry.node_id].hold(request)
-
-        candidates = self.index.candidates(self.policy, request)
+        candidates = self.index.candidates(request)
         route = RouteRequest(
-            _PromptTokens(request), request.input_length + request.output_length, hit, hold
+            _PromptTokens(request), request.input_length + request.output_length, hit
         )
         entry = self.policy.select(candidates, route)
         request.node_id = entry.node_id
@@ -400,8 +394,17 @@ class FleetIndex:
     without the prompt's own tokens. Kept up to date by ``moved`` (a node's load changed),
     ``added``/``dropped`` (a block entered or left a node's device, host or in-flight set)."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, policy: RoutingPolicy, enabled: bool = True) -> None:
+        # What the policy needs kept: nothing (round_robin, or every node handed over), the
+        # least-loaded order, or the cache-aware buckets.
+        self.kind = "all"
+        if enabled and isinstance(policy, LeastLoadedPolicy):
+            self.kind = "least_loaded"
+        elif enabled and isinstance(policy, CacheAwarePolicy):
+            self.kind = "cache_aware"
+        elif enabled and not isinstance(policy, RoundRobinPolicy):
+            raise ValueError(f"no shortlist for {type(policy).__name__}")
+        self.policy = policy
         # Only cache_aware asks who holds a block, and only of a prompt's first block: only
         # those are tracked (``first_blocks``, set before the run).
         self.first_blocks: set[int] = set()
@@ -415,7 +418,7 @@ class FleetIndex:
         self._least_loaded: list[tuple] = []  # (load, -free blocks, id, version, node)
         self._version: dict[SimNode, int] = {}
         self._ring: list[tuple[int, SimNode]] = []
-        self._request_cost = RoutingConfig.request_cost_tokens
+        self._request_cost = policy.config.request_cost_tokens if self.kind == "cache_aware" else 0
 
     def join(self, node: SimNode) -> None:
         self.nodes.append(node)
@@ -440,9 +443,16 @@ class FleetIndex:
                     del self.holders[h]
 
     def moved(self, node: SimNode) -> None:
-        if not self.enabled:
-            return
         entry = node.entry
+        if self.kind == "least_loaded":
+            version = self._version[node] + 1
+            self._version[node] = version
+            free = entry.load.num_free_blocks
+            heapq.heappush(
+                self._least_loaded, (entry.load_score, -free, entry.node_id, version, node)
+            )
+        if self.kind != "cache_aware":
+            return
         load = entry.load_score
         cost = pending_prefill_tokens(entry) + self._request_cost * load
         old = self._cost_of.get(node)
@@ -458,26 +468,26 @@ class FleetIndex:
         if load not in self._by_load or not self._by_load[load]:
             heapq.heappush(self._load_heap, load)
         self._by_load.setdefault(load, set()).add(node)
-        version = self._version[node] + 1
-        self._version[node] = version
-        free = entry.load.num_free_blocks
-        heapq.heappush(self._least_loaded, (load, -free, entry.node_id, version, node))
 
-    def _min_key(self, heap: list, buckets: dict) -> object:
-        while not buckets.get(heap[0]):
+    @staticmethod
+    def _min_key(heap: list, buckets: dict) -> object:
+        """The least key of ``buckets`` (none empty), from a heap of keys pushed as buckets
+        appeared (lazily popped, rebuilt when mostly stale)."""
+        if len(heap) > 4 * len(buckets) + 64:
+            heap[:] = list(buckets)
+            heapq.heapify(heap)
+        while heap[0] not in buckets:
             heapq.heappop(heap)
         return heap[0]
 
     # -- queries ------------------------------------------------------------------------------
 
-    def candidates(self, policy: RoutingPolicy, request: SimRequest) -> list[NodeEntry]:
-        if not self.enabled or isinstance(policy, RoundRobinPolicy):
-            return [n.entry for n in self.nodes]
-        if isinstance(policy, LeastLoadedPolicy):
+    def candidates(self, request: SimRequest) -> list[NodeEntry]:
+        if self.kind == "least_loaded":
             return [self._least_loaded_node().entry]
-        assert isinstance(policy, CacheAwarePolicy), f"no shortlist for {type(policy).__name__}"
-        self._request_cost = policy.config.request_cost_tokens
-        return [n.entry for n in self._cache_aware(policy, request)]
+        if self.kind == "cache_aware":
+            return [n.entry for n in self._cache_aware(self.policy, request)]
+        return [n.entry for n in self.nodes]
 
     def _least_loaded_node(self) -> SimNode:
         heap = self._least_loaded
