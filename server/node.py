@@ -66,7 +66,6 @@ from deepinfer.server.protocol import (
     FRAME_CONTENT_TYPE,
     MESSAGE_CONTENT_TYPE,
     AbortRequest,
-    CacheLayout,
     CollectRequest,
     FinishRequest,
     GenerateRequest,
@@ -150,9 +149,7 @@ def _publish_cache_events(app: web.Application, engine: AsyncEngine, node: NodeC
     layout = engine.engine.publish_cache_events(events)
     if layout is None:
         return  # no prefix caching: nothing to publish
-    app[REGISTRATION].cache = CacheLayout(
-        salt=layout.salt, block_size=layout.block_size, disk_tier_id=layout.disk_tier_id
-    )
+    app[REGISTRATION].cache = layout
     app[PUBLISHER] = CachePublisher(events, node.cache_event_interval_s)
     app[METRICS].watch_cache_events(lambda: events.last_seq)
 

@@ -31,7 +31,7 @@ from typing import TypeVar
 import msgspec
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.kv_cache.events import CacheEvent
+from deepinfer.kv_cache.events import CacheEvent, CacheLayout
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -165,15 +165,6 @@ class NodeLoad(msgspec.Struct, kw_only=True):
     is_healthy: bool = True
 
 
-class CacheLayout(msgspec.Struct, kw_only=True):
-    """How a node names its prefix cache's blocks (deepinfer/kv_cache/events.py CacheLayout):
-    the coordinator hashes prompts the same way to know each node's hit."""
-
-    salt: bytes
-    block_size: int
-    disk_tier_id: str = ""  # the disk tier it shares with the nodes reporting the same id
-
-
 class NodeRegistration(msgspec.Struct, kw_only=True):
     node_id: str
     url: str  # where the coordinator reaches the node's internal API
@@ -187,7 +178,8 @@ class NodeRegistration(msgspec.Struct, kw_only=True):
     instance_id: str = ""  # "": the node is an instance of one
     rank: int = 0
     num_ranks: int = 1
-    # Set: the node publishes its prefix cache's events (CacheEventBatch) for routing.
+    # Set: the node publishes its prefix cache's events (CacheEventBatch) for routing, and
+    # names its blocks so (the coordinator hashes prompts the same way).
     cache: CacheLayout | None = None
 
 

@@ -39,10 +39,7 @@ import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 
-import msgspec
-
 from deepinfer.config import SchedulerConfig
-from deepinfer.kv_cache.events import CacheLayout
 from deepinfer.server.cache_index import NO_HIT, CacheIndex, PrefixHit, prompt_keys
 from deepinfer.server.pairing import PairedBackend, PairKeys, PairObserver
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
@@ -159,9 +156,7 @@ class NodeRegistry:
         entry.last_heartbeat = self._clock()
         entry.is_ready = True
         entry.is_responsive = True
-        cache = registration.cache
-        layout = None if cache is None else CacheLayout(**msgspec.structs.asdict(cache))
-        self.cache_index.add(entry.node_id, layout)  # known once its snapshot arrives
+        self.cache_index.add(entry.node_id, registration.cache)  # known once its snapshot arrives
         logger.info(
             "node %s registered: %s role=%s model=%s max_model_len=%d",
             entry.node_id,

@@ -32,9 +32,6 @@ from deepinfer.server.protocol import (
     NodeLoad,
     NodeRegistration,
 )
-from deepinfer.server.protocol import (
-    CacheLayout as WireLayout,
-)
 from deepinfer.server.registry import NodeRegistry
 from deepinfer.server.routing import (
     CacheAwarePolicy,
@@ -274,7 +271,7 @@ async def test_publisher_syncs_resyncs_and_is_refused_without_the_lease(aiohttp_
     server = await aiohttp_server(app[INTERNAL_APP])
     base = str(server.make_url("")).rstrip("/")
     registry: NodeRegistry = app[REGISTRY]
-    wire = WireLayout(salt=b"s", block_size=4)
+    wire = CacheLayout(b"s", 4)
     entry = registry.register(NodeRegistration(
         node_id="n1", url="http://n1", role="mixed", model="m", max_model_len=64, cache=wire,
     ))  # fmt: skip
@@ -434,7 +431,7 @@ def test_a_pair_s_prefill_node_is_chosen_by_its_cache() -> None:
 
 def test_route_requests_look_up_the_registry_s_index() -> None:
     registry = NodeRegistry(10.0, lambda url: FakeBackend(), CacheAwarePolicy())
-    layout = WireLayout(salt=b"s", block_size=4)
+    layout = CacheLayout(b"s", 4)
     for node_id in ("n1", "n2"):
         registry.register(NodeRegistration(
             node_id=node_id, url=f"http://{node_id}", role="mixed", model="m",
