@@ -89,10 +89,16 @@ def _tiny_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder (created; must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--model-type",
+        default="deepseek_v4",
+        choices=("deepseek_v4", "deepseek_v41"),
+        help="the model family (default deepseek_v4)",
+    )
+    p.add_argument(
         "--quantized",
         action="store_true",
-        help="store the weights as V4-Flash does: FP8 linears with 128x128 ue8m0 block scales, "
-        "routed experts packed FP4 (e2m1, ue8m0 per 32)",
+        help="store the weights as the release does: FP8 linears with ue8m0 block scales "
+        "(V4-Flash 128x128, V4.1-Flash 32x32), routed experts packed FP4 (e2m1, ue8m0 per 32)",
     )
     add_config_flags(p, ("log",))
 
@@ -100,7 +106,9 @@ def _tiny_parser(p: argparse.ArgumentParser) -> None:
 def _make_tiny(ns: argparse.Namespace, config: Config) -> int:
     from deepinfer.model.tiny import make_tiny_model
 
-    path = make_tiny_model(Path(ns.dir), seed=ns.seed, quantized=ns.quantized)
+    path = make_tiny_model(
+        Path(ns.dir), seed=ns.seed, model_type=ns.model_type, quantized=ns.quantized
+    )
     print(path)
     return 0
 
@@ -203,7 +211,7 @@ _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _R
     "node": ("run one node: token ids in, token deltas out (internal API)", _node_parser, _node),
     "bench": ("benchmarks: `bench serve` measures a running server", _bench_parser, _bench),
     "sim": ("simulate a fleet's routing policies on a request trace", _sim_parser, _sim),
-    "make-tiny-model": ("write a small random V4 checkpoint", _tiny_parser, _make_tiny),
+    "make-tiny-model": ("write a small random checkpoint", _tiny_parser, _make_tiny),
     "config": ("print the resolved configuration", _config_parser, _show_config),
 }
 

@@ -61,6 +61,16 @@ class ScheduledRequest:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def history_token_ids(self, num: int) -> list[int]:
+        """The ``num`` token ids before ``start_pos`` (fewer near position 0). They are known
+        on the host: only a chunk's last token can still be on the device."""
+        start = self.start_pos
+        assert start <= self.request.num_tokens, (
+            f"request {self.request_id!r}: tokens before position {start} are not all known "
+            f"({self.request.num_tokens})"
+        )
+        return self.request.get_token_ids(max(0, start - num), start)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -310,7 +310,7 @@ class Frontend:
                     )
                 # The node protocol carries no images yet: refuse rather than drop them.
                 raise bad_request(
-                    "Image inputs are not supported by this server yet",
+                    "images are not supported by this server",
                     source.path.lstrip(".") or None,
                 )
 

@@ -97,7 +97,8 @@ def test_backend_contract(norm_triton: ModuleType) -> None:
     """Both backends provide the ops of ops/norm's contract with the same signatures; the
     triton backend's kernels are its own, the RoPE tables torch_ref's."""
     backend = norm_triton.TritonNormBackend(torch.device("cpu"))
-    for name in ("rms_norm", "apply_rope", "hc_pre", "hc_post", "rope_inv_freq", "rope_cos_sin"):
+    names = ("rms_norm", "apply_rope", "hc_pre", "hc_pre_shifted", "hc_post")
+    for name in (*names, "rope_inv_freq", "rope_cos_sin"):
         ours, ref = getattr(backend, name), getattr(torch_ref, name)
         assert inspect.signature(ours) == inspect.signature(ref), name
         assert (ours is ref) == name.startswith("rope_"), name
@@ -182,6 +183,35 @@ def test_hc_pre(
     out = norm_triton.hc_pre(*inputs, sinkhorn_iters, hc_eps, EPS)
     for name, o, r in zip(("post", "comb", "collapsed"), out, ref, strict=True):
         assert _rel_err(o, r) < FP32_TOL, name
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
+def test_hc_pre_shifted(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+) -> None:
+    """The shifted variant collapses with the given pre (one-hot here, as the first sub-layer
+    of DeepSeek-V4.1 does, and random) and returns its own: the unshifted hc_pre's mixes."""
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + 7)
+    x, fn, scale, base = _hc_inputs(num_tokens, dim, gen)
+    one_hot = torch.zeros(num_tokens, HC)
+    one_hot[:, 0] = 1.0
+    for prev_pre in (one_hot, torch.rand(num_tokens, HC, generator=gen)):
+        ref = torch_ref.hc_pre_shifted(x, prev_pre, fn, scale, base, 20, 1e-6, EPS)
+        out = norm_triton.hc_pre_shifted(x, prev_pre, fn, scale, base, 20, 1e-6, EPS)
+        for name, o, r in zip(("pre", "post", "comb", "collapsed"), out, ref, strict=True):
+            assert _rel_err(o, r) < FP32_TOL, name
+        assert torch.equal(ref[3], torch_ref.hc_collapse(x, prev_pre))
+    pre, post, comb = torch_ref.hc_mixes(x, fn, scale, base, 20, 1e-6, EPS)
+    unshifted = torch_ref.hc_pre(x, fn, scale, base, 20, 1e-6, EPS)
+    assert torch.equal(post, unshifted[0]) and torch.equal(comb, unshifted[1])
+    assert torch.equal(torch_ref.hc_collapse(x, pre), unshifted[2])
+    assert torch.equal(torch_ref.hc_collapse(x, one_hot), x[:, 0])
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)

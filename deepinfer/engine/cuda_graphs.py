@@ -118,7 +118,7 @@ class DecodeGraphs:
         num_reqs = len(scheduled)
         bucket = next(b for b in self.buckets if b >= num_reqs)
         context = self.context_bucket(max(s.start_pos + 1 for s in scheduled))
-        seqs = [SeqSpan.of(i, s) for i, s in enumerate(scheduled)]
+        seqs = [SeqSpan.of(i, s, self.planner.num_history) for i, s in enumerate(scheduled)]
         token_ids = [s.token_ids[0] for s in scheduled]
         host = self._plan(seqs, token_ids, bucket, context)
         if not self.capture:

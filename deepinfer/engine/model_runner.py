@@ -381,7 +381,7 @@ class ModelRunner:
         logits_indices, sample_rows, prompt_rows = _logits_layout(scheduled)
         seqs, token_ids, offset = [], [], 0
         for sched in scheduled:
-            seqs.append(SeqSpan.of(offset, sched))
+            seqs.append(SeqSpan.of(offset, sched, self.planner.num_history))
             token_ids.extend(sched.token_ids)
             offset += sched.num_tokens
         host = self.planner.arrays(seqs, token_ids, logits_indices)

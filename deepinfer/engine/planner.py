@@ -26,13 +26,14 @@ from deepinfer.model.family import ModelFamily
 class StepPlanner:
     family: ModelFamily
     geometry: Any  # the family's plan context for the cache
+    num_history: int = 0  # token ids before a span its plans read (``SeqSpan.history``)
 
     @classmethod
     def of(cls, model: nn.Module, cache: KVCache) -> StepPlanner:
         """The planner of a family's model (its ``args.model_type``) over ``cache``."""
         args = model.args
         family = load_family(args.model_type)
-        return cls(family, family.geometry(args, cache))
+        return cls(family, family.geometry(args, cache), family.history_tokens(args))
 
     def arrays(
         self,

@@ -33,6 +33,8 @@ class Scheduled(Protocol):
     @property
     def num_protected_tokens(self) -> int: ...
 
+    def history_token_ids(self, num: int) -> list[int]: ...
+
 
 @dataclass
 class SeqSpan:
@@ -51,14 +53,18 @@ class SeqSpan:
     # compressed entries of positions below ``num_protected`` (shared blocks) are not written.
     window_floor: int = 0
     num_protected: int = 0
+    # The token ids just before ``start_pos`` (as many as the family's ``history_tokens``, fewer
+    # near position 0): what a model reading n-grams of the input needs.
+    history: list[int] = field(default_factory=list)
 
     @property
     def end_pos(self) -> int:
         return self.start_pos + self.num_tokens
 
     @classmethod
-    def of(cls, offset: int, sched: Scheduled) -> SeqSpan:
-        """A scheduled request's span, its first token at row ``offset`` of the batch."""
+    def of(cls, offset: int, sched: Scheduled, num_history: int = 0) -> SeqSpan:
+        """A scheduled request's span, its first token at row ``offset`` of the batch, with
+        the ``num_history`` token ids before it."""
         return cls(
             offset,
             sched.num_tokens,
@@ -67,6 +73,7 @@ class SeqSpan:
             list(sched.block_table),
             window_floor=sched.window_floor,
             num_protected=sched.num_protected_tokens,
+            history=sched.history_token_ids(num_history) if num_history else [],
         )
 
 

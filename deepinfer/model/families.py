@@ -8,7 +8,7 @@ step, describe the cache). Adding a family is adding its package and a row here.
 
     model_type      package (torch side)                       recipe version / encoding
     deepseek_v4     deepinfer.model.deepseek_v4.family         DeepseekV4Pro / DeepseekV4Encoding
-    deepseek_v41    (no engine package yet: coordinator only)  DeepseekV41Flash / ...V41Encoding
+    deepseek_v41    deepinfer.model.deepseek_v41.family        DeepseekV41Flash / ...V41Encoding
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ FAMILIES: dict[str, FamilyInfo] = {
             model_type="deepseek_v41",
             recipe_version="DeepseekV41Flash",
             recipe_encoding="DeepseekV41Encoding",
-            args=None,
-            package=None,
+            args="deepinfer.model.deepseek_v41.args",
+            package="deepinfer.model.deepseek_v41.family",
             cache_format="kv-v41-1",
         ),
     )

@@ -9,6 +9,7 @@
         geometry(args, cache)   -> the family's plan context for that cache
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
         rollback(cache, slot, end_pos, num_tokens): forget a step's rejected draft tokens
+        history_tokens(args): token ids before a span its plans read (n-gram inputs)
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
@@ -129,6 +130,10 @@ class ModelFamily(Protocol):
         there and rewrites the rejected positions; their paged entries are never read before
         that). At most the cache spec's ``max_draft`` tokens (ValueError otherwise); call it
         before the next step of the slot is launched, or a snapshot of it saved."""
+        ...
+
+    def history_tokens(self, args: Any) -> int:
+        """Token ids before a span's first that its plans read (``SeqSpan.history``; 0: none)."""
         ...
 
     def replay_tokens(self, args: Any) -> int:

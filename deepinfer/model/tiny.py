@@ -33,8 +33,9 @@ def make_tiny_model(
     ``quantized``: the weights in the real checkpoints' FP8 / FP4 formats."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    load_family(model_type).write_tiny_checkpoint(folder, seed, quantized)
     copy_tokenizer(folder)
+    # After the V4 tokenizer: a family whose tokenizer differs writes its own over it.
+    load_family(model_type).write_tiny_checkpoint(folder, seed, quantized)
     return folder
 
 

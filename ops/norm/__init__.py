@@ -20,6 +20,7 @@ from deepinfer.ops.norm.torch_ref import (
     gated_pool,
     hc_post,
     hc_pre,
+    hc_pre_shifted,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -50,6 +51,18 @@ class NormBackend(Protocol):
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def hc_pre_shifted(
+        self,
+        x: torch.Tensor,
+        prev_pre: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
     def hc_post(
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor: ...
@@ -76,6 +89,7 @@ __all__ = [
     "gated_pool",
     "hc_post",
     "hc_pre",
+    "hc_pre_shifted",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",

@@ -127,6 +127,38 @@ def hc_pre(
     comb [T, hc, hc] doubly stochastic by Sinkhorn, block input [T, D] = sum_i pre[i] * x[i]
     in x's dtype). All mixing math in fp32.
     """
+    pre, post, comb = hc_mixes(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)
+    return post, comb, hc_collapse(x, pre)
+
+
+def hc_pre_shifted(
+    x: torch.Tensor,
+    prev_pre: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shifted hyper-connection (DeepSeek-V4.1), entry side: the block input collapses x with
+    the *previous* sub-layer's pre (``prev_pre`` [T, hc] fp32), and this sub-layer's pre, from
+    the same mixes as ``hc_pre``, is returned for the next one. Returns (pre [T, hc], post,
+    comb, block input [T, D])."""
+    pre, post, comb = hc_mixes(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)
+    return pre, post, comb, hc_collapse(x, prev_pre)
+
+
+def hc_mixes(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 from the RMS-normalised flat streams."""
     hc = x.shape[1]
     flat = rms_norm(x.flatten(1).float(), None, norm_eps)  # [T, hc*D]
     mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc]
@@ -141,8 +173,12 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+    return pre, post, comb
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, hc, D] -> [T, D]: sum_i pre[:, i] * x[:, i] (fp32 weights), in x's dtype."""
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
 
 def hc_post(
@@ -163,6 +199,7 @@ class TorchRefNormBackend(Backend):
     rms_norm = staticmethod(rms_norm)
     apply_rope = staticmethod(apply_rope)
     hc_pre = staticmethod(hc_pre)
+    hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)
     gated_pool = staticmethod(gated_pool)
     rope_inv_freq = staticmethod(rope_inv_freq)

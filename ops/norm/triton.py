@@ -54,6 +54,7 @@ __all__ = [
     "gated_pool",
     "hc_post",
     "hc_pre",
+    "hc_pre_shifted",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
@@ -329,11 +330,14 @@ def _hc_sinkhorn_collapse_kernel(
     post_ptr,
     comb_ptr,
     collapsed_ptr,
+    prev_pre_ptr,
+    pre_out_ptr,
     num_tokens,
     dim,
     k,
     hc_eps,
     norm_eps,
+    SHIFTED: tl.constexpr,
     HC: tl.constexpr,
     HC_PAD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -343,7 +347,9 @@ def _hc_sinkhorn_collapse_kernel(
     D_PER_PROGRAM: tl.constexpr,
 ):
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
-    collapse of the slice. The program holding the first slice writes post and comb."""
+    collapse of the slice. The program holding the first slice writes post and comb.
+    SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
+    token's own pre goes to pre_out [T, hc]."""
     t = tl.program_id(0)
     i = tl.arange(0, HC_PAD)  # stream, and comb's row
     j = tl.arange(0, HC_PAD)  # comb's column
@@ -379,6 +385,9 @@ def _hc_sinkhorn_collapse_kernel(
     is_first = tl.program_id(1) == 0
     tl.store(post_ptr + t * HC + i, post, mask=is_stream & is_first)
     tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=is_comb & is_first)
+    if SHIFTED:
+        tl.store(pre_out_ptr + t * HC + i, pre, mask=is_stream & is_first)
+        pre = tl.load(prev_pre_ptr + t * HC + i, mask=is_stream, other=0.0)
 
     t = t.to(tl.int64)
     d_begin = tl.program_id(1) * D_PER_PROGRAM
@@ -412,6 +421,45 @@ def hc_pre(
     sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32. ``num_sms``: the SMs the K and
     D splits fill (default: x's device's).
     """
+    post, comb, collapsed, _ = _hc_pre(
+        x, None, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms
+    )
+    return post, comb, collapsed
+
+
+def hc_pre_shifted(
+    x: torch.Tensor,
+    prev_pre: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    num_sms: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shifted variant (torch_ref.hc_pre_shifted): the block input collapses x with
+    ``prev_pre`` [T, hc] fp32; returns (pre, post, comb, block input), pre this sub-layer's."""
+    post, comb, collapsed, pre = _hc_pre(
+        x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms
+    )
+    assert pre is not None
+    return pre, post, comb, collapsed
+
+
+def _hc_pre(
+    x: torch.Tensor,
+    prev_pre: torch.Tensor | None,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    num_sms: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Both entry sides: (post, comb, block input, this sub-layer's pre when shifted)."""
     num_tokens, hc, dim = x.shape
     mix_size, k = (2 + hc) * hc, hc * dim
     assert fn.shape == (mix_size, k), f"hc_pre: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
@@ -423,8 +471,13 @@ def hc_pre(
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=x.device)
     collapsed = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+    shifted = prev_pre is not None
+    pre_out = torch.empty_like(post) if shifted else None
     if num_tokens == 0:
-        return post, comb, collapsed
+        return post, comb, collapsed, pre_out
+    if prev_pre is not None:
+        assert prev_pre.shape == (num_tokens, hc), f"hc_pre: prev_pre {tuple(prev_pre.shape)}"
+        prev_pre = prev_pre.float().contiguous()
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
 
     block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
@@ -462,11 +515,14 @@ def hc_pre(
         post,
         comb,
         collapsed,
+        prev_pre if shifted else post,
+        pre_out if shifted else post,
         num_tokens,
         dim,
         k,
         hc_eps,
         norm_eps,
+        SHIFTED=shifted,
         HC=hc,
         HC_PAD=triton.next_power_of_2(hc),
         M_PAD=m_pad,
@@ -476,7 +532,7 @@ def hc_pre(
         D_PER_PROGRAM=d_per_program,
         num_warps=HC_SINKHORN_WARPS if num_d_programs == 1 else HC_SPLIT_SINKHORN_WARPS,
     )
-    return post, comb, collapsed
+    return post, comb, collapsed, pre_out
 
 
 @triton.jit
@@ -676,6 +732,21 @@ class TritonNormBackend(Backend):
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return hc_pre(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms=self.num_sms)
+
+    def hc_pre_shifted(
+        self,
+        x: torch.Tensor,
+        prev_pre: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_pre_shifted(
+            x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms=self.num_sms
+        )
 
     def hc_post(
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor

@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,23 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
 
 
+@dataclass(frozen=True)
+class WeightNaming:
+    """What the loader knows of a family's parameters (``weights.py``'s functions, DeepSeek-V4's
+    by default): the expected table, the name map, and the name rules that decide dtypes and
+    what stays quantized."""
+
+    expected_shapes: Callable[[Any, int | None], dict[str, tuple[int, ...]]] = expected_shapes
+    map_name: Callable[[str], TensorTarget | None] = map_checkpoint_name
+    is_fp8_linear: Callable[[str], bool] = is_fp8_linear
+    is_fp32_param: Callable[[str], bool] = is_fp32_param
+    is_integer_param: Callable[[str], bool] = is_integer_param
+    is_stacked_experts: Callable[[str], bool] = is_stacked_experts
+
+
+V4_NAMING = WeightNaming()
+
+
 def load_model_args(folder: str | Path) -> ModelArgs:
     """The architecture from ``folder/config.json``."""
     return ModelArgs.from_file(Path(folder) / "config.json")
@@ -76,6 +95,7 @@ def load_checkpoint(
     keep_fp8: bool = False,
     keep_fp4: bool = False,
     experts: range | None = None,
+    naming: WeightNaming = V4_NAMING,
 ) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
 
@@ -85,8 +105,9 @@ def load_checkpoint(
     name stays float8_e4m3fn, followed by its block scales [ceil(N/bn), ceil(K/bk)] fp32 under
     ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). ``keep_fp4``: FP4 routed experts stay
     packed (module docstring), their scales under ``mxfp4_scale_name``. ``experts``: the
-    routed experts to hold (None: all), stacked in that order from slot 0. Raises
-    ``CheckpointError`` on a missing, unexpected, duplicated or mis-shaped tensor.
+    routed experts to hold (None: all), stacked in that order from slot 0. ``naming``: the
+    family's parameters (DeepSeek-V4's by default). Raises ``CheckpointError`` on a missing,
+    unexpected, duplicated or mis-shaped tensor.
     """
     experts = experts if experts is not None else range(args.num_experts)
     folder = Path(folder)
@@ -106,7 +127,8 @@ def load_checkpoint(
         len(by_file),
     )
     block = fp8_block(args)
-    state = _StateBuilder(expected_shapes(args, len(experts)), device, dtype, experts.start)
+    expected = naming.expected_shapes(args, len(experts))
+    state = _StateBuilder(expected, device, dtype, experts.start, naming)
     num_ignored = num_kept = num_elsewhere = 0
     with ExitStack() as stack:
         reader = _ShardReader(files, stack)
@@ -120,22 +142,22 @@ def load_checkpoint(
             for keys in by_file.values():
                 for key in keys:
                     progress.update()
-                    target = map_checkpoint_name(key)
+                    target = naming.map_name(key)
                     if target is None:
                         num_ignored += 1
                         continue
                     if target.kind == "expert" and _held_elsewhere(target, experts, args):
                         num_elsewhere += 1
                         continue
-                    rows = experts if _is_stacked(target) else None
+                    rows = experts if _is_stacked(target, naming) else None
                     tensor = reader.get(key, rows).to(device)
                     if key in scales:
                         scale = reader.get(scales[key], rows).to(device)
-                        if keep_fp8 and _stays_fp8(target, tensor):
+                        if keep_fp8 and _stays_fp8(target, tensor, naming):
                             state.place_fp8(key, target.names[0], tensor, scale, block)
                             num_kept += 1
                             continue
-                        if keep_fp4 and _stays_fp4(target, tensor):
+                        if keep_fp4 and _stays_fp4(target, tensor, naming):
                             state.place_mxfp4(key, target, tensor, scale)
                             num_kept += 1
                             continue
@@ -170,10 +192,10 @@ def _held_elsewhere(target: TensorTarget, experts: range, args: ModelArgs) -> bo
     return target.expert not in experts and 0 <= target.expert < args.num_experts
 
 
-def _is_stacked(target: TensorTarget) -> bool:
+def _is_stacked(target: TensorTarget, naming: WeightNaming) -> bool:
     """transformers' stacked experts ([E, ...] in one tensor): read only this rank's rows."""
     return target.kind == "gate_up" or (
-        target.kind == "copy" and is_stacked_experts(target.names[0])
+        target.kind == "copy" and naming.is_stacked_experts(target.names[0])
     )
 
 
@@ -197,17 +219,17 @@ def fp8_block(args: ModelArgs) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _stays_fp8(target: TensorTarget, tensor: torch.Tensor) -> bool:
+def _stays_fp8(target: TensorTarget, tensor: torch.Tensor, naming: WeightNaming) -> bool:
     return (
         target.kind == "copy"
         and tensor.dtype == torch.float8_e4m3fn
-        and is_fp8_linear(target.names[0])
+        and naming.is_fp8_linear(target.names[0])
     )
 
 
-def _stays_fp4(target: TensorTarget, tensor: torch.Tensor) -> bool:
+def _stays_fp4(target: TensorTarget, tensor: torch.Tensor, naming: WeightNaming) -> bool:
     return tensor.dtype in _FP4_DTYPES and (
-        target.kind in ("expert", "gate_up") or is_stacked_experts(target.names[0])
+        target.kind in ("expert", "gate_up") or naming.is_stacked_experts(target.names[0])
     )
 
 
@@ -276,8 +298,10 @@ class _StateBuilder:
         device: str | torch.device,
         dtype: torch.dtype,
         first_expert: int = 0,
+        naming: WeightNaming = V4_NAMING,
     ) -> None:
         self.expected = expected
+        self.naming = naming
         self.device = device
         self.dtype = dtype
         self.first_expert = first_expert  # the checkpoint's number of stacked slot 0
@@ -399,7 +423,7 @@ class _StateBuilder:
         self.source[name] = key
 
     def _cast(self, key: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if is_integer_param(name):
+        if self.naming.is_integer_param(name):
             if tensor.is_floating_point() or tensor.is_complex():
                 raise CheckpointError(
                     f"tensor {key!r} must be an integer tensor, got {tensor.dtype}"
@@ -407,7 +431,7 @@ class _StateBuilder:
             return tensor.to(torch.int64)
         if not tensor.is_floating_point():
             raise CheckpointError(f"tensor {key!r} must be floating point, got {tensor.dtype}")
-        return tensor.to(torch.float32 if is_fp32_param(name) else self.dtype)
+        return tensor.to(torch.float32 if self.naming.is_fp32_param(name) else self.dtype)
 
     def _expert_slot(self, key: str, name: str, expert: int) -> int:
         """The stacked slot of one expert's tensor, claimed (each expert is given once)."""

@@ -133,6 +133,9 @@ class DeepseekV4Family:
         (cache.py's ``rollback`` says why that is exact)."""
         cache_layout.rollback(cache, slot, end_pos, num_tokens)
 
+    def history_tokens(self, args: ModelArgs) -> int:
+        return 0
+
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the whole stack, num_layers * (window - 1)."""
         return args.num_layers * (args.sliding_window - 1)

@@ -8,6 +8,7 @@ the release ships them).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,14 +122,37 @@ def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> N
     """
     config = {**TINY_CONFIG, **(QUANTIZED_CONFIG if quantized else {})}
     args = ModelArgs.from_dict(config)
+    write_checkpoint(
+        folder,
+        config,
+        expected_shapes(args),
+        lambda name, shape, gen: init_tensor(name, shape, args, gen),
+        seed,
+        fp8_block(args) if quantized else None,
+    )
+
+
+def write_checkpoint(
+    folder: Path,
+    config: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    init: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor],
+    seed: int,
+    fp8: tuple[int, int] | None,
+    is_fp8: Callable[[str], bool] = is_fp8_linear,
+) -> None:
+    """``config.json`` and ``model.safetensors`` of random weights drawn in ``shapes`` order
+    (``init(name, shape, gen)``, one generator seeded ``seed``), the stacked routed experts
+    written one by one as the releases ship them (``<layer>.ffn.experts.{e}.w1.weight``).
+    ``fp8``: the ``is_fp8`` weights stored float8_e4m3fn with ue8m0 block scales of that block
+    (``X.scale``), the routed experts packed FP4 (int8 with ue8m0 scales per 32)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(args).items():
-        value = _init_tensor(name, shape, args, gen)
+    for name, shape in shapes.items():
+        value = init(name, shape, gen)
         base, _, proj = name.rpartition(".")
         if base.endswith("ffn.experts"):
-            # Upstream ships routed experts one by one: layers.{i}.ffn.experts.{e}.w1.weight.
-            packed = quantize_mxfp4(value) if quantized else None
+            packed = quantize_mxfp4(value) if fp8 is not None else None
             for e in range(shape[0]):
                 key = f"{base}.{e}.{proj}"
                 if packed is None:
@@ -136,8 +160,8 @@ def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> N
                 else:
                     tensors[f"{key}.weight"] = packed.packed[e].view(torch.int8).clone()
                     tensors[f"{key}.scale"] = packed.scale[e].view(torch.float8_e8m0fnu).clone()
-        elif quantized and is_fp8_linear(name):
-            weight, scale = quantize_fp8(value, fp8_block(args), ue8m0=True)
+        elif fp8 is not None and is_fp8(name):
+            weight, scale = quantize_fp8(value, fp8, ue8m0=True)
             tensors[name] = weight
             tensors[fp8_scale_name(name)] = scale.to(torch.float8_e8m0fnu)
         else:
@@ -174,7 +198,7 @@ def random_weights(
     out = {}
     for name, shape in expected_shapes(args).items():
         wanted = torch.float32 if is_fp32_param(name) else dtype
-        out[name] = _init_tensor(name, shape, args, gen, device=device, dtype=wanted)
+        out[name] = init_tensor(name, shape, args, gen, device=device, dtype=wanted)
         if experts is not None and is_stacked_experts(name):
             out[name] = out[name][experts.start : experts.stop].clone()
         if fp8_block is not None and is_fp8_linear(name):
@@ -185,10 +209,10 @@ def random_weights(
     return out
 
 
-def _init_tensor(
+def init_tensor(
     name: str,
     shape: tuple[int, ...],
-    args: ModelArgs,
+    args: Any,
     gen: torch.Generator,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,

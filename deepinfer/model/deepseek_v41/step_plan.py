@@ -1,0 +1,129 @@
+"""Index plans of one DeepSeek-V4.1 step: DeepSeek-V4's (``deepseek_v4/step_plan.py``: the
+sliding window, the compressed entries and the compressors of each ratio, here 1 and 2) plus
+the engram's n-gram windows.
+
+    engram_history [B * (n - 1)]  raw token ids of each request's n - 1 positions before the
+                                  step (-1: before position 0), from ``SeqSpan.history``
+    engram_src     [T, n]         per token, its window (positions p, p - 1, .., p - n + 1:
+                                  newest first) as rows of cat(engram_history, input_ids)
+
+The window is gathered on the device from the uploaded input ids, so a decode token that is
+still on the device when the step is planned (asynchronous scheduling) joins its own window;
+every earlier token is known on the host. Shapes depend only on the token and request counts
+(a graphed decode step keeps them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.kv_cache.pool import KVCache
+from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
+from deepinfer.model.deepseek_v4 import step_plan as v4_plan
+from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry as V4Geometry
+from deepinfer.model.deepseek_v4.plan_inputs import starts
+from deepinfer.model.deepseek_v41.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """V4's geometry of the cache, and the engram's window length n (0: no engram)."""
+
+    v4: V4Geometry
+    ngram: int = 0
+
+    @classmethod
+    def of(cls, cache: KVCache, args: ModelArgs) -> CacheGeometry:
+        ngram = args.engram.max_ngram_size if args.engram is not None else 0
+        return cls(V4Geometry.of(cache), ngram)
+
+
+@dataclass
+class StepMetadata(v4_plan.StepMetadata):
+    """V4's plans (``deepseek_v4/step_plan.py``) and the engram's (module docstring)."""
+
+    engram_history: torch.Tensor | None = None
+    engram_src: torch.Tensor | None = None
+
+
+def build_metadata(batch: ForwardBatch, cache: KVCache, args: ModelArgs) -> StepMetadata:
+    """The plans of a batch built without them (a plain copy to input_ids' device)."""
+    geometry = CacheGeometry.of(cache, args)
+    host = plan_step(batch.seqs, geometry)
+    flat = torch.from_numpy(flatten(host)).to(batch.input_ids.device)
+    return metadata_views(split_flat(flat, host), geometry)
+
+
+def step_arrays(
+    seqs: list[SeqSpan],
+    token_ids: list[int],
+    logits_indices: list[int],
+    geometry: CacheGeometry,
+    decode_context: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Everything a step uploads, host int64 by name (V4's arrays, then the engram's)."""
+    host = v4_plan.step_arrays(seqs, token_ids, logits_indices, geometry.v4, decode_context)
+    host.update(engram_plan(seqs, geometry.ngram))
+    return host
+
+
+def plan_step(
+    seqs: list[SeqSpan], geometry: CacheGeometry, decode_context: int | None = None
+) -> dict[str, np.ndarray]:
+    host = v4_plan.plan_step(seqs, geometry.v4, decode_context)
+    host.update(engram_plan(seqs, geometry.ngram))
+    return host
+
+
+def batch_views(
+    flat: torch.Tensor,
+    host: dict[str, np.ndarray],
+    seqs: list[SeqSpan],
+    geometry: CacheGeometry,
+) -> ForwardBatch:
+    dev = split_flat(flat, host)
+    return ForwardBatch(
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        seqs=seqs,
+        logits_indices=dev["logits_indices"],
+        metadata=metadata_views(dev, geometry),
+    )
+
+
+def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> StepMetadata:
+    v4 = v4_plan.metadata_views(dev, geometry.v4)
+    fields = {f: getattr(v4, f) for f in v4.__dataclass_fields__}
+    return StepMetadata(
+        **fields,
+        engram_history=dev.get("engram_history"),
+        engram_src=dev.get("engram_src"),
+    )
+
+
+def engram_plan(seqs: list[SeqSpan], ngram: int) -> dict[str, np.ndarray]:
+    """``engram_history`` and ``engram_src`` (module docstring); nothing without an engram.
+    A span's history holds the tokens just before it (fewer near position 0); missing ones
+    read as padding."""
+    if not ngram:
+        return {}
+    back = ngram - 1
+    num = len(seqs)
+    history = np.full((num, back), -1, dtype=np.int64)
+    for b, seq in enumerate(seqs):
+        known = seq.history[-back:] if back else []
+        if known:
+            history[b, back - len(known) :] = known
+    counts = np.asarray([s.num_tokens for s in seqs], dtype=np.int64)
+    req = np.repeat(np.arange(num), counts)  # [T]
+    local = np.arange(req.shape[0]) - np.repeat(starts(counts), counts)  # [T] index in chunk
+    # Element r of token t's window is position p - r, i.e. chunk index local - r.
+    rel = local[:, None] - np.arange(ngram)[None, :]  # [T, n]
+    in_step = rel >= 0
+    step_rows = num * back + (np.asarray([s.offset for s in seqs])[req])[:, None] + rel
+    history_rows = req[:, None] * back + back + rel  # rel in [-back, 0): row of history
+    src = np.where(in_step, step_rows, history_rows)
+    return {"engram_history": history.ravel(), "engram_src": src}
