@@ -42,3 +42,12 @@ def oracle_upstream_dir(oracle_hf_dir: Path, tmp_path_factory: pytest.TempPathFa
     from oracle import write_oracle_upstream
 
     return write_oracle_upstream(oracle_hf_dir, tmp_path_factory.mktemp("oracle_upstream"))
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny DeepSeek-V4.1 checkpoint (``make-tiny-model --model-type
+    deepseek_v41``)."""
+    from deepinfer.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_v41"), model_type="deepseek_v41")

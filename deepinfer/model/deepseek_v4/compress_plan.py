@@ -171,5 +171,8 @@ def _buffer_ring_plan(
 
 def _buffer_rows(slots: np.ndarray, pos: np.ndarray, m: int, b: int) -> np.ndarray:
     """Buffer-ring rows of tokens at positions ``pos`` of slots ``slots``: the q-th token that
-    is not a window's last, q = p - p // m, at row q % b (cache.py)."""
+    is not a window's last, q = p - p // m, at row q % b (cache.py). A ratio-1 compressor
+    without drafts has no ring (b = 0: every token closes its window): row 0, never written."""
+    if not b:
+        return np.zeros_like(pos)
     return slots * b + (pos - pos // m) % b

@@ -124,8 +124,9 @@ class ModelArgs:
                 )
 
     def _check_sharing(self) -> None:
-        """Each map's consumers have their source's ratio; top-k segments nest in index-key
-        segments, those in KV segments; no KV segment crosses the YoCo boundary."""
+        """Each map's consumers have their source's ratio (so no segment crosses the YoCo
+        boundary, the first C1 layer after C2 ones); top-k segments nest in index-key segments,
+        those in KV segments."""
         maps = {
             "kv_source_layer_ids": self.kv_source,
             "index_k_source_layer_ids": self.index_k_source,
@@ -150,12 +151,6 @@ class ModelArgs:
                     f"config: index_k_source_layer_ids: layer {layer}'s index-key source "
                     f"{self.index_k_source(layer)} is in another KV segment"
                 )
-        boundary = self.n_prefill_layer
-        if boundary < self.num_layers and self.kv_source(boundary) != boundary:
-            raise ValueError(
-                f"config: kv_source_layer_ids must include the YoCo boundary layer {boundary} "
-                "(the first C1 layer): KV sharing does not cross it"
-            )
 
     def _check_candidates(self) -> None:
         src = self.candidate_source_layer_id

@@ -19,8 +19,8 @@ the image routing bias like the text one.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -173,18 +173,26 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(config, encoding="utf-8")
 
 
-@lru_cache(maxsize=4)
 def tiny_vocabulary(tokenizer_path: str | None = None) -> tuple[np.ndarray, int]:
-    """The compressed vocabulary of ``tokenizer_path`` (None: the tiny tokenizer)."""
-    from tokenizers import Tokenizer
-
+    """The compressed vocabulary of ``tokenizer_path`` (None: the tiny tokenizer), computed
+    once per tokenizer content (decoding every id takes seconds)."""
     if tokenizer_path is None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             write_tokenizer(Path(tmp))
-            return compressed_vocabulary(Tokenizer.from_file(str(Path(tmp) / "tokenizer.json")))
-    return compressed_vocabulary(Tokenizer.from_file(tokenizer_path))
+            return tiny_vocabulary(str(Path(tmp) / "tokenizer.json"))
+    from tokenizers import Tokenizer
+
+    data = Path(tokenizer_path).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest not in _VOCABULARIES:
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        _VOCABULARIES[digest] = compressed_vocabulary(tokenizer)
+    return _VOCABULARIES[digest]
+
+
+_VOCABULARIES: dict[str, tuple[np.ndarray, int]] = {}  # by the tokenizer.json's sha256
 
 
 def random_weights(

@@ -10,7 +10,6 @@ parameter list (built on the meta device), so the two cannot disagree.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -80,15 +79,8 @@ def expected_shapes(args: ModelArgs, num_experts: int | None = None) -> dict[str
     """Every checkpoint parameter of the model, in our names, with its shape (the backbone's
     routed experts stacked, their first dimension ``num_experts``: the experts one rank holds;
     None: all). Order: the model's (embed, layers, norm, head, drafter), deterministic."""
-    return dict(_shapes(args, num_experts or args.num_experts))
-
-
-@functools.lru_cache(maxsize=8)
-def _shapes(args: ModelArgs, num_experts: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from deepinfer.model.deepseek_v41.model import DeepseekV41
 
     with torch.device("meta"):
-        model = DeepseekV41(args, experts=range(num_experts))
-    return tuple(
-        (name, tuple(t.shape)) for name, t in model.state_dict().items() if name != ENGRAM_VOCAB
-    )
+        model = DeepseekV41(args, experts=range(num_experts or args.num_experts))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name != ENGRAM_VOCAB}
