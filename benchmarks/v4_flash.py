@@ -265,11 +265,14 @@ def each_layer_model(
     return describe_kernels(kernels)
 
 
-def new_cache(args: ModelArgs, setup: Setup, num_seqs: int, max_len: int, seed: int) -> KVCache:
+def new_cache(
+    args: Any, setup: Setup, num_seqs: int, max_len: int, seed: int, family: Any = FAMILY
+) -> KVCache:
     """Room for ``num_seqs`` requests of ``max_len`` tokens (+ spare blocks), every floating
-    tensor (paged pools, window rings, compressor state) filled with N(0, 1): never zeros."""
+    tensor (paged pools, window rings, compressor state) filled with N(0, 1): never zeros.
+    ``family``: the model family whose cache spec it is (DeepSeek-V4 by default)."""
     blocks_per_seq = math.ceil(max_len / setup.block_size)
-    spec = FAMILY.cache_spec(
+    spec = family.cache_spec(
         args, block_size=setup.block_size, ring_margin=setup.ring_margin, max_draft=0
     )
     cache = KVCache(
@@ -296,7 +299,7 @@ def _block_ids(
 
 
 def decode_inputs(
-    args: ModelArgs, setup: Setup, batch_size: int, context: int, seed: int
+    args: Any, setup: Setup, batch_size: int, context: int, seed: int, family: Any = FAMILY
 ) -> tuple[ForwardBatch, KVCache]:
     """One decode step of ``batch_size`` requests that each hold ``context`` tokens, without a
     prefill: the cache holds random values where the context's KV would be, and every request
@@ -307,7 +310,7 @@ def decode_inputs(
     buffer row. Request i owns slot i and its own blocks.
     """
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(args, setup, batch_size, context + 1, seed)
+    cache = new_cache(args, setup, batch_size, context + 1, seed, family)
     tables = _block_ids(cache, batch_size, context + 1, gen)
     seqs = [
         SeqSpan(offset=i, num_tokens=1, start_pos=context, slot=i, block_ids=tables[i])
@@ -325,13 +328,13 @@ def decode_inputs(
 
 
 def prefill_inputs(
-    args: ModelArgs, setup: Setup, prompt_len: int, chunk: int, seed: int
+    args: Any, setup: Setup, prompt_len: int, chunk: int, seed: int, family: Any = FAMILY
 ) -> tuple[list[ForwardBatch], KVCache]:
     """One request's prompt in chunks of at most ``chunk`` tokens, as the engine schedules it
     under a token budget: successive batches on slot 0 and the same blocks, start_pos growing;
     logits for each chunk's last token."""
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(args, setup, 1, prompt_len, seed)
+    cache = new_cache(args, setup, 1, prompt_len, seed, family)
     (table,) = _block_ids(cache, 1, prompt_len, gen)
     prompt = torch.randint(3, args.vocab_size, (prompt_len,), generator=gen).to(setup.device)
     batches = []
