@@ -129,6 +129,25 @@ def test_hc_pre(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_shifted(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
+    """DeepSeek-V4.1's variant: the collapse takes the previous sub-layer's pre."""
+    gen = torch.Generator().manual_seed(150 + num_tokens)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    prev = torch.rand(num_tokens, HC, generator=gen)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+    ref = torch_ref.hc_pre_shifted(x, prev, fn, scale, base, *hc)
+    weights = _cuda(torch.float32, fn, scale, base)
+    out = norm_triton.hc_pre_shifted(x.to("cuda", dtype), prev.cuda(), *weights, *hc)
+    mix_tol = FP32_TOL if dtype == torch.float32 else HC_MIX_BF16_TOL
+    stream_tol = FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL
+    for name, o, r, tol in zip(
+        ("pre", "post", "comb", "collapsed"), out, ref, (mix_tol,) * 3 + (stream_tol,), strict=True
+    ):
+        assert _rel_err(o, r) < tol, name
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(200 + num_tokens)
     x, out = _bf16(num_tokens, HC, DIM, gen=gen), _bf16(num_tokens, DIM, gen=gen)

@@ -298,22 +298,37 @@ def ngram_windows(
     return torch.where(src >= 0, ids, torch.full_like(ids, pad_id))
 
 
-def ngram_hashes(windows: torch.Tensor, tables: EngramTables, layer_id: int) -> torch.Tensor:
-    """windows [T, N] int64 -> rows [T, R] int64 of ``layer_id``'s stacked table.
+HashParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def hash_params(tables: EngramTables, layer_id: int, device: torch.device | None) -> HashParams:
+    """``layer_id``'s (multipliers [N], primes [N-1, H], offsets [N-1, H]) int64 on ``device``:
+    built once (a forward captured in a CUDA graph cannot copy them from the host)."""
+    i = tables.index(layer_id)
+    n = len(tables.multipliers[i])
+    mult = torch.tensor(tables.multipliers[i], dtype=torch.int64, device=device)
+    primes = torch.tensor(tables.primes[i], dtype=torch.int64, device=device).view(n - 1, -1)
+    offsets = torch.tensor(tables.offsets[i], dtype=torch.int64, device=device).view(n - 1, -1)
+    return mult, primes, offsets
+
+
+def ngram_hashes(
+    windows: torch.Tensor,
+    tables: EngramTables,
+    layer_id: int,
+    params: HashParams | None = None,
+) -> torch.Tensor:
+    """windows [T, N] int64 -> rows [T, R] int64 of ``layer_id``'s stacked table (``params``:
+    ``hash_params`` on windows' device, built here when not given).
 
     The n-gram hash is the XOR of ``windows[:, r] * multipliers[r]`` for r < n, in int64 with
     wraparound; column (n-2)*H + j is that hash modulo the table's prime (floor modulo, never
     negative) plus the table's offset. In-range ids never wrap; the wrap and the floor modulo
     only decide what out-of-range ids hash to, and match the reference kernel there too.
     """
-    i = tables.index(layer_id)
-    n = len(tables.multipliers[i])
+    mult, primes, offsets = params or hash_params(tables, layer_id, windows.device)
+    n = mult.shape[0]
     assert windows.dim() == 2 and windows.shape[1] == n, f"windows {windows.shape}, N={n}"
-    device = windows.device
-    mult = torch.tensor(tables.multipliers[i], dtype=torch.int64, device=device)  # [N]
-    primes = torch.tensor(tables.primes[i], dtype=torch.int64, device=device)
-    offsets = torch.tensor(tables.offsets[i], dtype=torch.int64, device=device)
-    primes, offsets = primes.view(n - 1, -1), offsets.view(n - 1, -1)  # [N-1, H]
     prod = windows.to(torch.int64) * mult  # [T, N]
     mixed = prod[:, 0]
     cols = []

@@ -30,7 +30,7 @@ from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.deepseek_v4.compressor import CompressorState
 from deepinfer.model.deepseek_v4.model import MLP, Experts
 from deepinfer.model.deepseek_v41.args import ModelArgs
-from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, ngram_hashes
+from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
@@ -477,6 +477,12 @@ class DeepseekV41(nn.Module):
                 inv_freq = inv_freq.to(device)
             self.register_buffer(f"{kind}_inv_freq", inv_freq, persistent=False)
         self.engram_tables = EngramTables.of(a.engram) if a.engram is not None else None
+        self.engram_hash = {}
+        if self.engram_tables is not None:
+            self.engram_hash = {
+                layer: hash_params(self.engram_tables, layer, device)
+                for layer in self.engram_tables.layer_ids
+            }
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -515,8 +521,8 @@ class DeepseekV41(nn.Module):
         ids = torch.where(ids < 0, self.args.engram.pad_token_id, ids)
         windows = self.engram_vocab[ids][meta.engram_src]  # [T, n] compressed, newest first
         return {
-            layer: ngram_hashes(windows, self.engram_tables, layer)
-            for layer in self.engram_tables.layer_ids
+            layer: ngram_hashes(windows, self.engram_tables, layer, params)
+            for layer, params in self.engram_hash.items()
         }
 
     @torch.inference_mode()
