@@ -178,7 +178,10 @@ def test_backend_object_launches_with_its_tiles(
 
 
 def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> None:
-    """Alone or among 36 random tokens that share its experts' blocks: bitwise the same.
+    """Alone or among 36 random tokens that share its experts' blocks: the same, to fp32
+    rounding here. Bitwise on the GPU (tests/gpu/test_gpu_triton_moe.py): the interpreter runs
+    each tile's tl.dot as a numpy matmul, whose BLAS may sum a row in another order depending
+    on where it sits in the tile (edge rows take another micro-kernel on some CPUs).
 
     Holds for batches that pick the same tile configuration (both T * k here are in the first
     row of the table); across rows the tile shapes, and so the GEMM summation order, change.
@@ -202,7 +205,7 @@ def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> No
         topk_weights[position : position + 1],
         LIMIT,
     )
-    assert torch.equal(alone[0], batched[position])
+    assert _rel_err(alone[0], batched[position]) < FP32_TOL
 
 
 # MXFP4 experts: D and I whole scale groups (multiples of 32), not multiples of the 64-wide K

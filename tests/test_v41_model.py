@@ -295,6 +295,13 @@ def test_the_release_layout_loads(tmp_path: Path, args: ModelArgs, model: Deepse
     assert kept["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert kept["layers.0.attn.wq_a.scale"].shape == (32 // 32, 64 // 32)
     assert kept["mtp.0.ffn.experts.w1"].dtype == torch.uint8
+    # The engram tables: FP8 per row and 32 columns in the file, dequantized on loading.
+    stored = load_file(quantized / "model.safetensors")
+    table = "layers.2.engram.embed.weight"
+    assert stored[table].dtype == torch.float8_e4m3fn
+    assert stored[table.replace("weight", "scale")].shape == (stored[table].shape[0], 1)
+    err = (kept[table] - state[table]).abs().max() / state[table].abs().max()
+    assert kept[table].dtype == torch.float32 and err < 2**-3, f"{err:.3f}"
 
 
 def test_loader_errors_name_the_tensor(tmp_path: Path, args: ModelArgs) -> None:

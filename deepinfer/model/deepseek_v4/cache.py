@@ -69,17 +69,7 @@ def cache_spec(
 ) -> CacheSpec:
     """The parts above. ``entry_format``: the compressed entries as packed rows (e.g. FP8 with
     in-row scales) instead of hd elements of the cache dtype."""
-    if block_size % args.block_multiple:
-        ratios = sorted({r for r in args.compress_ratios if r})
-        raise ValueError(
-            f"cache.block_size={block_size} must be a multiple of every compression "
-            f"ratio of the model (got ratios {ratios})"
-        )
-    if max_draft > ring_margin:
-        raise ValueError(
-            f"cache.max_draft_tokens={max_draft} must be <= cache.ring_margin={ring_margin}: "
-            "rejected drafts overwrite the sliding-window ring rows of that many older tokens"
-        )
+    check_margins(args.compress_ratios, block_size, ring_margin, max_draft)
     ring = ring_size(args, ring_margin)
     layers = list(enumerate(zip(args.layer_types, args.compress_ratios, strict=True)))
     entries: list[CachePart] = []
@@ -106,6 +96,24 @@ def cache_spec(
         max_draft=max_draft,
         salt=f"{block_size}:{ring}" + (f":draft{max_draft}" if max_draft else ""),
     )
+
+
+def check_margins(
+    ratios: tuple[int, ...], block_size: int, ring_margin: int, max_draft: int
+) -> None:
+    """A block holds whole compression windows of every ratio; a rollback never reaches past
+    the ring's margin. ValueError naming the key otherwise."""
+    if any(r and block_size % r for r in ratios):
+        shown = sorted({r for r in ratios if r})
+        raise ValueError(
+            f"cache.block_size={block_size} must be a multiple of every compression "
+            f"ratio of the model (got ratios {shown})"
+        )
+    if max_draft > ring_margin:
+        raise ValueError(
+            f"cache.max_draft_tokens={max_draft} must be <= cache.ring_margin={ring_margin}: "
+            "rejected drafts overwrite the sliding-window ring rows of that many older tokens"
+        )
 
 
 def ring_size(args: ModelArgs, ring_margin: int) -> int:

@@ -63,6 +63,10 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
 
 
+def _same_block(name: str, block: tuple[int, int]) -> tuple[int, int]:
+    return block
+
+
 @dataclass(frozen=True)
 class WeightNaming:
     """What the loader knows of a family's parameters (``weights.py``'s functions, DeepSeek-V4's
@@ -75,6 +79,9 @@ class WeightNaming:
     is_fp32_param: Callable[[str], bool] = is_fp32_param
     is_integer_param: Callable[[str], bool] = is_integer_param
     is_stacked_experts: Callable[[str], bool] = is_stacked_experts
+    # The FP8 block of one weight (our name, the config's block): DeepSeek-V4.1's engram tables
+    # are scaled per row and 32 columns.
+    fp8_block_of: Callable[[str, tuple[int, int]], tuple[int, int]] = _same_block
 
 
 V4_NAMING = WeightNaming()
@@ -161,7 +168,9 @@ def load_checkpoint(
                             state.place_mxfp4(key, target, tensor, scale)
                             num_kept += 1
                             continue
-                        tensor = _dequantize(key, tensor, scale, block)
+                        tensor = _dequantize(
+                            key, tensor, scale, naming.fp8_block_of(target.names[0], block)
+                        )
                     elif tensor.dtype in _QUANTIZED_DTYPES:
                         raise CheckpointError(
                             f"tensor {key!r} is {tensor.dtype} but the checkpoint has no scale "

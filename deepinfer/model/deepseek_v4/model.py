@@ -179,12 +179,21 @@ class MoE(nn.Module):
     """Router, routed experts (through ``kernels.moe``, which may exchange tokens with other
     ranks), shared expert."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels, num_local: int) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer_id: int,
+        kernels: Kernels,
+        num_local: int,
+        gate: nn.Module | None = None,
+    ) -> None:
+        """``gate``: another family's router (its ``topk`` routed experts a token); default
+        V4's ``Gate``."""
         super().__init__()
         self.kernels = kernels
         self.limit = args.swiglu_limit
-        self.topk = args.num_experts_per_tok
-        self.gate = Gate(args, layer_id)
+        self.gate = gate if gate is not None else Gate(args, layer_id)
+        self.topk = self.gate.topk
         self.experts = Experts(args, num_local)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
 
@@ -203,17 +212,20 @@ class MoE(nn.Module):
         self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
 
 
+def register_hc_parameters(block: nn.Module, mix_size: int, width: int) -> None:
+    """A layer's hyper-connection mixes, as the checkpoints name them: ``hc_{attn,ffn}_fn``
+    [mix_size, hc * D], ``_base`` [mix_size], ``_scale`` [3]."""
+    for site in ("attn", "ffn"):
+        block.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix_size, width)))
+        block.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix_size)))
+        block.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels, num_local: int) -> None:
         super().__init__()
         self.args, self.kernels = args, kernels
-        mix = args.hc_mix_size
-        for site in ("attn", "ffn"):
-            self.register_parameter(
-                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, args.hc_mult * args.hidden_size))
-            )
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        register_hc_parameters(self, args.hc_mix_size, args.hc_mult * args.hidden_size)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.attn = Attention(args, layer_id, kernels)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)

@@ -140,12 +140,14 @@ def write_checkpoint(
     seed: int,
     fp8: tuple[int, int] | None,
     is_fp8: Callable[[str], bool] = is_fp8_linear,
+    block_of: Callable[[str, tuple[int, int]], tuple[int, int]] | None = None,
 ) -> None:
     """``config.json`` and ``model.safetensors`` of random weights drawn in ``shapes`` order
     (``init(name, shape, gen)``, one generator seeded ``seed``), the stacked routed experts
     written one by one as the releases ship them (``<layer>.ffn.experts.{e}.w1.weight``).
     ``fp8``: the ``is_fp8`` weights stored float8_e4m3fn with ue8m0 block scales of that block
-    (``X.scale``), the routed experts packed FP4 (int8 with ue8m0 scales per 32)."""
+    (``block_of(name, fp8)`` where given; ``X.scale``), the routed experts packed FP4 (int8 with
+    ue8m0 scales per 32)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
@@ -161,7 +163,8 @@ def write_checkpoint(
                     tensors[f"{key}.weight"] = packed.packed[e].view(torch.int8).clone()
                     tensors[f"{key}.scale"] = packed.scale[e].view(torch.float8_e8m0fnu).clone()
         elif fp8 is not None and is_fp8(name):
-            weight, scale = quantize_fp8(value, fp8, ue8m0=True)
+            block = block_of(name, fp8) if block_of is not None else fp8
+            weight, scale = quantize_fp8(value, block, ue8m0=True)
             tensors[name] = weight
             tensors[fp8_scale_name(name)] = scale.to(torch.float8_e8m0fnu)
         else:
@@ -194,14 +197,43 @@ def random_weights(
     For benchmarks in real shapes (V4-Flash layers do not fit a checkpoint written here): the
     values depend on the device's generator, so they are not those of ``make_tiny_model``.
     """
+    return draw_weights(
+        expected_shapes(args),
+        lambda name, shape, gen, dtype: init_tensor(name, shape, args, gen, device, dtype),
+        seed,
+        device,
+        dtype,
+        fp8_block=fp8_block,
+        fp4_experts=fp4_experts,
+        experts=experts,
+    )
+
+
+def draw_weights(
+    shapes: dict[str, tuple[int, ...]],
+    init: Callable[[str, tuple[int, ...], torch.Generator, torch.dtype], torch.Tensor],
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    fp8_block: tuple[int, int] | None,
+    fp4_experts: bool,
+    experts: range | None,
+    is_fp32: Callable[[str], bool] = is_fp32_param,
+    is_fp8: Callable[[str], bool] = is_fp8_linear,
+    is_sharded: Callable[[str], bool] = is_stacked_experts,
+) -> dict[str, torch.Tensor]:
+    """``random_weights`` for any family: ``init(name, shape, gen, dtype)`` in ``shapes`` order
+    on one generator of ``device``; ``is_sharded`` names the stacked experts ``experts``
+    slices (the rest of the stacked experts, ``is_stacked_experts``, are packed under
+    ``fp4_experts`` too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for name, shape in expected_shapes(args).items():
-        wanted = torch.float32 if is_fp32_param(name) else dtype
-        out[name] = init_tensor(name, shape, args, gen, device=device, dtype=wanted)
-        if experts is not None and is_stacked_experts(name):
+    for name, shape in shapes.items():
+        out[name] = init(name, shape, gen, torch.float32 if is_fp32(name) else dtype)
+        if experts is not None and is_sharded(name):
             out[name] = out[name][experts.start : experts.stop].clone()
-        if fp8_block is not None and is_fp8_linear(name):
+        if fp8_block is not None and is_fp8(name):
             out[name], out[fp8_scale_name(name)] = quantize_fp8(out[name], fp8_block)
         if fp4_experts and is_stacked_experts(name):
             packed = quantize_mxfp4(out[name])

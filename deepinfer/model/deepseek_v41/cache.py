@@ -27,7 +27,7 @@ disk tiers store.
 from __future__ import annotations
 
 from deepinfer.kv_cache.spec import CachePart, CacheSpec
-from deepinfer.model.deepseek_v4.cache import buffer_rows
+from deepinfer.model.deepseek_v4.cache import buffer_rows, check_margins
 from deepinfer.model.deepseek_v41.args import ModelArgs
 
 
@@ -35,17 +35,7 @@ def cache_spec(
     args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int = 0
 ) -> CacheSpec:
     """The parts above."""
-    if block_size % args.block_multiple:
-        ratios = sorted({r for r in args.compress_ratios if r})
-        raise ValueError(
-            f"cache.block_size={block_size} must be a multiple of every compression "
-            f"ratio of the model (got ratios {ratios})"
-        )
-    if max_draft > ring_margin:
-        raise ValueError(
-            f"cache.max_draft_tokens={max_draft} must be <= cache.ring_margin={ring_margin}: "
-            "rejected drafts overwrite the sliding-window ring rows of that many older tokens"
-        )
+    check_margins(args.compress_ratios, block_size, ring_margin, max_draft)
     ring = args.sliding_window + ring_margin
     layers = range(args.num_layers)
     entries: list[CachePart] = []

@@ -38,6 +38,7 @@ NAMING = WeightNaming(
     is_fp32_param=weights.is_fp32_param,
     is_integer_param=weights.is_integer_param,
     is_stacked_experts=weights.is_stacked_experts,
+    fp8_block_of=weights.fp8_block_of,
 )
 
 

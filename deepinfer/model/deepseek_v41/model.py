@@ -28,7 +28,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.deepseek_v4.compressor import CompressorState
-from deepinfer.model.deepseek_v4.model import MLP, Experts
+from deepinfer.model.deepseek_v4.model import MoE, register_hc_parameters
 from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
@@ -314,32 +314,6 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
 
-class MoE(nn.Module):
-    """Router, routed experts (through ``kernels.moe``), one shared expert."""
-
-    def __init__(
-        self, args: ModelArgs, kernels: Kernels, num_experts: int, topk: int, num_local: int
-    ) -> None:
-        super().__init__()
-        self.kernels, self.limit, self.topk = kernels, args.swiglu_limit, topk
-        self.gate = Gate(args, num_experts, topk)
-        self.experts = Experts(args, num_local)  # type: ignore[arg-type]  # reads the sizes only
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
-        routed = self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
-        return routed + self.shared_experts(x)
-
-    def exchange_only(self, dtype: torch.dtype) -> None:
-        """A placeholder step's part: the routed experts' call with no tokens of this rank."""
-        device = self.experts.w2.device
-        x = torch.empty(0, self.experts.dim, dtype=dtype, device=device)
-        ids = torch.empty(0, self.topk, dtype=torch.int64, device=device)
-        weights = torch.empty(0, self.topk, dtype=torch.float32, device=device)
-        self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
-
-
 class Block(nn.Module):
     """One decoder layer: (engram,) attention and MoE, each between shifted hyper-connections."""
 
@@ -356,13 +330,7 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.args, self.kernels = args, kernels
-        mix = args.hc_mix_size
-        for site in ("attn", "ffn"):
-            self.register_parameter(
-                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, args.hc_mult * args.hidden_size))
-            )
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        register_hc_parameters(self, args.hc_mix_size, args.hc_mult * args.hidden_size)
         if args.engram is not None and layer_id in args.engram.layer_ids:
             self.engram = Engram(
                 args.engram, layer_id, args.hidden_size, args.hc_mult, args.rms_norm_eps
@@ -370,7 +338,9 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.attn = Attention(args, layer_id, kernels, ratio=ratio)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
-        self.ffn = MoE(args, kernels, num_experts, topk, num_local)
+        gate = Gate(args, num_experts, topk)
+        # V4's MoE (shared expert, routed experts through kernels.moe) with V4.1's router.
+        self.ffn = MoE(args, layer_id, kernels, num_local, gate=gate)  # type: ignore[arg-type]
 
     def forward(
         self,

@@ -27,18 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer.model.deepseek_v4.tiny import init_tensor, write_checkpoint
+from deepinfer.model.deepseek_v4.tiny import draw_weights, init_tensor, write_checkpoint
 from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import compressed_vocabulary
 from deepinfer.model.deepseek_v41.weights import (
     ENGRAM_VOCAB,
     expected_shapes,
+    fp8_block_of,
     is_fp8_linear,
+    is_fp8_table,
     is_fp32_param,
     is_stacked_experts,
 )
-from deepinfer.ops.linear.torch_ref import quantize_fp8
-from deepinfer.ops.moe.torch_ref import quantize_mxfp4
 
 # The V4.1 prompt encoding's system marker, absent from the V4 tokenizer: the tiny tokenizer
 # spells it on this reserved placeholder id.
@@ -143,7 +143,8 @@ def tiny_config(tokenizer_path: Path | None = None) -> dict[str, Any]:
 def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> None:
     """Write ``tokenizer.json`` (``write_tokenizer``), ``config.json`` and the weights into
     ``folder``; same bytes for the same seed. ``quantized``: FP8 e4m3 linears with 32 x 32
-    ue8m0 block scales and FP4 routed experts (``QUANTIZED_CONFIG``)."""
+    ue8m0 block scales, FP8 engram tables scaled per row and 32 columns, and FP4 routed experts
+    (``QUANTIZED_CONFIG``)."""
     write_tokenizer(folder)
     config = {**tiny_config(folder / "tokenizer.json"), **(QUANTIZED_CONFIG if quantized else {})}
     args = ModelArgs.from_dict(config)
@@ -154,7 +155,8 @@ def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> N
         lambda name, shape, gen: _init(name, shape, args, gen),
         seed,
         (32, 32) if quantized else None,
-        is_fp8_linear,
+        lambda name: is_fp8_linear(name) or is_fp8_table(name),
+        fp8_block_of,
     )
 
 
@@ -206,23 +208,21 @@ def random_weights(
     experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts), as
-    ``deepseek_v4.tiny.random_weights`` documents; the engram's vocabulary is the tiny
-    tokenizer's."""
-    from deepinfer.model.deepseek_v4.weights import fp8_scale_name, mxfp4_scale_name
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(args).items():
-        wanted = torch.float32 if is_fp32_param(name) else dtype
-        out[name] = _init(name, shape, args, gen, device=device, dtype=wanted)
-        backbone = name.startswith("layers.")
-        if experts is not None and backbone and is_stacked_experts(name):
-            out[name] = out[name][experts.start : experts.stop].clone()
-        if fp8_block is not None and is_fp8_linear(name):
-            out[name], out[fp8_scale_name(name)] = quantize_fp8(out[name], fp8_block)
-        if fp4_experts and is_stacked_experts(name):
-            packed = quantize_mxfp4(out[name])
-            out[name], out[mxfp4_scale_name(name)] = packed.packed, packed.scale
+    ``deepseek_v4.tiny.random_weights`` documents (``experts`` slices the backbone's routed
+    experts; the drafter's are all held); the engram's vocabulary is the tiny tokenizer's."""
+    out = draw_weights(
+        expected_shapes(args),
+        lambda name, shape, gen, dtype: _init(name, shape, args, gen, device, dtype),
+        seed,
+        device,
+        dtype,
+        fp8_block=fp8_block,
+        fp4_experts=fp4_experts,
+        experts=experts,
+        is_fp32=is_fp32_param,
+        is_fp8=is_fp8_linear,
+        is_sharded=lambda name: name.startswith("layers.") and is_stacked_experts(name),
+    )
     if args.engram is not None:
         table, _ = tiny_vocabulary()
         out[ENGRAM_VOCAB] = torch.from_numpy(table.astype(np.int64)).to(device)

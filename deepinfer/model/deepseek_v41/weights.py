@@ -63,6 +63,16 @@ def is_fp8_linear(name: str) -> bool:
     return _FP8_LINEAR_RE.search(name) is not None
 
 
+def is_fp8_table(name: str) -> bool:
+    """The engram's hash tables: FP8 in the release, scaled per row and 32 columns
+    (``fp8_block_of``); dequantized on loading."""
+    return name.endswith(".engram.embed.weight")
+
+
+def fp8_block_of(name: str, block: tuple[int, int]) -> tuple[int, int]:
+    return (1, 32) if is_fp8_table(name) else block
+
+
 def is_fp32_param(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
