@@ -52,10 +52,21 @@ class ModelConfig:
     # The most top alternatives a request may ask for (logprobs, prompt_logprobs), as OpenAI
     # and vLLM cap them: each costs a [V] sort row and bytes on the wire per token.
     max_logprobs: int = 20
+    # DeepSeek-V4.1 only: YoCo prefill truncation. "off"; "compact": the consumer half (the
+    # first C1 layer on) computes only each prompt's last yoco_keep_tokens (their sliding window
+    # narrowed to those), about halving prefill compute; "mask": every token, the same narrowed
+    # window (compact's results, no savings: a check). An approximation by design; a request
+    # asking for prompt logprobs is refused while it is on.
+    yoco_truncation: str = "off"
+    # >= the sliding window + cache.max_draft_tokens (decode needs that many consumer rows).
+    yoco_keep_tokens: int = 140
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"model.max_logprobs must be >= 0, got {self.max_logprobs}")
+        _check_choice("model.yoco_truncation", self.yoco_truncation, ("off", "mask", "compact"))
+        if self.yoco_keep_tokens < 1:
+            raise ValueError(f"model.yoco_keep_tokens must be >= 1, got {self.yoco_keep_tokens}")
         _check_choice("model.device", self.device, ("auto", "cpu", "cuda", "npu"))
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         if self.max_model_len is not None and self.max_model_len < 1:

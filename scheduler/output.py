@@ -76,6 +76,10 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
     def num_sampled_positions(self) -> int:
         """Positions whose logits are sampled: the last one and each draft's (0: none)."""
         return self.num_draft_tokens + 1 if self.do_sample else 0

@@ -1,7 +1,8 @@
 """Prefix reuse: what the scheduler does for prefix caching (torch-free).
 
 On admission a request looks up the longest cached prefix of its full blocks (at most
-``(num_tokens - 1) // block_size`` of them: its last token is always computed, for the logits).
+``(num_tokens - 1) // block_size`` of them: its last token is always computed, for the logits;
+fewer when the model recomputes a longer prompt tail, ``recompute_tokens``).
 The hit's paged blocks (compressed KV, indexer keys) are reused as they are. Its state slot
 cannot be rebuilt from the blocks: a token's sliding-window KV at layer l depends on the previous
 ``window - 1`` tokens at layer l-1, so the receptive field grows by ``window - 1`` per layer.
@@ -60,6 +61,9 @@ class PrefixCachingOptions:
     num_snapshots: int
     snapshot_interval_blocks: int
     replay_tokens: int
+    # The prompt's last tokens a hit never covers: 1 (the last token's logits), or more when
+    # the model computes a prompt's tail by other rules (DeepSeek-V4.1's YoCo truncation).
+    recompute_tokens: int = 1
 
 
 @dataclass
@@ -99,7 +103,10 @@ class PrefixReuseManager:
         if request.sampling_params.prompt_logprobs is not None:
             return
         reuse = request.reuse
-        hashes = self.cache.block_hashes(request, request.num_tokens - 1)
+        limit = request.num_tokens - 1
+        if self.options.recompute_tokens > 1:
+            limit = min(limit, request.num_prompt_tokens - self.options.recompute_tokens)
+        hashes = self.cache.block_hashes(request, max(0, limit))
         block_ids = self.cache.lookup(hashes)
         self.block_manager.reuse(block_ids)
         request.block_table = list(block_ids)

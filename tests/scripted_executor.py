@@ -61,6 +61,7 @@ class ScriptedExecutor:
         self.num_snapshots = 2 * num_slots
         self.cache_salt = b"scripted-executor"
         self.replay_tokens = 0
+        self.recompute_tokens = 1
         self.num_failing_steps = 0
         self.num_steps = 0
         self._scripts_by_request: dict[str, Script] = {}

@@ -42,7 +42,7 @@ from deepinfer.engine.handoff import RequestState, export_request, import_reques
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kv_cache.events import CacheEventLog, CacheLayout
 from deepinfer.kv_cache.tiered import KVTiers
-from deepinfer.model.families import load_args
+from deepinfer.model.families import load_args, with_serving_options
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.parallel.group import RankGroup, with_rendezvous_port
 from deepinfer.parallel.lockstep import LockStep, RankStep
@@ -79,6 +79,9 @@ class Executor(Protocol):
     # replay bound num_layers * (window - 1).
     cache_salt: bytes
     replay_tokens: int
+    # The prompt tokens a hit leaves to compute (the family's recompute_tokens: 1, or the kept
+    # tokens of a YoCo-truncating DeepSeek-V4.1).
+    recompute_tokens: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -121,7 +124,11 @@ class LLMEngine:
         self.group = group
         if executor is None:
             self.model_dir: Path | None = self._init_model_dir()
-            args = load_args(self.model_dir)
+            args = with_serving_options(
+                load_args(self.model_dir),
+                yoco_truncation=config.model.yoco_truncation,
+                yoco_keep_tokens=config.model.yoco_keep_tokens,
+            )
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
                 self.model_dir, config.model.tokenizer
             )
@@ -234,6 +241,7 @@ class LLMEngine:
             num_snapshots=self.executor.num_snapshots,
             snapshot_interval_blocks=cache.snapshot_interval_blocks,
             replay_tokens=replay,
+            recompute_tokens=self.executor.recompute_tokens,
         )
 
     def _init_model_dir(self) -> Path:
@@ -259,6 +267,15 @@ class LLMEngine:
         its first token, for ``export_request``. Raises ValueError (ConstraintError for a bad
         constraint) before anything is admitted."""
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
+        if (
+            sampling_params.prompt_logprobs is not None
+            and self.config.model.yoco_truncation != "off"
+        ):
+            raise ValueError(
+                "prompt_logprobs are not available while model.yoco_truncation="
+                f"{self.config.model.yoco_truncation!r}: the consumer layers compute only each "
+                "prompt's last model.yoco_keep_tokens"
+            )
         vocab = self.executor.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:

@@ -272,6 +272,11 @@ class ModelRunner:
         return self.family.replay_tokens(self.args)
 
     @property
+    def recompute_tokens(self) -> int:
+        """Prompt tokens a prefix hit leaves to compute (the family's)."""
+        return self.family.recompute_tokens(self.args)
+
+    @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
 

@@ -33,6 +33,9 @@ class Scheduled(Protocol):
     @property
     def num_protected_tokens(self) -> int: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
     def history_token_ids(self, num: int) -> list[int]: ...
 
 
@@ -56,6 +59,9 @@ class SeqSpan:
     # The token ids just before ``start_pos`` (as many as the family's ``history_tokens``, fewer
     # near position 0): what a model reading n-grams of the input needs.
     history: list[int] = field(default_factory=list)
+    # The request's prompt length (0: unknown, a padded or profiling span): what a family that
+    # truncates prefills (DeepSeek-V4.1's YoCo) keeps is decided by it.
+    num_prompt_tokens: int = 0
 
     @property
     def end_pos(self) -> int:
@@ -74,6 +80,7 @@ class SeqSpan:
             window_floor=sched.window_floor,
             num_protected=sched.num_protected_tokens,
             history=sched.history_token_ids(num_history) if num_history else [],
+            num_prompt_tokens=sched.num_prompt_tokens,
         )
 
 

@@ -13,6 +13,7 @@ step, describe the cache). Adding a family is adding its package and a row here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from dataclasses import dataclass
@@ -94,6 +95,19 @@ def parse_args(config: dict[str, Any]) -> Any:
 
 def load_args(model_dir: str | Path) -> Any:
     return parse_args(read_config(model_dir))
+
+
+def with_serving_options(args: Any, *, yoco_truncation: str, yoco_keep_tokens: int) -> Any:
+    """The architecture with the [model] options that change what a forward computes: YoCo
+    prefill truncation (DeepSeek-V4.1). ValueError naming the key for a family without it."""
+    if yoco_truncation == "off":
+        return args
+    if not hasattr(args, "yoco_mode"):
+        raise ValueError(
+            f"model.yoco_truncation={yoco_truncation!r}: {args.model_type} checkpoints have no "
+            "YoCo layers (deepseek_v41 only)"
+        )
+    return dataclasses.replace(args, yoco_mode=yoco_truncation, yoco_keep=yoco_keep_tokens)
 
 
 def cache_salt(model_type: str, *, dtype: str, layout: str) -> str:

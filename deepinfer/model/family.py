@@ -136,6 +136,11 @@ class ModelFamily(Protocol):
         """Token ids before a span's first that its plans read (``SeqSpan.history``; 0: none)."""
         ...
 
+    def recompute_tokens(self, args: Any) -> int:
+        """The prompt tokens a prefix hit must leave to compute (at least 1: the last one's
+        logits; DeepSeek-V4.1 under YoCo truncation: the kept ones)."""
+        ...
+
     def replay_tokens(self, args: Any) -> int:
         """Tokens to recompute on a prefix hit without a snapshot (the receptive field of the
         state that is not paged)."""

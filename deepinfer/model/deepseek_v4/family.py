@@ -136,6 +136,9 @@ class DeepseekV4Family:
     def history_tokens(self, args: ModelArgs) -> int:
         return 0
 
+    def recompute_tokens(self, args: ModelArgs) -> int:
+        return 1
+
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the whole stack, num_layers * (window - 1)."""
         return args.num_layers * (args.sliding_window - 1)

@@ -29,6 +29,7 @@ from deepinfer.model.deepseek_v4.args import RopeArgs, _one_rope
 from deepinfer.model.deepseek_v41.engram import EngramArgs
 
 RATIOS = (0, 1, 2)
+YOCO_MODES = ("off", "mask", "compact")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ class ModelArgs:
     dspark: DSparkArgs | None = None
     torch_dtype: str = "bfloat16"
     quantization: dict[str, Any] | None = None
+    # YoCo prefill truncation (a serving option, [model] yoco_truncation / yoco_keep_tokens, not
+    # config.json): "off", "mask" or "compact"; the consumer half computes only each prompt's
+    # last yoco_keep tokens ("mask": all, with the same narrowed window).
+    yoco_mode: str = "off"
+    yoco_keep: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -114,6 +120,7 @@ class ModelArgs:
                     )
         self._check_sharing()
         self._check_candidates()
+        self._check_yoco()
         if self.dspark is not None:
             sides = {t >= self.n_prefill_layer for t in self.dspark.target_layer_ids}
             if any(not 0 <= t < n for t in self.dspark.target_layer_ids) or len(sides) > 1:
@@ -151,6 +158,32 @@ class ModelArgs:
                     f"config: index_k_source_layer_ids: layer {layer}'s index-key source "
                     f"{self.index_k_source(layer)} is in another KV segment"
                 )
+
+    def _check_yoco(self) -> None:
+        if self.yoco_mode not in YOCO_MODES:
+            raise ValueError(
+                f"model.yoco_truncation must be one of {list(YOCO_MODES)}, got {self.yoco_mode!r}"
+            )
+        if self.yoco_mode == "off":
+            return
+        if self.n_prefill_layer == self.num_layers:
+            raise ValueError(
+                "model.yoco_truncation: this checkpoint has no C1 layer (no YoCo half)"
+            )
+        if self.yoco_keep < 1:
+            raise ValueError(f"model.yoco_keep_tokens must be >= 1, got {self.yoco_keep}")
+        late = [
+            i for i in (self.engram.layer_ids if self.engram else ()) if i >= self.n_prefill_layer
+        ]
+        if late:
+            raise ValueError(
+                f"model.yoco_truncation: engram layers {late} are in the consumer half "
+                f"(from layer {self.n_prefill_layer}), which truncation does not compute whole"
+            )
+
+    @property
+    def truncates(self) -> bool:
+        return self.yoco_mode != "off"
 
     def _check_candidates(self) -> None:
         src = self.candidate_source_layer_id

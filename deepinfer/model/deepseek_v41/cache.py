@@ -21,7 +21,10 @@ V4's too. What V4.1 changes is who owns bytes: a consumer layer allocates no com
 index-key bytes, and ``CacheGeometry`` sees the parts of the sources only.
 
 Payload order (every ring, then the compressor buffers in layer order) is what the host and
-disk tiers store.
+disk tiers store. Under YoCo truncation the consumer half's rings hold only the kept rows of
+each prompt; nothing reads the others (a kept query's window starts at its keep point, and a
+prefix hit recomputes at least the kept tokens: ``recompute_tokens``), and the salt keeps those
+snapshots apart from an untruncated engine's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ def cache_spec(
 ) -> CacheSpec:
     """The parts above."""
     check_margins(args.compress_ratios, block_size, ring_margin, max_draft)
+    if args.truncates and args.yoco_keep < args.sliding_window + max_draft:
+        raise ValueError(
+            f"model.yoco_keep_tokens={args.yoco_keep} must be >= the sliding window "
+            f"({args.sliding_window}) + cache.max_draft_tokens ({max_draft}): decoding reads "
+            "the consumer half's window rows of that many prompt tokens"
+        )
     ring = args.sliding_window + ring_margin
     layers = range(args.num_layers)
     entries: list[CachePart] = []
@@ -62,5 +71,8 @@ def cache_spec(
         parts=(*entries, *index_keys, *rings, *compressors),
         ring_margin=ring_margin,
         max_draft=max_draft,
-        salt=f"{block_size}:{ring}" + (f":draft{max_draft}" if max_draft else ""),
+        salt=f"{block_size}:{ring}"
+        + (f":draft{max_draft}" if max_draft else "")
+        # Truncated prefills leave other consumer-half rings in the snapshots.
+        + (f":yoco-{args.yoco_mode}{args.yoco_keep}" if args.truncates else ""),
     )

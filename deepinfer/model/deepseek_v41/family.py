@@ -157,6 +157,11 @@ class DeepseekV41Family:
         """The engram's n-gram windows reach max_ngram_size - 1 tokens back."""
         return args.engram.max_ngram_size - 1 if args.engram is not None else 0
 
+    def recompute_tokens(self, args: ModelArgs) -> int:
+        """Under YoCo truncation a prefix hit recomputes every kept token: the consumer half's
+        state of those positions depends on the request's own prompt length."""
+        return args.yoco_keep if args.truncates else 1
+
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the stack, num_layers * (window - 1)."""
         return args.num_layers * (args.sliding_window - 1)

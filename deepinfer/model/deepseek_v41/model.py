@@ -18,6 +18,7 @@ forward: ``CrossLayer`` carries them from layer to layer).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,16 @@ class CrossLayer:
     index-key source projects them); topk: [T, k] entry-pool rows the index source selected;
     candidates: [T, N] bool, entries inside the candidate source's blocks; shared_hidden:
     [T, D] the YoCo boundary layer's attention input (the consumer half's KV sources compress
-    it instead of their own).
+    it instead of their own), over every row of the step; full_plans: under a compact YoCo
+    truncation, the step's plans over every row (the consumer half's compressors run on them,
+    its attention on the kept rows).
     """
 
     pre_rope: torch.Tensor | None = None
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     shared_hidden: torch.Tensor | None = None
+    full_plans: StepMetadata | None = None
 
 
 class Compressor(nn.Module):
@@ -215,10 +219,10 @@ class Attention(nn.Module):
         self.wo_a = linear(group_in, self.o_groups * args.o_lora_rank)
         self.wo_b = linear(self.o_groups * args.o_lora_rank, args.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.is_yoco_boundary = layer_id == args.n_prefill_layer
         if not ratio:
             return
         self.kv_layer = args.kv_source(layer_id)
-        self.is_yoco_boundary = layer_id == args.n_prefill_layer
         self.compresses_shared = layer_id >= args.n_prefill_layer
         if self.kv_layer == layer_id:
             self.compressor = Compressor(args, ratio, kernels)
@@ -269,9 +273,7 @@ class Attention(nn.Module):
         consumers read."""
         meta = batch.metadata
         assert isinstance(meta, StepMetadata)
-        plan = meta.compress[self.ratio]
-        if self.is_yoco_boundary:
-            cross.shared_hidden = x
+        plan = (cross.full_plans or meta).compress[self.ratio]  # every row's windows
         pool = cache[self.kv_layer, "entries"].flatten(0, 1)  # [blocks * per block, hd]
         if hasattr(self, "compressor"):
             state = None
@@ -351,8 +353,15 @@ class Block(nn.Module):
         cross: CrossLayer,
         engram_rows: torch.Tensor | None,
         inv_freq: torch.Tensor,
+        consumer: ForwardBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x [T, hc, D], the previous sub-layer's pre [T, hc]) -> the same after this layer."""
+        """(x [T, hc, D], the previous sub-layer's pre [T, hc]) -> the same after this layer.
+
+        ``consumer`` (the YoCo boundary of a truncated step): the consumer half's batch. The
+        attention input is computed for every row (the shared hidden the consumer half's KV
+        sources compress); from the attention on, the layer runs on the consumer's rows (compact:
+        the kept ones, ``yoco_rows``; mask: all, with the narrowed windows). Returns [Tk, ...]
+        then."""
         a, norm = self.args, self.kernels.norm
         hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
         if engram_rows is not None:
@@ -360,7 +369,19 @@ class Block(nn.Module):
         pre_attn, post, comb, h = norm.hc_pre_shifted(
             x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc
         )
-        out = self.attn(self.attn_norm(h), batch, cache, cross, inv_freq)
+        h = self.attn_norm(h)
+        if self.attn.is_yoco_boundary:
+            cross.shared_hidden = h
+        if consumer is not None:
+            meta = batch.metadata
+            assert isinstance(meta, StepMetadata)
+            if meta.yoco_rows is not None:
+                cross.full_plans = meta
+                x, pre_attn, post, comb, h = (
+                    t[meta.yoco_rows] for t in (x, pre_attn, post, comb, h)
+                )
+            batch = consumer
+        out = self.attn(h, batch, cache, cross, inv_freq)
         x = norm.hc_post(out, x, post, comb)
         pre_ffn, post, comb, h = norm.hc_pre_shifted(
             x, pre_attn, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc
@@ -472,12 +493,42 @@ class DeepseekV41(nn.Module):
         pre = torch.zeros(x.shape[0], self.args.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0  # the first sub-layer reads stream 0
         cross = CrossLayer()
+        consumer = self._consumer_batch(batch, meta)
         for i, layer in enumerate(self.layers):
             rows = engram_rows.get(i)
+            if i == self.args.n_prefill_layer and consumer is not None:
+                args = (x, pre, batch, cache, cross, rows, self.compress_inv_freq)
+                x, pre = layer(*args, consumer=consumer)
+                batch = consumer
+                continue
             x, pre = layer(x, pre, batch, cache, cross, rows, self.compress_inv_freq)
         x, pre = x[batch.logits_indices], pre[batch.logits_indices]  # [N, hc, D], [N, hc]
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # [N, D]
         return self.head(self.norm(collapsed)).float()
+
+    def _consumer_batch(self, batch: ForwardBatch, meta: StepMetadata) -> ForwardBatch | None:
+        """The consumer half's batch under a YoCo truncation that narrows this step (None:
+        the step's own): compact, the kept rows' ids, positions and RoPE, logits rows among them;
+        mask, the same rows with the narrowed windows."""
+        plans = meta.consumer
+        if plans is None:
+            return None
+        plans.derive_entry_lists()
+        if meta.yoco_rows is None:
+            return dataclasses.replace(batch, metadata=plans)
+        assert meta.yoco_logits is not None
+        positions = batch.positions[meta.yoco_rows]
+        return ForwardBatch(
+            input_ids=batch.input_ids[meta.yoco_rows],
+            positions=positions,
+            seqs=batch.seqs,
+            logits_indices=meta.yoco_logits,
+            rope={
+                "main": rope_cos_sin(positions, self.main_inv_freq),
+                "compress": rope_cos_sin(positions, self.compress_inv_freq),
+            },
+            metadata=plans,
+        )
 
     def _engram_rows(self, batch: ForwardBatch, meta: StepMetadata) -> dict[int, torch.Tensor]:
         """Each engram layer's table rows [T, R], hashed once per step from every token's
