@@ -135,6 +135,7 @@ def test_torch_free_imports() -> None:
 _OTHER_VALUES = {
     "model.device": "cpu",
     "model.dtype": "float32",
+    "model.yoco_truncation": "compact",
     "node.role": "decode",
     "log.level": "DEBUG",
     "log.format": "json",
