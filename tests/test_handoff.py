@@ -161,3 +161,13 @@ def test_held_hand_offs_free_what_they_hold_and_bad_states_are_refused(builtin):
     decode.import_request(state, GREEDY)  # the state itself still continues
     drain(decode)
     decode.scheduler.check_integrity()
+
+
+def test_a_yoco_truncated_v41_prompt_hands_off_exactly(tiny_v41_dir):
+    """DeepSeek-V4.1 under YoCo compact (keep 12): the consumer half's window rings of the kept
+    tail travel with the rest of the state; the decode engine continues as the mixed one."""
+    config = _config(tiny_v41_dir)
+    model = dataclasses.replace(config.model, yoco_truncation="compact", yoco_keep_tokens=12)
+    engines = Engines(dataclasses.replace(config, model=model))
+    prompt = oracle_prompts()[1]  # 88 tokens: chunks of 32, the first two wholly before the tail
+    _assert_same(engines.handed_off(prompt, GREEDY), engines.mixed_run(prompt, GREEDY))
