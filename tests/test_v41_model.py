@@ -213,6 +213,8 @@ def test_shifted_hyper_connections_match_a_reference(model: DeepseekV41, args: M
                 params = [getattr(layer, f"hc_{site}_{p}") for p in ("fn", "scale", "base")]
                 new_pre, post, comb = _reference_mixes(x, *params, args)
                 h = getattr(layer, f"{site}_norm")((pre.unsqueeze(-1) * x).sum(1))  # previous mix
+                if site == "attn" and layer.attn.is_yoco_boundary:
+                    cross.shared_hidden = h  # the consumer half's KV sources compress it
                 if site == "attn":
                     out = layer.attn(h, batch, cache, cross, model.compress_inv_freq)
                 else:
