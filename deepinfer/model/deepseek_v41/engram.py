@@ -30,7 +30,9 @@ prime (across all layers too), so no two heads alias the same way.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,6 +286,19 @@ def compressed_vocabulary(tokenizer: Tokenizer) -> tuple[np.ndarray, int]:
             key = normalizer.normalize_str(text) or text
         table[token_id] = ids.setdefault(key, len(ids))
     return table, len(ids)
+
+
+def vocabulary_of_file(path: Path) -> tuple[np.ndarray, int]:
+    """``compressed_vocabulary`` of a tokenizer.json, computed once per file content (decoding
+    every id takes seconds; loads and tests reuse it)."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest not in _VOCABULARIES:
+        _VOCABULARIES[digest] = compressed_vocabulary(Tokenizer.from_str(data.decode("utf-8")))
+    return _VOCABULARIES[digest]
+
+
+_VOCABULARIES: dict[str, tuple[np.ndarray, int]] = {}  # by the tokenizer.json's sha256
 
 
 def ngram_windows(

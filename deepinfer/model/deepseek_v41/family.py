@@ -27,6 +27,7 @@ from deepinfer.model.deepseek_v4.checkpoint import (
 from deepinfer.model.deepseek_v41 import cache as cache_layout
 from deepinfer.model.deepseek_v41 import step_plan, tiny, weights
 from deepinfer.model.deepseek_v41.args import ModelArgs
+from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
 from deepinfer.ops import Kernels
@@ -173,7 +174,7 @@ def _engram_vocab(model_dir: Path, args: ModelArgs) -> torch.Tensor:
     path = model_dir / "tokenizer.json"
     if not path.exists():
         raise CheckpointError(f"the engram needs the checkpoint's tokenizer: no {path}")
-    table, count = tiny.tiny_vocabulary(str(path))
+    table, count = vocabulary_of_file(path)
     assert args.engram is not None
     expected = args.engram.compressed_vocab_size
     if expected and count != expected:

@@ -19,7 +19,6 @@ the image routing bias like the text one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 
 from deepinfer.model.deepseek_v4.tiny import draw_weights, init_tensor, write_checkpoint
 from deepinfer.model.deepseek_v41.args import ModelArgs
-from deepinfer.model.deepseek_v41.engram import compressed_vocabulary
+from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.weights import (
     ENGRAM_VOCAB,
     expected_shapes,
@@ -176,25 +175,14 @@ def write_tokenizer(folder: Path) -> None:
 
 
 def tiny_vocabulary(tokenizer_path: str | None = None) -> tuple[np.ndarray, int]:
-    """The compressed vocabulary of ``tokenizer_path`` (None: the tiny tokenizer), computed
-    once per tokenizer content (decoding every id takes seconds)."""
-    if tokenizer_path is None:
-        import tempfile
+    """The compressed vocabulary of ``tokenizer_path`` (None: the tiny tokenizer)."""
+    if tokenizer_path is not None:
+        return vocabulary_of_file(Path(tokenizer_path))
+    import tempfile
 
-        with tempfile.TemporaryDirectory() as tmp:
-            write_tokenizer(Path(tmp))
-            return tiny_vocabulary(str(Path(tmp) / "tokenizer.json"))
-    from tokenizers import Tokenizer
-
-    data = Path(tokenizer_path).read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest not in _VOCABULARIES:
-        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        _VOCABULARIES[digest] = compressed_vocabulary(tokenizer)
-    return _VOCABULARIES[digest]
-
-
-_VOCABULARIES: dict[str, tuple[np.ndarray, int]] = {}  # by the tokenizer.json's sha256
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(Path(tmp))
+        return vocabulary_of_file(Path(tmp) / "tokenizer.json")
 
 
 def random_weights(
