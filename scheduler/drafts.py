@@ -26,9 +26,23 @@ from deepinfer.scheduler.request import Request
 
 class Drafter(Protocol):
     """Proposes up to ``max_tokens`` guesses of the tokens after ``request``'s last one (from
-    its prompt and output tokens); fewer, or none, is fine."""
+    its prompt and output tokens); fewer, or none, is fine. A drafter whose drafts come with
+    each step's results sets ``waits_for_every_step`` (the engine then completes every step
+    before it schedules the next)."""
 
     def propose(self, request: Request, max_tokens: int) -> list[int]: ...
+
+
+class ExecutorDrafter:
+    """Drafts the executor proposed with the step that sampled the request's last token
+    (``ModelRunnerOutput.draft_token_ids``, which ``Scheduler.update`` keeps in
+    ``Request.drafter_state``): DeepSeek-V4's MTP layer runs after every step on the device."""
+
+    waits_for_every_step = True
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        drafts = request.drafter_state
+        return list(drafts[:max_tokens]) if isinstance(drafts, list) and max_tokens > 0 else []
 
 
 def num_draft_slots(
@@ -83,6 +97,8 @@ class NgramDrafter:
     dropped with the request): a proposal appends the tokens since the last one and scans the
     array once (O(tokens) vectorised), so a long prompt costs no per-step Python loop.
     """
+
+    waits_for_every_step = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"

@@ -122,12 +122,15 @@ class ModelRunnerOutput:
     token sampled after the last of them). ``logprobs`` maps a request to one
     ``{token_id: logprob}`` per sampled token (that token plus the top-k asked for);
     ``prompt_logprobs`` maps a request to one such dict per prompt position of the chunk
-    (position p holds the logprob of token p+1 given tokens <= p).
+    (position p holds the logprob of token p+1 given tokens <= p). ``draft_token_ids`` (an
+    executor that drafts on the device, DeepSeek-V4's MTP layer; None otherwise): each sampled
+    request's guesses of the tokens after its new last one, for the next step to verify.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass

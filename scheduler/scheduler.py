@@ -158,6 +158,8 @@ class Scheduler:
         covers it. (Penalties and min_tokens count it on the device; a grammar needs it before
         sampling only, see llm_engine.py.)"""
         if self.drafter is not None:  # drafts follow tokens the host has
+            if getattr(self.drafter, "waits_for_every_step", False):
+                return True
             return any(r.num_pending_tokens for r in self._running)
         if self.prefix is None:
             return False
@@ -477,6 +479,8 @@ class Scheduler:
             new_prompt_logprobs = self._take_prompt_logprobs(scheduled, runner_output)
             new_token_ids: list[int] = []
             new_logprobs = None
+            if sampled and runner_output.draft_token_ids is not None:
+                request.drafter_state = runner_output.draft_token_ids.get(request.request_id)
             if token_ids:
                 request.num_pending_tokens -= 1
                 logprobs = runner_output.logprobs.get(request.request_id)

@@ -47,7 +47,7 @@ from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.parallel.group import RankGroup, with_rendezvous_port
 from deepinfer.parallel.lockstep import LockStep, RankStep
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.drafts import Drafter, NgramDrafter
+from deepinfer.scheduler.drafts import Drafter, ExecutorDrafter, NgramDrafter
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -128,6 +128,7 @@ class LLMEngine:
                 load_args(self.model_dir),
                 yoco_truncation=config.model.yoco_truncation,
                 yoco_keep_tokens=config.model.yoco_keep_tokens,
+                mtp_layers=int(_drafts_with_mtp(config)),
             )
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
                 self.model_dir, config.model.tokenizer
@@ -167,6 +168,16 @@ class LLMEngine:
             return
         if self.config.kernel.deterministic:
             logger.warning("speculative.method=%s: off in deterministic mode", spec.method)
+            return
+        if spec.method == "mtp":
+            if not _drafts_with_mtp(self.config) or getattr(self.executor, "mtp", None) is None:
+                raise ValueError("speculative.method='mtp' needs the model runner's MTP layer")
+            self.set_drafter(ExecutorDrafter())
+            logger.info(
+                "speculative decoding: mtp, %d drafts a step from the MTP layer (steps run "
+                "synchronously: each step's drafts come with its results)",
+                self.scheduler.max_draft_tokens,
+            )
             return
         self.set_drafter(NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
         logger.info(
@@ -515,6 +526,11 @@ class LLMEngine:
             return []
         (scheduler_output, launched), self._in_flight = self._in_flight, None
         return self.scheduler.update(scheduler_output, launched.result())
+
+
+def _drafts_with_mtp(config: Config) -> bool:
+    """[speculative] method = "mtp", and drafting is on (deterministic mode turns it off)."""
+    return config.speculative.method == "mtp" and not config.kernel.deterministic
 
 
 def _masks_need_pending_tokens(scheduler_output: SchedulerOutput) -> bool:

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,11 @@ class ModelRunner:
         self._init_threads()
         self._init_precision()
         ep = group is not None and group.expert_parallel
+        if ep and getattr(args, "mtp_served", 0):
+            raise ValueError(
+                "speculative.method='mtp' with expert parallelism over ranks is not supported: "
+                "the MTP layer's steps would need every rank in lock-step (use ngram)"
+            )
         kernel = config.kernel
         if not config.model.fp8_weights and kernel.linear == "auto":
             # Only FP8 linears call the linear family: without them auto probes nothing (the
@@ -88,6 +94,13 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
         self._init_staging()
+        self.mtp = self.family.drafts(
+            self.model,
+            self.kv_cache,
+            self.planner.geometry,
+            config.cache.max_draft_tokens,
+            self._upload,
+        )
         self._init_graphs()
         self._warm_up_eager()
         self.cache_salt = self._cache_salt(model_dir)
@@ -238,6 +251,10 @@ class ModelRunner:
             # The exchange's split sizes come from the routing (a host sync): not capturable.
             logger.info("decode graphs off: expert parallelism over ranks runs eager steps")
             return 0
+        if getattr(self.args, "mtp_served", 0):
+            # The MTP layer reads each step's last hidden streams, which a graph does not keep.
+            logger.info("decode graphs off: MTP drafting runs eager steps")
+            return 0
         return min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
 
     def _init_graphs(self) -> None:
@@ -322,6 +339,7 @@ class ModelRunner:
             return LaunchedStep(ModelRunnerOutput())
         move_between_tiers(scheduler_output, self.kv_cache, self.tiers)
         scheduled = scheduler_output.scheduled
+        hidden: torch.Tensor | None = None  # the last layer's output, for the MTP layer
         one_by_one = deterministic_rows(scheduler_output, self.config.kernel.deterministic)
         if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
             logits = self.graphs.run(
@@ -341,10 +359,17 @@ class ModelRunner:
                 device=self.device,
             )
         else:
-            logits, sample_rows, prompt_rows = self._forward(scheduler_output)
-        for sched in scheduled:
-            if sched.save_snapshot is not None:
-                self.kv_cache.save_snapshot(sched.state_slot, sched.save_snapshot)
+            batch, sample_rows, prompt_rows = self._prepare(scheduler_output)
+            logits, hidden = self.model(batch, self.kv_cache), batch.hidden
+        snapshots = [
+            (s.state_slot, s.save_snapshot) for s in scheduled if s.save_snapshot is not None
+        ]
+        # With MTP drafting a snapshot waits for the MTP layer's part of the step (``after``).
+        after = (
+            None if self.mtp is None else partial(self._after_drafts, scheduled, hidden, snapshots)
+        )
+        if after is None:
+            self._save_snapshots(snapshots)
         output = ModelRunnerOutput()
         prompt_logprobs(self.kernels.sampling, scheduler_output, logits, prompt_rows, output)
         if before_sampling is not None:
@@ -360,6 +385,8 @@ class ModelRunner:
         )
         if samples is None:
             self._last_samples.clear()
+            if after is not None:
+                after(output)
             return LaunchedStep(output)
         request_ids = [scheduled[i].request_id for i, _ in sample_rows]
         self._last_samples.record(samples.token_ids, request_ids)
@@ -369,7 +396,24 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         drafted = {s.request_id: s for s in scheduled if s.num_draft_tokens}
-        return LaunchedStep(output, request_ids, host, ready, drafted, self._roll_back)
+        return LaunchedStep(output, request_ids, host, ready, drafted, self._roll_back, after)
+
+    def _save_snapshots(self, snapshots: list[tuple[int, int]]) -> None:
+        for slot, snapshot_id in snapshots:
+            self.kv_cache.save_snapshot(slot, snapshot_id)
+
+    def _after_drafts(
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor | None,
+        snapshots: list[tuple[int, int]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Once a step's kept tokens are known: the MTP layer's part of the step (its drafts into
+        ``output``), then the step's snapshots."""
+        assert self.mtp is not None and hidden is not None, "MTP steps run eager forwards"
+        output.draft_token_ids = self.mtp.run(scheduled, hidden, output.sampled_token_ids)
+        self._save_snapshots(snapshots)
 
     def _roll_back(self, sched: ScheduledRequest, num_rejected: int) -> None:
         """The cache state of ``sched``'s request as if its last ``num_rejected`` drafts had

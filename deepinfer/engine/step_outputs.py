@@ -145,7 +145,8 @@ class LaunchedStep:
     ``samples`` (host tensors, filled by copies queued after the sampler) belong to
     ``request_ids`` in order (a request with drafts once per sampled position); ``ready``
     (CUDA) is recorded after those copies. ``drafted``: the requests that verified drafts,
-    whose rejected drafts ``roll_back`` undoes in the cache once the samples are known.
+    whose rejected drafts ``roll_back`` undoes in the cache once the samples are known;
+    ``after`` then completes the step with them.
     """
 
     output: ModelRunnerOutput  # prompt logprobs already in it
@@ -154,6 +155,8 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None
     drafted: dict[str, ScheduledRequest] = field(default_factory=dict)
     roll_back: Callable[[ScheduledRequest, int], None] | None = None
+    # Runs on the output once the kept tokens are in it (the MTP layer's drafts).
+    after: Callable[[ModelRunnerOutput], None] | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self.samples is None:
@@ -176,6 +179,8 @@ class LaunchedStep:
             num_rejected = len(drafts) + 1 - len(kept)
             if num_rejected and self.roll_back is not None:
                 self.roll_back(sched, num_rejected)
+        if self.after is not None:
+            self.after(output)
         self.samples = None
         return output
 

@@ -92,6 +92,7 @@ class ForwardBatch:
     ``rope``: cos/sin [T, rope_dim / 2] fp32 per rope kind ("main", "compress"), set by the model.
     ``metadata``: the step's index plans, in the model family's own type (DeepSeek-V4:
     ``deepseek_v4/step_plan.py``); the model builds them when the engine has not.
+    ``hidden``: set by the model's forward when a drafter reads it (see the field).
     """
 
     input_ids: torch.Tensor
@@ -100,6 +101,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     metadata: Any = None
+    # The last layer's output [T, ...], kept by a model whose drafter reads it after the step
+    # (DeepSeek-V4's MTP layer).
+    hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

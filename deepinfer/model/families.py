@@ -97,17 +97,27 @@ def load_args(model_dir: str | Path) -> Any:
     return parse_args(read_config(model_dir))
 
 
-def with_serving_options(args: Any, *, yoco_truncation: str, yoco_keep_tokens: int) -> Any:
-    """The architecture with the [model] options that change what a forward computes: YoCo
-    prefill truncation (DeepSeek-V4.1). ValueError naming the key for a family without it."""
-    if yoco_truncation == "off":
-        return args
-    if not hasattr(args, "yoco_mode"):
-        raise ValueError(
-            f"model.yoco_truncation={yoco_truncation!r}: {args.model_type} checkpoints have no "
-            "YoCo layers (deepseek_v41 only)"
-        )
-    return dataclasses.replace(args, yoco_mode=yoco_truncation, yoco_keep=yoco_keep_tokens)
+def with_serving_options(
+    args: Any, *, yoco_truncation: str, yoco_keep_tokens: int, mtp_layers: int = 0
+) -> Any:
+    """The architecture with the options that change what the model holds and computes: YoCo
+    prefill truncation (DeepSeek-V4.1), the MTP layers built for drafting (DeepSeek-V4,
+    speculative.method = "mtp"). ValueError naming the key for a family without them."""
+    if yoco_truncation != "off":
+        if not hasattr(args, "yoco_mode"):
+            raise ValueError(
+                f"model.yoco_truncation={yoco_truncation!r}: {args.model_type} checkpoints have "
+                "no YoCo layers (deepseek_v41 only)"
+            )
+        args = dataclasses.replace(args, yoco_mode=yoco_truncation, yoco_keep=yoco_keep_tokens)
+    if mtp_layers:
+        if not hasattr(args, "mtp_served"):
+            raise ValueError(
+                f"speculative.method='mtp' drafts with DeepSeek-V4's MTP layer; {args.model_type} "
+                "checkpoints draft differently (deepseek_v4 only)"
+            )
+        args = dataclasses.replace(args, mtp_served=mtp_layers)
+    return args
 
 
 def cache_salt(model_type: str, *, dtype: str, layout: str) -> str:

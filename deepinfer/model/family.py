@@ -10,6 +10,7 @@
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
         rollback(cache, slot, end_pos, num_tokens): forget a step's rejected draft tokens
         history_tokens(args): token ids before a span its plans read (n-gram inputs)
+        drafts(model, cache, ...): the model's own drafter, run after each step (V4's MTP layer)
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
@@ -19,6 +20,7 @@ depend only on the number of requests and that bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +32,18 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.ops import Kernels
+
+
+class StepDrafts(Protocol):
+    """A drafter that runs on the device after each step (DeepSeek-V4's MTP layer)."""
+
+    def run(
+        self, scheduled: list[Any], hidden: torch.Tensor, kept: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        """After a step of ``scheduled`` (ScheduledRequests) whose forward kept ``hidden`` and
+        whose sampled requests kept ``kept`` tokens: its own part of the step, and each sampled
+        request's drafts of the tokens after its last kept one."""
+        ...
 
 
 class ModelFamily(Protocol):
@@ -130,6 +144,18 @@ class ModelFamily(Protocol):
         there and rewrites the rejected positions; their paged entries are never read before
         that). At most the cache spec's ``max_draft`` tokens (ValueError otherwise); call it
         before the next step of the slot is launched, or a snapshot of it saved."""
+        ...
+
+    def drafts(
+        self,
+        model: nn.Module,
+        cache: KVCache,
+        geometry: Any,
+        num_drafts: int,
+        upload: Callable[[np.ndarray], torch.Tensor],
+    ) -> StepDrafts | None:
+        """The model's drafter, proposing ``num_drafts`` a request per step (None: the model
+        was built without one)."""
         ...
 
     def history_tokens(self, args: Any) -> int:

@@ -20,7 +20,7 @@ from deepinfer.model.families import load_family
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the V4 checkpoint's MTP layer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -7,6 +7,7 @@ Accepts transformers' keys (``layer_types``, ``mlp_layer_types``, ``compress_rat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -72,6 +73,12 @@ class ModelArgs:
     eos_token_id: int = 1
     torch_dtype: str = "bfloat16"
     quantization: dict[str, Any] | None = None
+    # Next-token-prediction layers the checkpoint ships (``mtp.{i}.*``), their compression
+    # ratios (compress_ratios past the stack; sliding-only when the config lists none), and how
+    # many of them the engine builds and runs (a serving option: speculative.method = "mtp").
+    num_mtp_layers: int = 0
+    mtp_ratios: tuple[int, ...] = ()
+    mtp_served: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -99,6 +106,30 @@ class ModelArgs:
             )
         if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
             raise ValueError(f"config: bad rope head dim {self.rope_head_dim}")
+        if self.mtp_served > self.num_mtp_layers:
+            raise ValueError(
+                f"speculative.method=mtp: the checkpoint has num_nextn_predict_layers="
+                f"{self.num_mtp_layers}, no next-token-prediction layer to draft with"
+            )
+        if any(self.mtp_ratios[: self.mtp_served]):
+            raise ValueError(
+                f"speculative.method=mtp: MTP layers with compression (compress_ratios "
+                f"{list(self.mtp_ratios)} past the stack) are not supported, only sliding-window"
+            )
+
+    def with_mtp(self) -> ModelArgs:
+        """The stack with its served MTP layers appended as layers ``num_layers ..``:
+        sliding-window attention, a scored router (what ``Block`` builds them from)."""
+        n = self.mtp_served
+        return dataclasses.replace(
+            self,
+            num_layers=self.num_layers + n,
+            layer_types=self.layer_types + (SLIDING,) * n,
+            mlp_layer_types=self.mlp_layer_types + (MOE,) * n,
+            num_mtp_layers=0,
+            mtp_ratios=(),
+            mtp_served=0,
+        )
 
     @property
     def compress_ratios(self) -> tuple[int, ...]:
@@ -130,6 +161,9 @@ class ModelArgs:
         csa = int(cfg.get("compress_rate_csa", rates.get(CSA, 4)))
         hca = int(cfg.get("compress_rate_hca", rates.get(HCA, 128)))
         layer_types = cfg.get("layer_types")
+        num_mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+        mtp_ratios = tuple(int(r) for r in (cfg.get("compress_ratios") or [])[n : n + num_mtp])
+        mtp_ratios += (0,) * (num_mtp - len(mtp_ratios))  # unlisted: sliding-window
         if layer_types is None and cfg.get("compress_ratios") is not None:
             try:
                 layer_types = [_RATIO_TO_LAYER_TYPE[int(r)] for r in cfg["compress_ratios"]]
@@ -199,6 +233,8 @@ class ModelArgs:
             eos_token_id=int(eos if eos is not None else 1),
             torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
             quantization=quantization,
+            num_mtp_layers=num_mtp,
+            mtp_ratios=mtp_ratios,
         )
 
     @classmethod

@@ -15,6 +15,8 @@ m - 1 + d buffer rows, K = 1 + ceil(d / m) overlap windows).
     state parts (one slot per running request)
     ---------------------------------------------------------------------------------------
     every layer  (i, "ring")            [R, hd]            token p's post-rope K=V at row p % R
+    MTP layer    (n + j, "ring"), (n + j, "mtp_hidden") [hc, D]: the stack's last hidden streams
+                 (n = num_layers; only when served: speculative.method = "mtp", mtp.py)
     CSA layer    (i, "comp.buf_kv"), (i, "comp.buf_gate")  [B, 2hd]  raw kv_proj / gate_proj
                  (i, "comp.prev_kv"), (i, "comp.prev_gate")  [K*m, hd]  closed windows' Ca halves
                  (i, "idx.*")  the same for the indexer's compressor at ihd
@@ -83,6 +85,7 @@ def cache_spec(
                 CachePart((i, "index_keys"), "paged", block_size // ratio, args.index_head_dim)
             )
     rings = [CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True) for i, _ in layers]
+    rings += mtp_parts(args, ring)
     compressors: list[CachePart] = []
     for i, (layer_type, ratio) in layers:
         for prefix, width_attr in _COMPRESSORS.get(layer_type, ()):
@@ -94,8 +97,24 @@ def cache_spec(
         parts=(*entries, *index_keys, *rings, *compressors),
         ring_margin=ring_margin,
         max_draft=max_draft,
-        salt=f"{block_size}:{ring}" + (f":draft{max_draft}" if max_draft else ""),
+        salt=f"{block_size}:{ring}"
+        + (f":draft{max_draft}" if max_draft else "")
+        + (f":mtp{args.mtp_served}" if args.mtp_served else ""),
     )
+
+
+def mtp_parts(args: ModelArgs, ring: int) -> list[CachePart]:
+    """A served MTP layer's state (layer id ``num_layers + i``): its window ring, and the stack's
+    last hidden streams at the request's last computed position (what the layer reads there in
+    the next step, when that position's next token is known)."""
+    parts = []
+    for i in range(args.num_layers, args.num_layers + args.mtp_served):
+        parts.append(CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True))
+        hidden = CachePart(
+            (i, "mtp_hidden"), "state", args.hc_mult, args.hidden_size, snapshot=True
+        )
+        parts.append(hidden)
+    return parts
 
 
 def check_margins(

@@ -11,9 +11,9 @@ linears that ``Fp8Linear`` can run (``weights.is_fp8_linear``) stay e4m3, next t
 scales in fp32 (``layers.0.attn.wq_a.scale``); and with ``keep_fp4``: FP4 routed experts stay
 packed, stacked as uint8 [E, N, K/2] next to their ue8m0 scale bytes [E, N, K/32]
 (``layers.0.ffn.experts.w1_scales``), the layout ``ops.moe.Mxfp4Weight`` reads.
-``mtp.*`` tensors are skipped (no MTP module yet). With ``experts`` (expert parallelism: the
-routed experts one rank holds) only those experts' tensors are read: other experts' per-expert
-tensors are skipped unread, stacked ones are read as a slice of rows.
+``mtp.*`` tensors are skipped unless the model serves its MTP layers. With ``experts`` (expert
+parallelism: the routed experts one rank holds) only those experts' tensors are read: other
+experts' per-expert tensors are skipped unread, stacked ones are read as a slice of rows.
 
 One file of ~410 lines: reading, dequantizing and placing a tensor are one pass over the shards,
 with the checks that name the offending tensor.
@@ -46,6 +46,7 @@ from deepinfer.model.deepseek_v4.weights import (
     is_stacked_experts,
     map_checkpoint_name,
     mxfp4_scale_name,
+    skips_unserved_mtp,
 )
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, scale_to_float
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK, dequantize_mxfp4
@@ -67,6 +68,10 @@ def _same_block(name: str, block: tuple[int, int]) -> tuple[int, int]:
     return block
 
 
+def _skips_nothing(name: str, args: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class WeightNaming:
     """What the loader knows of a family's parameters (``weights.py``'s functions, DeepSeek-V4's
@@ -82,9 +87,11 @@ class WeightNaming:
     # The FP8 block of one weight (our name, the config's block): DeepSeek-V4.1's engram tables
     # are scaled per row and 32 columns.
     fp8_block_of: Callable[[str, tuple[int, int]], tuple[int, int]] = _same_block
+    # Checkpoint tensors the model does not hold (read as ignored, not as unexpected).
+    skip: Callable[[str, Any], bool] = _skips_nothing
 
 
-V4_NAMING = WeightNaming()
+V4_NAMING = WeightNaming(skip=skips_unserved_mtp)
 
 
 def load_model_args(folder: str | Path) -> ModelArgs:
@@ -149,7 +156,7 @@ def load_checkpoint(
             for keys in by_file.values():
                 for key in keys:
                     progress.update()
-                    target = naming.map_name(key)
+                    target = None if naming.skip(key, args) else naming.map_name(key)
                     if target is None:
                         num_ignored += 1
                         continue

@@ -8,6 +8,7 @@ names and shapes), ``checkpoint`` (the loader), ``tiny`` (the built-in tiny chec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from deepinfer.model.deepseek_v4 import step_plan, tiny
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.checkpoint import fp8_block, load_checkpoint
 from deepinfer.model.deepseek_v4.model import DeepseekV4
+from deepinfer.model.deepseek_v4.mtp import MtpDrafts
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
+from deepinfer.model.family import StepDrafts
 from deepinfer.ops import Kernels
 
 
@@ -132,6 +135,19 @@ class DeepseekV4Family:
         """Nothing moves: the step plans keep what a rollback of up to max_draft tokens needs
         (cache.py's ``rollback`` says why that is exact)."""
         cache_layout.rollback(cache, slot, end_pos, num_tokens)
+
+    def drafts(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        geometry: CacheGeometry,
+        num_drafts: int,
+        upload: Callable[[np.ndarray], torch.Tensor],
+    ) -> StepDrafts | None:
+        assert isinstance(model, DeepseekV4)
+        if not model.args.mtp_served:
+            return None
+        return MtpDrafts(model, cache, geometry, num_drafts, upload)
 
     def history_tokens(self, args: ModelArgs) -> int:
         return 0

@@ -7,6 +7,11 @@ H = attention heads, hd = head dim, hc = hyper-connection streams.
 
 Per layer:  x [T, hc, D] --hc_pre--> attn_norm -> Attention --hc_post--> x
                          --hc_pre--> ffn_norm  -> MoE       --hc_post--> x
+
+MTP layer (``mtp.{i}``, built when served): position p reads the stack's last hidden streams at
+p and the embedding of token p + 1, and predicts token p + 2 (``mtp.py`` drives it)::
+
+    hnorm(h_p) -> h_proj  +  enorm(embed(t_p+1)) -> e_proj  -> Block -> its hc head -> norm -> head
 """
 
 from __future__ import annotations
@@ -243,6 +248,37 @@ class Block(nn.Module):
         return norm.hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
 
 
+class MTPLayer(Block):
+    """A next-token-prediction layer: a sliding-window ``Block`` (layer id ``num_layers + i``,
+    its own window ring) over the stack's hidden streams and the next token's embedding, with
+    its own hyper-connection head and final norm; the embedding and LM head are the stack's."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels, num_local: int) -> None:
+        """``args``: the stack with its MTP layers appended (``ModelArgs.with_mtp``)."""
+        super().__init__(args, layer_id, kernels, num_local)
+        d, hc, eps = args.hidden_size, args.hc_mult, args.rms_norm_eps
+        self.e_proj, self.h_proj = linear(d, d), linear(d, d)
+        self.enorm = RMSNorm(d, eps, kernels.norm)
+        self.hnorm = RMSNorm(d, eps, kernels.norm)
+        self.norm = RMSNorm(d, eps, kernels.norm)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [T, hc, D] (the stack's at each position), embedded [T, D] (the next token's)
+        -> the layer's output streams [T, hc, D]."""
+        x = self.e_proj(self.enorm(embedded)).unsqueeze(1) + self.h_proj(self.hnorm(hidden))
+        return super().forward(x, batch, cache, inv_freq)
+
+
 class DeepseekV4(nn.Module):
     """Embedding -> hc_mult residual streams -> blocks -> hyper-connection head -> norm -> head.
 
@@ -266,6 +302,11 @@ class DeepseekV4(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.hidden_size))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
+        if args.mtp_served:
+            mtp_args = args.with_mtp()
+            self.mtp = nn.ModuleList(
+                MTPLayer(mtp_args, args.num_layers + i, kernels, n) for i in range(args.mtp_served)
+            )
         self.init_rope(None)
 
     def init_rope(self, device: torch.device | None) -> None:
@@ -291,8 +332,25 @@ class DeepseekV4(nn.Module):
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
         for layer in self.layers:
             x = layer(x, batch, cache, self.compress_inv_freq)
+        if self.args.mtp_served:
+            batch.hidden = x  # what the MTP layer reads after the step
         x = x[batch.logits_indices]  # [N, hc, D]
         return self.head(self.norm(self.hc_head_collapse(x))).float()
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``layer`` over ``batch`` (sliding-window plans only; ``input_ids``: the
+        token after each position) reading the stack's ``hidden`` [T, hc, D]. Returns (logits
+        [N, V] fp32 of ``batch.logits_indices``, the layer's output streams [T, hc, D])."""
+        assert batch.metadata is not None, "MTP batches come with their window plans"
+        batch.rope = {"main": rope_cos_sin(batch.positions, self.main_inv_freq)}
+        mtp = self.mtp[layer]
+        x = mtp(hidden, self.embed(batch.input_ids), batch, cache, self.compress_inv_freq)
+        rows = x[batch.logits_indices]
+        collapsed = hc_head(rows, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self)
+        return self.head(mtp.norm(collapsed)).float(), x
 
     @torch.inference_mode()
     def placeholder_step(self) -> None:
@@ -303,8 +361,19 @@ class DeepseekV4(nn.Module):
 
     def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn)."""
-        flat = self.norm_ops.rms_norm(x.flatten(1).float(), None, self.args.rms_norm_eps)
-        mix = F.linear(flat, self.hc_head_fn.float())  # [N, hc]
-        pre = torch.sigmoid(mix * self.hc_head_scale.float() + self.hc_head_base.float())
-        pre = pre + self.args.hc_eps
-        return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        return hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self)
+
+
+def hc_head(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    model: DeepseekV4,
+) -> torch.Tensor:
+    """[N, hc, D] -> [N, D]: a hyper-connection head's sigmoid-weighted sum of the streams."""
+    a = model.args
+    flat = model.norm_ops.rms_norm(x.flatten(1).float(), None, a.rms_norm_eps)
+    mix = F.linear(flat, fn.float())  # [N, hc]
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + a.hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

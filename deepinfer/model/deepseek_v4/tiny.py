@@ -8,7 +8,7 @@ the release ships them).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from deepinfer.model.deepseek_v4.weights import (
     is_fp8_linear,
     is_fp32_param,
     is_stacked_experts,
+    mtp_shapes,
     mxfp4_scale_name,
 )
 from deepinfer.ops.linear.torch_ref import quantize_fp8
@@ -77,7 +78,7 @@ TINY_CONFIG: dict[str, Any] = {
     },
     # The context limit of the built-in model (not a property of the weights: they are random).
     "max_position_embeddings": 8192,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
     "hidden_act": "silu",
     "initializer_range": 0.02,
@@ -86,6 +87,10 @@ TINY_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+
+# The MTP layer's weights come from a generator of their own (seed + this), drawn after the
+# stack's: the stack's weights are those of a checkpoint without it.
+MTP_SEED_OFFSET = 7919
 
 # ``make-tiny-model --quantized``: V4-Flash's quantization, as its config.json states it.
 QUANTIZED_CONFIG: dict[str, Any] = {
@@ -129,6 +134,7 @@ def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> N
         lambda name, shape, gen: init_tensor(name, shape, args, gen),
         seed,
         fp8_block(args) if quantized else None,
+        more=((mtp_shapes(args), seed + MTP_SEED_OFFSET),),
     )
 
 
@@ -141,38 +147,52 @@ def write_checkpoint(
     fp8: tuple[int, int] | None,
     is_fp8: Callable[[str], bool] = is_fp8_linear,
     block_of: Callable[[str, tuple[int, int]], tuple[int, int]] | None = None,
+    more: Sequence[tuple[dict[str, tuple[int, ...]], int]] = (),
 ) -> None:
     """``config.json`` and ``model.safetensors`` of random weights drawn in ``shapes`` order
     (``init(name, shape, gen)``, one generator seeded ``seed``), the stacked routed experts
     written one by one as the releases ship them (``<layer>.ffn.experts.{e}.w1.weight``).
     ``fp8``: the ``is_fp8`` weights stored float8_e4m3fn with ue8m0 block scales of that block
     (``block_of(name, fp8)`` where given; ``X.scale``), the routed experts packed FP4 (int8 with
-    ue8m0 scales per 32)."""
-    gen = torch.Generator().manual_seed(seed)
+    ue8m0 scales per 32). ``more``: further (shapes, seed) groups, each drawn from a generator
+    of its own (weights added later leave the earlier ones' values as they were)."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        value = init(name, shape, gen)
-        base, _, proj = name.rpartition(".")
-        if base.endswith("ffn.experts"):
-            packed = quantize_mxfp4(value) if fp8 is not None else None
-            for e in range(shape[0]):
-                key = f"{base}.{e}.{proj}"
-                if packed is None:
-                    tensors[f"{key}.weight"] = value[e].clone()
-                else:
-                    tensors[f"{key}.weight"] = packed.packed[e].view(torch.int8).clone()
-                    tensors[f"{key}.scale"] = packed.scale[e].view(torch.float8_e8m0fnu).clone()
-        elif fp8 is not None and is_fp8(name):
-            block = block_of(name, fp8) if block_of is not None else fp8
-            weight, scale = quantize_fp8(value, block, ue8m0=True)
-            tensors[name] = weight
-            tensors[fp8_scale_name(name)] = scale.to(torch.float8_e8m0fnu)
-        else:
-            tensors[name] = value
+    for group, group_seed in ((shapes, seed), *more):
+        gen = torch.Generator().manual_seed(group_seed)
+        for name, shape in group.items():
+            _store(tensors, name, init(name, shape, gen), fp8, is_fp8, block_of)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with open(folder / "config.json", "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+
+def _store(
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    value: torch.Tensor,
+    fp8: tuple[int, int] | None,
+    is_fp8: Callable[[str], bool],
+    block_of: Callable[[str, tuple[int, int]], tuple[int, int]] | None,
+) -> None:
+    """One drawn tensor as the release stores it (``write_checkpoint``)."""
+    base, _, proj = name.rpartition(".")
+    if base.endswith("ffn.experts"):
+        packed = quantize_mxfp4(value) if fp8 is not None else None
+        for e in range(value.shape[0]):
+            key = f"{base}.{e}.{proj}"
+            if packed is None:
+                tensors[f"{key}.weight"] = value[e].clone()
+            else:
+                tensors[f"{key}.weight"] = packed.packed[e].view(torch.int8).clone()
+                tensors[f"{key}.scale"] = packed.scale[e].view(torch.float8_e8m0fnu).clone()
+    elif fp8 is not None and is_fp8(name):
+        block = block_of(name, fp8) if block_of is not None else fp8
+        weight, scale = quantize_fp8(value, block, ue8m0=True)
+        tensors[name] = weight
+        tensors[fp8_scale_name(name)] = scale.to(torch.float8_e8m0fnu)
+    else:
+        tensors[name] = value
 
 
 def random_weights(

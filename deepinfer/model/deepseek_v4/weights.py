@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, ModelArgs
+from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelArgs
 
 # transformers name (after ``model.`` and ``layers.{i}.``) -> upstream name.
 _HF_LAYER_NAMES = {
@@ -72,11 +72,10 @@ _HF_TOP_NAMES = {
     "hc_head.hc_base": "hc_head_base",
     "hc_head.hc_scale": "hc_head_scale",
 }
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(?:ffn|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
 _GATE_UP_NAMES = ("ffn.experts.gate_up_proj", "mlp.experts.gate_up_proj")
-# Same pattern transformers uses (``_keys_to_ignore_on_load_unexpected``): the MTP block.
-_IGNORED_RE = re.compile(r"(^|\.)mtp\.")
+_MTP_RE = re.compile(r"^(?:model\.)?mtp\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -95,24 +94,30 @@ class TensorTarget:
 
 
 def map_checkpoint_name(name: str) -> TensorTarget | None:
-    """Our name for a checkpoint tensor in any of the three namings; None for ignored (``mtp.*``).
+    """Our name for a checkpoint tensor in any of the three namings (the MTP layers',
+    ``mtp.{i}.*``, as upstream names them).
 
     Names we do not know pass through unchanged, so that the loader reports them as unexpected.
     Quantization scales are paired with their weights by ``find_scales`` before this is called.
     """
-    if _IGNORED_RE.search(name):
-        return None
     short = name.removeprefix("model.")
     m = _LAYER_RE.match(short)
     if m is None:
         return TensorTarget("copy", (_HF_TOP_NAMES.get(short, short),))
-    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    prefix, rest = f"{m.group(1)}.{m.group(2)}.", m.group(3)
     if rest in _GATE_UP_NAMES:
         return TensorTarget("gate_up", (prefix + "ffn.experts.w1", prefix + "ffn.experts.w3"))
     e = _EXPERT_RE.match(rest)
     if e is not None:
         return TensorTarget("expert", (f"{prefix}ffn.experts.{e.group(2)}",), int(e.group(1)))
     return TensorTarget("copy", (prefix + _HF_LAYER_NAMES.get(rest, rest),))
+
+
+def skips_unserved_mtp(name: str, args: ModelArgs) -> bool:
+    """A checkpoint tensor the model does not hold: an MTP layer's (``mtp.{i}.*``) that is not
+    served (transformers ignores them all, ``_keys_to_ignore_on_load_unexpected``)."""
+    m = _MTP_RE.match(name)
+    return m is not None and int(m.group(1)) >= args.mtp_served
 
 
 def find_scales(names: Iterable[str]) -> dict[str, str]:
@@ -141,7 +146,7 @@ def find_scales(names: Iterable[str]) -> dict[str, str]:
 # the router, the embedding, the LM head or the stacked routed experts.
 _FP8_LINEAR_RE = re.compile(
     r"\.(attn\.(wq_a|wq_b|wkv|wo_b)|compressor\.(wkv|wgate)|indexer\.(wq_b|weights_proj)"
-    r"|shared_experts\.w[123])\.weight$"
+    r"|shared_experts\.w[123]|e_proj|h_proj)\.weight$"
 )
 
 
@@ -195,35 +200,68 @@ def expected_shapes(args: ModelArgs, num_experts: int | None = None) -> dict[str
     random weights in this order.
     """
     d, hc = args.hidden_size, args.hc_mult
-    e, i_moe = num_experts or args.num_experts, args.moe_intermediate_size
+    e = num_experts or args.num_experts
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (args.vocab_size, d)}
     for i, (attn_type, mlp_type) in enumerate(
         zip(args.layer_types, args.mlp_layer_types, strict=True)
     ):
-        p = f"layers.{i}."
-        for site in ("attn", "ffn"):
-            shapes[f"{p}hc_{site}_fn"] = (args.hc_mix_size, hc * d)
-            shapes[f"{p}hc_{site}_base"] = (args.hc_mix_size,)
-            shapes[f"{p}hc_{site}_scale"] = (3,)
-        shapes[f"{p}attn_norm.weight"] = (d,)
-        shapes[f"{p}ffn_norm.weight"] = (d,)
-        shapes.update(_attention_shapes(args, p + "attn.", attn_type))
-        shapes[f"{p}ffn.gate.weight"] = (args.num_experts, d)
-        if mlp_type == HASH_MOE:
-            shapes[f"{p}ffn.gate.tid2eid"] = (args.vocab_size, args.num_experts_per_tok)
-        else:
-            shapes[f"{p}ffn.gate.bias"] = (args.num_experts,)
-        shapes[f"{p}ffn.experts.w1"] = (e, i_moe, d)
-        shapes[f"{p}ffn.experts.w3"] = (e, i_moe, d)
-        shapes[f"{p}ffn.experts.w2"] = (e, d, i_moe)
-        shapes[f"{p}ffn.shared_experts.w1.weight"] = (i_moe, d)
-        shapes[f"{p}ffn.shared_experts.w3.weight"] = (i_moe, d)
-        shapes[f"{p}ffn.shared_experts.w2.weight"] = (d, i_moe)
+        shapes.update(_block_shapes(args, f"layers.{i}.", attn_type, mlp_type, e))
     shapes["hc_head_fn"] = (hc, hc * d)
     shapes["hc_head_base"] = (hc,)
     shapes["hc_head_scale"] = (1,)
     shapes["norm.weight"] = (d,)
     shapes["head.weight"] = (args.vocab_size, d)
+    shapes.update(mtp_shapes(args, num_experts, args.mtp_served))
+    return shapes
+
+
+def mtp_shapes(
+    args: ModelArgs, num_experts: int | None = None, num_layers: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The first ``num_layers`` (None: all) next-token-prediction layers' parameters
+    (``mtp.{i}.``): a sliding-window block with a scored router, the projections of the token
+    embedding and of the stack's hidden streams, their norms, and the layer's own hyper-connection
+    head and final norm (the embedding and the LM head are the stack's)."""
+    d, hc = args.hidden_size, args.hc_mult
+    e = num_experts or args.num_experts
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(args.num_mtp_layers if num_layers is None else num_layers):
+        p = f"mtp.{i}."
+        shapes.update(_block_shapes(args, p, SLIDING, MOE, e))
+        shapes[f"{p}e_proj.weight"] = (d, d)
+        shapes[f"{p}h_proj.weight"] = (d, d)
+        for norm in ("enorm", "hnorm", "norm"):
+            shapes[f"{p}{norm}.weight"] = (d,)
+        shapes[f"{p}hc_head_fn"] = (hc, hc * d)
+        shapes[f"{p}hc_head_base"] = (hc,)
+        shapes[f"{p}hc_head_scale"] = (1,)
+    return shapes
+
+
+def _block_shapes(
+    args: ModelArgs, p: str, attn_type: str, mlp_type: str, e: int
+) -> dict[str, tuple[int, ...]]:
+    """One block's parameters under the prefix ``p`` (``e`` routed experts held)."""
+    d, hc, i_moe = args.hidden_size, args.hc_mult, args.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for site in ("attn", "ffn"):
+        shapes[f"{p}hc_{site}_fn"] = (args.hc_mix_size, hc * d)
+        shapes[f"{p}hc_{site}_base"] = (args.hc_mix_size,)
+        shapes[f"{p}hc_{site}_scale"] = (3,)
+    shapes[f"{p}attn_norm.weight"] = (d,)
+    shapes[f"{p}ffn_norm.weight"] = (d,)
+    shapes.update(_attention_shapes(args, p + "attn.", attn_type))
+    shapes[f"{p}ffn.gate.weight"] = (args.num_experts, d)
+    if mlp_type == HASH_MOE:
+        shapes[f"{p}ffn.gate.tid2eid"] = (args.vocab_size, args.num_experts_per_tok)
+    else:
+        shapes[f"{p}ffn.gate.bias"] = (args.num_experts,)
+    shapes[f"{p}ffn.experts.w1"] = (e, i_moe, d)
+    shapes[f"{p}ffn.experts.w3"] = (e, i_moe, d)
+    shapes[f"{p}ffn.experts.w2"] = (e, d, i_moe)
+    shapes[f"{p}ffn.shared_experts.w1.weight"] = (i_moe, d)
+    shapes[f"{p}ffn.shared_experts.w3.weight"] = (i_moe, d)
+    shapes[f"{p}ffn.shared_experts.w2.weight"] = (d, i_moe)
     return shapes
 
 

@@ -8,6 +8,7 @@ is DeepSeek-V4's (``deepseek_v4/checkpoint.py``) with this family's names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
+from deepinfer.model.family import StepDrafts
 from deepinfer.ops import Kernels
 
 NAMING = WeightNaming(
@@ -153,6 +155,16 @@ class DeepseekV41Family:
         """Nothing moves, as in DeepSeek-V4 (``deepseek_v4/cache.py`` says why): the rings and
         the C2 buffers keep what a rollback of up to max_draft tokens needs."""
         v4_cache.rollback(cache, slot, end_pos, num_tokens)
+
+    def drafts(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        geometry: CacheGeometry,
+        num_drafts: int,
+        upload: Callable[[np.ndarray], torch.Tensor],
+    ) -> StepDrafts | None:
+        return None  # DSpark drafting is not built yet
 
     def history_tokens(self, args: ModelArgs) -> int:
         """The engram's n-gram windows reach max_ngram_size - 1 tokens back."""
