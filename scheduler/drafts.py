@@ -168,6 +168,11 @@ class _TokenArray:
         return self.data[: self.length]
 
 
+# Upper bounds (s) of the verify-step time histogram's buckets (the last bucket is +Inf).
+VERIFY_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_NUM_VERIFY_BUCKETS = len(VERIFY_TIME_BUCKETS) + 1
+
+
 @dataclass
 class SpecDecodeStats:
     """What verification steps did, for metrics (vLLM's spec_decode_* counters): one ``draft``
@@ -180,6 +185,17 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     # Runs by tokens they gained: accepted drafts + the token sampled after them (1 .. k + 1).
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
+    # Steps that verified drafts, by wall time from launch to their kept tokens (and drafts) on
+    # the host: counts per VERIFY_TIME_BUCKETS bucket (+ one for +Inf), and their sum.
+    verify_time_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(VERIFY_TIME_BUCKETS) + 1)
+    )
+    verify_time_sum: float = 0.0
+
+    def record_verify_step(self, seconds: float) -> None:
+        bucket = next((i for i, b in enumerate(VERIFY_TIME_BUCKETS) if seconds <= b), -1)
+        self.verify_time_counts[bucket] += 1
+        self.verify_time_sum += seconds
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

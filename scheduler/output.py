@@ -125,12 +125,15 @@ class ModelRunnerOutput:
     (position p holds the logprob of token p+1 given tokens <= p). ``draft_token_ids`` (an
     executor that drafts on the device, DeepSeek-V4's MTP layer; None otherwise): each sampled
     request's guesses of the tokens after its new last one, for the next step to verify.
+    ``verify_time_s`` (a step that verified drafts, where the executor times it): wall time
+    from its launch to its kept tokens on the host.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] | None = None
+    verify_time_s: float | None = None
 
 
 @dataclass

@@ -462,6 +462,8 @@ class Scheduler:
         order. Requests finished (aborted, stopped on text) since the schedule() are skipped.
         """
         deltas = []
+        if runner_output.verify_time_s is not None:
+            self.spec_stats.record_verify_step(runner_output.verify_time_s)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if request.is_finished:

@@ -34,6 +34,7 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens   counter  vllm:
     deepinfer_spec_decode_num_accepted_tokens_per_pos{position}   counter     vllm:
     deepinfer_spec_decode_acceptance_length    histogram: tokens a verified run gained (1..k+1)
+    deepinfer_spec_decode_verify_step_seconds  histogram: a step that verified drafts
     (the kv_transfer series on prefill and decode nodes only: server/kv_transfer.py)
 
 ("vllm:" alone: the same name under vLLM's prefix.)
@@ -41,6 +42,7 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -49,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepinfer.outputs import FinishReason
+from deepinfer.scheduler.drafts import VERIFY_TIME_BUCKETS
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
 from deepinfer.server.metrics import LATENCY_BUCKETS, render
@@ -355,6 +358,18 @@ class _SpecDecodeCollector:
         )
         gained.add_metric(node, buckets, sum_value=sum(n * c for n, c in lengths.items()))
         yield gained
+        cumulative = list(itertools.accumulate(s["verify_time_counts"]))
+        bounds = [str(b) for b in VERIFY_TIME_BUCKETS] + ["+Inf"]
+        verify = HistogramMetricFamily(
+            "deepinfer_spec_decode_verify_step_seconds",
+            "Wall time of a step that verified drafts, launch to its kept tokens on the host "
+            "(drafting on the device included).",
+            labels=_LABELS,
+        )
+        verify.add_metric(
+            node, list(zip(bounds, cumulative, strict=True)), sum_value=s["verify_time_sum"]
+        )
+        yield verify
 
 
 class TransferMetrics:

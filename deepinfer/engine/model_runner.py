@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -337,6 +338,7 @@ class ModelRunner:
         """
         if scheduler_output.is_empty:
             return LaunchedStep(ModelRunnerOutput())
+        launched_at = time.perf_counter()
         move_between_tiers(scheduler_output, self.kv_cache, self.tiers)
         scheduled = scheduler_output.scheduled
         hidden: torch.Tensor | None = None  # the last layer's output, for the MTP layer
@@ -396,7 +398,9 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         drafted = {s.request_id: s for s in scheduled if s.num_draft_tokens}
-        return LaunchedStep(output, request_ids, host, ready, drafted, self._roll_back, after)
+        return LaunchedStep(
+            output, request_ids, host, ready, drafted, self._roll_back, after, launched_at
+        )
 
     def _save_snapshots(self, snapshots: list[tuple[int, int]]) -> None:
         for slot, snapshot_id in snapshots:

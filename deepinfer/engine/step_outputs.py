@@ -16,6 +16,7 @@ request's placeholder, gathered on the device.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -157,6 +158,7 @@ class LaunchedStep:
     roll_back: Callable[[ScheduledRequest, int], None] | None = None
     # Runs on the output once the kept tokens are in it (the MTP layer's drafts).
     after: Callable[[ModelRunnerOutput], None] | None = None
+    launched_at: float = 0.0  # time.perf_counter() at the launch (a verify step's time)
 
     def result(self) -> ModelRunnerOutput:
         if self.samples is None:
@@ -181,6 +183,8 @@ class LaunchedStep:
                 self.roll_back(sched, num_rejected)
         if self.after is not None:
             self.after(output)
+        if self.drafted:
+            output.verify_time_s = time.perf_counter() - self.launched_at
         self.samples = None
         return output
 

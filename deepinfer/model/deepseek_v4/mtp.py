@@ -82,6 +82,7 @@ class MtpDrafts:
         ``kept`` tokens per sampled request: commit, draft, and return each sampled request's
         ``num_drafts`` guesses of the tokens after its last kept one."""
         plan = _plan_commit(scheduled, kept)
+        commit = None
         if plan.seqs:
             extra = {
                 "dst_slot": [r for r, _ in plan.from_slot],
@@ -93,13 +94,14 @@ class MtpDrafts:
             x = hidden.new_empty(len(plan.token_ids), *hidden.shape[1:])
             x[dev["dst_slot"]] = self.slot_hidden[dev["src_slot"]]
             x[dev["dst_step"]] = hidden[dev["src_step"]]
+            commit = self.model.mtp_forward(x, batch, self.cache)
         if plan.slot_updates:
             slots, rows = zip(*plan.slot_updates, strict=True)
             index = self.upload(np.asarray(slots + rows, dtype=np.int64))
             self.slot_hidden[index[: len(slots)]] = hidden[index[len(slots) :]]
-        if not plan.drafting:
+        if commit is None or not plan.drafting:
             return {}
-        logits, out = self.model.mtp_forward(x, batch, self.cache)
+        logits, out = commit
         drafts = [logits.argmax(dim=-1)]
         streams = out[batch.logits_indices]
         for j in range(1, self.num_drafts):
