@@ -1,0 +1,78 @@
+"""Speculative decoding on CUDA, fp32, TF32 off: with n-gram drafts and with the MTP layer's, the
+tiny model's tokens and logprobs are those of the plain run (Triton kernels, decode graphs on
+for the plain and n-gram runs), batched, chunked, preempted, with prefix hits and asynchronous
+scheduling on; and the verify steps are timed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.model.tiny import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [
+    [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9],
+    [(13 * i) % 50 + 3 for i in range(30)] * 2,
+    [(17 * i + 1) % 983 + 3 for i in range(40)],
+    [101, 102, 103],
+]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
+
+
+def _run(folder: Path, **kw: object) -> tuple[list, LLM]:
+    llm = LLM(
+        model=folder,
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=24,
+        max_model_len=1024,
+        gpu_memory_utilization=0.1,
+        async_scheduling=True,
+        **kw,
+    )
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    outputs += llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)  # prefix hits
+    assert outputs[-2].num_cached_tokens > 0
+    llm.engine.scheduler.check_integrity()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_tokens_with_drafts_are_those_without_on_cuda(
+    tiny_dir: Path, ieee_fp32: None, method: str, record_figure: Callable[[str], None]
+) -> None:
+    plain, _ = _run(tiny_dir)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    drafted, llm = _run(tiny_dir, speculative_config=spec, num_blocks=8)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(drafted, plain, strict=True):
+        assert tokens == want_tokens
+        for a, b in zip(logprobs or [], want_logprobs or [], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    stats = llm.engine.spec_stats()
+    assert stats["num_drafts"] > 0 and llm.engine.num_preemptions > 0
+    steps = sum(stats["verify_time_counts"])
+    assert steps > 0
+    record_figure(
+        f"speculative {method} (tiny, fp32): tokens = plain run's; {stats['num_drafts']} runs, "
+        f"{stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts accepted, "
+        f"{llm.engine.num_preemptions} preemptions, mean verify step "
+        f"{1e3 * stats['verify_time_sum'] / steps:.2f} ms"
+    )
+    torch.cuda.synchronize()
