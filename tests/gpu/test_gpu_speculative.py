@@ -49,7 +49,7 @@ def _run(folder: Path, **kw: object) -> tuple[list, LLM]:
     )
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     outputs += llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)  # prefix hits
-    assert outputs[-2].num_cached_tokens > 0
+    assert outputs[-1].num_cached_tokens > 0  # the 60-token prompt
     llm.engine.scheduler.check_integrity()
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
 
