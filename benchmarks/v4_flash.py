@@ -5,8 +5,9 @@ shapes (hidden 4096, 64 heads of 512, 256 experts top-6, window 128, CSA 4 / HCA
 64 x 128 top-512, YaRN on compressed layers) with fewer layers, and report per-layer figures next
 to full-depth extrapolations (43 layers: 2 sliding, 21 CSA, 20 HCA).
 
-Sections: shapes; the device; model and inputs (``decode_inputs`` / ``prefill_inputs`` are the
-one place that builds caches and batches: adapt them when ForwardBatch or KVCache change).
+Sections: shapes; the device; model and inputs (``decode_inputs`` / ``verify_inputs`` /
+``prefill_inputs`` are the one place that builds caches and batches: adapt them when
+ForwardBatch or KVCache change).
 Timing, the ceilings, bytes and FLOPs per layer and reporting are in v4_flash_report.py.
 ``--tiny`` shrinks every shape so that each script runs on the CPU as a smoke test.
 """
@@ -309,20 +310,49 @@ def decode_inputs(
     Repeating the step is idempotent in shape: it rewrites the same ring row and open-window
     buffer row. Request i owns slot i and its own blocks.
     """
+    return verify_inputs(args, setup, batch_size, context, 1, seed, family)
+
+
+def verify_inputs(
+    args: Any,
+    setup: Setup,
+    batch_size: int,
+    context: int,
+    num_tokens: int,
+    seed: int,
+    family: Any = FAMILY,
+) -> tuple[ForwardBatch, KVCache]:
+    """A verification step of speculative decoding, as ``decode_inputs`` builds a decode step
+    (``num_tokens`` = 1 is that step): every request holds ``context`` tokens and feeds
+    ``num_tokens`` (its last token and num_tokens - 1 drafts) at positions context ..
+    context + num_tokens - 1, with logits at every one of them (batch_size * num_tokens rows,
+    request by request). The cache is sized for context + num_tokens tokens a request.
+
+    Repeating the step is idempotent in shape: it rewrites the same ring rows, closes the same
+    compression windows and keeps the same open-window buffer rows.
+    """
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(args, setup, batch_size, context + 1, seed, family)
-    tables = _block_ids(cache, batch_size, context + 1, gen)
+    end = context + num_tokens
+    cache = new_cache(args, setup, batch_size, end, seed, family)
+    tables = _block_ids(cache, batch_size, end, gen)
     seqs = [
-        SeqSpan(offset=i, num_tokens=1, start_pos=context, slot=i, block_ids=tables[i])
+        SeqSpan(
+            offset=i * num_tokens,
+            num_tokens=num_tokens,
+            start_pos=context,
+            slot=i,
+            block_ids=tables[i],
+        )
         for i in range(batch_size)
     ]
-    input_ids = torch.randint(3, args.vocab_size, (batch_size,), generator=gen)
-    positions = torch.full((batch_size,), context, dtype=torch.int64)
+    num_rows = batch_size * num_tokens
+    input_ids = torch.randint(3, args.vocab_size, (num_rows,), generator=gen)
+    positions = torch.arange(context, end, dtype=torch.int64).repeat(batch_size)  # [B * n]
     batch = ForwardBatch(
         input_ids=input_ids.to(setup.device),
         positions=positions.to(setup.device),
         seqs=seqs,
-        logits_indices=torch.arange(batch_size, device=setup.device),
+        logits_indices=torch.arange(num_rows, device=setup.device),
     )
     return batch, cache
 

@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA, fp32, TF32 off: with n-gram drafts and with the MTP layer's, the
 tiny model's tokens and logprobs are those of the plain run (Triton kernels, decode graphs on
 for the plain and n-gram runs), batched, chunked, preempted, with prefix hits and asynchronous
-scheduling on; and the verify steps are timed."""
+scheduling on; and the verify steps are timed (their times include first-use kernel
+compilation here: the figures are benchmarks/spec_verify.py's)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,6 @@ def test_tokens_with_drafts_are_those_without_on_cuda(
     record_figure(
         f"speculative {method} (tiny, fp32): tokens = plain run's; {stats['num_drafts']} runs, "
         f"{stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts accepted, "
-        f"{llm.engine.num_preemptions} preemptions, mean verify step "
-        f"{1e3 * stats['verify_time_sum'] / steps:.2f} ms"
+        f"{llm.engine.num_preemptions} preemptions, {steps} verify steps timed"
     )
     torch.cuda.synchronize()
