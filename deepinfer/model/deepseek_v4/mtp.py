@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,7 +37,21 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
 from deepinfer.model.deepseek_v4 import step_plan
 from deepinfer.model.deepseek_v4.model import DeepseekV4
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
-from deepinfer.scheduler.output import ScheduledRequest
+
+
+class ScheduledRequest(Protocol):
+    """What the MTP pass reads of one scheduled request (the scheduler's ScheduledRequest)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    state_slot: int
+    do_sample: bool
+    num_draft_tokens: int
+    window_floor: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclasses.dataclass
