@@ -33,6 +33,7 @@ class StormResult:
     num_completed: int = 0  # short requests that finished before their client gave up
     num_failed: int = 0  # short requests answered with an error status or event
     num_long_ok: int = 0  # long streams that ended normally
+    long_errors: list[str] = field(default_factory=list)  # how the others ended
     idle_gauges: dict[str, float] = field(default_factory=dict)  # once idle (all must be 0)
     good_status: int = 0  # the good request's status after the storm
     good_text: str = ""
@@ -69,15 +70,24 @@ async def run_storm(
                 "thinking": {"type": "disabled"},
             }
 
-        async def stream(body: dict) -> bool:
+        async def stream(body: dict, limit: aiohttp.ClientTimeout = timeout) -> bool:
             """True when the stream ended with [DONE] and no error event."""
-            async with session.post("/v1/chat/completions", json=body) as response:
+            async with session.post("/v1/chat/completions", json=body, timeout=limit) as response:
                 text = await response.text()
             return response.status == 200 and "[DONE]" in text and '"error"' not in text
 
         async def long_stream() -> None:
-            if await stream(chat(max_tokens=long_tokens, words=8)):
+            try:
+                # Their own time limit: the whole storm's, not one short request's.
+                long_limit = aiohttp.ClientTimeout(total=2 * timeout_s)
+                ok = await stream(chat(max_tokens=long_tokens, words=8), long_limit)
+            except (TimeoutError, aiohttp.ClientError) as e:
+                result.long_errors.append(repr(e))
+                return
+            if ok:
                 result.num_long_ok += 1
+            else:
+                result.long_errors.append("error status or event")
 
         async def short(delay_s: float) -> None:
             # Prompts of a few to a few hundred words: some cancels land in a chunked prefill.
