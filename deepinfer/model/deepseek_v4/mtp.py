@@ -64,8 +64,12 @@ class _Commit:
     from_step: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, step row)
     slot_updates: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, row)
     drafting: list[str] = dataclasses.field(default_factory=list)  # request ids, in row order
-    draft_rows: list[int] = dataclasses.field(default_factory=list)  # their last commit row
     draft_spans: list[SeqSpan] = dataclasses.field(default_factory=list)  # their commit spans
+
+    @property
+    def draft_rows(self) -> list[int]:
+        """The drafting requests' last commit rows (where draft 1 is read)."""
+        return [s.offset + s.num_tokens - 1 for s in self.draft_spans]
 
 
 class MtpDrafts:
@@ -184,7 +188,6 @@ def _plan_commit(scheduled: list[ScheduledRequest], kept: dict[str, list[int]]) 
                     plan.from_step.append((row + p - first, step_offset + p - a))
             if samples:
                 plan.drafting.append(sched.request_id)
-                plan.draft_rows.append(len(plan.token_ids) - 1)
                 plan.draft_spans.append(span)
         step_offset += n
     return plan
