@@ -79,6 +79,7 @@ def profile_memory(
     num_tokens: int,
     context: int,
     graph_batch: int = 0,
+    graph_tokens: int = 1,
 ) -> MemoryProfile:
     """Run the worst step on ``scratch`` (a cache of one block and one slot), measure its peak
     allocation, and return the KV budget that ``utilization`` x total memory leaves.
@@ -89,7 +90,8 @@ def profile_memory(
     per request, and the requests of a step run one after another inside each layer.
 
     ``graph_batch`` > 0: decode steps of up to that many requests replay CUDA graphs; the pool
-    of all of them is measured and kept out of the budget.
+    of all of them (``graph_tokens``: the most tokens of a request in one) is measured and kept
+    out of the budget.
     """
     device = scratch.device
     total = torch.cuda.get_device_properties(device).total_memory
@@ -116,7 +118,9 @@ def profile_memory(
         ) from e
     activations = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
-    graphs = _graph_pool_bytes(model, scratch, graph_batch, context) if graph_batch else 0
+    graphs = 0
+    if graph_batch:
+        graphs = _graph_pool_bytes(model, scratch, graph_batch, context, graph_tokens)
     free, _ = torch.cuda.mem_get_info(device)
     margin = MEMORY_MARGIN_BYTES
     kept = activations + graphs + margin
@@ -179,14 +183,18 @@ def _run_profile_step(
     kernels.sampling.compute_logprobs(logits, token_ids, 0)
 
 
-def _graph_pool_bytes(model: nn.Module, scratch: KVCache, graph_batch: int, context: int) -> int:
+def _graph_pool_bytes(
+    model: nn.Module, scratch: KVCache, graph_batch: int, context: int, graph_tokens: int
+) -> int:
     """Device memory the decode graphs reserve: all of their captures (pool + the shared
     logits buffer), measured on ``scratch`` and freed again."""
     device = scratch.device
     torch.cuda.synchronize(device)
     reserved = torch.cuda.memory_reserved(device)
     # Every graph keeps buffers of its own besides the shared pool, so all of them are measured.
-    graphs = DecodeGraphs(model, scratch, graph_batch, max_positions=context)
+    graphs = DecodeGraphs(
+        model, scratch, graph_batch, max_positions=context, max_tokens=graph_tokens
+    )
     graphs.capture_all(purpose="measuring")
     pool = torch.cuda.memory_reserved(device) - reserved
     del graphs

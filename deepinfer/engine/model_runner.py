@@ -205,6 +205,7 @@ class ModelRunner:
                 num_tokens=min(self.config.scheduler.max_num_batched_tokens, self.max_model_len),
                 context=self.max_model_len,
                 graph_batch=self._graph_batch,
+                graph_tokens=self._graph_tokens,
             )
             budget = self.memory_profile.kv_budget
             source = f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
@@ -252,11 +253,13 @@ class ModelRunner:
             # The exchange's split sizes come from the routing (a host sync): not capturable.
             logger.info("decode graphs off: expert parallelism over ranks runs eager steps")
             return 0
-        if getattr(self.args, "mtp_served", 0):
-            # The MTP layer reads each step's last hidden streams, which a graph does not keep.
-            logger.info("decode graphs off: MTP drafting runs eager steps")
-            return 0
         return min(kernel.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+
+    @property
+    def _graph_tokens(self) -> int:
+        """The most tokens of a request in a graphed step: its last and its drafts."""
+        spec = self.config.speculative
+        return 1 + spec.num_speculative_tokens if spec.enabled else 1
 
     def _init_graphs(self) -> None:
         """CUDA: decode-only steps replay graphs (cuda_graphs.py), all captured here, at start-up,
@@ -264,7 +267,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self._graph_batch > 0:
             self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, self._graph_batch, max_positions=self.max_model_len
+                self.model,
+                self.kv_cache,
+                self._graph_batch,
+                max_positions=self.max_model_len,
+                max_tokens=self._graph_tokens,
             )
             self.graphs.capture_all()
 
@@ -344,11 +351,14 @@ class ModelRunner:
         hidden: torch.Tensor | None = None  # the last layer's output, for the MTP layer
         one_by_one = deterministic_rows(scheduler_output, self.config.kernel.deterministic)
         if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
-            logits = self.graphs.run(
-                scheduler_output, lambda ids: self._last_samples.fill_placeholders(scheduled, ids)
+            step = self.graphs.run(
+                scheduler_output,
+                lambda ids, rows: self._last_samples.fill_placeholders(scheduled, ids, rows),
             )
-            sample_rows = [(i, i) for i in range(len(scheduled))]
+            logits, sample_rows = step.logits, _graph_sample_rows(scheduled, step.rows)
             prompt_rows: list[tuple[int, int, int]] = []
+            if step.hidden is not None and self.mtp is not None:
+                hidden = step.hidden[self._upload(_graph_token_rows(scheduled, step.rows))]
         elif one_by_one:
             _, sample_rows, prompt_rows = _logits_layout(scheduled)
             logits = forward_split(
@@ -415,7 +425,7 @@ class ModelRunner:
     ) -> None:
         """Once a step's kept tokens are known: the MTP layer's part of the step (its drafts into
         ``output``), then the step's snapshots."""
-        assert self.mtp is not None and hidden is not None, "MTP steps run eager forwards"
+        assert self.mtp is not None and hidden is not None, "the step kept no hidden streams"
         output.draft_token_ids = self.mtp.run(scheduled, hidden, output.sampled_token_ids)
         self._save_snapshots(snapshots)
 
@@ -455,6 +465,21 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.upload(values)
+
+
+def _graph_sample_rows(scheduled: list[ScheduledRequest], rows: int) -> list[tuple[int, int]]:
+    """``_logits_layout``'s sample rows in a graphed step (request i's token j at row i * rows
+    + j): every sampled position of each request, in order."""
+    return [
+        (i, i * rows + j)
+        for i, sched in enumerate(scheduled)
+        for j in range(sched.num_tokens - sched.num_sampled_positions, sched.num_tokens)
+    ]
+
+
+def _graph_token_rows(scheduled: list[ScheduledRequest], rows: int) -> np.ndarray:
+    """The rows of a graphed step's real tokens, in flat-batch order (the packed layout)."""
+    return np.concatenate([i * rows + np.arange(s.num_tokens) for i, s in enumerate(scheduled)])
 
 
 def _logits_layout(

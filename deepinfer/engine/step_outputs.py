@@ -206,14 +206,18 @@ class LastSamples:
         """The last launch sampled nothing."""
         self._samples = None
 
-    def fill_placeholders(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
+    def fill_placeholders(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, stride: int = 0
+    ) -> None:
         """Write into ``input_ids`` (the flat batch of ``scheduled``) the tokens that stand in for
-        the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token)."""
+        the previous launch's samples (``PLACEHOLDER_TOKEN_ID``, always a chunk's last token).
+        ``stride``: request i's tokens start at row i * stride (a graphed step); 0: packed."""
         dst, request_ids, offset = [], [], 0
-        for sched in scheduled:
+        for i, sched in enumerate(scheduled):
+            first = i * stride if stride else offset
             offset += sched.num_tokens
             if sched.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                dst.append(offset - 1)
+                dst.append(first + sched.num_tokens - 1)
                 request_ids.append(sched.request_id)
         if dst:
             input_ids[to_device(torch.tensor(dst), self.device)] = self._gather(request_ids)

@@ -62,6 +62,11 @@ class SeqSpan:
     # The request's prompt length (0: unknown, a padded or profiling span): what a family that
     # truncates prefills (DeepSeek-V4.1's YoCo) keeps is decided by it.
     num_prompt_tokens: int = 0
+    # Graphed steps (every request gets the same number of rows): the span's last ``num_pad``
+    # rows stand in for no token. They are computed, never sampled, and leave nothing in the
+    # cache (their writes go to its scratch rows): the span's real tokens end at
+    # ``end_pos - num_pad``.
+    num_pad: int = 0
 
     @property
     def end_pos(self) -> int:

@@ -14,8 +14,9 @@
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
-graphed decode step passes ``decode_context``, and the family must then give arrays whose shapes
-depend only on the number of requests and that bound.
+graphed step passes ``decode_context``, and the family must then give arrays whose shapes depend
+only on the number of requests, their rows (every span has the same ``num_tokens``; its last
+``num_pad`` rows are pads, which must leave nothing in the cache) and that bound.
 """
 
 from __future__ import annotations

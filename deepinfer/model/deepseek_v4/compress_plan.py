@@ -104,40 +104,67 @@ def compress_plan(reqs: Requests, geometry: CacheGeometry, ratio: int) -> dict[s
     }
 
 
-def decode_compress_plan(
+def graphed_compress_plan(
     reqs: Requests, geometry: CacheGeometry, ratio: int
 ) -> dict[str, np.ndarray]:
-    """One token per request, shapes fixed by the number of requests: request i's candidate
-    window is its slot's m - 1 buffered rows and its token. It closes when the token is the
-    window's last (position % m == m - 1); otherwise its entry and its overlap state go to the
-    scratch rows and the token joins the buffer ring."""
-    m, per_block = ratio, geometry.block_size // ratio
+    """Every request has the same q rows (its tokens, then pads), and the shapes depend only
+    on the number of requests and q, so one CUDA graph serves every such step.
+
+    Request i pools C = ceil(q / m) candidate windows, from its open window on (C <= k, the
+    overlap ring's windows, as q - 1 <= max_draft): the slot's m - 1 buffered rows (read whether
+    or not they hold a token), then its step rows, then filler rows past them. A candidate
+    closes when its last position is a real token; one that does not writes its entry and its
+    overlap half to the scratch rows. The buffer ring keeps what ``compress_plan`` keeps of the
+    real tokens; every other step row goes to the scratch slot's rows. So a pad leaves nothing
+    in the cache, and a step writes what ``compress_plan`` of its real tokens writes."""
+    m, per_block, d = ratio, geometry.block_size // ratio, geometry.max_draft
     b, k = geometry.buffer_rows(ratio), geometry.overlap_windows(ratio)
-    assert (reqs.num_tokens == 1).all(), "the decode plan takes one token per request"
     num = reqs.start.shape[0]
-    slots, pos, offsets = reqs.slot, reqs.start, reqs.offset
-    closes = pos % m == m - 1
-    ids = pos // m
-    protected = ids < -(-reqs.protected // m)
-    own_entry = reqs.entry_rows(np.arange(num), ids, per_block)
-    buffered = np.arange(num)[:, None] * (m - 1) + np.arange(m - 1)  # [B, m - 1] rows of src
-    # Window id's tokens are the stored ones q = (m - 1) * id + j, j < m - 1: rows (q % b).
+    q = int(reqs.num_tokens[0]) if num else 1
+    assert (reqs.num_tokens == q).all(), "a graphed plan takes the same rows for every request"
+    c = -(-q // m)
+    assert c <= k, f"{c} candidate windows of ratio {m} do not fit an overlap ring of {k}"
+    slots, start, end = reqs.slot, reqs.start, reqs.real_end
+    first = start // m  # the open window
+    ids = first[:, None] + np.arange(c)  # [B, C] candidate windows
+    closes = (ids + 1) * m <= end[:, None]
+    # Rows of src = cat(buf[buf_rows] (m - 1 per request), step rows) of each candidate's tokens.
+    pos = ids[:, :, None] * m + np.arange(m)  # [B, C, m]
+    at = start[:, None, None]
+    num_buf = num * (m - 1)
+    step_row = num_buf + reqs.offset[:, None, None]
+    buffered = np.arange(num)[:, None, None] * (m - 1) + np.arange(m)
+    rows = np.where(pos < at, buffered, np.where(pos < at + q, step_row + pos - at, step_row))
+    # Window id's tokens are the stored ones q' = (m - 1) * id + j, j < m - 1: rows (q' % b).
     window_row = np.arange(m - 1)[None, :]  # [1, m - 1]
     if b != m - 1:  # at b = m - 1 every window starts at row 0
-        window_row = (ids[:, None] * (m - 1) + window_row) % b
+        window_row = (first[:, None] * (m - 1) + window_row) % b
+    req = np.repeat(np.arange(num), c)
+    g = np.arange(num * c)
+    flat_ids, flat_closes = ids.ravel(), closes.ravel()
+    written = flat_closes & (flat_ids >= -(-reqs.protected[req] // m))
+    # Tokens the buffer ring keeps: real, not a window's last, from the window holding end - d on.
+    token_pos, token_req = reqs.positions, reqs.token_req
+    kept_from = (np.maximum(end - d, 0) // m * m)[token_req]
+    kept = ~reqs.is_pad & (token_pos % m != m - 1) & (token_pos >= kept_from)
+    scratch = geometry.scratch_slot
     return {
         "buf_rows": (slots[:, None] * b + window_row).ravel(),
-        "window_rows": np.concatenate([buffered, num * (m - 1) + offsets[:, None]], axis=1),
-        "window_ids": ids,
-        "prev_slots": slots * k + (ids - 1) % k,
-        "prev_src": np.arange(num),
-        "has_prev": ids > 0,
-        "prev_dst": np.where(closes, slots * k + ids % k, geometry.scratch_slot * k),
-        "last_window": np.arange(num),
-        "keep_windows": np.arange(num),
-        "entry_dst": np.where(closes & ~protected, own_entry, geometry.scratch_block * per_block),
-        "left_src": num * (m - 1) + offsets,
-        "left_dst": np.where(closes, geometry.scratch_slot * b, _buffer_rows(slots, pos, m, b)),
+        "window_rows": rows.reshape(-1, m),
+        "window_ids": flat_ids,
+        "prev_slots": slots * k + (first - 1) % k,
+        "prev_src": np.where(g % c == 0, req, num + g - 1),
+        "has_prev": flat_ids > 0,
+        "prev_dst": np.where(flat_closes, slots[req] * k + flat_ids % k, scratch * k),
+        "last_window": g,
+        "keep_windows": g,
+        "entry_dst": np.where(
+            written,
+            reqs.entry_rows(req, flat_ids, per_block),
+            geometry.scratch_block * per_block,
+        ),
+        "left_src": num_buf + np.arange(token_pos.shape[0]),
+        "left_dst": np.where(kept, _buffer_rows(slots[token_req], token_pos, m, b), scratch * b),
     }
 
 

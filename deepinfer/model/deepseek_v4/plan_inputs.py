@@ -68,6 +68,7 @@ class Requests:
     table: np.ndarray
     token_req: np.ndarray
     positions: np.ndarray
+    num_pad: np.ndarray  # trailing rows that stand in for no token (SeqSpan.num_pad)
 
     @classmethod
     def of(cls, seqs: list[SeqSpan], table_width: int = 0) -> Requests:
@@ -97,11 +98,22 @@ class Requests:
             table=table,
             token_req=token_req,
             positions=start[token_req] + local,
+            num_pad=ints([s.num_pad for s in seqs]),
         )
 
     @property
     def end(self) -> np.ndarray:
         return self.start + self.num_tokens
+
+    @property
+    def real_end(self) -> np.ndarray:
+        """Where each request's real tokens end (its pad rows are past it)."""
+        return self.end - self.num_pad
+
+    @property
+    def is_pad(self) -> np.ndarray:
+        """[T] the token rows that are pads."""
+        return self.positions >= self.real_end[self.token_req]
 
     def entry_rows(self, req: np.ndarray, entries: np.ndarray, per_block: int) -> np.ndarray:
         """Entry-pool rows of entries ``entries`` of requests ``req`` (same shapes)."""

@@ -30,7 +30,7 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
 from deepinfer.model.deepseek_v4.compress_plan import (
     CompressPlan,
     compress_plan,
-    decode_compress_plan,
+    graphed_compress_plan,
 )
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry, Requests
 
@@ -128,11 +128,13 @@ def plan_step(
     """Every index array of the step, host int64, by name (vectorised over requests: the host
     cost per step must stay far below a decode step's device time).
 
-    ``decode_context`` (decode steps captured in CUDA graphs: one token per request): shapes
-    that depend only on the number of requests and this context bound (entry lists padded to
-    decode_context // ratio), so one graph serves every step of that size; the compressors
-    then pool a candidate window for every request and write the ones that did not close to
-    the cache's scratch rows (``geometry.scratch_*``).
+    ``decode_context`` (steps captured in CUDA graphs: the same rows for every request, its
+    tokens then pads, ``SeqSpan.num_pad``): shapes that depend only on the number of requests,
+    their rows and this context bound (entry lists padded to decode_context // ratio), so one
+    graph serves every step of that size; the compressors then pool candidate windows for every
+    request and write the ones that did not close to the cache's scratch rows
+    (``geometry.scratch_*``). A pad sees no entry past its request's last real token and leaves
+    nothing in the cache.
     """
     # Graphed decode: the block table's width is fixed by the context bound as well.
     table_width = 0 if decode_context is None else -(-decode_context // geometry.block_size)
@@ -146,16 +148,18 @@ def plan_step(
         "ring_dst": ring_dst,
         "block_table": reqs.table,
     }
+    # A pad sees what its request's last real token sees (never an entry it did not write).
+    visible_pos = np.minimum(reqs.positions, reqs.real_end[reqs.token_req] - 1)
     for ratio in geometry.ratios:
-        counts = reqs.end // ratio
+        counts = reqs.real_end // ratio
         width = max(int(counts.max()), 1) if decode_context is None else decode_context // ratio
         assert counts.max() <= width, f"{counts.max()} entries do not fit a width of {width}"
         host[f"entry_ids{ratio}"] = np.arange(max(width, 1))
-        host[f"num_visible{ratio}"] = (reqs.positions + 1) // ratio
+        host[f"num_visible{ratio}"] = (visible_pos + 1) // ratio
         if decode_context is None:
             plan = compress_plan(reqs, geometry, ratio)
         else:
-            plan = decode_compress_plan(reqs, geometry, ratio)
+            plan = graphed_compress_plan(reqs, geometry, ratio)
         for name, value in plan.items():
             host[f"c{ratio}.{name}"] = value
     return host
@@ -202,7 +206,8 @@ def _window_plan(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
     from this step's rows when the key is new this step, else from the ring. After attention
-    each request's last ring-size tokens are written to the ring."""
+    each request's last ring-size tokens are written to the ring (a pad's to the scratch
+    slot's ring)."""
     window, ring = geometry.window, geometry.ring_size
     req, pos = reqs.token_req, reqs.positions
     start = reqs.start[req][:, None]
@@ -221,4 +226,5 @@ def _window_plan(
     else:
         win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
     kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
-    return win_step, win_ring, kept, reqs.slot[req[kept]] * ring + pos[kept] % ring
+    slot = np.where(reqs.is_pad[kept], geometry.scratch_slot, reqs.slot[req[kept]])
+    return win_step, win_ring, kept, slot * ring + pos[kept] % ring
