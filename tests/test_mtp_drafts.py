@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_spies import graph_shaped
 from safetensors.torch import load_file
 
 from deepinfer import LLM, SamplingParams
@@ -188,13 +189,21 @@ def _reference_drafts(model, tokens: list[int], drafts: list[int]) -> list[tuple
     return out
 
 
-def test_every_mtp_draft_is_the_layer_run_from_scratch(tiny_dir: Path, plain: list) -> None:
+@pytest.mark.parametrize("graphed", [False, True])
+def test_every_mtp_draft_is_the_layer_run_from_scratch(
+    tiny_dir: Path, plain: list, graphed: bool
+) -> None:
+    """``graphed``: the verify steps shaped as CUDA graphs run them (``graph_shaped``), the
+    last layer's streams the MTP layer reads taken from the padded rows."""
     llm = _llm(tiny_dir, async_scheduling=True, speculative_config=MTP, num_blocks=8)
     assert llm.engine is not None
     runner = llm.engine.executor
+    steps = graph_shaped(runner, max_tokens=4) if graphed else []
     recorder = _Recorder(runner.mtp.run, plain)
     runner.mtp.run = recorder
     _assert_same(_outputs(llm), plain)
+    if graphed:
+        assert any(n > 1 and rows == 4 for n, rows in steps), f"no batched verify step: {steps}"
     stats = llm.engine.spec_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert llm.engine.num_preemptions > 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_spies import graph_shaped
 from scripted_executor import ScriptedExecutor
 
 from deepinfer import LLM, SamplingParams
@@ -137,25 +138,39 @@ PARAMS = [
 ]
 
 
-def _outputs(folder: Path, **kw: object) -> tuple[list[tuple[list[int], object]], dict]:
+def _outputs(
+    folder: Path, graphed: bool = False, **kw: object
+) -> tuple[list[tuple[list[int], object]], dict]:
+    """``graphed``: decode and verify steps shaped as CUDA graphs run them (4 rows per request)."""
     torch.set_num_threads(2)
     llm = LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
+    steps = graph_shaped(llm.engine.executor, max_tokens=4) if graphed else []
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     again = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)  # prefix hits
     assert [o.num_cached_tokens for o in again] != [0, 0]
     result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs + again]
     assert llm.engine is not None
     llm.engine.scheduler.check_integrity()
+    if graphed:  # verify steps of several requests, some with fewer drafts than others
+        assert any(n > 1 and rows == 4 for n, rows in steps), f"no batched verify step: {steps}"
     return result, {**llm.engine.spec_stats(), "num_preemptions": llm.engine.num_preemptions}
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_tokens_with_ngram_drafts_are_those_without(tiny_dir: Path, async_scheduling: bool) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "graphed"), [(False, False), (True, False), (True, True)]
+)
+def test_tokens_with_ngram_drafts_are_those_without(
+    tiny_dir: Path, async_scheduling: bool, graphed: bool
+) -> None:
     plain, none = _outputs(tiny_dir, async_scheduling=async_scheduling)
     assert none["num_drafts"] == 0
     # num_blocks=8: too few blocks for all four at once, so some are preempted and recomputed.
     drafted, stats = _outputs(
-        tiny_dir, async_scheduling=async_scheduling, speculative_config=NGRAM, num_blocks=8
+        tiny_dir,
+        graphed,
+        async_scheduling=async_scheduling,
+        speculative_config=NGRAM,
+        num_blocks=8,
     )
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(drafted, plain, strict=True):
         assert tokens == want_tokens
