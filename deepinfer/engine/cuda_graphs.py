@@ -115,6 +115,7 @@ class DecodeGraphs:
         self.max_positions = max_positions
         self.num_captures_while_serving = 0  # captures after capture_all(): should stay 0
         self.num_replays = 0
+        self.num_verify_replays = 0  # replays of graphs with drafts (more than one row each)
         self._planner: StepPlanner | None = None  # built on the first plan
         self._is_warm = False  # capture_all() ran
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -201,6 +202,7 @@ class DecodeGraphs:
             fill_placeholders(graph.batch.input_ids, rows)
         graph.graph.replay()
         self.num_replays += 1
+        self.num_verify_replays += rows > 1
         hidden = None if graph.hidden is None else graph.hidden[:num]
         return GraphStep(graph.logits[:num], rows, hidden)
 

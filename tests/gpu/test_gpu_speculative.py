@@ -1,8 +1,10 @@
 """Speculative decoding on CUDA, fp32, TF32 off: with n-gram drafts and with the MTP layer's, the
-tiny model's tokens and logprobs are those of the plain run (Triton kernels, decode graphs on
-for the plain and n-gram runs), batched, chunked, preempted, with prefix hits and asynchronous
-scheduling on; and the verify steps are timed (their times include first-use kernel
-compilation here: the figures are benchmarks/spec_verify.py's)."""
+tiny model's tokens and logprobs are those of the plain run (Triton kernels, decode graphs on:
+the verify steps replay graphs of 1 + k rows per request: every step with MTP, the few with
+n-gram drafts the random weights allow), batched, chunked, preempted, with
+prefix hits and asynchronous scheduling on; every graph was captured at start-up; and the
+verify steps are timed (their times include first-use kernel compilation here: the figures are
+benchmarks/spec_verify.py's)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ PROMPTS = [
     [(13 * i) % 50 + 3 for i in range(30)] * 2,
     [(17 * i + 1) % 983 + 3 for i in range(40)],
     [101, 102, 103],
+    [5, 6] * 9,  # n-gram drafts whatever the model says: verify steps replay graphs
 ]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True),
     SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
 ]
@@ -70,9 +74,15 @@ def test_tokens_with_drafts_are_those_without_on_cuda(
     assert stats["num_drafts"] > 0 and llm.engine.num_preemptions > 0
     steps = sum(stats["verify_time_counts"])
     assert steps > 0
+    graphs = llm.engine.executor.graphs
+    assert graphs is not None and graphs.row_buckets == [1, 4]
+    assert graphs.num_captures_while_serving == 0
+    if method == "mtp":  # every decode step verifies drafts (on random weights n-grams rarely)
+        assert graphs.num_verify_replays > 0
     record_figure(
         f"speculative {method} (tiny, fp32): tokens = plain run's; {stats['num_drafts']} runs, "
         f"{stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts accepted, "
-        f"{llm.engine.num_preemptions} preemptions, {steps} verify steps timed"
+        f"{llm.engine.num_preemptions} preemptions, {steps} verify steps timed, "
+        f"{graphs.num_verify_replays} of them graph replays"
     )
     torch.cuda.synchronize()
