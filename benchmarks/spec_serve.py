@@ -30,10 +30,10 @@ so with drafts it is the verification step's time. The measured τ is 1 + Δacce
 the node's ``deepinfer_spec_decode_*`` counters over the run (warm-ups included). With prefix
 caching, drafts stay inside the current block, so steps near a block boundary (and the last
 tokens before max_tokens) verify fewer drafts, or none: the speed-up sits a little below τ even
-where the step cost did not grow. What the comparison includes, as the engine stands: decode
-graphs replay steps of one token per request only (``DecodeGraphs.can_run``), so on a GPU the
-baseline's decode steps replay graphs and verification steps run eager; and with a drafter the
-engine completes each step before it schedules the next (``Scheduler.needs_sampled_tokens``).
+where the step cost did not grow. What the comparison includes, as the engine stands: on a GPU
+the baseline's decode steps and the verification steps replay CUDA graphs (graphs of K + 1 rows
+a request for the latter, ``DecodeGraphs``); and with a drafter the engine completes each step
+before it schedules the next (``Scheduler.needs_sampled_tokens``).
 Fewer layers than V4-Flash's 43: the figures are of this depth, not extrapolated.
 """
 
@@ -313,9 +313,9 @@ def _results_block(rows: list[dict], ns: argparse.Namespace) -> str:
         command = f"bash scripts/gpu_bench.sh benchmarks/spec_serve.py {args}".strip()
         model = f"{len(ns.layers.split(','))} layers in V4-Flash shapes ({ns.layers}), random bf16"
         engine = [
-            "- Baseline decode steps replay CUDA graphs; verification steps (K + 1 tokens a "
-            "request) run eager, and with a drafter each step completes before the next is "
-            "scheduled. Figures at this depth, not extrapolated to 43 layers."
+            "- Decode steps replay CUDA graphs, and so do verification steps (graphs of K + 1 "
+            "rows a request); with a drafter each step completes before the next is scheduled. "
+            "Figures at this depth, not extrapolated to 43 layers."
         ]
     device = _device(ns)
     return "\n".join(
