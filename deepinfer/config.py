@@ -190,7 +190,7 @@ class KernelConfig:
     norm: str = "auto"  # auto | triton | torch_ref: RMSNorm and the hyper-connection mixing
     sampling: str = "auto"  # auto | torch_ref: the sampler (top-k, top-p, min-p, penalties)
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default
-    # CUDA: decode-only steps of up to this many requests replay captured graphs (0: never).
+    # CUDA: decode and verify steps of up to this many requests replay captured graphs (0: never).
     cuda_graph_max_batch: int = 128
     # Batch-invariant results: each forward runs one token of one request (slow; see
     # engine/deterministic.py (forward_split) and benchmarks/RESULTS.md for the cost).
