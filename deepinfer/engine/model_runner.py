@@ -262,8 +262,8 @@ class ModelRunner:
         return 1 + spec.num_speculative_tokens if spec.enabled else 1
 
     def _init_graphs(self) -> None:
-        """CUDA: decode-only steps replay graphs (cuda_graphs.py), all captured here, at start-up,
-        so that no request waits for a capture."""
+        """CUDA: decode and verify steps replay graphs (cuda_graphs.py), all captured here, at
+        start-up, so that no request waits for a capture."""
         self.graphs: DecodeGraphs | None = None
         if self._graph_batch > 0:
             self.graphs = DecodeGraphs(
