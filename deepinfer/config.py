@@ -158,14 +158,15 @@ class SpeculativeConfig:
 
     # none | ngram (prompt lookup: drafts copied from the request's own earlier text, no
     # weights) | mtp (DeepSeek-V4's next-token-prediction layer, chained for more than one
-    # draft). Deterministic mode (kernel.deterministic) runs without drafts.
+    # draft) | dspark (DeepSeek-V4.1's block drafter: one block of dspark_block_size drafts a
+    # step). Deterministic mode (kernel.deterministic) runs without drafts.
     method: str = "none"
     num_speculative_tokens: int = 3  # drafts per request per step (cache.max_draft_tokens)
     prompt_lookup_min: int = 2  # ngram: the shortest suffix that is looked up
     prompt_lookup_max: int = 4  # ngram: the longest
 
     def __post_init__(self) -> None:
-        _check_choice("speculative.method", self.method, ("none", "ngram", "mtp"))
+        _check_choice("speculative.method", self.method, ("none", "ngram", "mtp", "dspark"))
         _check_positive("speculative.num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("speculative.prompt_lookup_min", self.prompt_lookup_min)
         if self.prompt_lookup_max < self.prompt_lookup_min:

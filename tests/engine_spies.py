@@ -43,3 +43,29 @@ def graph_shaped(runner: Any, max_tokens: int = 1) -> list[tuple[int, int]]:
 
     runner.graphs.run = spy
     return steps
+
+
+class TruthDrafts:
+    """Wraps a model runner's drafter layers (``runner.step_drafts.run``): records what they
+    proposed after which tokens, and hands the scheduler the plain run's continuation instead
+    (``outputs[i]``: the tokens ``prompts[i]`` got without drafts), every third guess wrong, so
+    that verification accepts some drafts and rolls back the rest."""
+
+    def __init__(self, run: Any, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.run = run
+        self.truth = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+        self.records: list[tuple[list[int], list[int]]] = []  # (tokens up to the last, drafts)
+
+    def __call__(self, scheduled: list, hidden: Any, kept: dict[str, list[int]]) -> dict:
+        drafts = self.run(scheduled, hidden, kept)
+        for sched in scheduled:
+            request, rid = sched.request, sched.request_id
+            if rid not in drafts:
+                continue
+            tokens = request.get_token_ids(0, request.num_tokens) + kept[rid]
+            self.records.append((tokens, drafts[rid]))
+            truth = self.truth[tuple(request.prompt_token_ids)]
+            done = len(tokens) - request.num_prompt_tokens
+            guesses = list(truth[done : done + len(drafts[rid])])
+            drafts[rid] = [t if (done + i) % 3 != 2 else t % 900 + 5 for i, t in enumerate(guesses)]
+        return drafts

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_spies import graph_shaped
+from engine_spies import TruthDrafts, graph_shaped
 from safetensors.torch import load_file
 
 from deepinfer import LLM, SamplingParams
@@ -127,31 +127,6 @@ def test_tokens_with_mtp_drafts_are_those_without(
     assert llm.engine.num_preemptions > 0
 
 
-class _Recorder:
-    """Wraps the runner's MTP drafts: records what the layer proposed after which tokens, and
-    hands the scheduler the plain run's continuation instead, every third guess wrong (so that
-    verification accepts some drafts and rolls back the rest)."""
-
-    def __init__(self, run, plain: list) -> None:
-        self.run = run
-        self.truth = {tuple(p): plain[i][0] for i, p in enumerate(PROMPTS)}
-        self.records: list[tuple[list[int], list[int]]] = []
-
-    def __call__(self, scheduled, hidden, kept):
-        drafts = self.run(scheduled, hidden, kept)
-        for sched in scheduled:
-            request, rid = sched.request, sched.request_id
-            if rid not in drafts:
-                continue
-            tokens = request.get_token_ids(0, request.num_tokens) + kept[rid]
-            self.records.append((tokens, drafts[rid]))
-            truth = self.truth[tuple(request.prompt_token_ids)]
-            done = len(tokens) - request.num_prompt_tokens
-            guesses = list(truth[done : done + len(drafts[rid])])
-            drafts[rid] = [t if (done + i) % 3 != 2 else t % 900 + 5 for i, t in enumerate(guesses)]
-        return drafts
-
-
 def _mtp_pass(model, kv: KVCache, streams: torch.Tensor, tokens: list[int]):
     """The MTP layer from scratch over positions 0 .. n-1 of an empty slot: (logits at the last
     position, output streams of every position)."""
@@ -199,8 +174,8 @@ def test_every_mtp_draft_is_the_layer_run_from_scratch(
     assert llm.engine is not None
     runner = llm.engine.executor
     steps = graph_shaped(runner, max_tokens=4) if graphed else []
-    recorder = _Recorder(runner.mtp.run, plain)
-    runner.mtp.run = recorder
+    recorder = TruthDrafts(runner.step_drafts.run, PROMPTS, [t for t, _ in plain[: len(PROMPTS)]])
+    runner.step_drafts.run = recorder
     _assert_same(_outputs(llm), plain)
     if graphed:
         assert any(n > 1 and rows == 4 for n, rows in steps), f"no batched verify step: {steps}"

@@ -128,7 +128,8 @@ class LLMEngine:
                 load_args(self.model_dir),
                 yoco_truncation=config.model.yoco_truncation,
                 yoco_keep_tokens=config.model.yoco_keep_tokens,
-                mtp_layers=int(_drafts_with_mtp(config)),
+                mtp_layers=int(_model_drafts(config) == "mtp"),
+                dspark=_model_drafts(config) == "dspark",
             )
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(
                 self.model_dir, config.model.tokenizer
@@ -169,13 +170,16 @@ class LLMEngine:
         if self.config.kernel.deterministic:
             logger.warning("speculative.method=%s: off in deterministic mode", spec.method)
             return
-        if spec.method == "mtp":
-            if not _drafts_with_mtp(self.config) or getattr(self.executor, "mtp", None) is None:
-                raise ValueError("speculative.method='mtp' needs the model runner's MTP layer")
+        if spec.method in ("mtp", "dspark"):
+            if getattr(self.executor, "step_drafts", None) is None:
+                raise ValueError(
+                    f"speculative.method={spec.method!r} needs the model runner's drafter layers"
+                )
             self.set_drafter(ExecutorDrafter())
             logger.info(
-                "speculative decoding: mtp, %d drafts a step from the MTP layer (steps run "
-                "synchronously: each step's drafts come with its results)",
+                "speculative decoding: %s, %d drafts a step from the model's drafter layers "
+                "(steps run synchronously: each step's drafts come with its results)",
+                spec.method,
                 self.scheduler.max_draft_tokens,
             )
             return
@@ -528,9 +532,13 @@ class LLMEngine:
         return self.scheduler.update(scheduler_output, launched.result())
 
 
-def _drafts_with_mtp(config: Config) -> bool:
-    """[speculative] method = "mtp", and drafting is on (deterministic mode turns it off)."""
-    return config.speculative.method == "mtp" and not config.kernel.deterministic
+def _model_drafts(config: Config) -> str | None:
+    """The drafter layers of the model that [speculative] method runs ("mtp", "dspark"), when
+    drafting is on (deterministic mode turns it off); None: no drafter layers."""
+    method = config.speculative.method
+    if method in ("mtp", "dspark") and not config.kernel.deterministic:
+        return method
+    return None
 
 
 def _masks_need_pending_tokens(scheduler_output: SchedulerOutput) -> bool:

@@ -95,7 +95,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
         self._init_staging()
-        self.mtp = self.family.drafts(
+        self.step_drafts = self.family.drafts(
             self.model,
             self.kv_cache,
             self.planner.geometry,
@@ -357,7 +357,7 @@ class ModelRunner:
             )
             logits, sample_rows = step.logits, _graph_sample_rows(scheduled, step.rows)
             prompt_rows: list[tuple[int, int, int]] = []
-            if step.hidden is not None and self.mtp is not None:
+            if step.hidden is not None and self.step_drafts is not None:
                 hidden = step.hidden[self._upload(_graph_token_rows(scheduled, step.rows))]
         elif one_by_one:
             _, sample_rows, prompt_rows = _logits_layout(scheduled)
@@ -376,9 +376,11 @@ class ModelRunner:
         snapshots = [
             (s.state_slot, s.save_snapshot) for s in scheduled if s.save_snapshot is not None
         ]
-        # With MTP drafting a snapshot waits for the MTP layer's part of the step (``after``).
+        # With drafter layers a snapshot waits for their part of the step (``after``).
         after = (
-            None if self.mtp is None else partial(self._after_drafts, scheduled, hidden, snapshots)
+            None
+            if self.step_drafts is None
+            else partial(self._after_drafts, scheduled, hidden, snapshots)
         )
         if after is None:
             self._save_snapshots(snapshots)
@@ -423,10 +425,10 @@ class ModelRunner:
         snapshots: list[tuple[int, int]],
         output: ModelRunnerOutput,
     ) -> None:
-        """Once a step's kept tokens are known: the MTP layer's part of the step (its drafts into
-        ``output``), then the step's snapshots."""
-        assert self.mtp is not None and hidden is not None, "the step kept no hidden streams"
-        output.draft_token_ids = self.mtp.run(scheduled, hidden, output.sampled_token_ids)
+        """Once a step's kept tokens are known: the drafter layers' part of the step (their
+        drafts into ``output``), then the step's snapshots."""
+        assert self.step_drafts is not None
+        output.draft_token_ids = self.step_drafts.run(scheduled, hidden, output.sampled_token_ids)
         self._save_snapshots(snapshots)
 
     def _roll_back(self, sched: ScheduledRequest, num_rejected: int) -> None:

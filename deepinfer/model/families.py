@@ -98,11 +98,17 @@ def load_args(model_dir: str | Path) -> Any:
 
 
 def with_serving_options(
-    args: Any, *, yoco_truncation: str, yoco_keep_tokens: int, mtp_layers: int = 0
+    args: Any,
+    *,
+    yoco_truncation: str,
+    yoco_keep_tokens: int,
+    mtp_layers: int = 0,
+    dspark: bool = False,
 ) -> Any:
     """The architecture with the options that change what the model holds and computes: YoCo
     prefill truncation (DeepSeek-V4.1), the MTP layers built for drafting (DeepSeek-V4,
-    speculative.method = "mtp"). ValueError naming the key for a family without them."""
+    speculative.method = "mtp"), the DSpark block drafter served (DeepSeek-V4.1,
+    speculative.method = "dspark"). ValueError naming the key for a family without them."""
     if yoco_truncation != "off":
         if not hasattr(args, "yoco_mode"):
             raise ValueError(
@@ -117,6 +123,13 @@ def with_serving_options(
                 "checkpoints draft differently (deepseek_v4 only)"
             )
         args = dataclasses.replace(args, mtp_served=mtp_layers)
+    if dspark:
+        if not hasattr(args, "dspark_served"):
+            raise ValueError(
+                f"speculative.method='dspark' drafts with DeepSeek-V4.1's DSpark layers; "
+                f"{args.model_type} checkpoints draft differently (deepseek_v41 only)"
+            )
+        args = dataclasses.replace(args, dspark_served=True)
     return args
 
 

@@ -10,7 +10,8 @@
         step_arrays / batch_views: a step's host arrays (one upload) and the batch over them
         rollback(cache, slot, end_pos, num_tokens): forget a step's rejected draft tokens
         history_tokens(args): token ids before a span its plans read (n-gram inputs)
-        drafts(model, cache, ...): the model's own drafter, run after each step (V4's MTP layer)
+        drafts(model, cache, ...): the model's own drafter, run after each step (V4's MTP layer,
+                                   V4.1's DSpark)
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
@@ -36,14 +37,15 @@ from deepinfer.ops import Kernels
 
 
 class StepDrafts(Protocol):
-    """A drafter that runs on the device after each step (DeepSeek-V4's MTP layer)."""
+    """A drafter that runs on the device after each step (DeepSeek-V4's MTP layer, DeepSeek-V4.1's
+    DSpark block drafter)."""
 
     def run(
-        self, scheduled: list[Any], hidden: torch.Tensor, kept: dict[str, list[int]]
+        self, scheduled: list[Any], hidden: torch.Tensor | None, kept: dict[str, list[int]]
     ) -> dict[str, list[int]]:
-        """After a step of ``scheduled`` (ScheduledRequests) whose forward kept ``hidden`` and
-        whose sampled requests kept ``kept`` tokens: its own part of the step, and each sampled
-        request's drafts of the tokens after its last kept one."""
+        """After a step of ``scheduled`` (ScheduledRequests) whose forward kept ``hidden`` (None
+        when the model keeps none) and whose sampled requests kept ``kept`` tokens: its own part
+        of the step, and each sampled request's drafts of the tokens after its last kept one."""
         ...
 
 

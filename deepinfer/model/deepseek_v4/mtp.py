@@ -94,12 +94,13 @@ class MtpDrafts:
     def run(
         self,
         scheduled: list[ScheduledRequest],
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         kept: dict[str, list[int]],
     ) -> dict[str, list[int]]:
         """After a step of ``scheduled`` whose forward left ``hidden`` [T, hc, D] and kept
         ``kept`` tokens per sampled request: commit, draft, and return each sampled request's
         ``num_drafts`` guesses of the tokens after its last kept one."""
+        assert hidden is not None, "a model serving its MTP layer keeps its last streams"
         plan = _plan_commit(scheduled, kept)
         commit = None
         if plan.seqs:

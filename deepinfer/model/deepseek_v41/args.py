@@ -94,6 +94,9 @@ class ModelArgs:
     # last yoco_keep tokens ("mask": all, with the same narrowed window).
     yoco_mode: str = "off"
     yoco_keep: int = 0
+    # The block drafter served (a serving option: speculative.method = "dspark"): its layers'
+    # window rings get cache parts and the forward writes their main-token keys.
+    dspark_served: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -121,6 +124,11 @@ class ModelArgs:
         self._check_sharing()
         self._check_candidates()
         self._check_yoco()
+        if self.dspark_served and (self.dspark is None or not self.num_mtp_layers):
+            raise ValueError(
+                "speculative.method='dspark': this checkpoint has no DSpark layers "
+                "(num_nextn_predict_layers=0)"
+            )
         if self.dspark is not None:
             sides = {t >= self.n_prefill_layer for t in self.dspark.target_layer_ids}
             if any(not 0 <= t < n for t in self.dspark.target_layer_ids) or len(sides) > 1:
@@ -249,6 +257,12 @@ class ModelArgs:
     @property
     def mtp_layer_ids(self) -> range:
         return range(self.num_mtp_layers)
+
+    @property
+    def served_mtp_layers(self) -> range:
+        """Cache layer ids of the drafter's layers when served (after the stack's)."""
+        n = self.num_mtp_layers if self.dspark_served else 0
+        return range(self.num_layers, self.num_layers + n)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelArgs:

@@ -11,6 +11,8 @@ m - 1 + d buffer rows).
     state parts (one slot per running request)
     ---------------------------------------------------------------------------------------
     every layer       (i, "ring")        [R, hd]     token p's post-rope K=V at row p % R
+    DSpark layers     (n + j, "ring")    [R, hd]     served only: drafter layer j's main-token
+                                                     keys (the forward writes them, dspark.py)
     C2 KV source      (i, "comp.buf_kv"), (i, "comp.buf_gate")  [B, hd]  raw latent / score rows
     C1 layers         (no compressor state: every token closes its own window)
 
@@ -65,7 +67,10 @@ def cache_spec(
         if args.index_k_source(i) == i:
             width = args.index_head_dim
             index_keys.append(CachePart((i, "index_keys"), "paged", block_size // ratio, width))
-    rings = [CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True) for i in layers]
+    ring_layers = [*layers, *args.served_mtp_layers]
+    rings = [
+        CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True) for i in ring_layers
+    ]
     return CacheSpec(
         block_size=block_size,
         parts=(*entries, *index_keys, *rings, *compressors),
@@ -73,6 +78,7 @@ def cache_spec(
         max_draft=max_draft,
         salt=f"{block_size}:{ring}"
         + (f":draft{max_draft}" if max_draft else "")
+        + (":dspark" if args.dspark_served else "")
         # Truncated prefills leave other consumer-half rings in the snapshots.
         + (f":yoco-{args.yoco_mode}{args.yoco_keep}" if args.truncates else ""),
     )

@@ -28,6 +28,7 @@ from deepinfer.model.deepseek_v4.checkpoint import (
 from deepinfer.model.deepseek_v41 import cache as cache_layout
 from deepinfer.model.deepseek_v41 import step_plan, tiny, weights
 from deepinfer.model.deepseek_v41.args import ModelArgs
+from deepinfer.model.deepseek_v41.dspark import DSparkDrafts
 from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
@@ -164,7 +165,10 @@ class DeepseekV41Family:
         num_drafts: int,
         upload: Callable[[np.ndarray], torch.Tensor],
     ) -> StepDrafts | None:
-        return None  # DSpark drafting is not built yet
+        assert isinstance(model, DeepseekV41)
+        if not model.args.dspark_served:
+            return None
+        return DSparkDrafts(model, cache, geometry, num_drafts, upload)
 
     def history_tokens(self, args: ModelArgs) -> int:
         """The engram's n-gram windows reach max_ngram_size - 1 tokens back."""

@@ -57,6 +57,10 @@ class CrossLayer:
     candidates: torch.Tensor | None = None
     shared_hidden: torch.Tensor | None = None
     full_plans: StepMetadata | None = None
+    # DSpark served: each target layer's input streams averaged [T', D], by its index in
+    # dspark_target_layer_ids, and the batch of those rows (the consumer half's under YoCo).
+    features: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    feature_batch: ForwardBatch | None = None
 
 
 class Compressor(nn.Module):
@@ -340,6 +344,9 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.attn = Attention(args, layer_id, kernels, ratio=ratio)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
+        # Index of this layer among the drafter's targets (DSpark served), else None.
+        targets = args.dspark.target_layer_ids if args.dspark_served and args.dspark else ()
+        self.target_index = targets.index(layer_id) if layer_id in targets else None
         gate = Gate(args, num_experts, topk)
         # V4's MoE (shared expert, routed experts through kernels.moe) with V4.1's router.
         self.ffn = MoE(args, layer_id, kernels, num_local, gate=gate)  # type: ignore[arg-type]
@@ -381,6 +388,9 @@ class Block(nn.Module):
                     t[meta.yoco_rows] for t in (x, pre_attn, post, comb, h)
                 )
             batch = consumer
+        if self.target_index is not None:  # the drafter reads this layer's input streams
+            cross.features[self.target_index] = x.float().mean(dim=1).to(x.dtype)
+            cross.feature_batch = batch
         out = self.attn(h, batch, cache, cross, inv_freq)
         x = norm.hc_post(out, x, post, comb)
         pre_ffn, post, comb, h = norm.hc_pre_shifted(
@@ -502,9 +512,48 @@ class DeepseekV41(nn.Module):
                 batch = consumer
                 continue
             x, pre = layer(x, pre, batch, cache, cross, rows, self.compress_inv_freq)
+        if self.args.dspark_served:
+            self._write_main_keys(cross, cache)
         x, pre = x[batch.logits_indices], pre[batch.logits_indices]  # [N, hc, D], [N, hc]
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # [N, D]
         return self.head(self.norm(collapsed)).float()
+
+    def _write_main_keys(self, cross: CrossLayer, cache: KVCache) -> None:
+        """DSpark: every drafter layer's key of each token of the step, from the target layers'
+        features (``main_norm(main_proj(cat))``, then the layer's own ``wkv`` and ``kv_norm``,
+        roped at the token's position), into that layer's window ring by the step's ring plan
+        (pads to the scratch slot's)."""
+        batch = cross.feature_batch
+        assert batch is not None and self.args.dspark is not None
+        meta = batch.metadata
+        assert isinstance(meta, StepMetadata)
+        features = [cross.features[i] for i in range(len(self.args.dspark.target_layer_ids))]
+        first = self.mtp[0]
+        h = first.main_norm(first.main_proj(torch.cat(features, dim=-1)))  # [T', D]
+        cos, sin = batch.rope["main"]
+        for layer in self.mtp:
+            attn = layer.attn
+            keys = self.norm_ops.apply_rope(attn.kv_norm(attn.wkv(h)), cos, sin)  # [T', hd]
+            ring = cache[attn.layer_id, "ring"].flatten(0, 1)
+            ring[meta.ring_dst] = keys[meta.ring_src].to(ring.dtype)
+
+    @torch.inference_mode()
+    def dspark_forward(
+        self, batch: ForwardBatch, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's layers over a batch of draft blocks (``dspark.py`` plans it): logits
+        [T, V] fp32 before the Markov correction, and the collapsed streams [T, D] before the
+        last norm (the confidence head reads them)."""
+        batch.rope = {"main": rope_cos_sin(batch.positions, self.main_inv_freq)}
+        x = self.embed(batch.input_ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1)
+        x = x.contiguous()  # [T, hc, D]
+        pre = torch.zeros(x.shape[0], self.args.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0
+        cross = CrossLayer()
+        for layer in self.mtp:
+            x, pre = layer(x, pre, batch, cache, cross, None, self.compress_inv_freq)
+        hidden = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # [T, D]
+        return self.head(self.mtp[-1].norm(hidden)).float(), hidden
 
     def _consumer_batch(self, batch: ForwardBatch, meta: StepMetadata) -> ForwardBatch | None:
         """The consumer half's batch under a YoCo truncation that narrows this step (None:
