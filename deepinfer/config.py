@@ -164,11 +164,26 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # drafts per request per step (cache.max_draft_tokens)
     prompt_lookup_min: int = 2  # ngram: the shortest suffix that is looked up
     prompt_lookup_max: int = 4  # ngram: the longest
+    # fixed (every request verifies all its drafts) | confidence (dspark: the confidence head
+    # decides per request per step how many, scheduler/drafts.py ConfidenceSchedule).
+    verify_schedule: str = "fixed"
+    verify_cost_tokens: float = 8.0  # confidence: a step's fixed cost, in tokens' worth
+    max_verify_tokens: int = 0  # confidence: drafts a step verifies at most (0: no bound)
 
     def __post_init__(self) -> None:
         _check_choice("speculative.method", self.method, ("none", "ngram", "mtp", "dspark"))
         _check_positive("speculative.num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("speculative.prompt_lookup_min", self.prompt_lookup_min)
+        _check_choice("speculative.verify_schedule", self.verify_schedule, ("fixed", "confidence"))
+        if self.verify_schedule == "confidence" and self.method != "dspark":
+            raise ValueError(
+                "speculative.verify_schedule='confidence' needs a drafter with a confidence head "
+                f"(method 'dspark'), not {self.method!r}"
+            )
+        if self.verify_cost_tokens < 0 or self.max_verify_tokens < 0:
+            raise ValueError(
+                "speculative.verify_cost_tokens and speculative.max_verify_tokens must be >= 0"
+            )
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(
                 f"speculative.prompt_lookup_max={self.prompt_lookup_max} must be >= "

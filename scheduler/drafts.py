@@ -173,6 +173,41 @@ VERIFY_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
 _NUM_VERIFY_BUCKETS = len(VERIFY_TIME_BUCKETS) + 1
 
 
+@dataclass(frozen=True)
+class ConfidenceSchedule:
+    """How many of its drafts each decoding request verifies in a step, from the drafter's
+    confidence (``speculative.verify_schedule = "confidence"``; DeepSeek's engine's MTP varlen
+    schedule, with a linear step cost instead of its measured curve).
+
+    ``rates[r][j]`` estimates P(draft j + 1 accepted | the drafts before it accepted), so the
+    cumulative product c[r][j] is the expected number of tokens that verifying draft j + 1 adds
+    (given the ones before it verified). A step of N requests verifying k drafts costs
+    ``cost_tokens`` + N + k token-units (``cost_tokens``: the fixed cost of a step, in tokens'
+    worth) and yields N + sum(c) tokens in expectation: the schedule takes the k drafts of
+    highest c (at most ``max_tokens``; 0: no bound) for the k that maximises that ratio. The c of
+    a request never grow with j, so each request verifies a prefix of its drafts."""
+
+    cost_tokens: float
+    max_tokens: int = 0
+
+    def counts(self, rates: dict[str, list[float]]) -> dict[str, int]:
+        """Drafts to verify per request id (every id of ``rates``)."""
+        if not rates:
+            return {}
+        ids = list(rates)
+        gains = [np.cumprod(np.asarray(rates[r], dtype=np.float64)) for r in ids]
+        owner = np.concatenate([np.full(len(g), i) for i, g in enumerate(gains)])
+        value = np.concatenate(gains)
+        order = np.argsort(-value, kind="stable")  # ties: earlier requests, earlier drafts
+        limit = len(order) if self.max_tokens <= 0 else min(self.max_tokens, len(order))
+        n = len(ids)
+        k = np.arange(limit + 1)
+        gained = np.concatenate([[0.0], np.cumsum(value[order[:limit]])])
+        best = int(np.argmax((n + gained) / (self.cost_tokens + n + k)))
+        picked = np.bincount(owner[order[:best]], minlength=n)
+        return {r: int(c) for r, c in zip(ids, picked, strict=True)}
+
+
 @dataclass
 class SpecDecodeStats:
     """What verification steps did, for metrics (vLLM's spec_decode_* counters): one ``draft``

@@ -133,6 +133,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] | None = None
+    draft_confidence: dict[str, list[float]] | None = None  # the drafter's, per draft (DSpark)
     verify_time_s: float | None = None
 
 

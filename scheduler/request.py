@@ -127,6 +127,9 @@ class Request:
     # The drafter's own state for this request (the n-gram drafter's token array); it goes
     # with the request.
     drafter_state: Any = field(default=None, repr=False, compare=False)
+    # The drafter's confidence in each of its last drafts (a drafter with a confidence head,
+    # DSpark): what the confidence schedule reads.
+    draft_confidence: list[float] | None = field(default=None, repr=False, compare=False)
     # Prefill/decode hand-off, prefill side: after its first output token the request leaves
     # the running queue with its blocks and slot held, until they are exported and released.
     hand_off: bool = False

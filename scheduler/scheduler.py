@@ -45,7 +45,12 @@ from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.scheduler.block_manager import BlockManager
-from deepinfer.scheduler.drafts import Drafter, SpecDecodeStats, num_draft_slots
+from deepinfer.scheduler.drafts import (
+    ConfidenceSchedule,
+    Drafter,
+    SpecDecodeStats,
+    num_draft_slots,
+)
 from deepinfer.scheduler.integrity import check_integrity
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
@@ -90,6 +95,10 @@ class Scheduler:
         self.drafter: Drafter | None = None
         self.spec_stats = SpecDecodeStats()
         self.max_draft_tokens = max_draft_tokens
+        # None: every request verifies all the drafts it may (fixed length); else how many the
+        # drafter's confidence earns each, decided once per step.
+        self.verify_schedule: ConfidenceSchedule | None = None
+        self._verify_counts: dict[str, int] = {}
         self._init_managers(num_blocks, num_state_slots, prefix_caching, tiers)
         self._init_queues()
 
@@ -241,6 +250,9 @@ class Scheduler:
         call (this call's preemptions included); ``preempted_request_ids`` the preempted subset.
         """
         scheduled: list[ScheduledRequest] = []
+        if self.verify_schedule is not None:
+            rates = {r.request_id: r.draft_confidence for r in self._running if r.draft_confidence}
+            self._verify_counts = self.verify_schedule.counts(rates)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         # Admitting right after a preemption would hand the freed blocks to a newcomer (or back
         # to the victim) and preempt again next step. _preempted_ids is emptied below, so it is
@@ -297,6 +309,7 @@ class Scheduler:
             max_num_tokens=self._max_num_tokens,
             block_size=self.block_size if self.prefix is not None else None,
         )
+        num_slots = min(num_slots, self._verify_counts.get(request.request_id, num_slots))
         return list(self.drafter.propose(request, num_slots))[:num_slots] if num_slots else []
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
@@ -483,6 +496,8 @@ class Scheduler:
             new_logprobs = None
             if sampled and runner_output.draft_token_ids is not None:
                 request.drafter_state = runner_output.draft_token_ids.get(request.request_id)
+                confidence = runner_output.draft_confidence or {}
+                request.draft_confidence = confidence.get(request.request_id)
             if token_ids:
                 request.num_pending_tokens -= 1
                 logprobs = runner_output.logprobs.get(request.request_id)

@@ -22,6 +22,7 @@ from deepinfer.model.batch import SeqSpan, flatten
 from deepinfer.model.deepseek_v41.dspark import Block, DSparkDrafts
 from deepinfer.model.deepseek_v41.family import FAMILY
 from deepinfer.model.tiny import make_tiny_model
+from deepinfer.scheduler.drafts import ConfidenceSchedule
 
 DSPARK = {"method": "dspark", "num_speculative_tokens": 4}  # the tiny drafter's block size
 PROMPTS = [
@@ -145,3 +146,36 @@ def test_every_dspark_block_is_the_drafter_after_a_forward_from_scratch(
                 assert got == want, (len(tokens), drafts)
                 checked += 1
     assert checked > 0.9 * 4 * len(recorder.records[::3]) > 40
+
+
+def test_the_confidence_schedule_takes_the_drafts_worth_their_cost() -> None:
+    # Cumulative gains: a .9 .81 .729 .6561, b .2 .1 .05 .025. With a step's fixed cost at 8
+    # tokens, (2 + gains) / (8 + 2 + k) peaks at k = 4 (0.364; k = 5 gives 0.353): a's four.
+    rates = {"a": [0.9, 0.9, 0.9, 0.9], "b": [0.2, 0.5, 0.5, 0.5]}
+    assert ConfidenceSchedule(cost_tokens=8.0).counts(rates) == {"a": 4, "b": 0}
+    assert ConfidenceSchedule(cost_tokens=8.0, max_tokens=2).counts(rates) == {"a": 2, "b": 0}
+    # A step that costs nothing fixed gains nothing from a draft below certainty; one that
+    # costs a lot gains from every draft.
+    assert ConfidenceSchedule(cost_tokens=0.0).counts(rates) == {"a": 0, "b": 0}
+    assert ConfidenceSchedule(cost_tokens=1e3).counts(rates) == {"a": 4, "b": 4}
+    assert ConfidenceSchedule(cost_tokens=8.0).counts({}) == {}
+
+
+def test_the_confidence_schedule_changes_what_is_verified_not_the_tokens(
+    tiny_v41_dir: Path, plain: list
+) -> None:
+    stats = {}
+    for schedule in ("fixed", "confidence"):
+        spec = {**DSPARK, "verify_schedule": schedule}
+        llm = _llm(tiny_v41_dir, speculative_config=spec, num_blocks=8)
+        _assert_same(_outputs(llm), plain)
+        assert llm.engine is not None
+        stats[schedule] = llm.engine.spec_stats()
+    fixed, scheduled = stats["fixed"], stats["confidence"]
+    # The random drafter's confidence is about 0.5 a draft: verifying the fourth (gain ~0.06)
+    # does not pay for its cost, so fewer drafts are verified per run.
+    per_run = {k: s["num_draft_tokens"] / s["num_drafts"] for k, s in stats.items()}
+    assert 0 < per_run["confidence"] < per_run["fixed"], per_run
+    assert scheduled["num_drafts"] > 0 and fixed["num_drafts"] > 0
+    with pytest.raises(ValueError, match="needs a drafter with a confidence head"):
+        LLM(speculative_config={"method": "ngram", "verify_schedule": "confidence"})

@@ -47,7 +47,7 @@ from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.parallel.group import RankGroup, with_rendezvous_port
 from deepinfer.parallel.lockstep import LockStep, RankStep
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.scheduler.drafts import Drafter, ExecutorDrafter, NgramDrafter
+from deepinfer.scheduler.drafts import ConfidenceSchedule, Drafter, ExecutorDrafter, NgramDrafter
 from deepinfer.scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -176,6 +176,10 @@ class LLMEngine:
                     f"speculative.method={spec.method!r} needs the model runner's drafter layers"
                 )
             self.set_drafter(ExecutorDrafter())
+            if spec.verify_schedule == "confidence":
+                self.scheduler.verify_schedule = ConfidenceSchedule(
+                    spec.verify_cost_tokens, spec.max_verify_tokens
+                )
             logger.info(
                 "speculative decoding: %s, %d drafts a step from the model's drafter layers "
                 "(steps run synchronously: each step's drafts come with its results)",

@@ -429,6 +429,8 @@ class ModelRunner:
         drafts into ``output``), then the step's snapshots."""
         assert self.step_drafts is not None
         output.draft_token_ids = self.step_drafts.run(scheduled, hidden, output.sampled_token_ids)
+        # A drafter with a confidence head (DSpark) says how likely each draft is accepted.
+        output.draft_confidence = getattr(self.step_drafts, "confidence", None)
         self._save_snapshots(snapshots)
 
     def _roll_back(self, sched: ScheduledRequest, num_rejected: int) -> None:
