@@ -179,3 +179,39 @@ def test_the_confidence_schedule_changes_what_is_verified_not_the_tokens(
     assert scheduled["num_drafts"] > 0 and fixed["num_drafts"] > 0
     with pytest.raises(ValueError, match="needs a drafter with a confidence head"):
         LLM(speculative_config={"method": "ngram", "verify_schedule": "confidence"})
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_verification_of_any_length_keeps_the_targets_distribution(agrees: bool) -> None:
+    """Steps verifying 1 to 4 drafts (lengths as the confidence schedule varies them): with the
+    sampler's draws keyed by (seed, position), every seeded run's tokens are exactly the plain
+    run's, so each output position follows the target's p (checked within 3 sigma over 2 x 10^4
+    seeds of a synthetic p), for a drafter that agrees with the target (its argmax) and one
+    that does not."""
+    from deepinfer.ops.sampling.torch_ref import SamplingMetadata, sample
+    from deepinfer.scheduler.drafts import accepted
+
+    num, first, span, out_len = 20_000, 7, 13, 4
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(num) for _ in range(span)]
+    positions = [first + j for _ in range(num) for j in range(span)]
+    metadata = SamplingMetadata.build(
+        params, [[1]] * len(params), [[]] * len(params), positions, eos_token_id=None, device="cpu"
+    )
+    logits = p.log().expand(len(params), -1).contiguous()
+    draws = sample(logits, metadata).token_ids.view(num, span).tolist()  # [seed][position]
+    draft = 0 if agrees else 4
+    lengths = [1, 4, 2, 3]
+    outputs = []
+    for row in draws:
+        tokens, step = [], 0
+        while len(tokens) < out_len:
+            n = lengths[step % len(lengths)]
+            at = len(tokens)  # the next position to sample, from ``first``
+            tokens += accepted([draft] * n, row[at : at + n + 1])
+            step += 1
+        assert tokens[:out_len] == row[:out_len]  # the plain run's: one draw a position
+        outputs.append(tokens[:out_len])
+    counts = torch.nn.functional.one_hot(torch.tensor(outputs), 5).float().mean(dim=0)  # [4, 5]
+    sigma = (p * (1 - p) / num).sqrt()
+    assert ((counts - p).abs() <= 3 * sigma).all(), counts
