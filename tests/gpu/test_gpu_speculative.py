@@ -1,10 +1,10 @@
-"""Speculative decoding on CUDA, fp32, TF32 off: with n-gram drafts and with the MTP layer's, the
-tiny model's tokens and logprobs are those of the plain run (Triton kernels, decode graphs on:
-the verify steps replay graphs of 1 + k rows per request: every step with MTP, the few with
-n-gram drafts the random weights allow), batched, chunked, preempted, with
-prefix hits and asynchronous scheduling on; every graph was captured at start-up; and the
-verify steps are timed (their times include first-use kernel compilation here: the figures are
-benchmarks/spec_verify.py's)."""
+"""Speculative decoding on CUDA, fp32, TF32 off: with n-gram drafts, the MTP layer's and (on the
+tiny V4.1, lengths scheduled by its confidence head) DSpark's, the tiny model's tokens and
+logprobs are those of the plain run (Triton kernels, decode graphs on: the verify steps replay
+graphs of 1 + k rows per request, every step with MTP and DSpark, the few with n-gram drafts the
+random weights allow), batched, chunked, preempted, with prefix hits and asynchronous scheduling
+on; every graph was captured at start-up; and the verify steps are timed (their times include
+first-use kernel compilation here: the figures are benchmarks/spec_verify.py's)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
 
 
+@pytest.fixture(scope="module")
+def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny41") / "model"
+    return make_tiny_model(folder, model_type="deepseek_v41", seed=5)
+
+
 def _run(folder: Path, **kw: object) -> tuple[list, LLM]:
     llm = LLM(
         model=folder,
@@ -59,13 +65,22 @@ def _run(folder: Path, **kw: object) -> tuple[list, LLM]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dspark"])
 def test_tokens_with_drafts_are_those_without_on_cuda(
-    tiny_dir: Path, ieee_fp32: None, method: str, record_figure: Callable[[str], None]
+    tiny_dir: Path,
+    tiny_v41: Path,
+    ieee_fp32: None,
+    method: str,
+    record_figure: Callable[[str], None],
 ) -> None:
-    plain, _ = _run(tiny_dir)
-    spec = {"method": method, "num_speculative_tokens": 3}
-    drafted, llm = _run(tiny_dir, speculative_config=spec, num_blocks=8)
+    """dspark: the tiny V4.1 (its drafter's block of 4), verification lengths scheduled by the
+    confidence head."""
+    folder = tiny_v41 if method == "dspark" else tiny_dir
+    plain, _ = _run(folder)
+    spec: dict = {"method": method, "num_speculative_tokens": 3}
+    if method == "dspark":
+        spec = {"method": method, "num_speculative_tokens": 4, "verify_schedule": "confidence"}
+    drafted, llm = _run(folder, speculative_config=spec, num_blocks=8)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(drafted, plain, strict=True):
         assert tokens == want_tokens
         for a, b in zip(logprobs or [], want_logprobs or [], strict=True):
@@ -75,9 +90,9 @@ def test_tokens_with_drafts_are_those_without_on_cuda(
     steps = sum(stats["verify_time_counts"])
     assert steps > 0
     graphs = llm.engine.executor.graphs
-    assert graphs is not None and graphs.row_buckets == [1, 4]
+    assert graphs is not None and graphs.row_buckets == [1, 1 + spec["num_speculative_tokens"]]
     assert graphs.num_captures_while_serving == 0
-    if method == "mtp":  # every decode step verifies drafts (on random weights n-grams rarely)
+    if method != "ngram":  # every decode step verifies drafts (on random weights n-grams rarely)
         assert graphs.num_verify_replays > 0
     record_figure(
         f"speculative {method} (tiny, fp32): tokens = plain run's; {stats['num_drafts']} runs, "
