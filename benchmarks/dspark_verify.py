@@ -169,7 +169,9 @@ def measure_kinds(
 
             times[name, b, k] = timed(step, setup, ns)
             if name == OUTER:
-                plans = median_time(fresh, setup, ns.warmup, ns.repeats) - times[name, b, k]["eager"]
+                plans = (
+                    median_time(fresh, setup, ns.warmup, ns.repeats) - times[name, b, k]["eager"]
+                )
                 times[PLANS, b, k] = dict.fromkeys(times[name, b, k], plans)
             else:
                 counts = experts_hit(model, step)
@@ -255,3 +257,319 @@ def drafting_pass(
         "forward_s": median_time(forward, setup, max(1, ns.warmup), ns.repeats),
         "experts_hit": experts_hit(model, run),
     }
+
+
+# ---- bytes and figures -----------------------------------------------------------------------
+
+
+def nbytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    params = (p for n, p in module.named_parameters() if not n.startswith(skip))
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def pass_bytes(model: DeepseekV41, hits: list[int], batch: int, item: int) -> float:
+    """A drafting pass's reads: each DSpark layer's weights but routed experts (not main_proj:
+    the write reads it; not the Markov table: rows), the experts hit, its ring's window of main
+    keys a request; the LM head."""
+    a, total = model.args, float(nbytes(model.head))
+    for layer, hit in zip(model.mtp, hits, strict=True):
+        experts = layer.ffn.experts
+        total += nbytes(layer, ("main_", "markov_head.embed", "ffn.experts."))
+        total += hit * nbytes(experts) / experts.shapes["w1"][0]
+        total += batch * a.sliding_window * a.head_dim * item
+    return total
+
+
+def write_bytes(model: DeepseekV41, rows: int, item: int) -> float:
+    """main_proj, main_norm, each DSpark layer's wkv and kv_norm; features read, keys written."""
+    first, a = model.mtp[0], model.args
+    weights = [first.main_proj, first.main_norm]
+    weights += [m for layer in model.mtp for m in (layer.attn.wkv, layer.attn.kv_norm)]
+    per_row = 3 * a.hidden_size + len(model.mtp) * a.head_dim
+    return sum(nbytes(m) for m in weights) + rows * per_row * item
+
+
+def kind_time(times: Times, kind: str, b: int, k: int, mode: str) -> float:
+    with_, without = MODELS[kind]
+    return times[with_, b, k][mode] - times[without, b, k][mode]
+
+
+def full_depth(times: Times, b: int, k: int, mode: str) -> float:
+    layers = sum(n * kind_time(times, kind, b, k, mode) for kind, n in FULL_DEPTH.items())
+    return layers + times[OUTER, b, k][mode] + times[PLANS, b, k][mode]
+
+
+def write_time(times: Times, b: int, k: int, mode: str) -> float:
+    return times["served", b, k][mode] - times["unserved", b, k][mode]
+
+
+def verify_bytes(costs: dict, hits: dict, setup: Setup, b: int, k: int, ctx: int) -> float:
+    """The full-depth verify step's: layers by kind (v41_flash.decode_bytes) + the LM head."""
+    item = torch.empty((), dtype=setup.dtype).element_size()
+    a = args_of("swa", setup)
+    total = float(a.vocab_size * a.hidden_size * item)
+    for kind, n in FULL_DEPTH.items():
+        args = args_of(kind, setup)
+        total += n * decode_bytes(args, costs[kind], b, ctx + k, hits[kind, b, k], item)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """One batch size's step costs (s): the served verify step at T = B(L + 1) tokens (L = 0 ..
+    BLOCK), the plain step (unserved, L = 0), the drafting pass."""
+
+    batch: int
+    served: list[float]
+    plain: float
+    drafter: float
+
+    @property
+    def tokens(self) -> list[int]:
+        return [self.batch * (k + 1) for k in DRAFTS]
+
+    def verify(self, total: int) -> float:
+        return float(np.interp(total, self.tokens, self.served))
+
+    @property
+    def line(self) -> tuple[float, float]:
+        """(intercept s, slope s / token) of served verify time against T (slope > 0)."""
+        slope, intercept = np.polyfit(self.tokens, self.served, 1)
+        return float(intercept), max(float(slope), 1e-12)
+
+    @property
+    def cost_tokens(self) -> float:
+        """speculative.verify_cost_tokens: a step's fixed cost (verify + pass) in tokens."""
+        intercept, slope = self.line
+        return (intercept + self.drafter) / slope
+
+
+def rate_of(tau: float) -> float:
+    """The conditional acceptance rate a with 1 + a + .. + a^BLOCK = tau (bisection)."""
+    if not 1 <= tau <= BLOCK + 1:
+        raise SystemExit(f"acceptance length {tau} is outside [1, {BLOCK + 1}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**j for j in DRAFTS) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def project(c: Costs, rates: list[float], mode: str) -> list[float]:
+    """[drafts verified a request, tokens a request gains, step s, tok/s per user], means over
+    steps whose requests cycle through ``rates`` (one step starting at each entry)."""
+    steps = []
+    for s in range(len(rates)):
+        mine = [rates[(s + i) % len(rates)] for i in range(c.batch)]
+        counts = [0 if mode == "no drafts" else BLOCK] * c.batch
+        if mode.startswith("confidence"):
+            confidence = {str(i): [a] * BLOCK for i, a in enumerate(mine)}
+            counts = list(ConfidenceSchedule(c.cost_tokens).counts(confidence).values())
+        gained = [sum(a**j for j in range(n + 1)) for a, n in zip(mine, counts, strict=True)]
+        tokens = c.batch + sum(counts)
+        if mode == "confidence, padded" and any(counts):
+            tokens = c.batch * (BLOCK + 1)  # every request padded to the graph's 1 + BLOCK rows
+        step = c.plain if mode == "no drafts" else c.verify(tokens) + c.drafter
+        steps.append((statistics.mean(counts), statistics.mean(gained), step))
+    means = [statistics.mean(column) for column in zip(*steps, strict=True)]
+    return [*means, statistics.mean(g / t for _, g, t in steps)]
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+def report(
+    ns: argparse.Namespace,
+    setup: Setup,
+    kernels: Kernels,
+    bandwidth: float,
+    measured: tuple[Times, dict, dict, dict],
+    served: DeepseekV41,
+) -> dict[str, list[list]]:
+    """Prints the tables and the RESULTS block; returns the tables' rows by title."""
+    times, hits, costs, drafter = measured
+    modes = ["eager", "graph"] if ns.graph else ["eager"]
+    best = modes[-1]
+    item = torch.empty((), dtype=setup.dtype).element_size()
+    tables: dict[str, tuple[list[str], list[list]]] = {}
+    for mode in modes:
+        rows = [
+            [p, b, *(ms(times[p, b, k][mode]) for k in DRAFTS)]
+            for p in (OUTER, PLANS)
+            for b in ns.batches
+        ]
+        rows += [
+            [kind, b, *(ms(kind_time(times, kind, b, k, mode)) for k in DRAFTS)]
+            for kind in FULL_DEPTH
+            for b in ns.batches
+        ]
+        title = f"Verify step per layer kind, {mode} ms by drafts verified L (measured):"
+        tables[title] = (["part", "batch", *(f"L={k}" for k in DRAFTS)], rows)
+    full, writes, fits = [], [], {}
+    for b in ns.batches:
+        served_s = [full_depth(times, b, k, best) + write_time(times, b, k, best) for k in DRAFTS]
+        fits[b] = Costs(b, served_s, full_depth(times, b, 0, best), drafter[b]["pass_s"])
+        for k in DRAFTS:
+            n = b * (k + 1)
+            bound = verify_bytes(costs, hits, setup, b, k, ns.context) / bandwidth
+            depth = [full_depth(times, b, k, m) for m in modes] + [None] * (2 - len(modes))
+            write = [write_time(times, b, k, m) for m in modes] + [None] * (2 - len(modes))
+            plain = ratio(served_s[k], fits[b].plain)
+            full.append(
+                [
+                    b,
+                    k,
+                    n,
+                    *map(ms, depth),
+                    ms(bound),
+                    ratio(depth[len(modes) - 1], bound),
+                    ms(write[len(modes) - 1]),
+                    ms(served_s[k]),
+                    plain,
+                ]
+            )
+            w_bound = write_bytes(served, n, item) / bandwidth
+            alone = times["write alone", b, k]["eager"]
+            writes.append(
+                [
+                    b,
+                    k,
+                    n,
+                    *map(ms, write),
+                    ms(alone),
+                    ms(w_bound),
+                    ratio(write[len(modes) - 1], w_bound),
+                ]
+            )
+    tables[f"Full-depth verify step (extrapolated; served = + the main-key write, {best}):"] = (
+        "batch|L|tokens|eager ms|graph ms|bound ms|best / bound|write ms|served ms|"
+        "served / plain L=0".split("|"),
+        full,
+    )
+    tables["Main-key write the served forward pays (served − unserved forward; measured):"] = (
+        "batch|L|tokens|eager ms|graph ms|alone eager ms|bound ms|best / bound".split("|"),
+        writes,
+    )
+    passes = []
+    for b in ns.batches:
+        d, verify5 = drafter[b], fits[b].served[BLOCK]
+        bound = pass_bytes(served, d["experts_hit"], b, item) / bandwidth
+        passes.append(
+            [
+                b,
+                b * BLOCK,
+                ms(d["pass_s"]),
+                ms(d["forward_s"]),
+                ms(d["pass_s"] - d["forward_s"]),
+                statistics.mean(d["experts_hit"]),
+                ms(bound),
+                ratio(d["pass_s"], bound),
+                ratio(d["pass_s"], verify5),
+            ]
+        )
+    tables["DSpark drafting pass a step (DSparkDrafts.run, eager as the engine runs it):"] = (
+        "batch|rows|pass ms|dspark_forward ms|rest ms|experts hit / layer|bound ms|"
+        "pass / bound|pass / served verify L=5".split("|"),
+        passes,
+    )
+    lines = [
+        [b, ms(c.line[0]), c.line[1] * 1e6, ms(c.drafter), c.cost_tokens] for b, c in fits.items()
+    ]
+    tables[f"Served verify time ≈ intercept + slope × T ({best}, least squares over L):"] = (
+        "batch|intercept ms|slope µs / token|pass ms|cost_tokens".split("|"),
+        lines,
+    )
+    mix = [float(v) for v in ns.mix.split(",") if v.strip()]
+    workloads = {"const": (ns.tau, [rate_of(ns.tau)]), "mix": (statistics.mean(mix), mix)}
+    workloads["mix"] = (statistics.mean(mix), [rate_of(t) for t in mix])
+    kinds = ["confidence, padded", "confidence, unpadded"] if ns.graph else ["confidence"]
+    projection = []
+    for b, (name, (tau, rates)) in itertools.product(ns.batches, workloads.items()):
+        got = {m: project(fits[b], rates, m) for m in ["no drafts", "fixed 5", *kinds]}
+        for m, (k, gained, step, tok_s) in got.items():
+            versus = [ratio(tok_s, got[other][3]) for other in ("fixed 5", "no drafts")]
+            projection.append([b, name, tau, m, k, gained, ms(step), tok_s, *versus])
+    tables["Tokens/s per user, PROJECTED from the step costs above (not served):"] = (
+        "batch|requests|τ|mode|drafts verified / request|tokens / request / step|step ms|"
+        "tok/s per user|× fixed 5|× no drafts".split("|"),
+        projection,
+    )
+    for title, (headers, body) in tables.items():
+        print(f"\n{title}\n{table(headers, body)}")
+    print()
+    for b, c in fits.items():
+        print(f"batch {b}: speculative.verify_cost_tokens = {c.cost_tokens:.1f} ({best} steps)")
+    ds = served.args.dspark
+    assert ds is not None
+    notes = [
+        "Shapes: the reported V4.1-Flash hyper-parameters (unverified), random weights, routed "
+        f"experts packed FP4, no engram; DSpark: {len(served.mtp)} layers, block "
+        f"{ds.block_size}, {ds.num_experts} experts top-{ds.num_experts_per_tok}, Markov rank "
+        f"{ds.markov_rank}; ctx {ns.context}. Kernels {describe_kernels(kernels)}.",
+        "Verify step with L drafts: L + 1 tokens a request; per kind = model with it − model "
+        f"without it, median of {ns.repeats} after {ns.warmup} warm-up ({', '.join(modes)}). "
+        "Full depth is extrapolated, not measured. Bound = bytes / copy bandwidth measured in "
+        f"the run ({bandwidth / 1e12:.3f} TB/s), a lower bound for L > 0.",
+        "Drafting pass = DSparkDrafts.run (eager, as the engine runs it); main-key write = "
+        "served − unserved forward of 3 target layers on the same weights.",
+        f"Projection, not a served run: const = every request at τ {ns.tau}; mix = requests "
+        f"cycling τ {mix}; confidence = ConfidenceSchedule with the fitted cost_tokens and a "
+        "calibrated confidence head"
+        + ("; padded = the engine's graph rows (1 or 6 a request)." if ns.graph else "."),
+    ]
+    blocks = [markdown(headers, body) for headers, body in tables.values()]
+    print(
+        f"\n{results_block('DSpark drafting and verification, V4.1-Flash shapes', SCRIPT, setup, notes, blocks)}"
+    )
+    return {title: body for title, (_, body) in tables.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--batch", help="batch sizes (default 1,32; --tiny: 1,4)")
+    ap.add_argument("--context", type=int, help="tokens a request holds (default 4096; --tiny: 64)")
+    ap.add_argument("--tau", type=float, default=3.5, help="acceptance length with 5 drafts")
+    ap.add_argument("--mix", default="1.5,2.5,4.5,5.5", help="acceptance lengths of the mix")
+    ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
+    ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes; CPU/fp32 without CUDA")
+    if ap.parse_known_args()[0].tiny:  # a smoke test: fewer timed calls unless asked
+        ap.set_defaults(warmup=1, repeats=3)
+    ns = ap.parse_args()
+    setup = make_setup(ns.tiny)
+    if ns.graph and not setup.is_cuda:
+        print("--graph: no CUDA device, eager only")
+        ns.graph = False
+    ns.batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,32"))
+    ns.context = ns.context or (64 if ns.tiny else 4096)
+    kernels = select_kernels(kernel_config(ns.backend), setup.device)
+    bandwidth = copy_bandwidth(setup)
+    print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s; {describe_kernels(kernels)}")
+    times: Times = {}
+    hits: dict = {}
+    costs: dict = {}
+    drafter: dict = {}
+    payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth}
+
+    def dump() -> None:
+        payload["times"] = [
+            {"part": p, "batch": b, "drafts": k, **{f"{m}_s": v for m, v in t.items()}}
+            for (p, b, k), t in times.items()
+        ]
+        payload["drafter"] = {str(b): d for b, d in drafter.items()}
+        write_json(ns.json, payload)
+
+    measure_kinds(ns, setup, kernels, times, hits, costs)
+    dump()
+    served = measure_drafter(ns, setup, kernels, times, drafter)
+    dump()
+    payload["tables"] = report(ns, setup, kernels, bandwidth, (times, hits, costs, drafter), served)
+    write_json(ns.json, payload)
+
+
+if __name__ == "__main__":
+    main()
