@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from draft_runs import Outputs, assert_same_outputs, run_with_prefix_hits
 from engine_spies import TruthDrafts, graph_shaped
 
 from deepinfer import LLM, SamplingParams
@@ -44,25 +45,13 @@ def _llm(folder: Path, **kw: object) -> LLM:
     return LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
 
 
-def _outputs(llm: LLM) -> list[tuple[list[int], object]]:
-    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    again = llm.generate(PROMPTS[:3], PARAMS[:3], use_tqdm=False)  # prefix hits
-    assert [o.num_cached_tokens for o in again] != [0, 0, 0]
-    assert llm.engine is not None
-    llm.engine.scheduler.check_integrity()
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs + again]
+def _outputs(llm: LLM) -> Outputs:
+    return run_with_prefix_hits(llm, PROMPTS, PARAMS, again=3)
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_v41_dir: Path) -> list[tuple[list[int], object]]:
+def plain(tiny_v41_dir: Path) -> Outputs:
     return _outputs(_llm(tiny_v41_dir, async_scheduling=False))
-
-
-def _assert_same(got: list, want: list) -> None:
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        for a, b in zip(logprobs or [], want_logprobs or [], strict=True):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 def test_dspark_configuration_errors(tiny_v41_dir: Path, tmp_path: Path) -> None:
@@ -85,7 +74,7 @@ def test_tokens_with_dspark_drafts_are_those_without(
     llm = _llm(
         tiny_v41_dir, async_scheduling=async_scheduling, speculative_config=DSPARK, num_blocks=8
     )
-    _assert_same(_outputs(llm), plain)
+    assert_same_outputs(_outputs(llm), plain)
     assert llm.engine is not None
     stats = llm.engine.spec_stats()
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] > stats["num_drafts"]
@@ -131,7 +120,7 @@ def test_every_dspark_block_is_the_drafter_after_a_forward_from_scratch(
     steps = graph_shaped(runner, max_tokens=5) if graphed else []
     recorder = TruthDrafts(runner.step_drafts.run, PROMPTS, [t for t, _ in plain[:4]])
     runner.step_drafts.run = recorder
-    _assert_same(_outputs(llm), plain)
+    assert_same_outputs(_outputs(llm), plain)
     stats = llm.engine.spec_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert llm.engine.num_preemptions > 0
@@ -168,7 +157,7 @@ def test_the_confidence_schedule_changes_what_is_verified_not_the_tokens(
     for schedule in ("fixed", "confidence"):
         spec = {**DSPARK, "verify_schedule": schedule}
         llm = _llm(tiny_v41_dir, speculative_config=spec, num_blocks=8)
-        _assert_same(_outputs(llm), plain)
+        assert_same_outputs(_outputs(llm), plain)
         assert llm.engine is not None
         stats[schedule] = llm.engine.spec_stats()
     fixed, scheduled = stats["fixed"], stats["confidence"]

@@ -12,12 +12,14 @@ sees (window keys, visible entries, block table).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 
 from deepinfer.engine.cuda_graphs import pad_spans
 from deepinfer.model.batch import SeqSpan
+from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
 from deepinfer.model.deepseek_v4.step_plan import plan_step
 
@@ -67,7 +69,9 @@ def _effects(host: dict[str, np.ndarray], seqs: list[SeqSpan]) -> dict[str, obje
         sees[tag] = (sorted(keys, key=str), visible, _table(host, seqs, tag))
     effects["sees"] = sees
     for m in g.ratios:
-        effects[m] = _compressor_effects({f: host[f"c{m}.{f}"] for f in _FIELDS}, tokens, m)
+        effects[m] = _compressor_effects(
+            {f.name: host[f"c{m}.{f.name}"] for f in dataclasses.fields(CompressPlan)}, tokens, m
+        )
     return effects
 
 
@@ -104,22 +108,6 @@ def _compressor_effects(c: dict[str, np.ndarray], tokens: list[tuple], m: int) -
         if d // b != SCRATCH_SLOT and src[s] != ("buf", int(d))  # rewriting a row in place
     }
     return {"entries": entries, "overlap": overlap, "buffer": buffer}
-
-
-_FIELDS = (
-    "buf_rows",
-    "window_rows",
-    "window_ids",
-    "prev_slots",
-    "prev_src",
-    "has_prev",
-    "prev_dst",
-    "last_window",
-    "keep_windows",
-    "entry_dst",
-    "left_src",
-    "left_dst",
-)
 
 
 def _random_step(rng: np.random.Generator) -> list[SeqSpan]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from draft_runs import Outputs, assert_same_outputs, run_with_prefix_hits
 from engine_spies import TruthDrafts, graph_shaped
 from safetensors.torch import load_file
 
@@ -90,25 +91,13 @@ def _llm(folder: Path, **kw: object) -> LLM:
     return LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
 
 
-def _outputs(llm: LLM) -> list[tuple[list[int], object]]:
-    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    again = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)  # prefix hits
-    assert [o.num_cached_tokens for o in again] != [0, 0]
-    assert llm.engine is not None
-    llm.engine.scheduler.check_integrity()
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs + again]
+def _outputs(llm: LLM) -> Outputs:
+    return run_with_prefix_hits(llm, PROMPTS, PARAMS, again=2)
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_dir: Path) -> list[tuple[list[int], object]]:
+def plain(tiny_dir: Path) -> Outputs:
     return _outputs(_llm(tiny_dir, async_scheduling=False))
-
-
-def _assert_same(got: list, want: list) -> None:
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        for a, b in zip(logprobs or [], want_logprobs or [], strict=True):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -117,7 +106,7 @@ def test_tokens_with_mtp_drafts_are_those_without(
 ) -> None:
     # num_blocks=8: too few blocks for all four at once, so some are preempted and recomputed.
     llm = _llm(tiny_dir, async_scheduling=async_scheduling, speculative_config=MTP, num_blocks=8)
-    _assert_same(_outputs(llm), plain)
+    assert_same_outputs(_outputs(llm), plain)
     assert llm.engine is not None
     stats = llm.engine.spec_stats()
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] > stats["num_drafts"]
@@ -176,7 +165,7 @@ def test_every_mtp_draft_is_the_layer_run_from_scratch(
     steps = graph_shaped(runner, max_tokens=4) if graphed else []
     recorder = TruthDrafts(runner.step_drafts.run, PROMPTS, [t for t, _ in plain[: len(PROMPTS)]])
     runner.step_drafts.run = recorder
-    _assert_same(_outputs(llm), plain)
+    assert_same_outputs(_outputs(llm), plain)
     if graphed:
         assert any(n > 1 and rows == 4 for n, rows in steps), f"no batched verify step: {steps}"
     stats = llm.engine.spec_stats()

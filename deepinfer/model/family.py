@@ -36,12 +36,31 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.ops import Kernels
 
 
+class DraftedRequest(Protocol):
+    """What a drafter run after each step reads of one scheduled request (the scheduler's
+    ScheduledRequest)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    state_slot: int
+    do_sample: bool
+    num_draft_tokens: int
+    window_floor: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
 class StepDrafts(Protocol):
     """A drafter that runs on the device after each step (DeepSeek-V4's MTP layer, DeepSeek-V4.1's
     DSpark block drafter)."""
 
     def run(
-        self, scheduled: list[Any], hidden: torch.Tensor | None, kept: dict[str, list[int]]
+        self,
+        scheduled: list[DraftedRequest],
+        hidden: torch.Tensor | None,
+        kept: dict[str, list[int]],
     ) -> dict[str, list[int]]:
         """After a step of ``scheduled`` (ScheduledRequests) whose forward kept ``hidden`` (None
         when the model keeps none) and whose sampled requests kept ``kept`` tokens: its own part

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,21 +36,7 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
 from deepinfer.model.deepseek_v4 import step_plan
 from deepinfer.model.deepseek_v4.model import DeepseekV4
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
-
-
-class ScheduledRequest(Protocol):
-    """What the MTP pass reads of one scheduled request (the scheduler's ScheduledRequest)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    state_slot: int
-    do_sample: bool
-    num_draft_tokens: int
-    window_floor: int
-
-    @property
-    def num_tokens(self) -> int: ...
+from deepinfer.model.family import DraftedRequest
 
 
 @dataclasses.dataclass
@@ -93,7 +78,7 @@ class MtpDrafts:
     @torch.inference_mode()
     def run(
         self,
-        scheduled: list[ScheduledRequest],
+        scheduled: list[DraftedRequest],
         hidden: torch.Tensor | None,
         kept: dict[str, list[int]],
     ) -> dict[str, list[int]]:
@@ -158,7 +143,7 @@ class MtpDrafts:
         return batch, dev
 
 
-def _plan_commit(scheduled: list[ScheduledRequest], kept: dict[str, list[int]]) -> _Commit:
+def _plan_commit(scheduled: list[DraftedRequest], kept: dict[str, list[int]]) -> _Commit:
     """Which positions the commit pass runs (module docstring), their tokens and hidden rows,
     the slots' new hidden rows and the rows the drafts are read from."""
     plan = _Commit()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,21 +40,7 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
 from deepinfer.model.deepseek_v41 import step_plan
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
-
-
-class ScheduledRequest(Protocol):
-    """What the drafting pass reads of one scheduled request (the scheduler's
-    ScheduledRequest)."""
-
-    request_id: str
-    start_pos: int
-    state_slot: int
-    do_sample: bool
-    num_draft_tokens: int
-    window_floor: int
-
-    @property
-    def num_tokens(self) -> int: ...
+from deepinfer.model.family import DraftedRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +87,7 @@ class DSparkDrafts:
     @torch.inference_mode()
     def run(
         self,
-        scheduled: list[ScheduledRequest],
+        scheduled: list[DraftedRequest],
         hidden: torch.Tensor | None,
         kept: dict[str, list[int]],
     ) -> dict[str, list[int]]:

@@ -1,0 +1,29 @@
+"""Runs that speculative-decoding tests compare token for token: a batch of prompts, then the
+first of them again (prefix hits), on an engine with or without drafts."""
+
+from __future__ import annotations
+
+from deepinfer import LLM, SamplingParams
+
+Outputs = list[tuple[list[int], object]]  # (tokens, logprobs) per request
+
+
+def run_with_prefix_hits(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], again: int
+) -> Outputs:
+    """Every prompt, then the first ``again`` ones once more (which must hit the prefix cache);
+    checks the scheduler's books after."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    repeated = llm.generate(prompts[:again], params[:again], use_tqdm=False)
+    assert any(o.num_cached_tokens for o in repeated), "the repeated prompts hit no prefix"
+    assert llm.engine is not None
+    llm.engine.scheduler.check_integrity()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs + repeated]
+
+
+def assert_same_outputs(got: Outputs, want: Outputs, atol: float = 1e-4) -> None:
+    """The same tokens, and logprobs of the same tokens within ``atol``."""
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        for a, b in zip(logprobs or [], want_logprobs or [], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < atol for t in a)
