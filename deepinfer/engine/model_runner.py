@@ -75,10 +75,11 @@ class ModelRunner:
         self._init_threads()
         self._init_precision()
         ep = group is not None and group.expert_parallel
-        if ep and getattr(args, "mtp_served", 0):
+        if ep and (getattr(args, "mtp_served", 0) or getattr(args, "dspark_served", False)):
             raise ValueError(
-                "speculative.method='mtp' with expert parallelism over ranks is not supported: "
-                "the MTP layer's steps would need every rank in lock-step (use ngram)"
+                "speculative decoding with the model's drafter layers (mtp, dspark) and expert "
+                "parallelism over ranks is not supported: the drafter's steps would need every "
+                "rank in lock-step (use ngram)"
             )
         kernel = config.kernel
         if not config.model.fp8_weights and kernel.linear == "auto":
