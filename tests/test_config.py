@@ -141,7 +141,8 @@ _OTHER_VALUES = {
     "log.format": "json",
     "parallel.data_parallel_size": 4,  # rank 1 + 3 local ranks fit
     "parallel.backend": "gloo",
-    "speculative.method": "ngram",
+    "speculative.method": "dspark",
+    "speculative.verify_schedule": "confidence",  # with dspark: its confidence head
     "cache.max_draft_tokens": 5,  # >= speculative.num_speculative_tokens' other value, 4
     "routing.policy": "least_loaded",
     "routing.balance_ratio": 3.0,
