@@ -1,46 +1,47 @@
-"""DSpark drafting and verification steps on DeepSeek-V4.1-Flash shapes, and a projection of
-fixed against confidence-scheduled verification.
+"""DSpark drafting and verify steps on DeepSeek-V4.1-Flash shapes; fixed vs confidence schedule.
 
     bash scripts/gpu_bench.sh benchmarks/dspark_verify.py [--batch 1,32] [--context 4096]
-        [--tau 3.5] [--mix 1.5,2.5,4.5,5.5] [--graph] [--json PATH]
+        [--tau 3.5] [--mix 1.5,2.5,4.5,5.5] [--graph] [--repeats 10] [--json PATH]
     python3 -P benchmarks/dspark_verify.py --tiny   # CPU smoke test: shapes shrunk, 3 repeats
 
 Shapes: v41_flash.py's (the reported V4.1-Flash hyper-parameters, unverified; random weights,
-routed experts packed FP4, no engram) and the drafter of the notes (§2.1, §4): 3 DSpark layers
-(sliding window, 128 experts of their own, top-3), block 5, Markov rank 256, noise token 128799
-(--tiny: 4 experts top-2, rank 8, token 4).
+routed experts packed FP4, no engram) and the drafter of DeepInfer's notes (§2.1, §4): 3 DSpark
+layers (sliding window, 128 experts of their own, top-3), block 5, Markov rank 256, noise token
+128799 (--tiny: 4 experts top-2, rank 8, token 4).
 
 Method. A verification step with L drafts (L = 0 .. 5; 0 is the plain decode step): each of B
 requests feeds L + 1 tokens at positions ctx .. ctx + L, logits at all (``verify_inputs``), on
 a cache of random values (no prefill). Per layer kind as v41_flash.py measures it (the model
-with it − the model without it; "outer": no layers), each step eager and, with --graph, as
-CUDA-graph replays (what the engine runs for decode and verify steps); CUDA events (host clock
-on the CPU), median of --repeats after --warmup, plans kept on the batch; "plans" = the outer
-model's step with its plans rebuilt − kept (host work, added to both). Full depth = 2 swa + 3 c2
-+ 15 c2_shared + 1 c1 + 4 c1_index + 15 c1_shared + outer + plans, extrapolated, not measured.
+with it − the model without it; "outer": the model with no layers), each step eager and, with
+--graph, as CUDA-graph replays (what the engine runs for decode and verify steps); CUDA events
+(the host clock on the CPU), median of --repeats after --warmup, plans kept on the batch;
+"plans" = the outer model's step with its plans rebuilt − kept (host work, added to both).
+Full depth = 2 swa + 3 c2 + 15 c2_shared + 1 c1 + 4 c1_index + 15 c1_shared + outer + plans,
+extrapolated, not measured; "served" adds the main-key write.
 
-Drafter: 3 sliding-window layers (the targets, dspark_target_layer_ids [0, 1, 2], one side of
-the YoCo boundary as the release's [37, 38, 39]) and the 3 DSpark layers, served (the cache has
-their rings), and its twin on the same weights, not served. Main-key write = served − unserved
+Drafter: 3 sliding-window layers (the targets, dspark_target_layer_ids [0, 1, 2]: one side of
+the YoCo boundary, as the release's [37, 38, 39]) and the 3 DSpark layers, built served (the
+cache has their rings) and not served on the same weights. Main-key write = served − unserved
 forward of the same step (stream means, main_proj + main_norm, each layer's wkv + kv_norm +
-RoPE, ring writes); ``_write_main_keys`` alone as a check. "Served" full depth adds it. Drafting
-pass = ``DSparkDrafts.run`` after a decode step, eager as the engine runs it (block plans in one
+RoPE, ring writes), and ``_write_main_keys`` alone as a check. Drafting pass =
+``DSparkDrafts.run`` after a decode step, eager as the engine runs it (the block plans in one
 upload, ``dspark_forward`` over B x 5 rows, the Markov / confidence loop, the read-back); also
-``dspark_forward`` alone. Bounds = bytes / copy bandwidth measured in the run: weights but
-routed experts, the experts the routers hit (FP4), KV read once a request (a lower bound for
-L > 0), the LM head; for the pass, its 3 layers' and 128 main keys a request, LM + Markov heads.
+``dspark_forward`` alone. Bounds = bytes / copy bandwidth measured in the run. Verify step:
+weights but routed experts, the experts the routers hit (FP4), KV read once a request (a lower
+bound for L > 0), the LM head. Pass: the same of its 3 layers, the 128 main keys a request and
+layer, the LM and Markov heads. Write: its weights, features read, keys written.
 
 Projection (from these step costs, not a served run): step = served verify(T) + pass, T the
 step's tokens, verify interpolated linearly between the measured T = B(L + 1) (graph replays
 with --graph, else eager). A request accepts each draft with a conditional rate a: "const", all
 with 1 + a + .. + a^5 = --tau; "mix", requests cycling through the --mix acceptance lengths.
 Confidence head calibrated (confidence = a): verifying k drafts gains 1 + a + .. + a^k tokens.
-Modes: no drafts (plain step, unserved); fixed 5; confidence (``ConfidenceSchedule``, its
-cost_tokens = (intercept + pass) / slope of the least-squares line of served verify time
-against T at that batch). With --graph, "padded": every request runs 1 + 5 rows once one
-verifies a draft (DecodeGraphs' row buckets are 1 and 1 + num_speculative_tokens); "unpadded"
-is graphs per token count, a what-if. Tok/s per user = tokens a request gains per step / step
-time, mean over requests. Not timed: sampling, acceptance, scheduling.
+Modes: no drafts (the plain step, unserved, no pass); fixed 5; confidence (``ConfidenceSchedule``
+with cost_tokens = (intercept + pass) / slope of the least-squares line of served verify time
+against T at that batch). With --graph, "padded": every request runs the rows of the smallest
+graph that holds the step's longest request (DecodeGraphs' row buckets: 1, 2, 4, 6 a request);
+"unpadded" is the what-if of graphs per token count. Tok/s per user = tokens a request gains
+per step / step time, mean over requests. Not timed: sampling, acceptance, scheduling.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import itertools
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +94,7 @@ from v41_flash import (
     outer_cache_args,
 )
 
+from deepinfer.engine.cuda_graphs import row_buckets
 from deepinfer.engine.staging import PinnedStaging
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
@@ -107,10 +110,11 @@ SCRIPT = "dspark_verify.py"
 OUTER, PLANS = "outer", "plans"
 BLOCK = 5  # dspark_block_size: the drafts of a step, so L = 0 .. BLOCK
 DRAFTS = range(BLOCK + 1)
+TARGETS = [0, 1, 2]  # dspark_target_layer_ids: the 3 layers of the drafter's model
 DSPARK = {
     "num_nextn_predict_layers": 3,
     "dspark_block_size": BLOCK,
-    "dspark_target_layer_ids": [0, 1, 2],
+    "dspark_target_layer_ids": TARGETS,
     "dspark_markov_rank": 256,
     "dspark_noise_token_id": 128799,
     "dspark_n_routed_experts": 128,
@@ -119,6 +123,7 @@ DSPARK = {
 TINY = {"dspark_markov_rank": 8, "dspark_noise_token_id": 4}
 TINY |= {"dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2}
 Times = dict[tuple[str, int, int], dict[str, float]]  # (part, batch, L) -> seconds by mode
+Table = tuple[list[str], list[list]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +141,19 @@ class Scheduled:
 
 def timed(fn: Callable[[], object], setup: Setup, ns: argparse.Namespace) -> dict[str, float]:
     """Median seconds of ``fn``: eager and, with --graph, CUDA-graph replays."""
-    out = {"eager": median_time(fn, setup, max(1, ns.warmup), ns.repeats)}
+    out = {"eager": median_time(fn, setup, *ns.timing)}
     if ns.graph:
         graph, why = graph_time(fn, setup, ns.warmup, ns.repeats)
         if graph is None:
             raise SystemExit(f"no CUDA graph: {why}")
         out["graph"] = graph
     return out
+
+
+def rebuilt(model: torch.nn.Module, batch: ForwardBatch, cache: KVCache) -> object:
+    """The step with its plans built again (kept on the batch otherwise)."""
+    batch.metadata = None
+    return model(batch, cache)
 
 
 def measure_kinds(
@@ -159,24 +170,17 @@ def measure_kinds(
         cache_args = outer_cache_args(setup.tiny) if name == OUTER else args
         for b, k in itertools.product(ns.batches, DRAFTS):
             batch, cache = verify_inputs(cache_args, setup, b, ns.context, k + 1, ns.seed, FAMILY)
-
-            def step(batch: ForwardBatch = batch, cache: KVCache = cache) -> object:
-                return model(batch, cache)  # plans built on the first call, kept on the batch
-
-            def fresh(batch: ForwardBatch = batch, cache: KVCache = cache) -> object:
-                batch.metadata = None
-                return model(batch, cache)
-
+            step = partial(model, batch, cache)  # plans built on the first call, then kept
             times[name, b, k] = timed(step, setup, ns)
             if name == OUTER:
-                plans = (
-                    median_time(fresh, setup, ns.warmup, ns.repeats) - times[name, b, k]["eager"]
+                fresh = median_time(partial(rebuilt, model, batch, cache), setup, *ns.timing)
+                times[PLANS, b, k] = dict.fromkeys(
+                    times[name, b, k], fresh - times[name, b, k]["eager"]
                 )
-                times[PLANS, b, k] = dict.fromkeys(times[name, b, k], plans)
             else:
                 counts = experts_hit(model, step)
                 hits[kind, b, k] = counts[-1] if counts else args.num_experts
-            del batch, cache, step, fresh
+            del batch, cache, step
             release()
         print(f"  measured {name}")
         del model
@@ -184,8 +188,8 @@ def measure_kinds(
 
 
 def build_twins(kernels: Kernels, setup: Setup, seed: int) -> tuple[DeepseekV41, DeepseekV41]:
-    """The drafter's model served and not served, on one set of random weights (as
-    v41_flash.build builds a model)."""
+    """3 target layers and the DSpark layers, served and not served, on one set of random
+    weights (built as v41_flash.build builds a model)."""
     cfg = config("swa+swa+swa", setup.tiny)
     cfg["text_config"].update({**DSPARK, **(TINY if setup.tiny else {})})
     args = ModelArgs.from_dict(cfg)
@@ -213,18 +217,17 @@ def measure_drafter(
     for b, k in itertools.product(ns.batches, DRAFTS):
         batch, cache = verify_inputs(a, setup, b, ns.context, k + 1, ns.seed, FAMILY)
         for name, model in (("served", served), ("unserved", plain)):
-            times[name, b, k] = timed(lambda m=model, x=batch, c=cache: m(x, c), setup, ns)
+            times[name, b, k] = timed(partial(model, batch, cache), setup, ns)
+        served(batch, cache)  # eager: the batch's RoPE (its plans are kept) for the write alone
         features = torch.randn(b * (k + 1), a.hidden_size, device=setup.device, dtype=setup.dtype)
-        cross = CrossLayer(features=dict.fromkeys(range(3), features), feature_batch=batch)
-
-        def write(cross: CrossLayer = cross, cache: KVCache = cache) -> None:
-            with torch.inference_mode():  # the batch's plans and RoPE: from the forwards above
-                served._write_main_keys(cross, cache)
-
-        times["write alone", b, k] = {"eager": median_time(write, setup, ns.warmup, ns.repeats)}
+        cross = CrossLayer(
+            features=dict.fromkeys(range(len(TARGETS)), features), feature_batch=batch
+        )
+        alone = partial(torch.inference_mode()(served._write_main_keys), cross, cache)
+        times["write alone", b, k] = {"eager": median_time(alone, setup, *ns.timing)}
         if k == 0:
             drafter[b] = drafting_pass(ns, setup, served, cache, b)
-        del batch, cache, write
+        del batch, cache, cross, alone
         release()
     print("  measured the drafter")
     return served
@@ -234,7 +237,7 @@ def drafting_pass(
     ns: argparse.Namespace, setup: Setup, model: DeepseekV41, cache: KVCache, batch: int
 ) -> dict:
     """``DSparkDrafts.run`` after a decode step of ``batch`` requests at ctx (each kept one token,
-    at ctx + 1), and its ``dspark_forward`` alone; the experts each DSpark layer's router hit."""
+    at ctx + 1) and its ``dspark_forward`` alone; the experts each DSpark layer's router hit."""
     staging = PinnedStaging(setup.device, copy_stream=True) if setup.is_cuda else None
 
     def upload(values: np.ndarray) -> torch.Tensor:  # the runner's: pinned staging on CUDA
@@ -242,19 +245,13 @@ def drafting_pass(
 
     drafts = DSparkDrafts(model, cache, FAMILY.geometry(model.args, cache), BLOCK, upload)
     scheduled = [Scheduled(f"r{i}", ns.context, i) for i in range(batch)]
-    kept = {s.request_id: [3 + 7 * s.state_slot] for s in scheduled}
+    kept = {s.request_id: [(3 + 7 * s.state_slot) % model.args.vocab_size] for s in scheduled}
     blocks = [Block(r, i, 0, *kept[r], ns.context + 1) for i, r in enumerate(kept)]
-    block_batch = drafts._batch(blocks)
-
-    def run() -> object:
-        return drafts.run(scheduled, None, kept)  # type: ignore[arg-type]
-
-    def forward() -> object:
-        return model.dspark_forward(block_batch, cache)
-
+    run = partial(drafts.run, scheduled, None, kept)
+    forward = partial(model.dspark_forward, drafts._batch(blocks), cache)
     return {
-        "pass_s": median_time(run, setup, max(1, ns.warmup), ns.repeats),
-        "forward_s": median_time(forward, setup, max(1, ns.warmup), ns.repeats),
+        "pass_s": median_time(run, setup, *ns.timing),
+        "forward_s": median_time(forward, setup, *ns.timing),
         "experts_hit": experts_hit(model, run),
     }
 
@@ -268,9 +265,9 @@ def nbytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
 
 
 def pass_bytes(model: DeepseekV41, hits: list[int], batch: int, item: int) -> float:
-    """A drafting pass's reads: each DSpark layer's weights but routed experts (not main_proj:
-    the write reads it; not the Markov table: rows), the experts hit, its ring's window of main
-    keys a request; the LM head."""
+    """A drafting pass's reads: each DSpark layer's weights but routed experts (not main_proj,
+    which the write reads, nor the Markov table: rows), the experts hit, its ring's window of
+    main keys a request; the LM head."""
     a, total = model.args, float(nbytes(model.head))
     for layer, hit in zip(model.mtp, hits, strict=True):
         experts = layer.ffn.experts
@@ -289,22 +286,8 @@ def write_bytes(model: DeepseekV41, rows: int, item: int) -> float:
     return sum(nbytes(m) for m in weights) + rows * per_row * item
 
 
-def kind_time(times: Times, kind: str, b: int, k: int, mode: str) -> float:
-    with_, without = MODELS[kind]
-    return times[with_, b, k][mode] - times[without, b, k][mode]
-
-
-def full_depth(times: Times, b: int, k: int, mode: str) -> float:
-    layers = sum(n * kind_time(times, kind, b, k, mode) for kind, n in FULL_DEPTH.items())
-    return layers + times[OUTER, b, k][mode] + times[PLANS, b, k][mode]
-
-
-def write_time(times: Times, b: int, k: int, mode: str) -> float:
-    return times["served", b, k][mode] - times["unserved", b, k][mode]
-
-
 def verify_bytes(costs: dict, hits: dict, setup: Setup, b: int, k: int, ctx: int) -> float:
-    """The full-depth verify step's: layers by kind (v41_flash.decode_bytes) + the LM head."""
+    """The full-depth verify step's: the layers by kind (v41_flash.decode_bytes), the LM head."""
     item = torch.empty((), dtype=setup.dtype).element_size()
     a = args_of("swa", setup)
     total = float(a.vocab_size * a.hidden_size * item)
@@ -312,6 +295,23 @@ def verify_bytes(costs: dict, hits: dict, setup: Setup, b: int, k: int, ctx: int
         args = args_of(kind, setup)
         total += n * decode_bytes(args, costs[kind], b, ctx + k, hits[kind, b, k], item)
     return total
+
+
+def part_time(times: Times, part: str, b: int, k: int, mode: str) -> float:
+    """A layer kind's seconds (the model with it − the one without) or a per-step part's."""
+    if part not in MODELS:
+        return times[part, b, k][mode]
+    with_, without = MODELS[part]
+    return times[with_, b, k][mode] - times[without, b, k][mode]
+
+
+def full_depth(times: Times, b: int, k: int, mode: str) -> float:
+    counts = {**FULL_DEPTH, OUTER: 1, PLANS: 1}
+    return sum(n * part_time(times, part, b, k, mode) for part, n in counts.items())
+
+
+def write_time(times: Times, b: int, k: int, mode: str) -> float:
+    return times["served", b, k][mode] - times["unserved", b, k][mode]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,15 +333,15 @@ class Costs:
 
     @property
     def line(self) -> tuple[float, float]:
-        """(intercept s, slope s / token) of served verify time against T (slope > 0)."""
+        """(intercept s, slope s / token > 0) of served verify time against T."""
         slope, intercept = np.polyfit(self.tokens, self.served, 1)
         return float(intercept), max(float(slope), 1e-12)
 
     @property
     def cost_tokens(self) -> float:
-        """speculative.verify_cost_tokens: a step's fixed cost (verify + pass) in tokens."""
+        """speculative.verify_cost_tokens: a step's fixed cost (verify + pass), in tokens."""
         intercept, slope = self.line
-        return (intercept + self.drafter) / slope
+        return max(0.0, (intercept + self.drafter) / slope)
 
 
 def rate_of(tau: float) -> float:
@@ -356,19 +356,19 @@ def rate_of(tau: float) -> float:
 
 
 def project(c: Costs, rates: list[float], mode: str) -> list[float]:
-    """[drafts verified a request, tokens a request gains, step s, tok/s per user], means over
-    steps whose requests cycle through ``rates`` (one step starting at each entry)."""
+    """[drafts verified a request, tokens a request gains, step s, tok/s per user]: means over
+    steps whose requests cycle through ``rates`` (a step starting at each entry)."""
     steps = []
     for s in range(len(rates)):
         mine = [rates[(s + i) % len(rates)] for i in range(c.batch)]
         counts = [0 if mode == "no drafts" else BLOCK] * c.batch
         if mode.startswith("confidence"):
-            confidence = {str(i): [a] * BLOCK for i, a in enumerate(mine)}
+            confidence = {str(i): [a] * BLOCK for i, a in enumerate(mine)}  # calibrated
             counts = list(ConfidenceSchedule(c.cost_tokens).counts(confidence).values())
         gained = [sum(a**j for j in range(n + 1)) for a, n in zip(mine, counts, strict=True)]
         tokens = c.batch + sum(counts)
-        if mode == "confidence, padded" and any(counts):
-            tokens = c.batch * (BLOCK + 1)  # every request padded to the graph's 1 + BLOCK rows
+        if mode == "confidence, padded":  # every request padded to its graph's rows
+            tokens = c.batch * next(r for r in row_buckets(BLOCK + 1) if r > max(counts))
         step = c.plain if mode == "no drafts" else c.verify(tokens) + c.drafter
         steps.append((statistics.mean(counts), statistics.mean(gained), step))
     means = [statistics.mean(column) for column in zip(*steps, strict=True)]
@@ -376,6 +376,94 @@ def project(c: Costs, rates: list[float], mode: str) -> list[float]:
 
 
 # ---- reporting -------------------------------------------------------------------------------
+
+
+def headers(spec: str) -> list[str]:
+    return spec.split("|")
+
+
+def verify_tables(ns: argparse.Namespace, times: Times, modes: list[str]) -> dict[str, Table]:
+    tables = {}
+    for mode in modes:
+        rows = [
+            [part, b, *(ms(part_time(times, part, b, k, mode)) for k in DRAFTS)]
+            for part in (OUTER, PLANS, *FULL_DEPTH)
+            for b in ns.batches
+        ]
+        title = f"Verify step per layer kind, {mode} ms by drafts verified L (measured):"
+        tables[title] = (["part", "batch", *(f"L={k}" for k in DRAFTS)], rows)
+    return tables
+
+
+def step_tables(
+    ns: argparse.Namespace,
+    setup: Setup,
+    bandwidth: float,
+    measured: tuple[Times, dict, dict, dict],
+    served: DeepseekV41,
+    modes: list[str],
+) -> tuple[dict[str, Table], dict[int, Costs]]:
+    """Full depth, the main-key write, the drafting pass, the fitted line; the costs by batch."""
+    times, hits, costs, drafter = measured
+    best, item = modes[-1], torch.empty((), dtype=setup.dtype).element_size()
+    full, writes, passes, lines, fits = [], [], [], [], {}
+    for b in ns.batches:
+        plain = full_depth(times, b, 0, best)
+        verify = [full_depth(times, b, k, best) + write_time(times, b, k, best) for k in DRAFTS]
+        c = fits[b] = Costs(b, verify, plain, drafter[b]["pass_s"])
+        for k in DRAFTS:
+            n, depth = b * (k + 1), {m: full_depth(times, b, k, m) for m in modes}
+            bound = verify_bytes(costs, hits, setup, b, k, ns.context) / bandwidth
+            row = [b, k, n, ms(depth["eager"]), ms(depth.get("graph")), ms(bound)]
+            full.append([*row, ratio(depth[best], bound), ms(verify[k]), ratio(verify[k], plain)])
+            write = {m: write_time(times, b, k, m) for m in modes}
+            alone = times["write alone", b, k]["eager"]
+            bound = write_bytes(served, n, item) / bandwidth
+            row = [b, k, n, ms(write["eager"]), ms(write.get("graph")), ms(alone), ms(bound)]
+            writes.append([*row, ratio(write[best], bound)])
+        d, t = drafter[b], drafter[b]["pass_s"]
+        bound = pass_bytes(served, d["experts_hit"], b, item) / bandwidth
+        row = [b, b * BLOCK, ms(t), ms(d["forward_s"]), ms(t - d["forward_s"])]
+        row += [statistics.mean(d["experts_hit"]), ms(bound), ratio(t, bound)]
+        passes.append([*row, ratio(t, verify[BLOCK])])
+        lines.append([b, ms(c.line[0]), c.line[1] * 1e6, ms(c.drafter), c.cost_tokens])
+    head = "batch|L|tokens|eager ms|graph ms|bound ms"
+    return {
+        f"Full-depth verify step ({best} = best; extrapolated; served = + the main-key write):": (
+            headers(f"{head}|best / bound|served ms|served / plain L=0"),
+            full,
+        ),
+        "Main-key write the served forward pays (served − unserved forward; measured):": (
+            headers("batch|L|tokens|eager ms|graph ms|alone eager ms|bound ms|best / bound"),
+            writes,
+        ),
+        "DSpark drafting pass a step (DSparkDrafts.run, eager as the engine runs it; measured):": (
+            headers(
+                "batch|rows|pass ms|dspark_forward ms|rest ms|experts hit / layer|bound ms|"
+                "pass / bound|pass / served L=5"
+            ),
+            passes,
+        ),
+        f"Served verify ms ≈ intercept + slope × tokens ({best}, least squares over L); "
+        "cost_tokens = (intercept + pass) / slope:": (
+            headers("batch|intercept ms|slope µs / token|pass ms|cost_tokens"),
+            lines,
+        ),
+    }, fits
+
+
+def projection_table(ns: argparse.Namespace, fits: dict[int, Costs]) -> Table:
+    workloads = {"const": (ns.tau, [rate_of(ns.tau)])}
+    workloads["mix"] = (statistics.mean(ns.mix), [rate_of(t) for t in ns.mix])
+    schedules = ["confidence, padded", "confidence, unpadded"] if ns.graph else ["confidence"]
+    rows = []
+    for b, (name, (tau, rates)) in itertools.product(ns.batches, workloads.items()):
+        got = {m: project(fits[b], rates, m) for m in ["no drafts", "fixed 5", *schedules]}
+        for m, (k, gained, step, tok_s) in got.items():
+            versus = [ratio(tok_s, got[other][3]) for other in ("fixed 5", "no drafts")]
+            rows.append([b, name, tau, m, k, gained, ms(step), tok_s, *versus])
+    spec = "batch|requests|mean τ|mode|drafts verified / request|tokens / request / step|"
+    return headers(f"{spec}step ms|tok/s per user|× fixed 5|× no drafts"), rows
 
 
 def report(
@@ -386,119 +474,18 @@ def report(
     measured: tuple[Times, dict, dict, dict],
     served: DeepseekV41,
 ) -> dict[str, list[list]]:
-    """Prints the tables and the RESULTS block; returns the tables' rows by title."""
-    times, hits, costs, drafter = measured
+    """Prints the tables, the cost_tokens lines and the RESULTS block; returns the rows."""
     modes = ["eager", "graph"] if ns.graph else ["eager"]
-    best = modes[-1]
-    item = torch.empty((), dtype=setup.dtype).element_size()
-    tables: dict[str, tuple[list[str], list[list]]] = {}
-    for mode in modes:
-        rows = [
-            [p, b, *(ms(times[p, b, k][mode]) for k in DRAFTS)]
-            for p in (OUTER, PLANS)
-            for b in ns.batches
-        ]
-        rows += [
-            [kind, b, *(ms(kind_time(times, kind, b, k, mode)) for k in DRAFTS)]
-            for kind in FULL_DEPTH
-            for b in ns.batches
-        ]
-        title = f"Verify step per layer kind, {mode} ms by drafts verified L (measured):"
-        tables[title] = (["part", "batch", *(f"L={k}" for k in DRAFTS)], rows)
-    full, writes, fits = [], [], {}
-    for b in ns.batches:
-        served_s = [full_depth(times, b, k, best) + write_time(times, b, k, best) for k in DRAFTS]
-        fits[b] = Costs(b, served_s, full_depth(times, b, 0, best), drafter[b]["pass_s"])
-        for k in DRAFTS:
-            n = b * (k + 1)
-            bound = verify_bytes(costs, hits, setup, b, k, ns.context) / bandwidth
-            depth = [full_depth(times, b, k, m) for m in modes] + [None] * (2 - len(modes))
-            write = [write_time(times, b, k, m) for m in modes] + [None] * (2 - len(modes))
-            plain = ratio(served_s[k], fits[b].plain)
-            full.append(
-                [
-                    b,
-                    k,
-                    n,
-                    *map(ms, depth),
-                    ms(bound),
-                    ratio(depth[len(modes) - 1], bound),
-                    ms(write[len(modes) - 1]),
-                    ms(served_s[k]),
-                    plain,
-                ]
-            )
-            w_bound = write_bytes(served, n, item) / bandwidth
-            alone = times["write alone", b, k]["eager"]
-            writes.append(
-                [
-                    b,
-                    k,
-                    n,
-                    *map(ms, write),
-                    ms(alone),
-                    ms(w_bound),
-                    ratio(write[len(modes) - 1], w_bound),
-                ]
-            )
-    tables[f"Full-depth verify step (extrapolated; served = + the main-key write, {best}):"] = (
-        "batch|L|tokens|eager ms|graph ms|bound ms|best / bound|write ms|served ms|"
-        "served / plain L=0".split("|"),
-        full,
-    )
-    tables["Main-key write the served forward pays (served − unserved forward; measured):"] = (
-        "batch|L|tokens|eager ms|graph ms|alone eager ms|bound ms|best / bound".split("|"),
-        writes,
-    )
-    passes = []
-    for b in ns.batches:
-        d, verify5 = drafter[b], fits[b].served[BLOCK]
-        bound = pass_bytes(served, d["experts_hit"], b, item) / bandwidth
-        passes.append(
-            [
-                b,
-                b * BLOCK,
-                ms(d["pass_s"]),
-                ms(d["forward_s"]),
-                ms(d["pass_s"] - d["forward_s"]),
-                statistics.mean(d["experts_hit"]),
-                ms(bound),
-                ratio(d["pass_s"], bound),
-                ratio(d["pass_s"], verify5),
-            ]
-        )
-    tables["DSpark drafting pass a step (DSparkDrafts.run, eager as the engine runs it):"] = (
-        "batch|rows|pass ms|dspark_forward ms|rest ms|experts hit / layer|bound ms|"
-        "pass / bound|pass / served verify L=5".split("|"),
-        passes,
-    )
-    lines = [
-        [b, ms(c.line[0]), c.line[1] * 1e6, ms(c.drafter), c.cost_tokens] for b, c in fits.items()
-    ]
-    tables[f"Served verify time ≈ intercept + slope × T ({best}, least squares over L):"] = (
-        "batch|intercept ms|slope µs / token|pass ms|cost_tokens".split("|"),
-        lines,
-    )
-    mix = [float(v) for v in ns.mix.split(",") if v.strip()]
-    workloads = {"const": (ns.tau, [rate_of(ns.tau)]), "mix": (statistics.mean(mix), mix)}
-    workloads["mix"] = (statistics.mean(mix), [rate_of(t) for t in mix])
-    kinds = ["confidence, padded", "confidence, unpadded"] if ns.graph else ["confidence"]
-    projection = []
-    for b, (name, (tau, rates)) in itertools.product(ns.batches, workloads.items()):
-        got = {m: project(fits[b], rates, m) for m in ["no drafts", "fixed 5", *kinds]}
-        for m, (k, gained, step, tok_s) in got.items():
-            versus = [ratio(tok_s, got[other][3]) for other in ("fixed 5", "no drafts")]
-            projection.append([b, name, tau, m, k, gained, ms(step), tok_s, *versus])
-    tables["Tokens/s per user, PROJECTED from the step costs above (not served):"] = (
-        "batch|requests|τ|mode|drafts verified / request|tokens / request / step|step ms|"
-        "tok/s per user|× fixed 5|× no drafts".split("|"),
-        projection,
-    )
-    for title, (headers, body) in tables.items():
-        print(f"\n{title}\n{table(headers, body)}")
+    tables = verify_tables(ns, measured[0], modes)
+    steps, fits = step_tables(ns, setup, bandwidth, measured, served, modes)
+    tables |= steps
+    title = "Tokens/s per user, PROJECTED from the step costs above (not a served run):"
+    tables[title] = projection_table(ns, fits)
+    for title, (columns, body) in tables.items():
+        print(f"\n{title}\n{table(columns, body)}")
     print()
     for b, c in fits.items():
-        print(f"batch {b}: speculative.verify_cost_tokens = {c.cost_tokens:.1f} ({best} steps)")
+        print(f"batch {b}: speculative.verify_cost_tokens = {c.cost_tokens:.1f} ({modes[-1]})")
     ds = served.args.dspark
     assert ds is not None
     notes = [
@@ -513,21 +500,20 @@ def report(
         "Drafting pass = DSparkDrafts.run (eager, as the engine runs it); main-key write = "
         "served − unserved forward of 3 target layers on the same weights.",
         f"Projection, not a served run: const = every request at τ {ns.tau}; mix = requests "
-        f"cycling τ {mix}; confidence = ConfidenceSchedule with the fitted cost_tokens and a "
-        "calibrated confidence head"
-        + ("; padded = the engine's graph rows (1 or 6 a request)." if ns.graph else "."),
+        f"cycling τ {ns.mix}; confidence = ConfidenceSchedule with the fitted cost_tokens and "
+        "a calibrated confidence head"
+        + ("; padded = the engine's graph rows (1, 2, 4 or 6 a request)." if ns.graph else "."),
     ]
-    blocks = [markdown(headers, body) for headers, body in tables.values()]
-    print(
-        f"\n{results_block('DSpark drafting and verification, V4.1-Flash shapes', SCRIPT, setup, notes, blocks)}"
-    )
+    blocks = [markdown(columns, body) for columns, body in tables.values()]
+    heading = "DSpark drafting and verification steps, V4.1-Flash shapes"
+    print(f"\n{results_block(heading, SCRIPT, setup, notes, blocks)}")
     return {title: body for title, (_, body) in tables.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--batch", help="batch sizes (default 1,32; --tiny: 1,4)")
-    ap.add_argument("--context", type=int, help="tokens a request holds (default 4096; --tiny: 64)")
+    ap.add_argument("--context", type=int, help="tokens a request holds (default 4096; --tiny 64)")
     ap.add_argument("--tau", type=float, default=3.5, help="acceptance length with 5 drafts")
     ap.add_argument("--mix", default="1.5,2.5,4.5,5.5", help="acceptance lengths of the mix")
     ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
@@ -544,8 +530,12 @@ def main() -> None:
     if ns.graph and not setup.is_cuda:
         print("--graph: no CUDA device, eager only")
         ns.graph = False
+    ns.timing = (max(1, ns.warmup), ns.repeats)  # eager: a first call builds the plans
     ns.batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,32"))
     ns.context = ns.context or (64 if ns.tiny else 4096)
+    ns.mix = [float(v) for v in ns.mix.split(",") if v.strip()]
+    for tau in [ns.tau, *ns.mix]:
+        rate_of(tau)  # in range, before anything is measured
     kernels = select_kernels(kernel_config(ns.backend), setup.device)
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s; {describe_kernels(kernels)}")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.engine.cuda_graphs import DecodeGraphs, row_buckets
 
 
 def _graphs(max_batch: int, max_positions: int | None, block_size: int = 128) -> DecodeGraphs:
@@ -40,3 +40,12 @@ def test_context_buckets_grow_fourfold_up_to_the_limit(
 def test_context_bucket_is_at_least_a_block() -> None:
     assert _graphs(4, 4096, block_size=512).context_bucket(1) == 1024
     assert _graphs(4, 4096).context_bucket(300) == 1024
+
+
+def test_row_buckets_are_the_powers_of_two_up_to_the_most_tokens() -> None:
+    assert row_buckets(1) == [1]
+    assert row_buckets(4) == [1, 2, 4]
+    assert row_buckets(6) == [1, 2, 4, 6]
+    graphs = DecodeGraphs(None, SimpleNamespace(block_size=16, device="cpu"), 4, capture=False,
+                          max_positions=1024, max_tokens=6)  # fmt: skip
+    assert len(graphs.shapes) == len(graphs.buckets) * len(graphs.context_buckets) * 4

@@ -7,14 +7,14 @@ A decode step's launches depend only on the number of requests, the rows each ha
 widest entry list, so one graph per (batch bucket, context bucket, rows) serves every such
 step: the requests are padded to the bucket with requests on the cache's scratch slot and block,
 the entry lists to the context bucket (MIN_CONTEXT x 4^k, up to the model's context: 7 buckets
-for a 1M context), and each request's tokens to the rows (1, or 1 + num_speculative_tokens
-with drafts: a verify step's last token and its drafts, ``SeqSpan.num_pad`` pads after a
-request with fewer). Inputs (token ids, positions and every index plan) live in one static
-int64 buffer per graph, refilled with one copy before each replay. Every graph is captured at
-start-up (``capture_all``, before the node reports ready), on scratch-only inputs (so capture
-and its warm-up touch no request's cache), and they share one memory pool. A shape missed there
-is captured when first seen, counted in ``num_captures_while_serving`` and logged as a warning:
-capture takes 0.1-4 s, which every request in the step waits for.
+for a 1M context), and each request's tokens to the rows (1, and with drafts the powers of two
+up to 1 + num_speculative_tokens: a verify step's last token and its drafts, ``SeqSpan.num_pad``
+pads after a request with fewer). Inputs (token ids, positions and every index plan) live in
+one static int64 buffer per graph, refilled with one copy before each replay. Every graph is
+captured at start-up (``capture_all``, before the node reports ready), on scratch-only inputs
+(so capture and its warm-up touch no request's cache), and they share one memory pool. A shape
+missed there is captured when first seen, counted in ``num_captures_while_serving`` and logged
+as a warning: capture takes 0.1-4 s, which every request in the step waits for.
 
 Memory: a graph keeps only its input buffer of its own. Its intermediates are freed at the end
 of its capture and reused by the next capture into the shared pool (graphs never run at the same
@@ -73,6 +73,15 @@ def _layout(host: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, array.shape) for name, array in host.items()]
 
 
+def row_buckets(max_tokens: int) -> list[int]:
+    """Rows per request of the graphs for steps of up to ``max_tokens`` tokens a request: the
+    powers of two below it, and it (a step replays the smallest that holds its longest request:
+    a verify step of fewer drafts, n-gram's or the confidence schedule's, pads less)."""
+    return sorted(
+        {1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens} | {max_tokens}
+    )
+
+
 def pad_spans(seqs: list[SeqSpan], rows: int, bucket: int, cache: KVCache) -> list[SeqSpan]:
     """A graphed step's spans: request i's tokens at rows i * rows on, then pads (``num_pad``);
     requests past ``seqs`` decode token 0 on the cache's scratch slot and block, at the block's
@@ -111,7 +120,7 @@ class DecodeGraphs:
         self.device = cache.device
         self.buckets = [b for b in (1, 2, 4, 8) if b < max_batch]
         self.buckets += [*range(16, max_batch, 16), max_batch]
-        self.row_buckets = sorted({1, max_tokens})
+        self.row_buckets = row_buckets(max_tokens)
         self.max_positions = max_positions
         self.num_captures_while_serving = 0  # captures after capture_all(): should stay 0
         self.num_replays = 0
