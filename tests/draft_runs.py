@@ -3,9 +3,19 @@ first of them again (prefix hits), on an engine with or without drafts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from deepinfer import LLM, SamplingParams
 
 Outputs = list[tuple[list[int], object]]  # (tokens, logprobs) per request
+
+
+def cpu_llm(folder: Path, **kw: object) -> LLM:
+    """The engine on ``folder`` on 2 CPU threads, blocks of 16, chunks of 24 tokens."""
+    torch.set_num_threads(2)
+    return LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
 
 
 def run_with_prefix_hits(

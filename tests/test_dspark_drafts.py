@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from draft_runs import Outputs, assert_same_outputs, run_with_prefix_hits
+from draft_runs import Outputs, assert_same_outputs, cpu_llm, run_with_prefix_hits
 from engine_spies import TruthDrafts, graph_shaped
 
 from deepinfer import LLM, SamplingParams
@@ -40,18 +40,13 @@ PARAMS = [
 ]
 
 
-def _llm(folder: Path, **kw: object) -> LLM:
-    torch.set_num_threads(2)
-    return LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
-
-
 def _outputs(llm: LLM) -> Outputs:
     return run_with_prefix_hits(llm, PROMPTS, PARAMS, again=3)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_v41_dir: Path) -> Outputs:
-    return _outputs(_llm(tiny_v41_dir, async_scheduling=False))
+    return _outputs(cpu_llm(tiny_v41_dir, async_scheduling=False))
 
 
 def test_dspark_configuration_errors(tiny_v41_dir: Path, tmp_path: Path) -> None:
@@ -71,7 +66,7 @@ def test_tokens_with_dspark_drafts_are_those_without(
     tiny_v41_dir: Path, plain: list, async_scheduling: bool
 ) -> None:
     # num_blocks=8: too few blocks for all four at once, so some are preempted and recomputed.
-    llm = _llm(
+    llm = cpu_llm(
         tiny_v41_dir, async_scheduling=async_scheduling, speculative_config=DSPARK, num_blocks=8
     )
     assert_same_outputs(_outputs(llm), plain)
@@ -114,7 +109,7 @@ def test_every_dspark_block_is_the_drafter_after_a_forward_from_scratch(
 ) -> None:
     """``graphed``: the verify steps shaped as CUDA graphs run them (``graph_shaped``: the
     main keys of pads go to the scratch slot)."""
-    llm = _llm(tiny_v41_dir, async_scheduling=True, speculative_config=DSPARK, num_blocks=8)
+    llm = cpu_llm(tiny_v41_dir, async_scheduling=True, speculative_config=DSPARK, num_blocks=8)
     assert llm.engine is not None
     runner = llm.engine.executor
     steps = graph_shaped(runner, max_tokens=5) if graphed else []
@@ -156,7 +151,7 @@ def test_the_confidence_schedule_changes_what_is_verified_not_the_tokens(
     stats = {}
     for schedule in ("fixed", "confidence"):
         spec = {**DSPARK, "verify_schedule": schedule}
-        llm = _llm(tiny_v41_dir, speculative_config=spec, num_blocks=8)
+        llm = cpu_llm(tiny_v41_dir, speculative_config=spec, num_blocks=8)
         assert_same_outputs(_outputs(llm), plain)
         assert llm.engine is not None
         stats[schedule] = llm.engine.spec_stats()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from draft_runs import Outputs, assert_same_outputs, run_with_prefix_hits
+from draft_runs import Outputs, assert_same_outputs, cpu_llm, run_with_prefix_hits
 from engine_spies import TruthDrafts, graph_shaped
 from safetensors.torch import load_file
 
@@ -86,18 +86,13 @@ def test_mtp_configuration_errors(tiny_dir: Path) -> None:
         dataclasses.replace(args, mtp_served=1)
 
 
-def _llm(folder: Path, **kw: object) -> LLM:
-    torch.set_num_threads(2)
-    return LLM(model=folder, device="cpu", block_size=16, max_num_batched_tokens=24, **kw)
-
-
 def _outputs(llm: LLM) -> Outputs:
     return run_with_prefix_hits(llm, PROMPTS, PARAMS, again=2)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_dir: Path) -> Outputs:
-    return _outputs(_llm(tiny_dir, async_scheduling=False))
+    return _outputs(cpu_llm(tiny_dir, async_scheduling=False))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -105,7 +100,7 @@ def test_tokens_with_mtp_drafts_are_those_without(
     tiny_dir: Path, plain: list, async_scheduling: bool
 ) -> None:
     # num_blocks=8: too few blocks for all four at once, so some are preempted and recomputed.
-    llm = _llm(tiny_dir, async_scheduling=async_scheduling, speculative_config=MTP, num_blocks=8)
+    llm = cpu_llm(tiny_dir, async_scheduling=async_scheduling, speculative_config=MTP, num_blocks=8)
     assert_same_outputs(_outputs(llm), plain)
     assert llm.engine is not None
     stats = llm.engine.spec_stats()
@@ -159,7 +154,7 @@ def test_every_mtp_draft_is_the_layer_run_from_scratch(
 ) -> None:
     """``graphed``: the verify steps shaped as CUDA graphs run them (``graph_shaped``), the
     last layer's streams the MTP layer reads taken from the padded rows."""
-    llm = _llm(tiny_dir, async_scheduling=True, speculative_config=MTP, num_blocks=8)
+    llm = cpu_llm(tiny_dir, async_scheduling=True, speculative_config=MTP, num_blocks=8)
     assert llm.engine is not None
     runner = llm.engine.executor
     steps = graph_shaped(runner, max_tokens=4) if graphed else []
