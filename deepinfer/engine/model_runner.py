@@ -258,9 +258,9 @@ class ModelRunner:
 
     @property
     def _graph_tokens(self) -> int:
-        """The most tokens of a request in a graphed step: its last and its drafts."""
-        spec = self.config.speculative
-        return 1 + spec.num_speculative_tokens if spec.enabled else 1
+        """The most tokens of a request in a graphed step: its last and its drafts (as many as
+        the scheduler verifies: cache.max_draft_tokens)."""
+        return 1 + self.config.cache.max_draft_tokens if self.config.speculative.enabled else 1
 
     def _init_graphs(self) -> None:
         """CUDA: decode and verify steps replay graphs (cuda_graphs.py), all captured here, at
