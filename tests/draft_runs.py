@@ -11,6 +11,25 @@ from deepinfer import LLM, SamplingParams
 
 Outputs = list[tuple[list[int], object]]  # (tokens, logprobs) per request
 
+# Four requests of 21, 9, 40 and 3 tokens: long enough to cross blocks and windows, one short.
+PROMPTS = [
+    [(11 * i + 5) % 997 + 3 for i in range(21)],
+    [(13 * i + 7) % 991 + 3 for i in range(9)],
+    [(17 * i + 1) % 983 + 3 for i in range(40)],
+    [101, 102, 103],
+]
+
+
+def sampling(max_tokens: int) -> list[SamplingParams]:
+    """PROMPTS' parameters: greedy with logprobs, seeded sampling, greedy, greedy."""
+    common = {"max_tokens": max_tokens, "ignore_eos": True}
+    return [
+        SamplingParams(temperature=0.0, logprobs=1, **common),
+        SamplingParams(temperature=0.8, seed=3, **common),
+        SamplingParams(temperature=0.0, **common),
+        SamplingParams(temperature=0.0, **common),
+    ]
+
 
 def cpu_llm(folder: Path, **kw: object) -> LLM:
     """The engine on ``folder`` on 2 CPU threads, blocks of 16, chunks of 24 tokens."""

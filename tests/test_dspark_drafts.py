@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from draft_runs import Outputs, assert_same_outputs, cpu_llm, run_with_prefix_hits
+from draft_runs import (
+    PROMPTS,
+    Outputs,
+    assert_same_outputs,
+    cpu_llm,
+    run_with_prefix_hits,
+    sampling,
+)
 from engine_spies import TruthDrafts, graph_shaped
 
 from deepinfer import LLM, SamplingParams
@@ -26,18 +33,7 @@ from deepinfer.model.tiny import make_tiny_model
 from deepinfer.scheduler.drafts import ConfidenceSchedule
 
 DSPARK = {"method": "dspark", "num_speculative_tokens": 4}  # the tiny drafter's block size
-PROMPTS = [
-    [(11 * i + 5) % 997 + 3 for i in range(21)],
-    [(13 * i + 7) % 991 + 3 for i in range(9)],
-    [(17 * i + 1) % 983 + 3 for i in range(40)],
-    [101, 102, 103],
-]
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=14, logprobs=1, ignore_eos=True),
-    SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
-]
+PARAMS = sampling(14)
 
 
 def _outputs(llm: LLM) -> Outputs:

@@ -12,11 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from draft_runs import Outputs, assert_same_outputs, cpu_llm, run_with_prefix_hits
+from draft_runs import (
+    PROMPTS,
+    Outputs,
+    assert_same_outputs,
+    cpu_llm,
+    run_with_prefix_hits,
+    sampling,
+)
 from engine_spies import TruthDrafts, graph_shaped
 from safetensors.torch import load_file
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.config import Config
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
@@ -28,18 +35,7 @@ from deepinfer.model.families import with_serving_options
 from deepinfer.model.tiny import make_tiny_model
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
-PROMPTS = [
-    [(11 * i + 5) % 997 + 3 for i in range(21)],
-    [(13 * i + 7) % 991 + 3 for i in range(9)],
-    [(17 * i + 1) % 983 + 3 for i in range(40)],
-    [101, 102, 103],
-]
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True),
-    SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-]
+PARAMS = sampling(16)
 
 
 @pytest.fixture(scope="module")
