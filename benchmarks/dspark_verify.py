@@ -36,12 +36,15 @@ step's tokens, verify interpolated linearly between the measured T = B(L + 1) (g
 with --graph, else eager). A request accepts each draft with a conditional rate a: "const", all
 with 1 + a + .. + a^5 = --tau; "mix", requests cycling through the --mix acceptance lengths.
 Confidence head calibrated (confidence = a): verifying k drafts gains 1 + a + .. + a^k tokens.
-Modes: no drafts (the plain step, unserved, no pass); fixed 5; confidence (``ConfidenceSchedule``
-with cost_tokens = (intercept + pass) / slope of the least-squares line of served verify time
-against T at that batch). With --graph, "padded": every request runs the rows of the smallest
-graph that holds the step's longest request (DecodeGraphs' row buckets: 1, 2, 4, 6 a request);
-"unpadded" is the what-if of graphs per token count. Tok/s per user = tokens a request gains
-per step / step time, mean over requests. Not timed: sampling, acceptance, scheduling.
+Modes: no drafts (the plain step, unserved, no pass); fixed 5; confidence (the engine's
+``ConfidenceSchedule``), its step cost either "line" (cost_tokens = (intercept + pass) / slope
+of the least-squares line of served verify time against T at that batch) or "curve" (the
+measured verify + pass points, speculative.verify_cost_curve). Steps run T tokens (graphs per
+token count: a what-if) or, with --graph, "graph rows": every request runs the rows of the
+smallest graph that holds the step's longest request (DecodeGraphs' row buckets: 1, 2, 4, 6 a
+request) and the schedule knows it (as the engine's does with graphs). Tok/s per user = tokens
+a request gains per step / step time, mean over requests. Not timed: sampling, acceptance,
+scheduling.
 """
 
 from __future__ import annotations
@@ -343,6 +346,21 @@ class Costs:
         intercept, slope = self.line
         return max(0.0, (intercept + self.drafter) / slope)
 
+    @property
+    def curve(self) -> tuple[tuple[int, float], ...]:
+        """speculative.verify_cost_curve: (tokens, ms) of the step, verify + pass (a running
+        maximum: the config takes non-decreasing times)."""
+        ms = np.maximum.accumulate(1e3 * (np.asarray(self.served) + self.drafter))
+        return tuple((t, float(v)) for t, v in zip(self.tokens, ms, strict=True))
+
+    def schedule(self, mode: str) -> ConfidenceSchedule:
+        """The engine's schedule of a confidence mode: "line" or "curve" costs; "graph rows":
+        the step pays its graph's rows (a batch bucket of this batch, DecodeGraphs' rows)."""
+        curve = self.curve if "curve" in mode else ()
+        if "graph rows" not in mode:
+            return ConfidenceSchedule(self.cost_tokens, curve=curve)
+        return ConfidenceSchedule(self.cost_tokens, 0, (self.batch,), ROWS, curve)
+
 
 def rate_of(tau: float) -> float:
     """The conditional acceptance rate a with 1 + a + .. + a^BLOCK = tau (bisection)."""
@@ -355,6 +373,11 @@ def rate_of(tau: float) -> float:
     return (lo + hi) / 2
 
 
+ROWS = tuple(row_buckets(BLOCK + 1))  # the graphs' rows a request: 1, 2, 4, 6
+CONFIDENCE = ["confidence, line", "confidence, curve"]
+GRAPHED = [f"{m}, graph rows" for m in CONFIDENCE]
+
+
 def project(c: Costs, rates: list[float], mode: str) -> list[float]:
     """[drafts verified a request, tokens a request gains, step s, tok/s per user]: means over
     steps whose requests cycle through ``rates`` (a step starting at each entry)."""
@@ -364,11 +387,11 @@ def project(c: Costs, rates: list[float], mode: str) -> list[float]:
         counts = [0 if mode == "no drafts" else BLOCK] * c.batch
         if mode.startswith("confidence"):
             confidence = {str(i): [a] * BLOCK for i, a in enumerate(mine)}  # calibrated
-            counts = list(ConfidenceSchedule(c.cost_tokens).counts(confidence).values())
+            counts = list(c.schedule(mode).counts(confidence).values())
         gained = [sum(a**j for j in range(n + 1)) for a, n in zip(mine, counts, strict=True)]
         tokens = c.batch + sum(counts)
-        if mode == "confidence, padded":  # every request padded to its graph's rows
-            tokens = c.batch * next(r for r in row_buckets(BLOCK + 1) if r > max(counts))
+        if mode in GRAPHED:  # every request padded to its graph's rows
+            tokens = c.batch * next(r for r in ROWS if r > max(counts))
         step = c.plain if mode == "no drafts" else c.verify(tokens) + c.drafter
         steps.append((statistics.mean(counts), statistics.mean(gained), step))
     means = [statistics.mean(column) for column in zip(*steps, strict=True)]
@@ -455,7 +478,7 @@ def step_tables(
 def projection_table(ns: argparse.Namespace, fits: dict[int, Costs]) -> Table:
     workloads = {"const": (ns.tau, [rate_of(ns.tau)])}
     workloads["mix"] = (statistics.mean(ns.mix), [rate_of(t) for t in ns.mix])
-    schedules = ["confidence, padded", "confidence, unpadded"] if ns.graph else ["confidence"]
+    schedules = [*CONFIDENCE, *GRAPHED] if ns.graph else CONFIDENCE
     rows = []
     for b, (name, (tau, rates)) in itertools.product(ns.batches, workloads.items()):
         got = {m: project(fits[b], rates, m) for m in ["no drafts", "fixed 5", *schedules]}
@@ -486,6 +509,8 @@ def report(
     print()
     for b, c in fits.items():
         print(f"batch {b}: speculative.verify_cost_tokens = {c.cost_tokens:.1f} ({modes[-1]})")
+        points = ", ".join(f'"{t}:{v:.1f}"' for t, v in c.curve)
+        print(f"batch {b}: speculative.verify_cost_curve = [{points}]")
     ds = served.args.dspark
     assert ds is not None
     notes = [
@@ -500,9 +525,11 @@ def report(
         "Drafting pass = DSparkDrafts.run (eager, as the engine runs it); main-key write = "
         "served − unserved forward of 3 target layers on the same weights.",
         f"Projection, not a served run: const = every request at τ {ns.tau}; mix = requests "
-        f"cycling τ {ns.mix}; confidence = ConfidenceSchedule with the fitted cost_tokens and "
-        "a calibrated confidence head"
-        + ("; padded = the engine's graph rows (1, 2, 4 or 6 a request)." if ns.graph else "."),
+        f"cycling τ {ns.mix}; confidence = ConfidenceSchedule with a calibrated confidence "
+        "head and the fitted line (cost_tokens) or the measured curve of step costs"
+        + (
+            "; graph rows = the engine's graphs (1, 2, 4 or 6 rows a request)." if ns.graph else "."
+        ),
     ]
     blocks = [markdown(columns, body) for columns, body in tables.values()]
     heading = "DSpark drafting and verification steps, V4.1-Flash shapes"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import itertools
 import json
 import os
 import tomllib
@@ -169,6 +170,9 @@ class SpeculativeConfig:
     verify_schedule: str = "fixed"
     verify_cost_tokens: float = 8.0  # confidence: a step's fixed cost, in tokens' worth
     max_verify_tokens: int = 0  # confidence: drafts a step verifies at most (0: no bound)
+    # confidence: a step's measured time by its tokens, "tokens:ms" points (tokens increasing,
+    # ms non-decreasing; at least two); empty: verify_cost_tokens' straight line.
+    verify_cost_curve: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("speculative.method", self.method, ("none", "ngram", "mtp", "dspark"))
@@ -184,6 +188,10 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative.verify_cost_tokens and speculative.max_verify_tokens must be >= 0"
             )
+        if isinstance(self.verify_cost_curve, str):
+            object.__setattr__(self, "verify_cost_curve", (self.verify_cost_curve,))
+        object.__setattr__(self, "verify_cost_curve", tuple(self.verify_cost_curve))
+        _ = self.cost_curve  # raises on a malformed curve
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(
                 f"speculative.prompt_lookup_max={self.prompt_lookup_max} must be >= "
@@ -193,6 +201,29 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def cost_curve(self) -> tuple[tuple[int, float], ...]:
+        """``verify_cost_curve`` as (tokens, ms) points."""
+        points = [p for item in self.verify_cost_curve for p in str(item).split(",") if p.strip()]
+        where = f"speculative.verify_cost_curve={list(self.verify_cost_curve)!r}"
+        try:
+            curve = tuple((int(t), float(m)) for t, m in (p.split(":") for p in points))
+        except ValueError as e:
+            raise ValueError(f"{where}: each point is 'tokens:ms'") from e
+        tokens, times = [t for t, _ in curve], [m for _, m in curve]
+        if curve and (
+            len(curve) < 2
+            or tokens[0] < 1
+            or any(b <= a for a, b in itertools.pairwise(tokens))
+            or times[0] <= 0
+            or any(b < a for a, b in itertools.pairwise(times))
+        ):
+            raise ValueError(
+                f"{where}: needs at least two points, tokens >= 1 and increasing, ms > 0 and "
+                "non-decreasing"
+            )
+        return curve
 
 
 @dataclass(frozen=True)

@@ -177,18 +177,39 @@ _NUM_VERIFY_BUCKETS = len(VERIFY_TIME_BUCKETS) + 1
 class ConfidenceSchedule:
     """How many of its drafts each decoding request verifies in a step, from the drafter's
     confidence (``speculative.verify_schedule = "confidence"``; DeepSeek's engine's MTP varlen
-    schedule, with a linear step cost instead of its measured curve).
+    schedule: a step's cost from its token count).
 
     ``rates[r][j]`` estimates P(draft j + 1 accepted | the drafts before it accepted), so the
     cumulative product c[r][j] is the expected number of tokens that verifying draft j + 1 adds
-    (given the ones before it verified). A step of N requests verifying k drafts costs
-    ``cost_tokens`` + N + k token-units (``cost_tokens``: the fixed cost of a step, in tokens'
-    worth) and yields N + sum(c) tokens in expectation: the schedule takes the k drafts of
-    highest c (at most ``max_tokens``; 0: no bound) for the k that maximises that ratio. The c of
-    a request never grow with j, so each request verifies a prefix of its drafts."""
+    (given the ones before it verified). A step of T tokens costs ``cost(T)``: the measured
+    ``curve`` of (tokens, ms) points, interpolated linearly (its last segment extended, its
+    first value below it), or without one ``cost_tokens`` + T token-units (``cost_tokens``: a
+    step's fixed cost in tokens' worth). N requests verifying k drafts yield N + sum(c) tokens
+    in expectation: the schedule takes the k drafts of highest c (at most ``max_tokens``; 0: no
+    bound) for the k that maximises (N + sum(c)) / cost(N + k). The c of a request never grow
+    with j, so each request verifies a prefix of its drafts.
+
+    Graphed steps (``batch_buckets`` and ``row_buckets``: the decode graphs' shapes) cost their
+    graph's rows, not their tokens: N requests in the smallest batch bucket B >= N, each padded
+    to the smallest row bucket that holds the longest request. There a step picks a row bucket
+    r and every request verifies up to r - 1 drafts (a draft costs what its pad would), for the
+    r that maximises (N + sum(c)) / cost(B r); one that verifies fewer in the same graph would
+    pay the pads and gain less."""
 
     cost_tokens: float
     max_tokens: int = 0
+    batch_buckets: tuple[int, ...] = ()
+    row_buckets: tuple[int, ...] = ()
+    curve: tuple[tuple[int, float], ...] = ()
+
+    def cost(self, tokens: np.ndarray | int) -> np.ndarray:
+        """A step's cost at ``tokens`` tokens (ms with a curve, else token-units)."""
+        t = np.asarray(tokens, dtype=np.float64)
+        if not self.curve:
+            return self.cost_tokens + t
+        x, y = (np.asarray(v, dtype=np.float64) for v in zip(*self.curve, strict=True))
+        high = y[-1] + (t - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return np.where(t > x[-1], high, np.interp(t, x, y))  # below x[0]: y[0]
 
     def counts(self, rates: dict[str, list[float]]) -> dict[str, int]:
         """Drafts to verify per request id (every id of ``rates``)."""
@@ -196,16 +217,34 @@ class ConfidenceSchedule:
             return {}
         ids = list(rates)
         gains = [np.cumprod(np.asarray(rates[r], dtype=np.float64)) for r in ids]
+        graphed = self.row_buckets and len(ids) <= max(self.batch_buckets, default=0)
+        picked = self._graphed(gains) if graphed else self._free(gains)
+        return dict(zip(ids, picked, strict=True))
+
+    def _free(self, gains: list[np.ndarray]) -> list[int]:
         owner = np.concatenate([np.full(len(g), i) for i, g in enumerate(gains)])
         value = np.concatenate(gains)
         order = np.argsort(-value, kind="stable")  # ties: earlier requests, earlier drafts
         limit = len(order) if self.max_tokens <= 0 else min(self.max_tokens, len(order))
-        n = len(ids)
+        n = len(gains)
         k = np.arange(limit + 1)
         gained = np.concatenate([[0.0], np.cumsum(value[order[:limit]])])
-        best = int(np.argmax((n + gained) / (self.cost_tokens + n + k)))
-        picked = np.bincount(owner[order[:best]], minlength=n)
-        return {r: int(c) for r, c in zip(ids, picked, strict=True)}
+        best = int(np.argmax((n + gained) / self.cost(n + k)))
+        return np.bincount(owner[order[:best]], minlength=n).tolist()
+
+    def _graphed(self, gains: list[np.ndarray]) -> list[int]:
+        n = len(gains)
+        batch = min(b for b in self.batch_buckets if b >= n)
+        best, best_value = [0] * n, -1.0
+        for rows in self.row_buckets:
+            counts = [min(rows - 1, len(g)) for g in gains]
+            if rows > 1 and 0 < self.max_tokens < sum(counts):
+                continue
+            gained = sum(float(g[:c].sum()) for g, c in zip(gains, counts, strict=True))
+            value = (n + gained) / float(self.cost(batch * rows))
+            if value > best_value:
+                best, best_value = counts, value
+        return best
 
 
 @dataclass

@@ -9,6 +9,7 @@ guarantees."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from draft_runs import (
 from engine_spies import TruthDrafts, graph_shaped
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import SpeculativeConfig
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import SeqSpan, flatten
 from deepinfer.model.deepseek_v41.dspark import Block, DSparkDrafts
@@ -55,6 +57,12 @@ def test_dspark_configuration_errors(tiny_v41_dir: Path, tmp_path: Path) -> None
             device="cpu",
             speculative_config={**DSPARK, "num_speculative_tokens": 3},
         )
+    for curve, problem in [(["1:20"], "at least two points"), (["1:20", "2ms"], "tokens:ms")]:
+        with pytest.raises(ValueError, match=problem):
+            SpeculativeConfig(**DSPARK, verify_schedule="confidence", verify_cost_curve=curve)
+    for curve in (["6:20", "1:30"], ["1:20", "6:10"]):  # tokens increasing, ms non-decreasing
+        with pytest.raises(ValueError, match="increasing"):
+            SpeculativeConfig(**DSPARK, verify_schedule="confidence", verify_cost_curve=curve)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -139,6 +147,30 @@ def test_the_confidence_schedule_takes_the_drafts_worth_their_cost() -> None:
     assert ConfidenceSchedule(cost_tokens=0.0).counts(rates) == {"a": 0, "b": 0}
     assert ConfidenceSchedule(cost_tokens=1e3).counts(rates) == {"a": 4, "b": 4}
     assert ConfidenceSchedule(cost_tokens=8.0).counts({}) == {}
+    # A measured curve, flat to 4 tokens, then 1 ms a token: drafts that the straight line
+    # of no fixed cost refuses are free up to 4 tokens. (2 + gains) / cost(2 + k): k = 2 ->
+    # 3.71 / 10; 3 -> 4.439 / 11; 4 -> 5.095 / 12 = 0.425 (the peak); 5 -> 5.295 / 13.
+    curve = ((1, 10.0), (4, 10.0), (8, 14.0))
+    steep = ConfidenceSchedule(cost_tokens=0.0, curve=curve)
+    assert steep.cost(2) == 10.0 and steep.cost(12) == 18.0  # its last segment extended
+    assert steep.counts(rates) == {"a": 4, "b": 0}
+
+
+def test_graphed_steps_verify_what_their_graph_rows_hold() -> None:
+    # 2 requests pad to a batch bucket of 2; rows 1, 2, 4 or 6 a request. Cumulative gains:
+    # a .9 .81 .729 .656 .59, b .2 .1 .05 .025 .0125. At 4 tokens' fixed cost, rows 1 -> 2 / 6
+    # = 0.333; 2 -> 3.1 / 8 = 0.388; 4 -> 4.789 / 12 = 0.399; 6 -> 6.073 / 16 = 0.380: both
+    # requests fill rows 4's 3 drafts. The free schedule gives b none (its 0.2 is worth less
+    # than a token) and would pay b's pads in the graph a's 5 drafts need.
+    rates = {"a": [0.9] * 5, "b": [0.2, 0.5, 0.5, 0.5, 0.5]}
+    graphed = ConfidenceSchedule(cost_tokens=4.0, batch_buckets=(1, 2, 4), row_buckets=(1, 2, 4, 6))
+    assert graphed.counts(rates) == {"a": 3, "b": 3}
+    assert ConfidenceSchedule(cost_tokens=4.0).counts(rates) == {"a": 5, "b": 0}
+    # A budget of 4 drafts rules rows 4 and 6 out; past the largest batch bucket, no graph.
+    limited = dataclasses.replace(graphed, max_tokens=4)
+    assert limited.counts(rates) == {"a": 1, "b": 1}
+    alone = dataclasses.replace(graphed, batch_buckets=(1,))
+    assert alone.counts(rates) == {"a": 5, "b": 0}
 
 
 def test_the_confidence_schedule_changes_what_is_verified_not_the_tokens(

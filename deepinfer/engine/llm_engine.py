@@ -177,8 +177,13 @@ class LLMEngine:
                 )
             self.set_drafter(ExecutorDrafter())
             if spec.verify_schedule == "confidence":
+                graphs = getattr(self.executor, "graphs", None)  # steps cost their graph's rows
                 self.scheduler.verify_schedule = ConfidenceSchedule(
-                    spec.verify_cost_tokens, spec.max_verify_tokens
+                    spec.verify_cost_tokens,
+                    spec.max_verify_tokens,
+                    tuple(graphs.buckets) if graphs is not None else (),
+                    tuple(graphs.row_buckets) if graphs is not None else (),
+                    spec.cost_curve,
                 )
             logger.info(
                 "speculative decoding: %s, %d drafts a step from the model's drafter layers "
