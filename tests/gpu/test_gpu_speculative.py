@@ -75,7 +75,7 @@ def test_tokens_with_drafts_are_those_without_on_cuda(
     record_figure: Callable[[str], None],
 ) -> None:
     """dspark: the tiny V4.1 (its drafter's block of 4), verification lengths scheduled by the
-    confidence head."""
+    confidence head, knowing the graph rows."""
     folder = tiny_v41 if method == "dspark" else tiny_dir
     plain, _ = _run(folder)
     spec: dict = {"method": method, "num_speculative_tokens": 3}
@@ -95,6 +95,9 @@ def test_tokens_with_drafts_are_those_without_on_cuda(
         1 + spec["num_speculative_tokens"]
     )
     assert graphs.num_captures_while_serving == 0
+    if method == "dspark":  # the schedule prices steps by the rows of the graphs they replay
+        schedule = llm.engine.scheduler.verify_schedule
+        assert schedule is not None and schedule.row_buckets == tuple(graphs.row_buckets)
     if method != "ngram":  # every decode step verifies drafts (on random weights n-grams rarely)
         assert graphs.num_verify_replays > 0
     record_figure(
