@@ -531,7 +531,7 @@ def report(
             "; graph rows = the engine's graphs (1, 2, 4 or 6 rows a request)." if ns.graph else "."
         ),
     ]
-    blocks = [markdown(columns, body) for columns, body in tables.values()]
+    blocks = [f"{title}\n\n{markdown(columns, body)}" for title, (columns, body) in tables.items()]
     heading = "DSpark drafting and verification steps, V4.1-Flash shapes"
     print(f"\n{results_block(heading, SCRIPT, setup, notes, blocks)}")
     return {title: body for title, (_, body) in tables.items()}
