@@ -109,6 +109,10 @@ class ForwardBatch:
     # The last layer's output [T, ...], kept by a model whose drafter reads it after the step
     # (DeepSeek-V4's MTP layer).
     hidden: torch.Tensor | None = None
+    # Rows of the step holding image positions [K] int64, and their embeddings [K, D] (the
+    # vision tower's, in the model's dtype); None when the step has none.
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 from deepinfer.model.deepseek_v4.args import RopeArgs, _one_rope
 from deepinfer.model.deepseek_v41.engram import EngramArgs
+from deepinfer.model.deepseek_v41.vision_args import VisionArgs
 
 RATIOS = (0, 1, 2)
 YOCO_MODES = ("off", "mask", "compact")
@@ -85,6 +86,7 @@ class ModelArgs:
     pad_token_id: int = 2
     image_token_id: int = 129264
     engram: EngramArgs | None = None
+    vision: VisionArgs | None = None  # the vision tower (config.json's vision_config)
     num_mtp_layers: int = 0
     dspark: DSparkArgs | None = None
     torch_dtype: str = "bfloat16"
@@ -327,6 +329,7 @@ class ModelArgs:
             pad_token_id=int(cfg.get("pad_token_id", text.get("pad_token_id", 2)) or 0),
             image_token_id=int(cfg.get("image_token_id", text.get("image_token_id", 129264))),
             engram=EngramArgs.from_dict(text),
+            vision=VisionArgs.from_dict(cfg.get("vision_config")),
             num_mtp_layers=nextn,
             dspark=_dspark(text) if nextn else None,
             torch_dtype=str(cfg.get("dtype", cfg.get("torch_dtype", "bfloat16"))),

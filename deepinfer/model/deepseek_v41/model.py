@@ -33,6 +33,7 @@ from deepinfer.model.deepseek_v4.model import MoE, register_hc_parameters
 from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
+from deepinfer.model.deepseek_v41.vision import ImageEncoder
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
@@ -296,13 +297,14 @@ class Attention(nn.Module):
 
 
 class Gate(nn.Module):
-    """Router: sqrt(softplus) scores; top-k by scores + a correction bias (``bias_vl`` for
-    image tokens), selection only; weights = the chosen scores renormalised and scaled."""
+    """Router: sqrt(softplus) scores; top-k by scores + a correction bias (``bias_vl`` for an
+    image's positions: ids past the vocabulary, ``vision_args.py``), selection only; weights =
+    the chosen scores renormalised and scaled."""
 
     def __init__(self, args: ModelArgs, num_experts: int, topk: int) -> None:
         super().__init__()
         self.topk, self.route_scale = topk, args.routed_scaling_factor
-        self.image_token_id = args.image_token_id
+        self.vocab_size = args.vocab_size
         self.weight = nn.Parameter(torch.zeros(num_experts, args.hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
@@ -312,7 +314,7 @@ class Gate(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
         scores = F.softplus(F.linear(x, self.weight).float()).sqrt()  # [T, E]
-        is_image = (input_ids == self.image_token_id).unsqueeze(1)
+        is_image = (input_ids >= self.vocab_size).unsqueeze(1)
         bias = torch.where(is_image, self.bias_vl, self.bias)  # [T, E]
         ids = torch.topk(scores + bias, self.topk, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
@@ -372,7 +374,13 @@ class Block(nn.Module):
         a, norm = self.args, self.kernels.norm
         hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
         if engram_rows is not None:
-            x = self.engram(x, engram_rows)
+            gated = self.engram(x, engram_rows)
+            # An image's positions keep their trunk (DeepSeek's engine masks them).
+            x = (
+                gated
+                if batch.image_rows is None
+                else gated.index_copy(0, batch.image_rows, x[batch.image_rows])
+            )
         pre_attn, post, comb, h = norm.hc_pre_shifted(
             x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc
         )
@@ -460,6 +468,8 @@ class DeepseekV41(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.head = linear(args.hidden_size, args.vocab_size)
         self.mtp = nn.ModuleList(MTPLayer(args, i, kernels) for i in range(args.num_mtp_layers))
+        if args.vision is not None:
+            self.image_encoder = ImageEncoder(args.vision, args.hidden_size)
         if args.engram is not None:
             # Compressed-vocabulary id of every token id (the loader fills it from the
             # checkpoint's tokenizer): the engram hashes read n-grams of those.
@@ -498,7 +508,7 @@ class DeepseekV41(nn.Module):
             "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),
         }
         engram_rows = self._engram_rows(batch, meta)
-        h = self.embed(batch.input_ids)  # [T, D]
+        h = self.embed_tokens(batch)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
         pre = torch.zeros(x.shape[0], self.args.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0  # the first sub-layer reads stream 0
@@ -517,6 +527,16 @@ class DeepseekV41(nn.Module):
         x, pre = x[batch.logits_indices], pre[batch.logits_indices]  # [N, hc, D], [N, hc]
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # [N, D]
         return self.head(self.norm(collapsed)).float()
+
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """[T, D]: the token embeddings, and at image positions the vision tower's."""
+        ids = batch.input_ids
+        if batch.image_rows is None:
+            return self.embed(ids)
+        assert batch.image_embeds is not None
+        h = self.embed(ids.clamp_max(self.args.vocab_size - 1))
+        h[batch.image_rows] = batch.image_embeds.to(h.dtype)
+        return h
 
     def _write_main_keys(self, cross: CrossLayer, cache: KVCache) -> None:
         """DSpark: every drafter layer's key of each token of the step, from the target layers'
@@ -587,9 +607,15 @@ class DeepseekV41(nn.Module):
             return {}
         assert meta.engram_history is not None and meta.engram_src is not None
         assert self.args.engram is not None
+        pad = self.args.engram.pad_token_id
         ids = torch.cat([meta.engram_history, batch.input_ids])  # [H + T], -1: before position 0
-        ids = torch.where(ids < 0, self.args.engram.pad_token_id, ids)
+        image = ids >= self.args.vocab_size
+        ids = torch.where((ids < 0) | image, pad, ids)
         windows = self.engram_vocab[ids][meta.engram_src]  # [T, n] compressed, newest first
+        # An n-gram stops at an image: the window from an image position back reads padding
+        # (as DeepSeek's engine builds them; an image's own positions are all padding).
+        cut = image[meta.engram_src].to(torch.int32).cumsum(dim=1) > 0
+        windows = torch.where(cut, self.engram_vocab[pad], windows)
         return {
             layer: ngram_hashes(windows, self.engram_tables, layer, params)
             for layer, params in self.engram_hash.items()

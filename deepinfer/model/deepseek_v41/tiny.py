@@ -37,6 +37,7 @@ from deepinfer.model.deepseek_v41.weights import (
     is_fp8_table,
     is_fp32_param,
     is_stacked_experts,
+    release_name,
 )
 
 # The V4.1 prompt encoding's system marker, absent from the V4 tokenizer: the tiny tokenizer
@@ -116,8 +117,19 @@ TINY_CONFIG: dict[str, Any] = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "pad_token_id": 2,
-    "image_token_id": 129264,
+    # The tokenizer's <｜image｜>, the placeholder deepseek-recipe writes for each image.
+    "image_token_id": 129279,
     "text_config": TEXT_CONFIG,
+    # The release's geometry (deepseek-recipe preprocesses images to it), a toy-sized ViT.
+    "vision_config": {
+        "patch_size": 14,
+        "downsample_ratio": 3,
+        "max_image_tokens": 4096,
+        "hidden_size": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "mlp_multiple_of": 32,
+    },
 }
 
 # ``make-tiny-model --quantized``: V4.1-Flash's quantization, as DeepSeek's engine requires it.
@@ -150,7 +162,7 @@ def write_tiny_checkpoint(folder: Path, seed: int, quantized: bool = False) -> N
     write_checkpoint(
         folder,
         config,
-        expected_shapes(args),
+        {release_name(name): shape for name, shape in expected_shapes(args).items()},
         lambda name, shape, gen: _init(name, shape, args, gen),
         seed,
         (32, 32) if quantized else None,
@@ -225,6 +237,8 @@ def _init(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
+    if "vision." in name and name.endswith(("norm1.weight", "norm2.weight")):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype) * 0.1 + 1.0
     if name.endswith("ffn.gate.bias_vl"):
         return torch.randn(shape, generator=gen, device=device, dtype=dtype) * 0.1
     return init_tensor(name, shape, args, gen, device=device, dtype=dtype)

@@ -39,6 +39,10 @@ _FP32_SUFFIXES = (
     "engram.q_weight",
     "engram.k_weight",
 )
+# The vision tower and the image markers (``vision.*``, ``aligner.*``, ``image_start``, ...)
+# live in the model's ``image_encoder``, whose own names are the release's.
+VISION_MODULE = "image_encoder"
+_VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 # Not a checkpoint tensor: the compressed vocabulary the loader derives from the tokenizer.
 ENGRAM_VOCAB = "engram_vocab"
 
@@ -49,6 +53,8 @@ def map_checkpoint_name(name: str) -> TensorTarget | None:
     short = name.removeprefix("model.")
     if _TIED_RE.match(short):
         return None
+    if short.startswith(_VISION_PREFIXES):
+        return TensorTarget("copy", (f"{VISION_MODULE}.{short}",))
     m = _LAYER_RE.match(short)
     if m is None:
         return TensorTarget("copy", (short,))
@@ -57,6 +63,11 @@ def map_checkpoint_name(name: str) -> TensorTarget | None:
     if e is not None:
         return TensorTarget("expert", (f"{prefix}ffn.experts.{e.group(2)}",), int(e.group(1)))
     return TensorTarget("copy", (short,))
+
+
+def release_name(name: str) -> str:
+    """The release's name of our parameter ``name`` (stacked experts aside)."""
+    return name.removeprefix(f"{VISION_MODULE}.")
 
 
 def is_fp8_linear(name: str) -> bool:

@@ -1,0 +1,130 @@
+"""VisionArgs: DeepSeek-V4.1's vision tower and image geometry, from ``config.json``'s
+``vision_config`` (torch-free).
+
+An image the request side preprocessed (deepseek-recipe's ``OpenCvImagePreprocessor``: resized so
+both sides are multiples of the patch) becomes a grid of ``grid_h x grid_w`` patches; the ViT
+turns each patch into a feature, the projector merges each ``r x r`` square of features (the
+downsample ratio, ragged edges padded with zeros) into one token embedding, and the prompt holds
+the image as::
+
+    [start] + ([image] * tokens_w + [newline]) * tokens_h + [end]      tokens_* = ceil(grid_* / r)
+
+The release's ``vision_config`` names the geometry (``patch_size``, ``downsample_ratio``,
+``max_image_tokens``, ``min_pixels``, ``max_wh_ratio``) and the ViT width (``hidden_size``); its
+depth, heads and MLP width are fixed by the architecture (32 blocks, 16 heads, SwiGLU of 2.7x
+rounded up to 128). ``depth``, ``num_heads``, ``mlp_ratio`` and ``mlp_multiple_of`` override them
+(the built-in tiny checkpoint does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# An image's prompt positions hold ids past the vocabulary (the offsets DeepSeek's engine uses):
+# its first position vocab_size + IMAGE, the others vocab_size + IMAGE_PAD. The model embeds
+# them from the tower's output; the router and the engram tell them by id >= vocab_size.
+IMAGE_PAD = 1
+IMAGE = 2
+
+
+def image_ids(vocab_size: int, num_tokens: int) -> list[int]:
+    """The prompt ids of one image of ``num_tokens`` positions."""
+    return [vocab_size + IMAGE] + [vocab_size + IMAGE_PAD] * (num_tokens - 1)
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """One image's patch grid and what it spans in the prompt."""
+
+    grid_w: int
+    grid_h: int
+    ratio: int
+
+    @property
+    def tokens_w(self) -> int:
+        return math.ceil(self.grid_w / self.ratio)
+
+    @property
+    def tokens_h(self) -> int:
+        return math.ceil(self.grid_h / self.ratio)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_w * self.grid_h
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt positions: start, each row of image tokens and its newline, end."""
+        return self.tokens_h * (self.tokens_w + 1) + 2
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    patch_size: int = 14
+    downsample_ratio: int = 3
+    max_image_tokens: int = 0  # 0: no bound of the checkpoint's (the request side bounds it)
+    hidden_size: int = 1024
+    depth: int = 32
+    num_heads: int = 16
+    mlp_ratio: float = 2.7
+    mlp_multiple_of: int = 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for key in ("patch_size", "downsample_ratio", "hidden_size", "depth", "num_heads"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"config: vision_config.{key} must be positive")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ValueError(
+                f"config: vision_config.hidden_size={self.hidden_size} must split into "
+                f"num_heads={self.num_heads} heads of a multiple of 4 (2-D rotary halves)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        m = self.mlp_multiple_of
+        return m * math.ceil(int(self.hidden_size * self.mlp_ratio) / m)
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
+
+    def grid(self, width: int, height: int) -> ImageGrid:
+        """The grid of a preprocessed image of ``width x height`` pixels; ValueError when it is
+        not a whole number of patches or spans more tokens than the checkpoint allows."""
+        p = self.patch_size
+        if width <= 0 or height <= 0 or width % p or height % p:
+            raise ValueError(
+                f"image of {width}x{height} pixels is not a whole number of {p}-pixel patches "
+                f"(images must be preprocessed to the model's geometry)"
+            )
+        grid = ImageGrid(width // p, height // p, self.downsample_ratio)
+        if self.max_image_tokens and grid.num_tokens > self.max_image_tokens:
+            raise ValueError(
+                f"image of {width}x{height} pixels spans {grid.num_tokens} tokens, more than "
+                f"the model's max_image_tokens={self.max_image_tokens}"
+            )
+        return grid
+
+    @classmethod
+    def from_dict(cls, vision: dict[str, Any] | None) -> VisionArgs | None:
+        if not vision:
+            return None
+        defaults = cls()
+        return cls(
+            patch_size=int(vision.get("patch_size", defaults.patch_size)),
+            downsample_ratio=int(vision.get("downsample_ratio", defaults.downsample_ratio)),
+            max_image_tokens=int(vision.get("max_image_tokens") or 0),
+            hidden_size=int(vision.get("hidden_size", defaults.hidden_size)),
+            depth=int(vision.get("depth", defaults.depth)),
+            num_heads=int(vision.get("num_heads", defaults.num_heads)),
+            mlp_ratio=float(vision.get("mlp_ratio", defaults.mlp_ratio)),
+            mlp_multiple_of=int(vision.get("mlp_multiple_of", defaults.mlp_multiple_of)),
+        )
