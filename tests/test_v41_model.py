@@ -50,8 +50,8 @@ def args() -> ModelArgs:
     return ModelArgs.from_dict(TINY_CONFIG)
 
 
-@pytest.fixture(scope="module")
-def model(args: ModelArgs) -> DeepseekV41:
+def random_model(args: ModelArgs) -> DeepseekV41:
+    """The tiny V4.1 with random fp32 weights (seed 0), on the CPU, reference kernels."""
     torch.set_num_threads(2)
     weights = FAMILY.random_weights(args, 0, CPU, torch.float32, fp8_block=None)
     with torch.device("meta"):
@@ -59,6 +59,11 @@ def model(args: ModelArgs) -> DeepseekV41:
     built.load_state_dict(weights, strict=True, assign=True)
     FAMILY.init_buffers(built, CPU)
     return built.eval()
+
+
+@pytest.fixture(scope="module")
+def model(args: ModelArgs) -> DeepseekV41:
+    return random_model(args)
 
 
 def _cache(args: ModelArgs) -> KVCache:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
+from test_v41_model import random_model
 
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v41.args import ModelArgs
@@ -31,7 +32,6 @@ from deepinfer.model.deepseek_v41.tiny import TINY_CONFIG
 from deepinfer.model.deepseek_v41.vision import ImageEncoder, _rotate, downsample
 from deepinfer.model.deepseek_v41.vision_args import ImageGrid, image_ids
 from deepinfer.model.families import load_family
-from deepinfer.ops import reference_kernels
 
 FAMILY = load_family("deepseek_v41")
 CPU = torch.device("cpu")
@@ -44,13 +44,7 @@ def args() -> ModelArgs:
 
 @pytest.fixture(scope="module")
 def model(args: ModelArgs) -> DeepseekV41:
-    torch.set_num_threads(2)
-    weights = FAMILY.random_weights(args, 0, CPU, torch.float32, fp8_block=None)
-    with torch.device("meta"):
-        built = FAMILY.build_model(args, reference_kernels())
-    built.load_state_dict(weights, strict=True, assign=True)
-    FAMILY.init_buffers(built, CPU)
-    return built.eval()
+    return random_model(args)
 
 
 def _preprocessed(width: int, height: int, seed: int) -> recipe.ImageInfo:

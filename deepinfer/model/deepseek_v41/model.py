@@ -469,7 +469,7 @@ class DeepseekV41(nn.Module):
         self.head = linear(args.hidden_size, args.vocab_size)
         self.mtp = nn.ModuleList(MTPLayer(args, i, kernels) for i in range(args.num_mtp_layers))
         if args.vision is not None:
-            self.image_encoder = ImageEncoder(args.vision, args.hidden_size)
+            self.image_encoder = ImageEncoder(args.vision, args.hidden_size, kernels.norm)
         if args.engram is not None:
             # Compressed-vocabulary id of every token id (the loader fills it from the
             # checkpoint's tokenizer): the engram hashes read n-grams of those.

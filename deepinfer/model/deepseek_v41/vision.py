@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.model.deepseek_v41.vision_args import ImageGrid, VisionArgs
+from deepinfer.model.layers import RMSNorm
+from deepinfer.ops import reference_kernels
+from deepinfer.ops.norm import NormBackend
 
 # The normalization of the release's processor (mean = std = 0.5 on every channel).
 PIXEL_MEAN = 0.5
@@ -42,22 +45,6 @@ def image_patches(pixels: torch.Tensor, grid: ImageGrid, patch_size: int) -> tor
     x = (pixels.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD  # [h, w, 3]
     x = x.view(grid.grid_h, p, grid.grid_w, p, 3).permute(0, 2, 4, 1, 3)  # [gh, gw, 3, p, p]
     return x.reshape(grid.num_patches, 3 * p * p)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return out.to(x.dtype)
-
-
-class _Norm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
 
 
 class _PatchEmbed(nn.Module):
@@ -106,11 +93,11 @@ class _SwiGLU(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, args: VisionArgs) -> None:
+    def __init__(self, args: VisionArgs, norm: NormBackend) -> None:
         super().__init__()
-        self.norm1 = _Norm(args.hidden_size, args.norm_eps)
+        self.norm1 = RMSNorm(args.hidden_size, args.norm_eps, norm)
         self.attn = _Attention(args)
-        self.norm2 = _Norm(args.hidden_size, args.norm_eps)
+        self.norm2 = RMSNorm(args.hidden_size, args.norm_eps, norm)
         self.mlp = _SwiGLU(args)
 
     def forward(
@@ -121,12 +108,12 @@ class _Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, args: VisionArgs) -> None:
+    def __init__(self, args: VisionArgs, norm: NormBackend) -> None:
         super().__init__()
         self.args = args
         self.patch_embed = _PatchEmbed(args)
-        self.blocks = nn.ModuleList(_Block(args) for _ in range(args.depth))
-        self.norm = _Norm(args.hidden_size, args.norm_eps)
+        self.blocks = nn.ModuleList(_Block(args, norm) for _ in range(args.depth))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps, norm)
 
     def rotary(self, grids: list[ImageGrid], device: torch.device) -> tuple[torch.Tensor, ...]:
         """cos, sin [sum N, hd / 2]: per patch, its row angles then its column angles."""
@@ -182,12 +169,13 @@ class _Projector(nn.Module):
 
 
 class ImageEncoder(nn.Module):
-    """The tower and the image marker embeddings; its parameter names are the release's."""
+    """The tower and the image marker embeddings; its parameter names are the release's.
+    ``norm``: the norm backend (the model's; None: the torch reference)."""
 
-    def __init__(self, args: VisionArgs, hidden_size: int) -> None:
+    def __init__(self, args: VisionArgs, hidden_size: int, norm: NormBackend | None = None) -> None:
         super().__init__()
         self.args = args
-        self.vision = VisionTransformer(args)
+        self.vision = VisionTransformer(args, norm or reference_kernels().norm)
         self.aligner = _Projector(args, hidden_size)
         self.image_start = nn.Parameter(torch.zeros(hidden_size))
         self.image_end = nn.Parameter(torch.zeros(hidden_size))
