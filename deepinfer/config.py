@@ -95,6 +95,9 @@ class CacheConfig:
     host_tier_gib: float = 4.0  # host-memory tier for evicted blocks/snapshots; 0 disables
     disk_tier_dir: str | None = None  # disk tier directory (may be a shared mount); None: off
     disk_tier_gib: float = 64.0  # disk tier capacity (oldest files removed beyond it)
+    # The vision tower's embeddings of recent images, by content: a repeated image is not
+    # encoded again while its embeddings stay within this (least recently used evicted first).
+    image_embedding_mib: float = 256.0
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
@@ -115,6 +118,10 @@ class CacheConfig:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"cache.max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.image_embedding_mib < 0:
+            raise ValueError(
+                f"cache.image_embedding_mib must be >= 0, got {self.image_embedding_mib}"
+            )
         if self.max_draft_tokens > self.ring_margin:
             raise ValueError(
                 f"cache.max_draft_tokens={self.max_draft_tokens} must be <= "
@@ -342,6 +349,9 @@ class ServerConfig:
     metrics_key: str | None = None  # set: /metrics needs "Authorization: Bearer <key>"
     public_observability: bool = True  # False: /health, /ready, /metrics on the internal listener
     image_url_allowlist: tuple[str, ...] = ()  # hosts whose image URLs may be fetched
+    max_images_per_request: int = 16  # more images in one request: 400
+    max_image_bytes: int = 20 * 1024 * 1024  # an image larger than this (encoded): 400
+    max_request_image_bytes: int = 64 * 1024 * 1024  # a request's images together: beyond, 400
     max_body_bytes: int = 64 * 1024 * 1024  # larger request bodies get 413
     body_read_timeout_s: float = 30.0  # a body not received in this time: 408, connection closed
     num_prepare_threads: int = 2  # threads that parse, convert and tokenize request bodies
@@ -379,6 +389,9 @@ class ServerConfig:
             object.__setattr__(self, key, tuple(value))
         for key in (
             "max_body_bytes",
+            "max_images_per_request",
+            "max_image_bytes",
+            "max_request_image_bytes",
             "num_prepare_threads",
             "max_preparing_bytes",
             "max_queued_prompt_tokens",

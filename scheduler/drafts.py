@@ -16,6 +16,7 @@ drafts). A grammar masks each drafted position with its state after the drafts b
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,15 +101,21 @@ class NgramDrafter:
 
     waits_for_every_step = False
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, vocab_size: int | None = None) -> None:
         assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"
         self.min_n, self.max_n = min_n, max_n
+        # Ids from vocab_size on are an image's placeholders (deepinfer/images.py): never
+        # proposed, a proposal stops before the first.
+        self.vocab_size = vocab_size
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
         tokens = _TokenArray.of(request)
-        return lookup(tokens.view(), self.min_n, self.max_n, max_tokens)
+        drafts = lookup(tokens.view(), self.min_n, self.max_n, max_tokens)
+        if request.images and self.vocab_size is not None:
+            drafts = list(itertools.takewhile(lambda t: t < self.vocab_size, drafts))
+        return drafts
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> list[int]:

@@ -1,6 +1,10 @@
 """PrefixCache: full KV blocks keyed by a hash chain, shared across requests (torch-free).
 
-    hash(block k) = sha256(hash(block k-1) || token ids of block k)      hash(block -1) = salt
+    hash(block k) = sha256(hash(block k-1) || token ids of block k [|| image digests])
+    hash(block -1) = salt
+
+A block overlapping images adds their digests (deepinfer/images.py): their positions hold the
+same placeholder ids whatever the image.
 
 The salt names the model (its name, a fingerprint of its weights, the cache format) and, when a
 request carries one, its ``cache_salt``, so tenants never share blocks. Only full blocks whose
@@ -21,6 +25,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepinfer.images import images_key
 from deepinfer.kv_cache.events import CacheEventLog
 from deepinfer.scheduler.block_manager import BlockManager
 from deepinfer.scheduler.request import Request
@@ -34,9 +39,12 @@ def chain_root(salt: bytes, cache_salt: str | None) -> bytes:
     return root.digest()
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent: bytes, token_ids: Sequence[int], images: bytes = b"") -> bytes:
+    """``images``: the digests of the images the block overlaps (``images_key``)."""
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # each id as 4 bytes, little-endian
+    if images:
+        h.update(b"\0images\0" + images)
     return h.digest()
 
 
@@ -73,8 +81,9 @@ class PrefixCache:
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else chain_root(self.salt, request.cache_salt)
             for k in range(len(hashes), num_full):
-                start = k * self.block_size
-                parent = hash_block(parent, request.get_token_ids(start, start + self.block_size))
+                start, end = k * self.block_size, (k + 1) * self.block_size
+                ids = request.get_token_ids(start, end)
+                parent = hash_block(parent, ids, images_key(request.images, start, end))
                 hashes.append(parent)
         return hashes[:num_full]
 

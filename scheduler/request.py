@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from deepinfer.images import PromptImage
 from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
 
@@ -133,6 +134,8 @@ class Request:
     # Prefill/decode hand-off, prefill side: after its first output token the request leaves
     # the running queue with its blocks and slot held, until they are exported and released.
     hand_off: bool = False
+    # The prompt's images, in prompt order (their positions hold placeholder ids; images.py).
+    images: tuple[PromptImage, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -8,12 +8,13 @@
 
 deepseek-recipe does the protocol work (validation, chat template, tool/response-format handling,
 thinking mode, DeepSeek's error messages); this module adds what is ours: the served model name,
-the model check (404), the image-URL policy, the node-side options, and what recipe 0.2.0 drops
-or misreads: ``max_completion_tokens``, ``thinking`` on Responses, strict schemas whose root is
-not an object, Messages without ``max_tokens`` (a 400, as Anthropic's API) and with
-``tool_choice: any`` (a required tool call). The ``max_tokens`` bound is the context limit where
-that is below DeepSeek's 384K. ``prepare`` is CPU work (tokenization of up to a million-token
-prompt), so handlers run it on the preparation pool (server/preparation.py).
+the model check (404), the request's images (server/images.py), the node-side options, and what
+recipe 0.2.0 drops or misreads: ``max_completion_tokens``, ``thinking`` on Responses, strict
+schemas whose root is not an object, Messages without ``max_tokens`` (a 400, as Anthropic's API)
+and with ``tool_choice: any`` (a required tool call). The ``max_tokens`` bound is the context
+limit where that is below DeepSeek's 384K. ``prepare`` is CPU and network work (tokenization of
+up to a million-token prompt, fetching and preprocessing images), so handlers run it on the
+preparation pool (server/preparation.py).
 
 Before tokenizing, the rendered prompt's length in characters is checked against the context:
 no token spells more than ``max_token_chars`` characters, so a prompt of ``n`` characters has at
@@ -35,13 +36,13 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import deepseek_recipe as recipe
 import tokenizers
 
 from deepinfer.model.families import FAMILIES
 from deepinfer.server.errors import ApiError, bad_request
+from deepinfer.server.images import ImageLimits, ImageResolver, ResolvedImages
 from deepinfer.server.protocol import OutputConstraint, SamplingOptions
 from deepinfer.server.sampling import _integer, build_sampling_options, read_extra_sampling
 from deepinfer.server.structured_output import accept_strict_schema, read_output_constraint
@@ -95,7 +96,11 @@ class Prepared:
     model: str  # the requested name, echoed in responses
     conversation_request: recipe.ConversationRequest
     parsing_options: recipe.ParsingOptions
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one placeholder per image
+    images: ResolvedImages
+    # The prompt's ids the coordinator's cache index can key: past the first image the node's
+    # block keys include the images' digests (deepinfer/images.py).
+    num_keyed_tokens: int
     sampling: SamplingOptions
     constraint: OutputConstraint | None
     cache_salt: str | None
@@ -118,7 +123,7 @@ class Frontend:
         model_type: str = "deepseek_v4",
         default_thinking_mode: bool = True,
         default_max_tokens: int | None = None,
-        image_url_allowlist: tuple[str, ...] = (),
+        image_limits: ImageLimits | None = None,
     ) -> None:
         if model_type not in FAMILIES:
             raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}")
@@ -128,9 +133,11 @@ class Frontend:
         self.served_model_name = served_model_name
         self.model_type = model_type
         self.default_max_tokens = default_max_tokens
-        self.image_url_allowlist = frozenset(h.lower() for h in image_url_allowlist)
+        self.images = ImageResolver(image_limits or ImageLimits())
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
         self.max_token_chars = _max_token_chars(self.tokenizer)
+        # What the encoding writes for each image (a placeholder the node grows to its size).
+        self.image_token_id = self.tokenizer.token_to_id(recipe.SpecialToken.Image.default_str())
         # The family table names the recipe's version and prompt encoding of the checkpoint.
         family = FAMILIES[model_type]
         version = getattr(recipe.ModelVersion, family.recipe_version)
@@ -230,9 +237,8 @@ class Frontend:
         return converted
 
     def encode(self, conversation: recipe.Conversation, context_limit: int) -> list[int]:
-        """The prompt's token ids; refused (400) without tokenizing when its characters alone
-        prove it longer than ``context_limit`` tokens."""
-        self._check_images(conversation)
+        """The prompt's token ids, one placeholder per image; refused (400) without tokenizing
+        when its characters alone prove it longer than ``context_limit`` tokens."""
         try:
             num_chars = len(self.encoding.render_conversation(conversation).prompt)
             self.check_prompt_chars(num_chars, context_limit)
@@ -259,8 +265,10 @@ class Frontend:
             raise bad_request("max_tokens: Field required", "max_tokens")  # Anthropic's words
         converted = self.convert(kind, body, context_limit)
         conversation_request = converted.request
+        self.images.check_conversation(converted.conversation)  # before any work
         prompt_token_ids = self.encode(converted.conversation, context_limit)
-        num_prompt = len(prompt_token_ids)
+        images = self.images.resolve(converted.conversation)
+        num_prompt = len(prompt_token_ids) + images.num_extra_tokens
         try:
             max_tokens = conversation_request.resolve_max_tokens(num_prompt, context_limit)
         except recipe.ConversionError as e:  # prompt (+ max_tokens) longer than the context
@@ -284,6 +292,8 @@ class Frontend:
             conversation_request=conversation_request,
             parsing_options=converted.parsing_options,
             prompt_token_ids=prompt_token_ids,
+            images=images,
+            num_keyed_tokens=_num_keyed_tokens(prompt_token_ids, images, self.image_token_id),
             sampling=sampling,
             constraint=read_output_constraint(body, converted.constraint),
             cache_salt=extra.cache_salt,
@@ -292,27 +302,18 @@ class Frontend:
         )
 
     def count_tokens(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> int:
-        """The prompt's token count; a prompt that cannot fit the context is refused (400)."""
-        return len(self.encode(self.convert(kind, body).conversation, context_limit))
+        """The prompt's token count, each image at its positions (its sources are fetched);
+        a prompt that cannot fit the context is refused (400)."""
+        conversation = self.convert(kind, body).conversation
+        num_tokens = len(self.encode(conversation, context_limit))
+        return num_tokens + self.images.resolve(conversation).num_extra_tokens
 
-    def _check_images(self, conversation: recipe.Conversation) -> None:
-        """Image URLs are fetched by the server, so they are an SSRF risk: only allow-listed
-        hosts. (For V4 checkpoints, which have no vision tower, the recipe already replaced
-        images with text and no source is left here.)"""
-        for message in conversation.messages:
-            for source in message.image_sources:
-                host = (urlsplit(source.url or "").hostname or "").lower()
-                if source.kind == "url" and host not in self.image_url_allowlist:
-                    raise bad_request(
-                        f"Image URLs are not allowed on this server (host {host!r} is not in "
-                        f"server.image_url_allowlist); send the image as a data: URL",
-                        source.path.lstrip(".") or None,
-                    )
-                # The node protocol carries no images yet: refuse rather than drop them.
-                raise bad_request(
-                    "images are not supported by this server",
-                    source.path.lstrip(".") or None,
-                )
+
+def _num_keyed_tokens(ids: list[int], images: ResolvedImages, image_token_id: int | None) -> int:
+    """The prompt's ids up to its first image placeholder (all of them without images)."""
+    if images.images and image_token_id in ids:
+        return ids.index(image_token_id) + 1
+    return len(ids)
 
 
 def _refuse_constant(name: str) -> None:

@@ -51,6 +51,7 @@ from deepinfer.server.anthropic_api import AnthropicApi
 from deepinfer.server.completions import CompletionsApi
 from deepinfer.server.conversion import Frontend
 from deepinfer.server.errors import ApiError, Handler, error_middleware
+from deepinfer.server.images import ImageLimits
 from deepinfer.server.metrics import CONTENT_TYPE, CoordinatorMetrics
 from deepinfer.server.openai_api import OpenAIApi
 from deepinfer.server.preparation import PreparationPool, read_body
@@ -145,7 +146,12 @@ def create_coordinator_app(
         model_type=model_type,
         default_thinking_mode=config.default_thinking_mode,
         default_max_tokens=config.default_max_tokens,
-        image_url_allowlist=config.image_url_allowlist,
+        image_limits=ImageLimits(
+            allowlist=frozenset(h.lower() for h in config.image_url_allowlist),
+            max_images=config.max_images_per_request,
+            max_image_bytes=config.max_image_bytes,
+            max_request_image_bytes=config.max_request_image_bytes,
+        ),
     )
     registry = NodeRegistry(
         config.heartbeat_timeout_s,

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from deepinfer.config import KVTransferConfig
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError
 from deepinfer.engine.handoff import HandOffExport, RequestState, pack_state, unpack_state
+from deepinfer.images import ImageInput
 from deepinfer.parallel.transfer import PairTransport, TransferError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.scheduler import NoRoomError
@@ -373,7 +374,9 @@ async def decode_frames(
     assert route is not None
     request_id = message.request_id
     try:
-        await engine.reserve_hand_off(request_id, len(message.prompt_token_ids))
+        images = [ImageInput(i.data, i.width, i.height) for i in message.images]
+        prompt, spans = await engine.expand_images(request_id, message.prompt_token_ids, images)
+        await engine.reserve_hand_off(request_id, len(prompt))
     except NoRoomError as error:
         raise NodeError(503, f"no room for request {request_id!r} now: {error}") from error
     except ValueError as error:
@@ -395,8 +398,10 @@ async def decode_frames(
             state = await transfers.recv(route)
         except TransferError as error:
             raise NodeError(502, f"receiving from {route.peer} failed: {error}") from error
-        _check_state(state, message)
-        deltas = engine_token_deltas(engine, request_id, engine.generate_handed_off(state, params))
+        _check_state(state, request_id, prompt)
+        deltas = engine_token_deltas(
+            engine, request_id, engine.generate_handed_off(state, params, spans)
+        )
         async with contextlib.aclosing(deltas):
             try:
                 first = await anext(deltas)
@@ -415,10 +420,7 @@ async def decode_frames(
         engine.abort(request_id)
 
 
-def _check_state(state: RequestState, message: GenerateRequest) -> None:
-    if state.request_id != message.request_id or state.prompt_token_ids != list(
-        message.prompt_token_ids
-    ):
-        raise NodeError(
-            502, f"request {message.request_id!r}: the state received is another request's"
-        )
+def _check_state(state: RequestState, request_id: str, prompt_token_ids: list[int]) -> None:
+    """The state is the request's: its id, and its prompt as this node expands the request."""
+    if state.request_id != request_id or state.prompt_token_ids != prompt_token_ids:
+        raise NodeError(502, f"request {request_id!r}: the state received is another request's")

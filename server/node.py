@@ -192,6 +192,7 @@ def observe_engine(
     metrics.watch_cache(engine.engine.cache_stats)
     metrics.watch_graphs(engine.engine.graph_stats)
     metrics.watch_drafts(engine.engine.spec_stats)
+    metrics.watch_images(engine.engine.image_stats)
     metrics.watch_ranks(engine.engine.rank_stats)
     engine.observer = metrics
     return metrics

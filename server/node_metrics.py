@@ -31,6 +31,8 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_kv_transfer_failures_total{direction,reason}   counter: peer | timeout | checksum |
                                                       join | malformed
     deepinfer_kv_transfer_in_flight{direction}        gauge
+    deepinfer_images_encoded_total / _image_cache_hits_total / _image_encode_seconds_total
+                                                      counter: the vision tower (V4.1)
     deepinfer_spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens   counter  vllm:
     deepinfer_spec_decode_num_accepted_tokens_per_pos{position}   counter     vllm:
     deepinfer_spec_decode_acceptance_length    histogram: tokens a verified run gained (1..k+1)
@@ -137,6 +139,11 @@ class NodeMetrics:
     def watch_drafts(self, stats: Callable[[], dict]) -> None:
         """Export the verification steps' counters (LLMEngine.spec_stats) at every scrape."""
         self.registry.register(_SpecDecodeCollector(self.labels, stats))
+
+    def watch_images(self, stats: Callable[[], dict[str, float]]) -> None:
+        """Export the vision tower's counters (LLMEngine.image_stats) at every scrape; nothing
+        for a model without one."""
+        self.registry.register(_ImageCollector(self.labels, stats))
 
     def watch_ranks(self, stats: Callable[[], dict]) -> None:
         """Export a lock-step rank's steps by kind and its experts' tokens
@@ -314,6 +321,31 @@ class _GraphCollector:
         for phase, count in self._stats().items():
             family.add_metric([*self._labels, phase], count)
         yield family
+
+
+class _ImageCollector:
+    """Images the vision tower encoded, images found in its embeddings cache, and the seconds
+    spent encoding (ImageEmbeddings' stats)."""
+
+    _SERIES = (
+        ("images_encoded_total", "encoded", "Images run through the vision tower."),
+        ("image_cache_hits_total", "hits", "Images whose embeddings a step found cached."),
+        ("image_encode_seconds_total", "encode_seconds", "Seconds spent in the vision tower."),
+    )
+
+    def __init__(self, labels: tuple[str, ...], stats: Callable[[], dict[str, float]]) -> None:
+        self._labels = list(labels)
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._stats()
+        if not stats:
+            return
+        for name, key, doc in self._SERIES:
+            # CounterMetricFamily appends "_total" itself.
+            family = CounterMetricFamily(f"deepinfer_{name[: -len('_total')]}", doc, labels=_LABELS)
+            family.add_metric(self._labels, stats[key])
+            yield family
 
 
 class _SpecDecodeCollector:

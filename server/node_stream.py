@@ -26,6 +26,7 @@ from deepinfer.engine.async_engine import (
     EngineStepError,
 )
 from deepinfer.engine.handoff import HandOffExport
+from deepinfer.images import ImageInput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -58,7 +59,12 @@ async def token_deltas(
     """
     request_id = message.request_id
     deltas = engine.generate(
-        request_id, message.prompt_token_ids, params, message.cache_salt, hand_off=hand_off
+        request_id,
+        message.prompt_token_ids,
+        params,
+        message.cache_salt,
+        hand_off=hand_off,
+        images=[ImageInput(i.data, i.width, i.height) for i in message.images],
     )
     async for delta in engine_token_deltas(engine, request_id, deltas):
         yield delta

@@ -83,13 +83,26 @@ class HandOffRoute(msgspec.Struct, kw_only=True, frozen=True):
     decode_incarnation: str = ""
 
 
+class ImageData(msgspec.Struct, kw_only=True, frozen=True):
+    """One image of a prompt, preprocessed by the request side (server/images.py): encoded
+    bytes (WebP) and its size in pixels, a multiple of the model's patch."""
+
+    data: bytes
+    width: int
+    height: int
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
+    """``images``: one per image placeholder of ``prompt_token_ids`` (the tokenizer's image
+    token), in order; the node grows each placeholder to the image's positions."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     constraint: OutputConstraint | None = None
     cache_salt: str | None = None
     hand_off: HandOffRoute | None = None  # a prefill or decode node's part of a hand-off
+    images: list[ImageData] = []
 
 
 class CollectRequest(msgspec.Struct, kw_only=True):

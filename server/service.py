@@ -30,7 +30,13 @@ from deepinfer.server.cache_index import NO_HIT, PrefixHit
 from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.preparation import PreparationPool
-from deepinfer.server.protocol import GenerateRequest, OutputConstraint, SamplingOptions, TokenDelta
+from deepinfer.server.protocol import (
+    GenerateRequest,
+    ImageData,
+    OutputConstraint,
+    SamplingOptions,
+    TokenDelta,
+)
 from deepinfer.server.registry import NodeRegistry, NoFittingNodeError, NoReadyNodeError
 from deepinfer.server.routing import NodeEntry, NodeError, RouteRequest
 
@@ -72,10 +78,13 @@ class ApiRequest:
 
     request_id: str
     endpoint: str  # metrics label: chat_completions | responses | messages | completions
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one placeholder per image
     sampling: SamplingOptions
     constraint: OutputConstraint | None = None
     cache_salt: str | None = None
+    images: list[ImageData] = field(default_factory=list)
+    num_image_positions: int = 0  # the images' prompt positions beyond one per placeholder
+    num_keyed_tokens: int | None = None  # the prompt ids cache routing keys (None: all)
     arrival_time: float = field(default_factory=time.monotonic)
     status: ApiRequestStatus = ApiRequestStatus.WAITING
     node: NodeEntry | None = None
@@ -88,7 +97,7 @@ class ApiRequest:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.prompt_token_ids) + self.num_image_positions
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +159,7 @@ class CoordinatorService:
                 self.metrics.queue_time.observe(admission.queue_time)
                 failed_nodes: list[str] = []
                 route = self.registry.route_request(
-                    req.prompt_token_ids,
+                    req.prompt_token_ids[: req.num_keyed_tokens],
                     req.num_tokens,
                     req.cache_salt,
                     looks_up=req.sampling.prompt_logprobs is None,
@@ -264,6 +273,7 @@ class CoordinatorService:
             sampling=req.sampling,
             constraint=req.constraint,
             cache_salt=req.cache_salt,
+            images=req.images,
         )
 
     def _observe(self, req: ApiRequest, delta: TokenDelta) -> None:

@@ -34,7 +34,7 @@ from deepinfer.server.errors import (
     sse_error_event,
     timeout_error,
 )
-from deepinfer.server.protocol import TokenDelta
+from deepinfer.server.protocol import ImageData, TokenDelta
 from deepinfer.server.response_store import ResponseStore, StoredTurn
 from deepinfer.server.service import ApiRequest, CoordinatorService
 from deepinfer.server.sse import SSEStream, dumps, format_event
@@ -304,6 +304,7 @@ async def serve_recipe_request(
         parsed = await service.prepare(request, lambda body, limit: frontend.parse_json(body))
         body, turn = store.begin(parsed)
         prepared = await asyncio.to_thread(frontend.prepare, kind, body, service.context_limit())
+    images = prepared.images
     req = ApiRequest(
         request_id=f"{_ID_PREFIXES[kind]}{uuid.uuid4().hex}",
         endpoint=kind.value,
@@ -311,6 +312,11 @@ async def serve_recipe_request(
         sampling=prepared.sampling,
         constraint=prepared.constraint,
         cache_salt=prepared.cache_salt,
+        images=[
+            ImageData(data=i.data, width=i.width, height=i.height) for i in prepared.images.images
+        ],
+        num_image_positions=images.num_extra_tokens,
+        num_keyed_tokens=prepared.num_keyed_tokens,
         arrival_time=arrival_time,
     )
     return await respond(request, service, frontend, prepared, req, timeout, turn)

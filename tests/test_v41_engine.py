@@ -154,7 +154,7 @@ def test_prefix_hits_match_cold(tiny_v41_dir: Path, tmp_path: Path) -> None:
 async def test_serve_answers_the_official_clients(tiny_v41_dir: Path) -> None:
     """The openai and anthropic clients against `serve` on the tiny V4.1: the prompt is the
     V4.1 encoding's (a system prompt spelled with <｜System｜>, which the V4 tokenizer lacks),
-    the answers stream; an image gets a 400 that says why."""
+    the answers stream; a broken image gets a 400 that says why."""
     import anthropic
     import openai
     from aiohttp.test_utils import TestServer
@@ -204,7 +204,7 @@ async def test_serve_answers_the_official_clients(tiny_v41_dir: Path) -> None:
         )
         assert reply.usage.output_tokens >= 1
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-        with pytest.raises(openai.BadRequestError, match="images are not supported by this server"):
+        with pytest.raises(openai.BadRequestError, match="unsupported image"):
             await oai.chat.completions.create(
                 model="DeepSeek-V4.1-Flash",
                 messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}],

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from deepinfer.constraints import ConstraintError
 from deepinfer.engine.handoff import HandOffExport, RequestState
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.images import ImageInput, PromptImage, decode_images
 from deepinfer.outputs import FinishReason
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
@@ -224,6 +225,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         *,
         hand_off: HandOffExport | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas; the last one has ``finish_reason`` set.
 
@@ -231,6 +233,8 @@ class AsyncEngine:
         the prefill side of a prefill/decode hand-off: once the first token is sampled (and the
         request did not finish with it) the request's state is copied into ``hand_off.state``
         between two steps, its blocks are freed, and the stream ends after that token's delta.
+        ``images``: one per image placeholder of the prompt (``LLMEngine.add_request``); they
+        are decoded in a worker thread, off the loop and the engine's thread.
 
         Raises ValueError (bad input, id in use) or EngineClosedError before the first yield, and
         EngineStepError if a step fails with the request in it. Stopping the iteration early
@@ -238,6 +242,7 @@ class AsyncEngine:
         """
         self._check_open()
         compiled_grammar = await self._compile_grammar(sampling_params)
+        decoded = await asyncio.to_thread(decode_images, images) if images else []
 
         def add() -> Request:
             return self.engine.add_request(
@@ -247,6 +252,7 @@ class AsyncEngine:
                 cache_salt=cache_salt,
                 compiled_grammar=compiled_grammar,
                 hand_off=hand_off is not None,
+                images=decoded,
             )
 
         async with contextlib.aclosing(self._stream(request_id, add, hand_off)) as deltas:
@@ -277,17 +283,31 @@ class AsyncEngine:
             self.abort(request_id)  # reserved or not: nothing is kept for a caller gone
             raise
 
+    async def expand_images(
+        self, request_id: str, prompt_token_ids: list[int], images: Sequence[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """``LLMEngine.expand_images`` in a worker thread (it hashes the images' bytes)."""
+        if not images:
+            return list(prompt_token_ids), []
+        return await asyncio.to_thread(
+            self.engine.expand_images, request_id, prompt_token_ids, images
+        )
+
     async def generate_handed_off(
-        self, state: RequestState, sampling_params: SamplingParams
+        self,
+        state: RequestState,
+        sampling_params: SamplingParams,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncIterator[RequestOutputDelta]:
         """Decode side: continue a request from another engine's state (its reservation's blocks
-        and slot if it has one); as ``generate`` from the second output token on."""
+        and slot if it has one); as ``generate`` from the second output token on. ``images``:
+        the prompt's (``expand_images``)."""
 
         self._check_open()
         compiled_grammar = await self._compile_grammar(sampling_params)
 
         def add() -> Request:
-            return self.engine.import_request(state, sampling_params, compiled_grammar)
+            return self.engine.import_request(state, sampling_params, compiled_grammar, images)
 
         async with contextlib.aclosing(self._stream(state.request_id, add, None)) as deltas:
             async for delta in deltas:

@@ -23,11 +23,13 @@ holds is the serving layer's business; a held request that nobody exports is rel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
+from deepinfer.images import PromptImage
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CachePart
 from deepinfer.sampling_params import SamplingParams
@@ -140,11 +142,14 @@ def import_request(
     state: RequestState,
     params: SamplingParams,
     eos_token_id: int | None,
+    images: Sequence[PromptImage] = (),
 ) -> Request:
     """Continue ``state`` on this engine: check, write, run. Its blocks and slot are the
     request id's reservation (``Scheduler.reserve_hand_off``, made when the hand-off was
-    announced), else reserved now. Raises ValueError (other model or layout, malformed state, no
-    room now) with nothing taken: a reservation stays the caller's."""
+    announced), else reserved now. ``images``: the prompt's, so that its blocks are cached
+    under the keys a prefill of it gives (and a recompute has the pixels). Raises ValueError
+    (other model or layout, malformed state, no room now) with nothing taken: a reservation
+    stays the caller's."""
     if state.model_salt != model_salt:
         raise ValueError(
             f"request {state.request_id!r}: its cache comes from another model or cache layout"
@@ -166,6 +171,7 @@ def import_request(
         output_token_ids=list(state.output_token_ids),
         output_logprobs=list(state.output_logprobs),
         num_cached_tokens=state.num_cached_tokens,
+        images=tuple(images),
     )
     _check_parts(state.request_id, "block", cache.spec.paged, state.blocks, cache.dtype, 1)
     _check_parts(state.request_id, "state slot", cache.spec.state, state.slot, cache.dtype, 0)

@@ -29,7 +29,7 @@ requests' ways in and out (add, abort, finish, hand-off export and import) share
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +40,7 @@ from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.device import resolve_device
 from deepinfer.engine.handoff import RequestState, export_request, import_request
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.images import ImageInput, PromptImage, decode_images
 from deepinfer.kv_cache.events import CacheEventLog, CacheLayout
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args, with_serving_options
@@ -192,7 +193,9 @@ class LLMEngine:
                 self.scheduler.max_draft_tokens,
             )
             return
-        self.set_drafter(NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        self.set_drafter(
+            NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max, self.executor.vocab_size)
+        )
         logger.info(
             "speculative decoding: %s, up to %d drafts a step (n-grams of %d..%d tokens)",
             spec.method,
@@ -284,12 +287,15 @@ class LLMEngine:
         cache_salt: str | None = None,
         compiled_grammar: Any = None,
         hand_off: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> Request:
         """Admit a request. A constrained request's grammar is ``compiled_grammar`` (compiled off
         the engine thread, as AsyncEngine does) or compiled here, synchronously. ``hand_off``:
         the prefill side of a prefill/decode hand-off (handoff.py): the request is held after
-        its first token, for ``export_request``. Raises ValueError (ConstraintError for a bad
-        constraint) before anything is admitted."""
+        its first token, for ``export_request``. ``images``: one per image placeholder of the
+        prompt, in order (the model family grows each placeholder to the image's positions).
+        Raises ValueError (ConstraintError for a bad constraint) before anything is
+        admitted."""
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         if (
             sampling_params.prompt_logprobs is not None
@@ -306,13 +312,15 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: token ids {bad[:5]} are outside [0, {vocab})"
             )
+        prompt, spans = self.expand_images(request_id, prompt_token_ids, decode_images(images))
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt,
             sampling_params=sampling_params,
             eos_token_id=self.executor.eos_token_id,
             cache_salt=cache_salt,
             hand_off=hand_off,
+            images=tuple(spans),
         )
         if sampling_params.constraint is not None:
             if compiled_grammar is None:
@@ -323,6 +331,21 @@ class LLMEngine:
             )
         self.scheduler.add_request(request)
         return request
+
+    def expand_images(
+        self, request_id: str, prompt_token_ids: list[int], images: Sequence[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt with each image placeholder grown to its image's positions, and the
+        images' spans (the model family's); ValueError naming the request and the problem."""
+        if not images:
+            return list(prompt_token_ids), []
+        expand = getattr(self.executor, "expand_images", None)
+        if expand is None:
+            raise ValueError(f"request {request_id!r}: this engine's executor takes no images")
+        try:
+            return expand(list(prompt_token_ids), list(images))
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
 
     def compile_grammar(self, sampling_params: SamplingParams) -> Any:
         """The compiled constraint (blocking, with the compile timeout)."""
@@ -360,12 +383,17 @@ class LLMEngine:
         self.scheduler.reserve_hand_off(request_id, num_prompt_tokens)
 
     def import_request(
-        self, state: RequestState, sampling_params: SamplingParams, compiled_grammar: Any = None
+        self,
+        state: RequestState,
+        sampling_params: SamplingParams,
+        compiled_grammar: Any = None,
+        images: Sequence[PromptImage] = (),
     ) -> Request:
         """Continue a request another engine computed the prompt of (handoff.py), in its
         reservation if it has one. A constrained request's matcher is rebuilt here and fed the
         tokens the other engine sampled (its grammar ``compiled_grammar``, or compiled now).
-        Raises ValueError (ConstraintError) with nothing taken."""
+        ``images``: the prompt's (``expand_images`` of the request as sent). Raises ValueError
+        (ConstraintError) with nothing taken."""
         sampling_params.check_limits(max_logprobs=self.config.model.max_logprobs)
         matcher = None
         if sampling_params.constraint is not None:
@@ -385,6 +413,7 @@ class LLMEngine:
             state,
             sampling_params,
             self.executor.eos_token_id,
+            images,
         )
         request.matcher = matcher
         return request
@@ -455,6 +484,18 @@ class LLMEngine:
             return {}
         serving = graphs.num_captures_while_serving
         return {"startup": graphs.num_graphs - serving, "serving": serving}
+
+    def image_stats(self) -> dict[str, float]:
+        """The vision tower's counters since start (empty without a tower)."""
+        images = getattr(self.executor, "images", None)
+        if images is None:
+            return {}
+        stats = images.stats
+        return {
+            "encoded": stats.num_encoded,
+            "hits": stats.num_hits,
+            "encode_seconds": stats.encode_seconds,
+        }
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a launched step whose results are not applied yet."""

@@ -35,6 +35,7 @@ from deepinfer.config import Config
 from deepinfer.device import resolve_device, resolve_dtype
 from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.deterministic import deterministic_rows, forward_split
+from deepinfer.engine.image_embeddings import ImageEmbeddings
 from deepinfer.engine.memory import MemoryProfile, fit_num_blocks, profile_memory
 from deepinfer.engine.planner import StepPlanner
 from deepinfer.engine.staging import PinnedStaging
@@ -42,6 +43,7 @@ from deepinfer.engine.step_outputs import LastSamples, LaunchedStep, prompt_logp
 from deepinfer.engine.tier_io import move_between_tiers
 from deepinfer.engine.warm_up import warm_up_eager
 from deepinfer.engine.weights_loading import cache_salt, load_model
+from deepinfer.images import ImageInput, PromptImage, overlapping
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.kv_cache.tiered import KVTiers
@@ -96,6 +98,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None  # set when sized on CUDA
         self._init_kv_cache()
         self._init_staging()
+        self.images = self._image_embeddings()
         self.step_drafts = self.family.drafts(
             self.model,
             self.kv_cache,
@@ -286,6 +289,24 @@ class ModelRunner:
             device=self.device,
         )
 
+    def _image_embeddings(self) -> ImageEmbeddings | None:
+        """The vision tower's embeddings cache, when the model has a tower."""
+        if getattr(self.args, "vision", None) is None:
+            return None
+        return ImageEmbeddings(
+            partial(self.family.encode_images, self.model),
+            self.device,
+            self._upload,
+            int(self.config.cache.image_embedding_mib * 2**20),
+        )
+
+    def expand_images(
+        self, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt with its image placeholders grown to the images' positions (the
+        family's); ValueError when the model takes no images or they do not fit."""
+        return self.family.expand_images(self.args, token_ids, images)
+
     def _cache_salt(self, model_dir: Path) -> bytes:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
         spec_salt = self.kv_cache.spec.salt
@@ -351,7 +372,12 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         hidden: torch.Tensor | None = None  # the last layer's output, for the MTP layer
         one_by_one = deterministic_rows(scheduler_output, self.config.kernel.deterministic)
-        if not one_by_one and self.graphs is not None and self.graphs.can_run(scheduler_output):
+        if (
+            not one_by_one
+            and self.graphs is not None
+            and self.graphs.can_run(scheduler_output)
+            and not _touches_images(scheduled)
+        ):
             step = self.graphs.run(
                 scheduler_output,
                 lambda ids, rows: self._last_samples.fill_placeholders(scheduled, ids, rows),
@@ -454,6 +480,8 @@ class ModelRunner:
             offset += sched.num_tokens
         host = self.planner.arrays(seqs, token_ids, logits_indices)
         batch = self.planner.views(self._upload(flatten(host)), host, seqs)
+        if self.images is not None:
+            self.images.place(batch, scheduled)
         self._last_samples.fill_placeholders(scheduled, batch.input_ids)
         return batch, sample_rows, prompt_rows
 
@@ -470,6 +498,15 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.upload(values)
+
+
+def _touches_images(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether a chunk of the step computes image positions (never a graphed step's)."""
+    return any(
+        overlapping(s.request.images, s.start_pos, s.start_pos + s.num_tokens)
+        for s in scheduled
+        if s.request.images
+    )
 
 
 def _graph_sample_rows(scheduled: list[ScheduledRequest], rows: int) -> list[tuple[int, int]]:

@@ -13,6 +13,9 @@
         drafts(model, cache, ...): the model's own drafter, run after each step (V4's MTP layer,
                                    V4.1's DSpark)
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
+        expand_images(args, ids, images): a prompt's image placeholders grown to the images'
+                                   positions (deepinfer/images.py), ValueError without a tower
+        encode_images(model, pixels, images): the vision tower's embeddings of images
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
 graphed step passes ``decode_context``, and the family must then give arrays whose shapes depend
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer.images import ImageInput, PromptImage
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.model.batch import ForwardBatch, SeqSpan
@@ -192,4 +196,19 @@ class ModelFamily(Protocol):
     def replay_tokens(self, args: Any) -> int:
         """Tokens to recompute on a prefix hit without a snapshot (the receptive field of the
         state that is not paged)."""
+        ...
+
+    def expand_images(
+        self, args: Any, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt's ids with each image's placeholder grown to its positions, and the
+        images' spans; ``token_ids`` unchanged without images. ValueError (naming the problem)
+        when the model takes no images or they do not fit its prompt."""
+        ...
+
+    def encode_images(
+        self, model: nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+    ) -> list[torch.Tensor]:
+        """Each image's embeddings [num_tokens, D] from its pixels (uint8 [h, w, 3] on the
+        model's device), in one batch."""
         ...

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.images import ImageInput, PromptImage
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.model.batch import ForwardBatch, SeqSpan
@@ -158,6 +159,18 @@ class DeepseekV4Family:
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the whole stack, num_layers * (window - 1)."""
         return args.num_layers * (args.sliding_window - 1)
+
+    def expand_images(
+        self, args: ModelArgs, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        if images:
+            raise ValueError("DeepSeek-V4 checkpoints have no vision tower: images are not served")
+        return token_ids, []
+
+    def encode_images(
+        self, model: torch.nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError("DeepSeek-V4 checkpoints have no vision tower")
 
 
 FAMILY = DeepseekV4Family()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.images import ImageInput, PromptImage
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
 from deepinfer.model.batch import ForwardBatch, SeqSpan
@@ -32,6 +33,7 @@ from deepinfer.model.deepseek_v41.dspark import DSparkDrafts
 from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
+from deepinfer.model.deepseek_v41.vision_args import expand_images
 from deepinfer.model.family import StepDrafts
 from deepinfer.ops import Kernels
 
@@ -182,6 +184,25 @@ class DeepseekV41Family:
     def replay_tokens(self, args: ModelArgs) -> int:
         """The sliding-window receptive field of the stack, num_layers * (window - 1)."""
         return args.num_layers * (args.sliding_window - 1)
+
+    def expand_images(
+        self, args: ModelArgs, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        return expand_images(
+            token_ids,
+            images,
+            image_token_id=args.image_token_id,
+            vocab_size=args.vocab_size,
+            vision=args.vision,
+        )
+
+    def encode_images(
+        self, model: torch.nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+    ) -> list[torch.Tensor]:
+        assert isinstance(model, DeepseekV41) and model.args.vision is not None
+        vision = model.args.vision
+        grids = [vision.grid(i.image.width, i.image.height) for i in images]
+        return model.image_encoder(pixels, grids)
 
 
 def _engram_vocab(model_dir: Path, args: ModelArgs) -> torch.Tensor:

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.images import ImageInput, PromptImage
+
 # An image's prompt positions hold ids past the vocabulary (the offsets DeepSeek's engine uses):
 # its first position vocab_size + IMAGE, the others vocab_size + IMAGE_PAD. The model embeds
 # them from the tower's output; the router and the engram tell them by id >= vocab_size.
@@ -32,6 +34,42 @@ IMAGE = 2
 def image_ids(vocab_size: int, num_tokens: int) -> list[int]:
     """The prompt ids of one image of ``num_tokens`` positions."""
     return [vocab_size + IMAGE] + [vocab_size + IMAGE_PAD] * (num_tokens - 1)
+
+
+def expand_images(
+    token_ids: list[int],
+    images: list[ImageInput],
+    *,
+    image_token_id: int,
+    vocab_size: int,
+    vision: VisionArgs | None,
+) -> tuple[list[int], list[PromptImage]]:
+    """A prompt whose images are one ``image_token_id`` placeholder each (the request side's
+    encoding) -> its ids with each placeholder grown to the image's positions (``image_ids``),
+    and the images' spans. ValueError, naming the mismatch, when the model has no vision tower,
+    when the placeholders and the images do not pair up, or when an image does not fit the
+    model's geometry."""
+    if not images:
+        return token_ids, []
+    if vision is None:
+        raise ValueError("this model has no vision tower: requests with images are not served")
+    at = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(at) != len(images):
+        raise ValueError(
+            f"the prompt has {len(at)} image placeholders (token {image_token_id}) for "
+            f"{len(images)} images"
+        )
+    ids: list[int] = []
+    spans: list[PromptImage] = []
+    start = 0
+    for position, image in zip(at, images, strict=True):
+        grid = vision.grid(image.width, image.height)
+        ids.extend(token_ids[start:position])
+        spans.append(PromptImage(len(ids), grid.num_tokens, image.digest, image))
+        ids.extend(image_ids(vocab_size, grid.num_tokens))
+        start = position + 1
+    ids.extend(token_ids[start:])
+    return ids, spans
 
 
 @dataclass(frozen=True)

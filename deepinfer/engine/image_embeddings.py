@@ -1,0 +1,120 @@
+"""ImageEmbeddings: the vision tower's output for the image positions a step computes, cached by
+image content.
+
+    step's chunks -> images they overlap (deepinfer/images.py) -> embeddings by digest
+        (cached, or the missing ones encoded together: family.encode_images, one batch)
+    -> ForwardBatch.image_rows (the chunks' rows at image positions) + image_embeds
+
+A chunk may cover part of an image (chunked prefill through an image, a prefix hit ending in
+one, a recompute after preemption): the image is encoded whole, since each of its embeddings
+depends on all its patches, and the chunk takes its rows. Embeddings stay cached, least recently
+used evicted first, within ``cache.image_embedding_mib``; a request's later chunks and a repeated
+image (the same bytes, any request) are not encoded again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.images import PromptImage, overlapping
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.scheduler.output import ScheduledRequest
+
+Encode = Callable[[list[torch.Tensor], list[PromptImage]], list[torch.Tensor]]
+
+
+@dataclass
+class ImageEncodeStats:
+    """Counts since start."""
+
+    num_encoded: int = 0  # images run through the tower
+    num_hits: int = 0  # images a step needed and found cached
+    encode_seconds: float = 0.0  # in the tower (on CUDA: to the end of its kernels)
+
+
+class ImageEmbeddings:
+    def __init__(
+        self,
+        encode: Encode,
+        device: torch.device,
+        upload: Callable[[np.ndarray], torch.Tensor],
+        budget_bytes: int,
+    ) -> None:
+        self.encode = encode
+        self.device = device
+        self.upload = upload
+        self.budget_bytes = budget_bytes
+        self.num_bytes = 0
+        self._cached: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.stats = ImageEncodeStats()
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._cached
+
+    def place(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]) -> None:
+        """Set ``batch``'s image rows and embeddings for the step's chunks (none: unchanged)."""
+        rows: list[np.ndarray] = []
+        parts: list[tuple[PromptImage, int, int]] = []  # image, its first and last + 1 row
+        offset = 0
+        for sched in scheduled:
+            start, end = sched.start_pos, sched.start_pos + sched.num_tokens
+            for image in overlapping(sched.request.images, start, end):
+                lo, hi = max(start, image.offset), min(end, image.end)
+                rows.append(np.arange(offset + lo - start, offset + hi - start, dtype=np.int64))
+                parts.append((image, lo - image.offset, hi - image.offset))
+            offset += sched.num_tokens
+        if not parts:
+            return
+        embeddings = self.embeddings([image for image, _, _ in parts])
+        batch.image_rows = self.upload(np.concatenate(rows))
+        batch.image_embeds = torch.cat([embeddings[i.digest][lo:hi] for i, lo, hi in parts])
+
+    def embeddings(self, images: list[PromptImage]) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings [num_tokens, D] by digest; the uncached encoded in one
+        batch."""
+        out: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, PromptImage] = {}
+        for image in images:
+            if image.digest in out or image.digest in missing:
+                continue
+            cached = self._cached.get(image.digest)
+            if cached is None:
+                missing[image.digest] = image
+                continue
+            self._cached.move_to_end(image.digest)
+            self.stats.num_hits += 1
+            out[image.digest] = cached
+        if missing:
+            out.update(self._encode(list(missing.values())))
+        return out
+
+    def _encode(self, images: list[PromptImage]) -> dict[bytes, torch.Tensor]:
+        began = time.perf_counter()
+        # A handed-off request's images come undecoded (only a recompute encodes them here).
+        pixels = [torch.from_numpy(i.image.decoded().pixels).to(self.device) for i in images]
+        encoded = self.encode(pixels, images)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats.encode_seconds += time.perf_counter() - began
+        self.stats.num_encoded += len(images)
+        out = {}
+        for image, embeds in zip(images, encoded, strict=True):
+            out[image.digest] = embeds
+            self._keep(image.digest, embeds)
+        return out
+
+    def _keep(self, digest: bytes, embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if size > self.budget_bytes:
+            return
+        self._cached[digest] = embeds
+        self.num_bytes += size
+        while self.num_bytes > self.budget_bytes:
+            _, evicted = self._cached.popitem(last=False)
+            self.num_bytes -= evicted.numel() * evicted.element_size()
