@@ -15,6 +15,7 @@
 #   deepseek-recipe       DeepSeek's chat encoding (the CLI and the server)
 #   msgspec               the node protocol (the server)
 #   jsonschema-rs         the bench result validator (`deepinfer bench serve`)
+#   pillow                decodes images for the vision tower (DeepSeek-V4.1)
 # pytest-asyncio / pytest-aiohttp are left out: the GPU tests are synchronous, and a plugin built
 # for another pytest than the machine's would break every run.
 #
@@ -28,6 +29,7 @@ WHEELS=(
   deepseek-recipe==0.2.0
   msgspec==0.23.0
   jsonschema-rs==0.61.2
+  pillow==13.0.0
 )
 
 EXCLUDE="$(git rev-parse --git-path info/exclude)"

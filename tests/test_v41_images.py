@@ -219,3 +219,40 @@ async def test_serve_answers_image_requests(tiny_v41_dir: Path) -> None:
         assert fetched[-1] == "/big.png"
         with pytest.raises(openai.BadRequestError, match="unsupported image"):
             await ask(image("data:image/png;base64,iVBORw0KGgo="))
+
+
+def test_an_image_request_hands_off_exactly(tiny_v41_dir: Path) -> None:
+    """Prefill on one engine, decode on another: the decode engine expands the request as sent
+    (its images undecoded: it never computes their positions) and continues as the prefill
+    engine alone would; its cache keys the prompt's blocks by the images' digests, so the same
+    images hit there and swapped ones do not."""
+    from rank_workers import drain
+
+    from deepinfer.config import Config
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    config = Config.load(
+        overrides={
+            "model": {"device": "cpu", "path": str(tiny_v41_dir)},
+            "cache": {"block_size": 16},
+        },
+        environ={},
+    )
+    prefill, decode = LLMEngine(config), LLMEngine(config)
+    prefill.add_request("alone", PROMPT, GREEDY, images=[A, B])
+    alone, _ = drain(prefill)
+    prefill.add_request("sent", PROMPT, GREEDY, images=[A, B], hand_off=True)
+    first, _ = drain(prefill)
+    state = prefill.export_request("sent")
+    prefill.release_hand_off("sent")
+    sent = [ImageInput(i.data, i.width, i.height) for i in (A, B)]  # as the wire gives them
+    prompt, spans = decode.expand_images("sent", PROMPT, sent)
+    assert prompt == state.prompt_token_ids
+    decode.import_request(state, GREEDY, images=spans)
+    rest, _ = drain(decode)
+    assert first + rest == alone
+    assert decode.image_stats()["encoded"] == 0
+    for name, images, hits in (("again", [A, B], True), ("swapped", [B, A], False)):
+        request = decode.add_request(name, PROMPT, GREEDY, images=images)
+        drain(decode)
+        assert (request.num_cached_tokens > spans[1].offset) is hits, (name, request)
