@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.model.deepseek_v41.tiny import tiny_config
 from deepinfer.model.deepseek_v41.vision import ImageEncoder

@@ -68,9 +68,10 @@ class _Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
         for a, b in itertools.pairwise(bounds):  # each image attends to itself
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-            ).transpose(0, 1)
+            # [1, H, N, hd]: 4-D inputs take the fused (flash) kernels on CUDA; 3-D ones fall
+            # back to the math path, which materializes the N x N scores of every head.
+            heads = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            out[a:b] = F.scaled_dot_product_attention(*heads)[0].transpose(0, 1)
         return self.wo(out.reshape(n, -1))
 
 
