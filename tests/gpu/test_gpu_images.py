@@ -7,33 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from test_gpu_v41 import _llm
 from test_v41_images import PROMPT, A, B, _logprobs, _run
-
-from deepinfer import LLM
 
 pytestmark = pytest.mark.gpu
 
 SELF_ATOL = 1e-4  # as test_gpu_parity.py: CUDA against CPU, fp32
 
 
-def _llm(folder: Path, device: str) -> LLM:
-    torch.set_num_threads(2)
-    return LLM(
-        model=folder,
-        device=device,
-        dtype="float32",
-        max_model_len=1024,
-        gpu_memory_utilization=0.1,
-        block_size=16,
-    )
-
-
 def test_images_on_cuda_match_the_cpu(tiny_v41_dir: Path, ieee_fp32: None) -> None:
     text = list(range(200, 260))
     runs = {}
     for device in ("cuda", "cpu"):
-        llm = _llm(tiny_v41_dir, device)
+        llm = _llm(tiny_v41_dir, device, block_size=16)
         runs[device] = (llm, _run(llm, [(text, []), (PROMPT, [A, B])]))
     gpu, (gpu_text, gpu_image) = runs["cuda"]
     _, (cpu_text, cpu_image) = runs["cpu"]
