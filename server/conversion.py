@@ -40,6 +40,7 @@ from typing import Any
 import deepseek_recipe as recipe
 import tokenizers
 
+from deepinfer.config import ServerConfig
 from deepinfer.model.families import FAMILIES
 from deepinfer.server.errors import ApiError, bad_request
 from deepinfer.server.images import ImageLimits, ImageResolver, ResolvedImages
@@ -133,7 +134,7 @@ class Frontend:
         self.served_model_name = served_model_name
         self.model_type = model_type
         self.default_max_tokens = default_max_tokens
-        self.images = ImageResolver(image_limits or ImageLimits())
+        self.images = ImageResolver(image_limits or ImageLimits.of(ServerConfig()))
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
         self.max_token_chars = _max_token_chars(self.tokenizer)
         # What the encoding writes for each image (a placeholder the node grows to its size).

@@ -146,12 +146,7 @@ def create_coordinator_app(
         model_type=model_type,
         default_thinking_mode=config.default_thinking_mode,
         default_max_tokens=config.default_max_tokens,
-        image_limits=ImageLimits(
-            allowlist=frozenset(h.lower() for h in config.image_url_allowlist),
-            max_images=config.max_images_per_request,
-            max_image_bytes=config.max_image_bytes,
-            max_request_image_bytes=config.max_request_image_bytes,
-        ),
+        image_limits=ImageLimits.of(config),
     )
     registry = NodeRegistry(
         config.heartbeat_timeout_s,

@@ -21,16 +21,26 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 import deepseek_recipe as recipe
 
+from deepinfer.config import ServerConfig
 from deepinfer.images import ImageInput
 from deepinfer.server.errors import bad_request
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    allowlist: frozenset[str] = frozenset()  # hosts, lower case
-    max_images: int = 16
-    max_image_bytes: int = 20 * 2**20
-    max_request_image_bytes: int = 64 * 2**20
+    allowlist: frozenset[str]  # hosts, lower case
+    max_images: int
+    max_image_bytes: int
+    max_request_image_bytes: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> ImageLimits:
+        return cls(
+            allowlist=frozenset(h.lower() for h in config.image_url_allowlist),
+            max_images=config.max_images_per_request,
+            max_image_bytes=config.max_image_bytes,
+            max_request_image_bytes=config.max_request_image_bytes,
+        )
 
 
 @dataclass

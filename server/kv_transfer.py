@@ -66,7 +66,6 @@ import torch.distributed as dist
 from deepinfer.config import KVTransferConfig
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError
 from deepinfer.engine.handoff import HandOffExport, RequestState, pack_state, unpack_state
-from deepinfer.images import ImageInput
 from deepinfer.parallel.transfer import PairTransport, TransferError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.scheduler import NoRoomError
@@ -374,8 +373,9 @@ async def decode_frames(
     assert route is not None
     request_id = message.request_id
     try:
-        images = [ImageInput(i.data, i.width, i.height) for i in message.images]
-        prompt, spans = await engine.expand_images(request_id, message.prompt_token_ids, images)
+        prompt, spans = await engine.expand_images(
+            request_id, message.prompt_token_ids, message.image_inputs()
+        )
         await engine.reserve_hand_off(request_id, len(prompt))
     except NoRoomError as error:
         raise NodeError(503, f"no room for request {request_id!r} now: {error}") from error

@@ -328,8 +328,8 @@ class _ImageCollector:
     spent encoding (ImageEmbeddings' stats)."""
 
     _SERIES = (
-        ("images_encoded_total", "encoded", "Images run through the vision tower."),
-        ("image_cache_hits_total", "hits", "Images whose embeddings a step found cached."),
+        ("images_encoded_total", "num_encoded", "Images run through the vision tower."),
+        ("image_cache_hits_total", "num_hits", "Images whose embeddings a step found cached."),
         ("image_encode_seconds_total", "encode_seconds", "Seconds spent in the vision tower."),
     )
 

@@ -26,7 +26,6 @@ from deepinfer.engine.async_engine import (
     EngineStepError,
 )
 from deepinfer.engine.handoff import HandOffExport
-from deepinfer.images import ImageInput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -64,7 +63,7 @@ async def token_deltas(
         params,
         message.cache_salt,
         hand_off=hand_off,
-        images=[ImageInput(i.data, i.width, i.height) for i in message.images],
+        images=message.image_inputs(),
     )
     async for delta in engine_token_deltas(engine, request_id, deltas):
         yield delta

@@ -31,6 +31,7 @@ from typing import TypeVar
 import msgspec
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.images import ImageInput
 from deepinfer.kv_cache.events import CacheEvent, CacheLayout
 from deepinfer.sampling_params import SamplingParams
 
@@ -103,6 +104,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     hand_off: HandOffRoute | None = None  # a prefill or decode node's part of a hand-off
     images: list[ImageData] = []
+
+    def image_inputs(self) -> list[ImageInput]:
+        """``images`` as the engine takes them."""
+        return [ImageInput(i.data, i.width, i.height) for i in self.images]
 
 
 class CollectRequest(msgspec.Struct, kw_only=True):

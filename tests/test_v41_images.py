@@ -251,7 +251,7 @@ def test_an_image_request_hands_off_exactly(tiny_v41_dir: Path) -> None:
     decode.import_request(state, GREEDY, images=spans)
     rest, _ = drain(decode)
     assert first + rest == alone
-    assert decode.image_stats()["encoded"] == 0
+    assert decode.image_stats()["num_encoded"] == 0
     for name, images, hits in (("again", [A, B], True), ("swapped", [B, A], False)):
         request = decode.add_request(name, PROMPT, GREEDY, images=images)
         drain(decode)

@@ -54,9 +54,6 @@ class ImageEmbeddings:
         self._cached: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.stats = ImageEncodeStats()
 
-    def __contains__(self, digest: bytes) -> bool:
-        return digest in self._cached
-
     def place(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]) -> None:
         """Set ``batch``'s image rows and embeddings for the step's chunks (none: unchanged)."""
         rows: list[np.ndarray] = []

@@ -28,6 +28,7 @@ requests' ways in and out (add, abort, finish, hand-off export and import) share
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -490,12 +491,7 @@ class LLMEngine:
         images = getattr(self.executor, "images", None)
         if images is None:
             return {}
-        stats = images.stats
-        return {
-            "encoded": stats.num_encoded,
-            "hits": stats.num_hits,
-            "encode_seconds": stats.encode_seconds,
-        }
+        return dataclasses.asdict(images.stats)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a launched step whose results are not applied yet."""

@@ -31,5 +31,5 @@ def test_images_on_cuda_match_the_cpu(tiny_v41_dir: Path, ieee_fp32: None) -> No
     assert graphs is not None and graphs.num_replays > 0, "no decode step replayed a graph"
     (again,) = _run(gpu, [(PROMPT, [A, B])])
     assert again.output_token_ids == gpu_image.output_token_ids
-    assert gpu.engine.image_stats()["encoded"] == 2
+    assert gpu.engine.image_stats()["num_encoded"] == 2
     assert again.num_cached_tokens >= len(again.prompt_token_ids) - 16
