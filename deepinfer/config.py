@@ -471,8 +471,12 @@ class NodeConfig:
     host: str = "127.0.0.1"  # bind address; localhost unless the coordinator is elsewhere
     port: int = 8100  # port of the node's internal API
     # mixed: whole requests; prefill: prompts, handed off to a decode node ([kv_transfer]);
-    # decode: requests handed off by a prefill node.
+    # decode: requests handed off by a prefill node; encode: images only (the vision tower),
+    # their embeddings sent to the request's prefill or mixed node ([kv_transfer]).
     role: str = "mixed"
+    # An encode node: the most images run through the tower together (the requests' images
+    # that wait are batched up to this; one request's are never split).
+    encode_batch_images: int = 16
     node_id: str | None = None  # None: "<hostname>:<port>"
     # The lock-step instance this rank belongs to (data_parallel_size > 1); None: the ranks'
     # rendezvous address:port, which every rank of the instance shares.
@@ -500,7 +504,8 @@ class NodeConfig:
                 f"node.cache_event_interval_s must be >= 0, got {self.cache_event_interval_s}"
             )
         _check_positive("node.max_pending_cache_events", self.max_pending_cache_events)
-        _check_choice("node.role", self.role, ("mixed", "prefill", "decode"))
+        _check_choice("node.role", self.role, ("mixed", "prefill", "decode", "encode"))
+        _check_positive("node.encode_batch_images", self.encode_batch_images)
         for key in ("heartbeat_interval_s", "max_step_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"node.{key} must be > 0, got {getattr(self, key)}")

@@ -27,6 +27,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def use_ieee_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """float32 on CUDA means IEEE float32 (TF32 matmuls would move logits by ~1e-3): turns
+    TF32 off for matmuls and cuDNN there; True if it did."""
+    if device.type != "cuda" or dtype != torch.float32:
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return True
+
+
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``. CUDA: through pinned memory and without waiting, so a step
     being prepared never waits for the steps already queued on the device (a plain copy from

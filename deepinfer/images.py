@@ -14,6 +14,7 @@ bytes: the same bytes give the same pixels, hence the same embeddings).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 from collections.abc import Sequence
@@ -27,14 +28,17 @@ import numpy as np
 class ImageInput:
     """One image of a request, as the request side preprocessed it (deepseek-recipe: encoded
     bytes, WebP, at a size the model's patches divide). ``pixels``: the decoded image, uint8
-    [height, width, 3] RGB (``decoded()``), what the vision tower reads."""
+    [height, width, 3] RGB (``decoded()``), what the vision tower reads. ``embeds``: the
+    tower's output for it, [num_tokens, D], when an encoder node computed it (the engine then
+    encodes it only if that is gone from its cache when a step needs it)."""
 
     data: bytes = field(repr=False)
     width: int
     height: int
     pixels: Any = field(default=None, repr=False, compare=False)
+    embeds: Any = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
         return hashlib.sha256(self.data).digest()
 
@@ -59,7 +63,8 @@ class ImageInput:
 
 
 def decode_images(images: Sequence[ImageInput]) -> list[ImageInput]:
-    return [image.decoded() for image in images]
+    """The images decoded, except those whose embeddings came with them."""
+    return [image if image.embeds is not None else image.decoded() for image in images]
 
 
 @dataclass(frozen=True)

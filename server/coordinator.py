@@ -126,7 +126,7 @@ def create_coordinator_app(
 
     ``backends`` are static nodes (e.g. ``deepinfer serve``'s in-process node), always in
     rotation, with context limit ``max_model_len`` and ``max_num_seqs`` requests at once each;
-    ``roles`` their roles (mixed | prefill | decode; default: all mixed).
+    ``roles`` their roles (mixed | prefill | decode | encode; default: all mixed).
     Nodes may also register on the internal app; their backends come from
     ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
     session). ``policy`` picks a node per request (default: ``routing``'s, [routing]).
@@ -345,12 +345,21 @@ async def _ready(request: web.Request) -> web.Response:
     ready = service.registry.serving_nodes()
     ready_ids = {n.node_id for n in ready}
     nodes = service.registry.nodes
-    not_ready = {n.node_id: _why_not_ready(n) for n in nodes if n.node_id not in ready_ids}
+    encoders = {n.node_id for n in service.registry.ready_nodes() if n.role == "encode"}
+    not_ready = {
+        n.node_id: _why_not_ready(n)
+        for n in nodes
+        if n.node_id not in ready_ids and n.node_id not in encoders
+    }
     instances_down = service.registry.instances_not_ready()
     for node in nodes:
         if node.node_id in not_ready and node.is_in_rotation and node.instance in instances_down:
             not_ready[node.node_id] = f"instance {node.instance}: {instances_down[node.instance]}"
-    body = {"num_ready_nodes": len(ready), "nodes_not_ready": not_ready}
+    body = {
+        "num_ready_nodes": len(ready),
+        "num_encode_nodes": len(encoders),
+        "nodes_not_ready": not_ready,
+    }
     if instances_down:
         body["instances_not_ready"] = instances_down
     if service.admission.is_draining:
@@ -633,6 +642,14 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"a {role} node's internal API URL (repeatable): prefill and decode nodes serve "
             "in pairs, each request's cache handed from one to the other",
         )
+    parser.add_argument(
+        "--encode-node",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an encode node's internal API URL (repeatable): it encodes requests' images for "
+        "the nodes that run them",
+    )
 
 
 def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
@@ -645,7 +662,7 @@ def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
         model_dir.name if model_dir else _DEFAULT_SERVED_MODEL_NAME
     )
     max_model_len = config.model.max_model_len or checkpoint.get("max_position_embeddings")
-    static = [(url, role) for role in ("mixed", "prefill", "decode")
+    static = [(url, role) for role in ("mixed", "prefill", "decode", "encode")
               for url in getattr(ns, "node" if role == "mixed" else f"{role}_node")]  # fmt: skip
     if static and max_model_len is None:
         raise ValueError("static nodes need the context limit: give --max-model-len or --model")

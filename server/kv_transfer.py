@@ -66,6 +66,7 @@ import torch.distributed as dist
 from deepinfer.config import KVTransferConfig
 from deepinfer.engine.async_engine import AsyncEngine, EngineClosedError
 from deepinfer.engine.handoff import HandOffExport, RequestState, pack_state, unpack_state
+from deepinfer.images import ImageInput
 from deepinfer.parallel.transfer import PairTransport, TransferError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.scheduler import NoRoomError
@@ -107,18 +108,22 @@ class _Pair:
 
 
 class KVTransfers:
-    """A prefill or decode node's pairs and transfers. Start with ``await start()`` (a decode
-    node opens its pairs' store there), end with ``close()``. Pairs are joined and transfers run
-    in a pool of threads (gloo's calls block); the event loop only awaits them."""
+    """A node's pairs and transfers. ``hosts_store``: this node hosts its pairs' store and is
+    rank 0 of each pair (a decode node, and an encode node: server/image_transfer.py); the
+    others (prefill and mixed nodes) join pairs on their peers' stores. Start with ``await
+    start()`` (a host opens its store there), end with ``close()``. Pairs are joined and
+    transfers run in a pool of threads (gloo's calls block); the event loop only awaits them."""
 
     def __init__(
-        self, config: KVTransferConfig, role: str, observer: TransferObserver | None = None
+        self,
+        config: KVTransferConfig,
+        hosts_store: bool,
+        observer: TransferObserver | None = None,
     ) -> None:
-        assert role in ("prefill", "decode"), role
         self.config = config
-        self.role = role
+        self.hosts_store = hosts_store
         self.observer = observer
-        self.store_address: tuple[str, int] = ("", 0)  # a decode node's, once started
+        self.store_address: tuple[str, int] = ("", 0)  # a host's, once started
         self.incarnation = secrets.token_hex(4)  # this process's: in its pairs' names
         self._pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="kv-transfer")
         self._store: dist.Store | None = None  # a decode node's pairs' store (it hosts it)
@@ -127,7 +132,7 @@ class KVTransfers:
         self._collects: dict[str, asyncio.Event] = {}  # decode: hand-offs awaiting collect
 
     async def start(self) -> None:
-        if self.role != "decode":
+        if not self.hosts_store:
             return
         loop = asyncio.get_running_loop()
         self._store = await loop.run_in_executor(self._pool, self._open_store)
@@ -155,7 +160,7 @@ class KVTransfers:
 
     def join(self, route: HandOffRoute) -> _Pair:
         """The pair of ``route.pair_key``, joined now if it is new (in a transfer thread: this
-        returns at once). The decode node is rank 0, on its own store; the prefill node rank 1."""
+        returns at once). The store's host is rank 0, on its own store; its peer rank 1."""
         key = self._group_key(route)
         with self._lock:
             pair = self._pairs.get(key)
@@ -170,13 +175,13 @@ class KVTransfers:
         return pair
 
     def _group_key(self, route: HandOffRoute) -> str:
-        """The pair's group: the coordinator's key and the decode node process's incarnation."""
-        incarnation = self.incarnation if self.role == "decode" else route.decode_incarnation
+        """The pair's group: the coordinator's key and the store host process's incarnation."""
+        incarnation = self.incarnation if self.hosts_store else route.store_incarnation
         return f"{route.pair_key}.{incarnation}"
 
     def _join(self, route: HandOffRoute, key: str) -> PairTransport:
         timeout_s = self.config.lease_s
-        if self.role == "decode":
+        if self.hosts_store:
             assert self._store is not None, "KVTransfers.start() was not awaited"
             store, rank = self._store, 0
         else:
@@ -200,7 +205,7 @@ class KVTransfers:
         try:
             return dist.TCPStore(host, port, is_master=False, timeout=_seconds(self.config.lease_s))
         except (RuntimeError, ValueError) as error:
-            message = f"cannot reach the decode node's pairs' store {host}:{port}: {error}"
+            message = f"cannot reach the peer's pairs' store {host}:{port}: {error}"
             raise TransferError(message, "join") from error
 
     def _evict(self) -> list[_Pair]:
@@ -237,16 +242,31 @@ class KVTransfers:
         """Prefill node: send ``state`` to the route's decode node. Raises TransferError. A
         cancelled caller leaves the send running (bounded by the lease), not the pair broken."""
         header, parts = pack_state(state)
+        num_bytes, seconds = await self.send_parts(route, header, parts)
+        return HandedOff(request_id=state.request_id, num_bytes=num_bytes, seconds=seconds)
+
+    async def recv(self, route: HandOffRoute) -> RequestState:
+        """Decode node: the route's state from its prefill node. Raises TransferError."""
+        header, parts = await self.recv_parts(route)
+        try:
+            return unpack_state(header, parts)
+        except ValueError as error:
+            raise TransferError(str(error), "malformed") from error
+
+    async def send_parts(
+        self, route: HandOffRoute, header: bytes, parts: list[torch.Tensor]
+    ) -> tuple[int, float]:
+        """Send one transfer (``header`` and ``parts``) on the route's pair; returns (bytes,
+        seconds). Raises TransferError."""
 
         def send(transport: PairTransport) -> int:
             transport.send(route.transfer_id, header, parts, checksum_parts=self.config.checksum)
             return _num_bytes(header, parts)
 
-        num_bytes, seconds = await self._run("send", route, send)
-        return HandedOff(request_id=state.request_id, num_bytes=num_bytes, seconds=seconds)
+        return await self._run("send", route, send)
 
-    async def recv(self, route: HandOffRoute) -> RequestState:
-        """Decode node: the route's state from its prefill node. Raises TransferError."""
+    async def recv_parts(self, route: HandOffRoute) -> tuple[bytes, list[torch.Tensor]]:
+        """Receive the route's transfer: (header, parts). Raises TransferError."""
         received: list[tuple[bytes, list[torch.Tensor]]] = []
 
         def recv(transport: PairTransport) -> int:
@@ -255,10 +275,7 @@ class KVTransfers:
             return _num_bytes(header, parts)
 
         await self._run("recv", route, recv)
-        try:
-            return unpack_state(*received[0])
-        except ValueError as error:
-            raise TransferError(str(error), "malformed") from error
+        return received[0]
 
     async def _run(
         self, direction: str, route: HandOffRoute, work: Callable[[PairTransport], int]
@@ -307,14 +324,15 @@ class KVTransfers:
         with self._lock:
             pair.num_in_use -= 1
 
-    # -- the decode node's collect signal ------------------------------------------------------
+    # -- the receiver's collect signal --------------------------------------------------------
 
     def expect(self, request_id: str) -> asyncio.Event:
         event = self._collects[request_id] = asyncio.Event()
         return event
 
     def collect(self, request_id: str) -> bool:
-        """The coordinator says the prefill node is sending; False if nothing waits for it."""
+        """The coordinator says the request's sender is sending; False if nothing waits for
+        it."""
         event = self._collects.get(request_id)
         if event is None:
             return False
@@ -341,15 +359,17 @@ async def prefill_frames(
     transfers: KVTransfers,
     message: GenerateRequest,
     params: SamplingParams,
+    images: list[ImageInput] | None = None,
 ) -> AsyncIterator[TokenDelta | HandedOff]:
     """A prefill node's hand-off stream: the prompt's deltas (the last carries the first token),
     then HandedOff once the decode node has the state. A request that ends with its first token
-    ends here, with no hand-off. Raises NodeError (502 when the transfer fails)."""
+    ends here, with no hand-off. ``images``: as ``token_deltas`` takes them. Raises NodeError
+    (502 when the transfer fails)."""
     route = message.hand_off
     assert route is not None
     transfers.join(route)  # joins beside the prompt's steps
     export = HandOffExport()
-    async for delta in token_deltas(engine, message, params, hand_off=export):
+    async for delta in token_deltas(engine, message, params, hand_off=export, images=images):
         yield delta
     if export.state is None:
         return

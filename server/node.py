@@ -59,6 +59,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
 from deepinfer.server.cache_events import CachePublisher
+from deepinfer.server.image_transfer import received_images
 from deepinfer.server.kv_transfer import KVTransfers, decode_frames, prefill_frames
 from deepinfer.server.node_metrics import NodeMetrics
 from deepinfer.server.node_stream import node_load, sampling_params_of, token_deltas
@@ -71,6 +72,7 @@ from deepinfer.server.protocol import (
     GenerateRequest,
     NodeHeartbeat,
     NodeLease,
+    NodeLoad,
     NodeRegistration,
     StreamError,
     StreamFrame,
@@ -89,6 +91,7 @@ METRICS = web.AppKey("metrics", NodeMetrics)
 REGISTRATION = web.AppKey("registration", NodeRegistration)
 TRANSFERS = web.AppKey("transfers", KVTransfers)
 PUBLISHER = web.AppKey("publisher", CachePublisher)
+LOAD = web.AppKey("load", Callable[[], NodeLoad])  # what heartbeats carry
 
 _MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of msgpack
 _MAX_RETRY_S = 30.0
@@ -102,11 +105,12 @@ def create_node_app(
     node_id, url = node_identity(config.node)
     model_name = model_name or served_model_name(config)
     metrics = observe_engine(engine, config, node_id, model_name)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_check_token])
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[check_token])
     app[ENGINE] = engine
     app[CONFIG] = config
     app[NODE_CONFIG] = config.node
     app[METRICS] = metrics
+    app[LOAD] = lambda: node_load(engine.load())
     parallel = config.parallel
     app[REGISTRATION] = NodeRegistration(
         node_id=node_id,
@@ -120,12 +124,14 @@ def create_node_app(
         num_ranks=parallel.data_parallel_size,
     )
     _publish_cache_events(app, engine, config.node)
-    if config.node.role != "mixed":
-        observer = metrics.watch_transfers()
-        app[TRANSFERS] = KVTransfers(config.kv_transfer, config.node.role, observer)
+    # Every role takes part in pairs: a prefill node sends caches, a decode node receives
+    # them, prefill and mixed nodes receive images' embeddings from encode nodes.
+    hosts_store = config.node.role == "decode"
+    observer = metrics.watch_transfers()
+    app[TRANSFERS] = KVTransfers(config.kv_transfer, hosts_store, observer)
     app.cleanup_ctx.append(_engine_ctx)
-    app.cleanup_ctx.append(_transfers_ctx)
-    app.cleanup_ctx.append(_registration_ctx)
+    app.cleanup_ctx.append(transfers_ctx)
+    app.cleanup_ctx.append(registration_ctx)
     app.add_routes(
         [
             web.post("/internal/generate", generate),
@@ -202,19 +208,34 @@ def observe_engine(
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """A request, whole; a prefill node's part of a hand-off when it carries ``hand_off``."""
+    """A request, whole; a prefill node's part of a hand-off when it carries ``hand_off``; its
+    images' embeddings first received from an encode node when it carries ``images_from``."""
     parsed = await _parse_generate(request)
     if isinstance(parsed, web.Response):
         return parsed
     message, params = parsed
-    engine = request.app[ENGINE]
+    role = request.app[NODE_CONFIG].role
+    if message.hand_off is not None and role != "prefill":
+        return _refused_role(message.request_id, role, "a hand-off's prompt")
+    if message.images_from is not None and role not in ("prefill", "mixed"):
+        return _refused_role(message.request_id, role, "images' embeddings")
+    frames = _generate_frames(request.app[ENGINE], request.app[TRANSFERS], message, params)
+    return await stream_frames(request, message.request_id, frames)
+
+
+async def _generate_frames(
+    engine: AsyncEngine, transfers: KVTransfers, message: GenerateRequest, params: SamplingParams
+) -> AsyncIterator[StreamFrame]:
+    images = None
+    if message.images_from is not None:
+        images = await received_images(transfers, message)
     if message.hand_off is None:
-        return await _stream(request, message.request_id, token_deltas(engine, message, params))
-    refused = _refuse_role(request, message.request_id, "prefill", "a hand-off's prompt")
-    if refused is not None:
-        return refused
-    frames = prefill_frames(engine, request.app[TRANSFERS], message, params)
-    return await _stream(request, message.request_id, frames)
+        frames = token_deltas(engine, message, params, images=images)
+    else:
+        frames = prefill_frames(engine, transfers, message, params, images=images)
+    async with contextlib.aclosing(frames):
+        async for frame in frames:
+            yield frame
 
 
 async def decode_handed_off(request: web.Request) -> web.StreamResponse:
@@ -223,24 +244,23 @@ async def decode_handed_off(request: web.Request) -> web.StreamResponse:
     if isinstance(parsed, web.Response):
         return parsed
     message, params = parsed
-    refused = _refuse_role(request, message.request_id, "decode", "a handed-off request")
-    if refused is not None:
-        return refused
+    role = request.app[NODE_CONFIG].role
+    if role != "decode":
+        return _refused_role(message.request_id, role, "a handed-off request")
     if message.hand_off is None:
-        return _error_response(400, message.request_id, "/internal/decode needs a hand_off")
+        return error_response(400, message.request_id, "/internal/decode needs a hand_off")
     engine, transfers = request.app[ENGINE], request.app[TRANSFERS]
     frames = decode_frames(engine, transfers, message, params)
-    return await _stream(request, message.request_id, frames)
+    return await stream_frames(request, message.request_id, frames)
 
 
 async def collect(request: web.Request) -> web.Response:
     try:
         message = decode(await request.read(), CollectRequest)
     except msgspec.DecodeError as e:
-        return _error_response(400, "", str(e))
-    transfers = request.app.get(TRANSFERS)
-    if transfers is None or not transfers.collect(message.request_id):
-        return _error_response(404, message.request_id, "no hand-off of this id waits here")
+        return error_response(400, "", str(e))
+    if not request.app[TRANSFERS].collect(message.request_id):
+        return error_response(404, message.request_id, "no hand-off of this id waits here")
     return web.Response(status=204)
 
 
@@ -251,22 +271,16 @@ async def _parse_generate(
         message = decode(await request.read(), GenerateRequest)
         return message, sampling_params_of(message)
     except web.HTTPRequestEntityTooLarge as e:
-        return _error_response(413, "", e.text or "request body too large")
+        return error_response(413, "", e.text or "request body too large")
     except (msgspec.DecodeError, ValueError) as e:
-        return _error_response(400, "", str(e))
+        return error_response(400, "", str(e))
 
 
-def _refuse_role(
-    request: web.Request, request_id: str, role: str, what: str
-) -> web.Response | None:
-    """A 400 unless this node has ``role``."""
-    have = request.app[NODE_CONFIG].role
-    if have == role:
-        return None
-    return _error_response(400, request_id, f"this node's role is {have}: it takes no {what}")
+def _refused_role(request_id: str, role: str, what: str) -> web.Response:
+    return error_response(400, request_id, f"this node's role is {role}: it takes no {what}")
 
 
-async def _stream(
+async def stream_frames(
     request: web.Request, request_id: str, frames: AsyncIterator[StreamFrame]
 ) -> web.StreamResponse:
     """``frames`` as the response: a NodeError before the first is an error response, after it
@@ -275,7 +289,7 @@ async def _stream(
         try:
             first = await anext(frames)
         except NodeError as e:
-            return _error_response(e.status, request_id, e.message)
+            return error_response(e.status, request_id, e.message)
         response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: FRAME_CONTENT_TYPE})
         await response.prepare(request)
         try:
@@ -297,7 +311,7 @@ async def abort(request: web.Request) -> web.Response:
     try:
         message = decode(await request.read(), AbortRequest)
     except msgspec.DecodeError as e:
-        return _error_response(400, "", str(e))
+        return error_response(400, "", str(e))
     for request_id in message.request_ids:
         request.app[ENGINE].abort(request_id)
     return web.Response(status=204)
@@ -307,7 +321,7 @@ async def finish(request: web.Request) -> web.Response:
     try:
         message = decode(await request.read(), FinishRequest)
     except msgspec.DecodeError as e:
-        return _error_response(400, "", str(e))
+        return error_response(400, "", str(e))
     request.app[ENGINE].finish(message.request_id, message.stop_reason)
     return web.Response(status=204)
 
@@ -330,7 +344,7 @@ async def metrics_text(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
 
-def _error_response(status: int, request_id: str, message: str) -> web.Response:
+def error_response(status: int, request_id: str, message: str) -> web.Response:
     if status >= 500:
         logger.error("request %r failed: %s", request_id, message)
     body = encode(StreamError(request_id=request_id, status=status, message=message))
@@ -338,7 +352,7 @@ def _error_response(status: int, request_id: str, message: str) -> web.Response:
 
 
 @web.middleware
-async def _check_token(
+async def check_token(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """/internal/* needs server.node_token, /metrics server.metrics_key (each when set)."""
@@ -350,7 +364,7 @@ async def _check_token(
     if token:
         supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
         if not hmac.compare_digest(supplied, f"Bearer {token}".encode()):
-            response = _error_response(401, "", "missing or wrong bearer token")
+            response = error_response(401, "", "missing or wrong bearer token")
             response.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
             return response
     return await handler(request)
@@ -365,16 +379,14 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[ENGINE].stop()
 
 
-async def _transfers_ctx(app: web.Application) -> AsyncIterator[None]:
-    transfers = app.get(TRANSFERS)
-    if transfers is not None:
-        await transfers.start()
+async def transfers_ctx(app: web.Application) -> AsyncIterator[None]:
+    transfers = app[TRANSFERS]
+    await transfers.start()
     yield
-    if transfers is not None:
-        transfers.close()
+    transfers.close()
 
 
-async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
+async def registration_ctx(app: web.Application) -> AsyncIterator[None]:
     if app[NODE_CONFIG].coordinator_internal_url is None:
         yield
         return
@@ -420,7 +432,7 @@ async def _heartbeats(
     base: str,
     publisher: CachePublisher | None,
 ) -> None:
-    engine, registration, node = app[ENGINE], app[REGISTRATION], app[NODE_CONFIG]
+    load, registration, node = app[LOAD], app[REGISTRATION], app[NODE_CONFIG]
     lease: NodeLease | None = None
     backoff_s = node.heartbeat_interval_s
     while True:
@@ -428,7 +440,7 @@ async def _heartbeats(
             if lease is not None:
                 beat = NodeHeartbeat(
                     node_id=lease.node_id,
-                    load=node_load(engine.load()),
+                    load=load(),
                     lease_id=lease.lease_id,
                 )
                 async with session.post(f"{base}/internal/heartbeat", data=encode(beat)) as r:
@@ -444,7 +456,7 @@ async def _heartbeats(
                         continue
                     r.raise_for_status()
             else:
-                message = msgspec.structs.replace(registration, load=node_load(engine.load()))
+                message = msgspec.structs.replace(registration, load=load())
                 async with session.post(f"{base}/internal/register", data=encode(message)) as r:
                     r.raise_for_status()
                     lease = decode(await r.read(), NodeLease)
@@ -460,7 +472,7 @@ async def _heartbeats(
                 "%s coordinator %s failed (%s); retrying in %.1f s",
                 action,
                 base,
-                _describe_failure(e),
+                describe_failure(e),
                 backoff_s,
                 exc_info=not isinstance(
                     e, aiohttp.ClientError | TimeoutError | msgspec.DecodeError
@@ -470,7 +482,7 @@ async def _heartbeats(
             backoff_s = min(backoff_s * 2, _MAX_RETRY_S)
 
 
-def _describe_failure(e: Exception) -> str:
+def describe_failure(e: Exception) -> str:
     """What went wrong, without the request: the repr of aiohttp's ClientResponseError carries
     the request's headers, the bearer token among them."""
     if isinstance(e, aiohttp.ClientResponseError):
@@ -534,6 +546,10 @@ async def load_engine(config: Config) -> AsyncEngine:
 
 
 async def _serve_node(config: Config) -> int:
+    if config.node.role == "encode":
+        from deepinfer.server.encode_node import serve_encode_node
+
+        return await serve_encode_node(config)
     loop = asyncio.get_running_loop()
     sock = listen.bind(config.node.host, config.node.port, "node")  # before the weights load
     engine = await load_engine(config)

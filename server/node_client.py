@@ -5,6 +5,7 @@
             ...                                                   # the last has finish_reason
         await node.finish(request_id, stop_reason="\\n\\n")       # a stop string matched
         node.decode(request) / node.collect(request_id)           # hand-offs (server/pairing.py)
+        node.encode(EncodeRequest(...))                           # an encode node's part
 
 Every failure surfaces as server/routing.py's ``NodeError(status, message)``: the node's
 StreamError (a refused request: 400, 401, 413, 503; a failed step: 500), an HTTP error, or the
@@ -27,6 +28,7 @@ from deepinfer.server.protocol import (
     MESSAGE_CONTENT_TYPE,
     AbortRequest,
     CollectRequest,
+    EncodeRequest,
     FinishRequest,
     FrameReader,
     GenerateRequest,
@@ -95,10 +97,16 @@ class NodeClient:
             yield frame
 
     async def collect(self, request_id: str) -> None:
-        """Tell a decode node that the prefill node is sending ``request_id``'s cache."""
+        """Tell a decode node that the prefill node is sending ``request_id``'s cache (or a
+        prefill or mixed node that an encode node is sending its images' embeddings)."""
         await self._call("/internal/collect", encode(CollectRequest(request_id=request_id)))
 
-    async def _frames(self, path: str, request: GenerateRequest) -> AsyncIterator[StreamFrame]:
+    async def encode(self, request: EncodeRequest) -> AsyncIterator[StreamFrame]:
+        """An encode node's part (server/image_transfer.py): Reserved, Encoded, HandedOff."""
+        async for frame in self._frames("/internal/encode", request):
+            yield frame
+
+    async def _frames(self, path: str, request: msgspec.Struct) -> AsyncIterator[StreamFrame]:
         response = await self._post(path, encode(request), _STREAM_TIMEOUT)
         is_done = False
         try:

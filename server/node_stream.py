@@ -26,6 +26,7 @@ from deepinfer.engine.async_engine import (
     EngineStepError,
 )
 from deepinfer.engine.handoff import HandOffExport
+from deepinfer.images import ImageInput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.output import RequestOutputDelta
 from deepinfer.scheduler.request import Request
@@ -49,9 +50,11 @@ async def token_deltas(
     message: GenerateRequest,
     params: SamplingParams,
     hand_off: HandOffExport | None = None,
+    images: list[ImageInput] | None = None,
 ) -> AsyncIterator[TokenDelta]:
     """Stream the request's TokenDeltas, one per engine step; the last has ``finish_reason``
     (or, with ``hand_off``, carries the first token when the request left for a decode node).
+    ``images``: the message's, with what came with them (None: ``message.image_inputs()``).
 
     Raises NodeError before the first delta (400, 503 with ``is_node_failure``, 500) and after it
     (500: a step failed with the request in it). Closing the iterator early aborts the request.
@@ -63,7 +66,7 @@ async def token_deltas(
         params,
         message.cache_salt,
         hand_off=hand_off,
-        images=message.image_inputs(),
+        images=message.image_inputs() if images is None else images,
     )
     async for delta in engine_token_deltas(engine, request_id, deltas):
         yield delta

@@ -41,7 +41,7 @@ from deepinfer.server.routing import NodeEntry, NodeError
 
 logger = logging.getLogger(__name__)
 
-_CLIENT_FAULTS = (400, 413)  # the request's own fault: the pair is fine
+CLIENT_FAULTS = (400, 413)  # the request's own fault: the pair is fine
 
 
 class HandOffNode(Protocol):
@@ -111,19 +111,19 @@ class PairedBackend:
         p.num_prefill_tokens_inflight += num_prompt  # until its first token
         outcome = "aborted"  # the client left, or a timeout or drain closed the stream
         try:
-            on_decode = _on(d, self._node(d).decode(_with(request, route)))
+            on_decode = on_node(d, self._node(d).decode(_with(request, route)))
             async with contextlib.aclosing(on_decode) as decoding:
                 reserved = await anext(decoding)
                 if not isinstance(reserved, Reserved):
-                    raise _failed(d, f"node {d.node_id} did not reserve: {reserved!r}")
+                    raise node_failed(d, f"node {d.node_id} did not reserve: {reserved!r}")
                 route = msgspec.structs.replace(
                     route,
                     peer=d.node_id,
                     store_host=reserved.store_host,
                     store_port=reserved.store_port,
-                    decode_incarnation=reserved.incarnation,
+                    store_incarnation=reserved.incarnation,
                 )
-                on_prefill = _on(p, self._node(p).generate(_with(request, route)))
+                on_prefill = on_node(p, self._node(p).generate(_with(request, route)))
                 async with contextlib.aclosing(on_prefill) as prefilling:
                     async for frame in prefilling:
                         if isinstance(frame, HandedOff):
@@ -136,14 +136,14 @@ class PairedBackend:
                             num_prompt = 0
                         if frame.token_ids and frame.finish_reason is None:
                             # The prefill node sends now: the decode node receives.
-                            call = _on_call(d, self._node(d).collect(request.request_id))
+                            call = on_node_call(d, self._node(d).collect(request.request_id))
                             collect = asyncio.create_task(call)
                         yield frame
                         if frame.finish_reason is not None:
                             outcome = "prefill_only"  # ended with its first token
                             return
                 if collect is None:
-                    raise _failed(p, f"node {p.node_id} handed off before its first token")
+                    raise node_failed(p, f"node {p.node_id} handed off before its first token")
                 await collect
                 outcome = "handed_off"
                 async for frame in decoding:
@@ -152,7 +152,7 @@ class PairedBackend:
                         clock.mark("first_decode")
                     yield frame
         except NodeError as error:
-            if error.status not in _CLIENT_FAULTS:
+            if error.status not in CLIENT_FAULTS:
                 self.keys.renew(p.node_id, d.node_id)
             outcome = "failed"
             raise
@@ -198,13 +198,15 @@ def _with(request: GenerateRequest, route: HandOffRoute) -> GenerateRequest:
     return msgspec.structs.replace(request, hand_off=route)
 
 
-def _failed(entry: NodeEntry, message: str) -> NodeError:
+def node_failed(entry: NodeEntry, message: str) -> NodeError:
     error = NodeError(502, message, is_node_failure=True)
     error.node = entry
     return error
 
 
-async def _on(entry: NodeEntry, stream: AsyncIterator[StreamFrame]) -> AsyncIterator[StreamFrame]:
+async def on_node(
+    entry: NodeEntry, stream: AsyncIterator[StreamFrame]
+) -> AsyncIterator[StreamFrame]:
     """``stream``, its NodeErrors naming ``entry``."""
     async with contextlib.aclosing(stream):
         try:
@@ -215,7 +217,7 @@ async def _on(entry: NodeEntry, stream: AsyncIterator[StreamFrame]) -> AsyncIter
             raise
 
 
-async def _on_call(entry: NodeEntry, call) -> None:
+async def on_node_call(entry: NodeEntry, call) -> None:
     try:
         await call
     except NodeError as error:

@@ -70,18 +70,20 @@ class OutputConstraint(msgspec.Struct, kw_only=True):
 
 
 class HandOffRoute(msgspec.Struct, kw_only=True, frozen=True):
-    """One request's way from a prefill node to a decode node (server/kv_transfer.py).
-    Producer: the coordinator's PairedBackend (server/pairing.py). Consumers: both nodes."""
+    """One request's way between a pair of nodes (server/kv_transfer.py): its cache from a
+    prefill node to a decode node, or its images' embeddings from an encode node to its prefill
+    or mixed node. Producers: the coordinator's PairedBackend (server/pairing.py) and
+    EncodedBackend (server/encoding.py). Consumers: both nodes."""
 
     pair_key: str  # the pair's process group; a new key after any failure on the pair
     transfer_id: int  # this request's transfer on the pair (the tag of its messages)
     peer: str  # the other node's id (for logs)
-    # The decode node's pairs' store and its process's incarnation (from its Reserved frame; the
-    # decode node itself gets them empty): a decode node that restarted has a new incarnation,
-    # so no prefill node reuses a pair with its former process.
+    # The pairs' store of the node that hosts it (the decode or encode node) and that node
+    # process's incarnation, from its Reserved frame (the host itself gets them empty): a host
+    # that restarted has a new incarnation, so no peer reuses a pair with its former process.
     store_host: str = ""
     store_port: int = 0
-    decode_incarnation: str = ""
+    store_incarnation: str = ""
 
 
 class ImageData(msgspec.Struct, kw_only=True, frozen=True):
@@ -104,14 +106,33 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     hand_off: HandOffRoute | None = None  # a prefill or decode node's part of a hand-off
     images: list[ImageData] = []
+    # The images' embeddings come from an encode node on this route (after a CollectRequest).
+    images_from: HandOffRoute | None = None
 
     def image_inputs(self) -> list[ImageInput]:
-        """``images`` as the engine takes them."""
-        return [ImageInput(i.data, i.width, i.height) for i in self.images]
+        return image_inputs(self.images)
+
+
+class EncodeRequest(msgspec.Struct, kw_only=True):
+    """An encode node: encode ``images`` and send their embeddings on ``route`` (to the node
+    that hosts the request's prompt)."""
+
+    request_id: str
+    images: list[ImageData]
+    route: HandOffRoute
+
+    def image_inputs(self) -> list[ImageInput]:
+        return image_inputs(self.images)
+
+
+def image_inputs(images: list[ImageData]) -> list[ImageInput]:
+    """``images`` as the engine takes them."""
+    return [ImageInput(i.data, i.width, i.height) for i in images]
 
 
 class CollectRequest(msgspec.Struct, kw_only=True):
-    """Decode node: the prefill node is sending the request's cache now; receive it."""
+    """Decode node: the prefill node is sending the request's cache now; receive it. Prefill or
+    mixed node: the encode node is sending the request's images' embeddings now."""
 
     request_id: str
 
@@ -144,23 +165,34 @@ class StreamError(msgspec.Struct, tag="error", kw_only=True):
 
 class Reserved(msgspec.Struct, tag="reserved", kw_only=True):
     """A decode node's first frame: blocks and a slot are kept for the request; the prefill
-    node joins the pair on the store at ``store_host:store_port``."""
+    node joins the pair on the store at ``store_host:store_port``. An encode node's first
+    frame: the request's images are queued; its node joins the pair there."""
 
     request_id: str
     store_host: str
     store_port: int
-    incarnation: str  # this decode node process's (random at its start)
+    incarnation: str  # this node process's (random at its start)
+
+
+class Encoded(msgspec.Struct, tag="encoded", kw_only=True):
+    """An encode node's second frame: the embeddings are ready and being sent (the coordinator
+    tells the receiving node to collect them)."""
+
+    request_id: str
+    num_images: int
+    seconds: float  # from the request's arrival to its embeddings (queue and tower)
 
 
 class HandedOff(msgspec.Struct, tag="handed_off", kw_only=True):
-    """A prefill node's last frame: the decode node has the request's cache."""
+    """A prefill node's last frame: the decode node has the request's cache. An encode node's:
+    the request's node has the embeddings."""
 
     request_id: str
     num_bytes: int
     seconds: float
 
 
-StreamFrame = TokenDelta | StreamError | Reserved | HandedOff
+StreamFrame = TokenDelta | StreamError | Reserved | Encoded | HandedOff
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -10,15 +10,15 @@
     a failed request ────────▶ NodeRegistry.mark_unresponsive
 
 A route is a mixed node, or a (prefill node, decode node) pair (server/pairing.py): the least
-loaded of each role in rotation, paired per request. A node is in rotation while all of these
-hold: its heartbeats arrive (``is_ready``; a
-registered node that misses them for ``heartbeat_timeout_s`` is kept, so that its next
-heartbeat brings it back), it answered its last request or probe (``is_responsive``: a node
-whose connection fails, or whose engine refuses work, leaves at once and is probed back in),
-its engine turns (``load.is_healthy``, carried by every heartbeat), and it is not draining. A
-heartbeat from a node never registered is refused so that the node registers again. Static
-nodes (given at construction, e.g. the in-process node of ``deepinfer serve``) send no
-heartbeats: they are probed every interval instead.
+loaded of each role in rotation, paired per request. An encode node is no route: a request with
+images is wrapped with one (``encoder``; server/encoding.py). A node is in rotation while all of
+these hold: its heartbeats arrive (``is_ready``; a registered node that misses them for
+``heartbeat_timeout_s`` is kept, so that its next heartbeat brings it back), it answered its
+last request or probe (``is_responsive``: a node whose connection fails, or whose engine refuses
+work, leaves at once and is probed back in), its engine turns (``load.is_healthy``, carried by
+every heartbeat), and it is not draining. A heartbeat from a node never registered is refused so
+that the node registers again. Static nodes (given at construction, e.g. the in-process node of
+``deepinfer serve``) send no heartbeats: they are probed every interval instead.
 
 Who may speak for a node id (every node holds the same node token, so the registry, not the
 token, tells them apart):
@@ -56,6 +56,7 @@ from deepinfer.server.routing import (
 logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[str], NodeBackend]  # node URL -> backend
+_PAIRED = ("prefill", "decode")
 
 
 class UnknownNodeError(KeyError):
@@ -376,7 +377,17 @@ class NodeRegistry:
         ready = self.ready_nodes()
         roles = {n.role for n in ready}
         pairs = {"prefill", "decode"} <= roles
-        return [n for n in ready if n.role == "mixed" or pairs]
+        return [n for n in ready if n.role == "mixed" or (pairs and n.role in _PAIRED)]
+
+    def encoder(self, exclude: Container[str] = ()) -> NodeEntry | None:
+        """The encode node in rotation (not in ``exclude``) with the fewest images to encode,
+        this coordinator's requests there first; None: requests encode where they run."""
+        encoders = [
+            n for n in self.ready_nodes() if n.role == "encode" and n.node_id not in exclude
+        ]
+        if not encoders:
+            return None
+        return min(encoders, key=lambda n: (n.num_inflight, n.load.num_waiting, n.node_id))
 
     @property
     def has_ready_node(self) -> bool:

@@ -4,6 +4,7 @@
         body -> work (parse, convert, tokenize) on the preparation pool (server/preparation.py)
     handler --ApiRequest--> CoordinatorService.generate
         admission (bounded queue) -> registry.select (routing policy) -> NodeBackend.generate
+        (a request with images while an encode node is in rotation: server/encoding.py)
         <-- TokenDelta per engine step (metrics observed here) -- handler turns them into text
 
 The handler consumes ``generate`` inside ``contextlib.aclosing``. Leaving early for any reason
@@ -27,6 +28,7 @@ from aiohttp import web
 from deepinfer.outputs import FinishReason
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
 from deepinfer.server.cache_index import NO_HIT, PrefixHit
+from deepinfer.server.encoding import EncodedBackend
 from deepinfer.server.errors import ApiError, internal_error
 from deepinfer.server.metrics import CoordinatorMetrics
 from deepinfer.server.preparation import PreparationPool
@@ -210,7 +212,11 @@ class CoordinatorService:
             req.node = node
             req.predicted_hit = route.hit(node)
             req.status = ApiRequestStatus.RUNNING
-            stream = node.backend.generate(self._generate_request(req))
+            backend = node.backend
+            encoder = self.registry.encoder(exclude) if req.images else None
+            if encoder is not None:  # else the node encodes them itself
+                backend = EncodedBackend(encoder, node, self.registry.pair_keys)
+            stream = backend.generate(self._generate_request(req))
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
                     self._observe(req, delta)

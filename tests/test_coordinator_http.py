@@ -723,7 +723,12 @@ async def test_a_node_of_another_model_is_refused(make_client, aiohttp_client) -
     )
     ready = await client.get("/ready")
     assert (ready.status, await ready.json()) == (
-        503, {"status": "no node ready", "num_ready_nodes": 0, "nodes_not_ready": {}}
+        503, {
+            "status": "no node ready",
+            "num_ready_nodes": 0,
+            "num_encode_nodes": 0,
+            "nodes_not_ready": {},
+        }
     )  # fmt: skip
 
 
@@ -739,6 +744,7 @@ async def test_a_prefill_node_serves_once_a_decode_node_is_there_and_ready_says_
         {
             "status": "no node ready",
             "num_ready_nodes": 0,
+            "num_encode_nodes": 0,
             "nodes_not_ready": {"n1": "role prefill: no decode node is in rotation to pair with"},
         },
     )

@@ -9,7 +9,10 @@ A chunk may cover part of an image (chunked prefill through an image, a prefix h
 one, a recompute after preemption): the image is encoded whole, since each of its embeddings
 depends on all its patches, and the chunk takes its rows. Embeddings stay cached, least recently
 used evicted first, within ``cache.image_embedding_mib``; a request's later chunks and a repeated
-image (the same bytes, any request) are not encoded again.
+image (the same bytes, any request) are not encoded again. An image that came with its
+embeddings (``ImageInput.embeds``: an encoder node computed them) is not encoded here unless
+they are needed again once evicted. An encoder node keeps one of these for its own cache
+(``embeddings``).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.images import PromptImage, overlapping
+from deepinfer.images import ImageInput, PromptImage, overlapping
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.scheduler.output import ScheduledRequest
 
-Encode = Callable[[list[torch.Tensor], list[PromptImage]], list[torch.Tensor]]
+Encode = Callable[[list[torch.Tensor], list[ImageInput]], list[torch.Tensor]]
 
 
 @dataclass
@@ -35,6 +38,7 @@ class ImageEncodeStats:
 
     num_encoded: int = 0  # images run through the tower
     num_hits: int = 0  # images a step needed and found cached
+    num_received: int = 0  # images whose embeddings came with the request (an encoder node's)
     encode_seconds: float = 0.0  # in the tower (on CUDA: to the end of its kernels)
 
 
@@ -68,33 +72,38 @@ class ImageEmbeddings:
             offset += sched.num_tokens
         if not parts:
             return
-        embeddings = self.embeddings([image for image, _, _ in parts])
+        embeddings = self.embeddings([image.image for image, _, _ in parts])
         batch.image_rows = self.upload(np.concatenate(rows))
         batch.image_embeds = torch.cat([embeddings[i.digest][lo:hi] for i, lo, hi in parts])
 
-    def embeddings(self, images: list[PromptImage]) -> dict[bytes, torch.Tensor]:
-        """Each image's embeddings [num_tokens, D] by digest; the uncached encoded in one
-        batch."""
+    def embeddings(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings [num_tokens, D] by digest: cached, come with the image, or
+        (the rest) encoded in one batch."""
         out: dict[bytes, torch.Tensor] = {}
-        missing: dict[bytes, PromptImage] = {}
+        missing: dict[bytes, ImageInput] = {}
         for image in images:
-            if image.digest in out or image.digest in missing:
+            digest = image.digest
+            if digest in out or digest in missing:
                 continue
-            cached = self._cached.get(image.digest)
-            if cached is None:
-                missing[image.digest] = image
-                continue
-            self._cached.move_to_end(image.digest)
-            self.stats.num_hits += 1
-            out[image.digest] = cached
+            cached = self._cached.get(digest)
+            if cached is not None:
+                self._cached.move_to_end(digest)
+                self.stats.num_hits += 1
+                out[digest] = cached
+            elif image.embeds is not None:
+                out[digest] = image.embeds.to(self.device)
+                self.stats.num_received += 1
+                self._keep(digest, out[digest])
+            else:
+                missing[digest] = image
         if missing:
             out.update(self._encode(list(missing.values())))
         return out
 
-    def _encode(self, images: list[PromptImage]) -> dict[bytes, torch.Tensor]:
+    def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         began = time.perf_counter()
         # A handed-off request's images come undecoded (only a recompute encodes them here).
-        pixels = [torch.from_numpy(i.image.decoded().pixels).to(self.device) for i in images]
+        pixels = [torch.from_numpy(i.decoded().pixels).to(self.device) for i in images]
         encoded = self.encode(pixels, images)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

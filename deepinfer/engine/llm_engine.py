@@ -41,11 +41,11 @@ from deepinfer.constraints.compiler import GrammarCompiler
 from deepinfer.device import resolve_device
 from deepinfer.engine.handoff import RequestState, export_request, import_request
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.weights_loading import model_folder
 from deepinfer.images import ImageInput, PromptImage, decode_images
 from deepinfer.kv_cache.events import CacheEventLog, CacheLayout
 from deepinfer.kv_cache.tiered import KVTiers
 from deepinfer.model.families import load_args, with_serving_options
-from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.parallel.group import RankGroup, with_rendezvous_port
 from deepinfer.parallel.lockstep import LockStep, RankStep
 from deepinfer.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ class LLMEngine:
             group = RankGroup.join(parallel, resolve_device(config.model.device).type)
         self.group = group
         if executor is None:
-            self.model_dir: Path | None = self._init_model_dir()
+            self.model_dir: Path | None = model_folder(config.model)
             args = with_serving_options(
                 load_args(self.model_dir),
                 yoco_truncation=config.model.yoco_truncation,
@@ -272,14 +272,6 @@ class LLMEngine:
             recompute_tokens=self.executor.recompute_tokens,
         )
 
-    def _init_model_dir(self) -> Path:
-        if self.config.model.path is None:
-            return ensure_tiny_model(self.config.model.tiny_model_seed)
-        path = Path(self.config.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {path} has no config.json")
-        return path
-
     def add_request(
         self,
         request_id: str,
@@ -344,9 +336,17 @@ class LLMEngine:
         if expand is None:
             raise ValueError(f"request {request_id!r}: this engine's executor takes no images")
         try:
-            return expand(list(prompt_token_ids), list(images))
+            prompt, spans = expand(list(prompt_token_ids), list(images))
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
+        for i, span in enumerate(spans):
+            embeds = span.image.embeds
+            if embeds is not None and tuple(embeds.shape[:1]) != (span.num_tokens,):
+                raise ValueError(
+                    f"request {request_id!r}: image {i}'s embeddings are {tuple(embeds.shape)}: "
+                    f"its {span.num_tokens} positions need one row each"
+                )
+        return prompt, spans
 
     def compile_grammar(self, sampling_params: SamplingParams) -> Any:
         """The compiled constraint (blocking, with the compile timeout)."""

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer.config import Config
-from deepinfer.device import resolve_device, resolve_dtype
+from deepinfer.config import Config, KernelConfig
+from deepinfer.device import resolve_device, resolve_dtype, use_ieee_float32
 from deepinfer.engine.cuda_graphs import DecodeGraphs
 from deepinfer.engine.deterministic import deterministic_rows, forward_split
 from deepinfer.engine.image_embeddings import ImageEmbeddings
@@ -83,13 +83,8 @@ class ModelRunner:
                 "parallelism over ranks is not supported: the drafter's steps would need every "
                 "rank in lock-step (use ngram)"
             )
-        kernel = config.kernel
-        if not config.model.fp8_weights and kernel.linear == "auto":
-            # Only FP8 linears call the linear family: without them auto probes nothing (the
-            # DeepGEMM probe runs a child process and compiles a kernel).
-            kernel = dataclasses.replace(kernel, linear="torch_ref")
         self.kernels = select_kernels(
-            kernel, self.device, experts=group.moe_context() if ep else None
+            kernel_config(config), self.device, experts=group.moe_context() if ep else None
         )
         # The routed experts this rank holds (None: all of them), over how many ranks.
         self.experts = group.experts(self.family.num_experts(args)) if ep else None
@@ -121,10 +116,7 @@ class ModelRunner:
             torch.set_num_threads(self.config.kernel.num_threads)
 
     def _init_precision(self) -> None:
-        """float32 on CUDA means IEEE float32: TF32 matmuls would move logits by ~1e-3."""
-        if self.device.type == "cuda" and self.dtype == torch.float32:
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+        if use_ieee_float32(self.device, self.dtype):
             logger.info("float32 on CUDA: TF32 off for matmuls and cuDNN (IEEE float32)")
 
     def _init_model(self, model_dir: Path) -> None:
@@ -291,10 +283,11 @@ class ModelRunner:
 
     def _image_embeddings(self) -> ImageEmbeddings | None:
         """The vision tower's embeddings cache, when the model has a tower."""
-        if getattr(self.args, "vision", None) is None:
+        encoder = self.family.image_encoder(self.model)
+        if encoder is None:
             return None
         return ImageEmbeddings(
-            partial(self.family.encode_images, self.model),
+            partial(self.family.encode_images, encoder),
             self.device,
             self._upload,
             int(self.config.cache.image_embedding_mib * 2**20),
@@ -498,6 +491,16 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.upload(values)
+
+
+def kernel_config(config: Config) -> KernelConfig:
+    """``config.kernel``, with ``linear = "auto"`` taken as the torch reference when no FP8
+    linears are kept: only they call the linear family, so auto would probe for nothing (the
+    DeepGEMM probe runs a child process and compiles a kernel)."""
+    kernel = config.kernel
+    if not config.model.fp8_weights and kernel.linear == "auto":
+        return dataclasses.replace(kernel, linear="torch_ref")
+    return kernel
 
 
 def _touches_images(scheduled: list[ScheduledRequest]) -> bool:

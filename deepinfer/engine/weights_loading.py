@@ -24,6 +24,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.family import ModelFamily
 from deepinfer.model.fingerprint import checkpoint_fingerprint
 from deepinfer.model.layers import use_fp8_linears, use_mxfp4_experts
+from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.ops import Kernels
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,16 @@ class LoadedModel:
     model: torch.nn.Module  # in eval mode; called as model(ForwardBatch, KVCache) -> logits
     fp8_weights: bool  # FP8 linear weights kept (model.fp8_weights on CUDA)
     weight_bytes: WeightBytes
+
+
+def model_folder(config: ModelConfig) -> Path:
+    """``model.path``, or the built-in tiny checkpoint (written on first use) when unset."""
+    if config.path is None:
+        return ensure_tiny_model(config.tiny_model_seed)
+    path = Path(config.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    return path
 
 
 def load_model(

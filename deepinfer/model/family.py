@@ -15,7 +15,9 @@
         run_placeholder(model): a lock-step rank's step with no tokens (its collectives only)
         expand_images(args, ids, images): a prompt's image placeholders grown to the images'
                                    positions (deepinfer/images.py), ValueError without a tower
-        encode_images(model, pixels, images): the vision tower's embeddings of images
+        image_encoder(model): the model's vision tower (None: it has none);
+        load_image_encoder(...): the tower alone (an encoder node's)
+        encode_images(encoder, pixels, images): the tower's embeddings of images
 
 Every array ``step_arrays`` returns is int64 and travels in one copy (``batch.flatten``); a
 graphed step passes ``decode_context``, and the family must then give arrays whose shapes depend
@@ -206,9 +208,28 @@ class ModelFamily(Protocol):
         when the model takes no images or they do not fit its prompt."""
         ...
 
+    def image_encoder(self, model: nn.Module) -> nn.Module | None:
+        """The model's vision tower, what ``encode_images`` runs (None: the model has none)."""
+        ...
+
+    def load_image_encoder(
+        self,
+        model_dir: Path,
+        args: Any,
+        kernels: Kernels,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        random_seed: int | None = None,
+    ) -> nn.Module:
+        """The vision tower alone (an encoder node's), its weights read from the folder (only
+        the tower's), or drawn as ``random_weights(args, random_seed, ...)`` draws them (the
+        same values as the whole model's); ValueError when the model has none."""
+        ...
+
     def encode_images(
-        self, model: nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+        self, encoder: nn.Module, pixels: list[torch.Tensor], images: list[ImageInput]
     ) -> list[torch.Tensor]:
         """Each image's embeddings [num_tokens, D] from its pixels (uint8 [h, w, 3] on the
-        model's device), in one batch."""
+        encoder's device), in one batch."""
         ...

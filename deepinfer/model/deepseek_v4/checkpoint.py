@@ -110,6 +110,7 @@ def load_checkpoint(
     keep_fp4: bool = False,
     experts: range | None = None,
     naming: WeightNaming = V4_NAMING,
+    only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
 
@@ -120,7 +121,8 @@ def load_checkpoint(
     ``fp8_scale_name`` (bn, bk: ``fp8_block(args)``). ``keep_fp4``: FP4 routed experts stay
     packed (module docstring), their scales under ``mxfp4_scale_name``. ``experts``: the
     routed experts to hold (None: all), stacked in that order from slot 0. ``naming``: the
-    family's parameters (DeepSeek-V4's by default). Raises ``CheckpointError`` on a missing,
+    family's parameters (DeepSeek-V4's by default). ``only``: of our names, those to read
+    (None: all; e.g. an encoder node's vision tower). Raises ``CheckpointError`` on a missing,
     unexpected, duplicated or mis-shaped tensor.
     """
     experts = experts if experts is not None else range(args.num_experts)
@@ -142,6 +144,8 @@ def load_checkpoint(
     )
     block = fp8_block(args)
     expected = naming.expected_shapes(args, len(experts))
+    if only is not None:
+        expected = {name: shape for name, shape in expected.items() if only(name)}
     state = _StateBuilder(expected, device, dtype, experts.start, naming)
     num_ignored = num_kept = num_elsewhere = 0
     with ExitStack() as stack:
@@ -157,7 +161,7 @@ def load_checkpoint(
                 for key in keys:
                     progress.update()
                     target = None if naming.skip(key, args) else naming.map_name(key)
-                    if target is None:
+                    if target is None or (only is not None and not only(target.names[0])):
                         num_ignored += 1
                         continue
                     if target.kind == "expert" and _held_elsewhere(target, experts, args):

@@ -167,8 +167,23 @@ class DeepseekV4Family:
             raise ValueError("DeepSeek-V4 checkpoints have no vision tower: images are not served")
         return token_ids, []
 
+    def image_encoder(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        return None
+
+    def load_image_encoder(
+        self,
+        model_dir: Path,
+        args: ModelArgs,
+        kernels: Kernels,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        random_seed: int | None = None,
+    ) -> torch.nn.Module:
+        raise ValueError("DeepSeek-V4 checkpoints have no vision tower: there is nothing to encode")
+
     def encode_images(
-        self, model: torch.nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+        self, encoder: torch.nn.Module, pixels: list[torch.Tensor], images: list[ImageInput]
     ) -> list[torch.Tensor]:
         raise NotImplementedError("DeepSeek-V4 checkpoints have no vision tower")
 

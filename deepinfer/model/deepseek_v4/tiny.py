@@ -242,15 +242,20 @@ def draw_weights(
     is_fp32: Callable[[str], bool] = is_fp32_param,
     is_fp8: Callable[[str], bool] = is_fp8_linear,
     is_sharded: Callable[[str], bool] = is_stacked_experts,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``random_weights`` for any family: ``init(name, shape, gen, dtype)`` in ``shapes`` order
     on one generator of ``device``; ``is_sharded`` names the stacked experts ``experts``
     slices (the rest of the stacked experts, ``is_stacked_experts``, are packed under
-    ``fp4_experts`` too)."""
+    ``fp4_experts`` too). ``keep``: the names returned (None: all); the others are drawn and
+    dropped one at a time, so that the kept ones are the same draws as in the whole."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in shapes.items():
-        out[name] = init(name, shape, gen, torch.float32 if is_fp32(name) else dtype)
+        tensor = init(name, shape, gen, torch.float32 if is_fp32(name) else dtype)
+        if keep is not None and not keep(name):
+            continue
+        out[name] = tensor
         if experts is not None and is_sharded(name):
             out[name] = out[name][experts.start : experts.stop].clone()
         if fp8_block is not None and is_fp8(name):

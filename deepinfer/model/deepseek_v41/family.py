@@ -33,6 +33,7 @@ from deepinfer.model.deepseek_v41.dspark import DSparkDrafts
 from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
+from deepinfer.model.deepseek_v41.vision import ImageEncoder
 from deepinfer.model.deepseek_v41.vision_args import expand_images
 from deepinfer.model.family import StepDrafts
 from deepinfer.ops import Kernels
@@ -196,13 +197,51 @@ class DeepseekV41Family:
             vision=args.vision,
         )
 
+    def image_encoder(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        return getattr(model, weights.VISION_MODULE, None)
+
+    def load_image_encoder(
+        self,
+        model_dir: Path,
+        args: ModelArgs,
+        kernels: Kernels,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        random_seed: int | None = None,
+    ) -> torch.nn.Module:
+        if args.vision is None:
+            raise ValueError(f"the checkpoint in {model_dir} has no vision tower")
+        prefix = f"{weights.VISION_MODULE}."
+
+        def is_tower(name: str) -> bool:
+            return name.startswith(prefix)
+
+        if random_seed is not None:
+            state = tiny.random_weights(
+                args, random_seed, device, dtype, fp8_block=None, keep=is_tower
+            )
+        else:
+            state = load_checkpoint(
+                model_dir,
+                args,  # type: ignore[arg-type]  # the naming reads this family's args
+                device=device,
+                dtype=dtype,
+                naming=NAMING,
+                only=is_tower,
+            )
+        with torch.device("meta"):
+            encoder = ImageEncoder(args.vision, args.hidden_size, kernels.norm)
+        tower = {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+        encoder.load_state_dict(tower, assign=True, strict=True)
+        return encoder.eval()
+
     def encode_images(
-        self, model: torch.nn.Module, pixels: list[torch.Tensor], images: list[PromptImage]
+        self, encoder: torch.nn.Module, pixels: list[torch.Tensor], images: list[ImageInput]
     ) -> list[torch.Tensor]:
-        assert isinstance(model, DeepseekV41) and model.args.vision is not None
-        vision = model.args.vision
-        grids = [vision.grid(i.image.width, i.image.height) for i in images]
-        return model.image_encoder(pixels, grids)
+        assert isinstance(encoder, ImageEncoder)
+        grids = [encoder.args.grid(image.width, image.height) for image in images]
+        return encoder(pixels, grids)
 
 
 def _engram_vocab(model_dir: Path, args: ModelArgs) -> torch.Tensor:

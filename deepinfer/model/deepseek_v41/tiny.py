@@ -20,6 +20,7 @@ the image routing bias like the text one.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +207,12 @@ def random_weights(
     fp8_block: tuple[int, int] | None = None,
     fp4_experts: bool = False,
     experts: range | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights in ``args``' shapes, drawn on ``device`` (our names, stacked experts), as
     ``deepseek_v4.tiny.random_weights`` documents (``experts`` slices the backbone's routed
-    experts; the drafter's are all held); the engram's vocabulary is the tiny tokenizer's."""
+    experts; the drafter's are all held; ``keep``: only these names, ``draw_weights``); the
+    engram's vocabulary is the tiny tokenizer's."""
     out = draw_weights(
         expected_shapes(args),
         lambda name, shape, gen, dtype: _init(name, shape, args, gen, device, dtype),
@@ -222,8 +225,9 @@ def random_weights(
         is_fp32=is_fp32_param,
         is_fp8=is_fp8_linear,
         is_sharded=lambda name: name.startswith("layers.") and is_stacked_experts(name),
+        keep=keep,
     )
-    if args.engram is not None:
+    if args.engram is not None and (keep is None or keep(ENGRAM_VOCAB)):
         table, _ = tiny_vocabulary()
         out[ENGRAM_VOCAB] = torch.from_numpy(table.astype(np.int64)).to(device)
     return out
