@@ -661,7 +661,8 @@ def run_coordinator(ns: argparse.Namespace, config: Config) -> int:
     served = config.server.served_model_name or (
         model_dir.name if model_dir else _DEFAULT_SERVED_MODEL_NAME
     )
-    max_model_len = config.model.max_model_len or checkpoint.get("max_position_embeddings")
+    text = checkpoint.get("text_config") or checkpoint  # V4.1 nests the text model's keys
+    max_model_len = config.model.max_model_len or text.get("max_position_embeddings")
     static = [(url, role) for role in ("mixed", "prefill", "decode", "encode")
               for url in getattr(ns, "node" if role == "mixed" else f"{role}_node")]  # fmt: skip
     if static and max_model_len is None:
