@@ -98,6 +98,9 @@ class CacheConfig:
     # The vision tower's embeddings of recent images, by content: a repeated image is not
     # encoded again while its embeddings stay within this (least recently used evicted first).
     image_embedding_mib: float = 256.0
+    # Embeddings evicted from the device go to a host-memory tier of this size and come back on
+    # a hit (accelerators only: on the CPU the device cache is host memory); 0 disables.
+    image_embedding_host_mib: float = 2048.0
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
@@ -118,10 +121,9 @@ class CacheConfig:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"cache.max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
-        if self.image_embedding_mib < 0:
-            raise ValueError(
-                f"cache.image_embedding_mib must be >= 0, got {self.image_embedding_mib}"
-            )
+        for key in ("image_embedding_mib", "image_embedding_host_mib"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cache.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_draft_tokens > self.ring_margin:
             raise ValueError(
                 f"cache.max_draft_tokens={self.max_draft_tokens} must be <= "

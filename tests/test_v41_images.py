@@ -79,6 +79,32 @@ def _same(a: Request, b: Request) -> None:
     assert (_logprobs(a) - _logprobs(b)).abs().max().item() < SELF_ATOL
 
 
+def test_embeddings_evicted_to_the_host_tier_come_back_without_encoding(
+    tiny_v41_dir: Path,
+) -> None:
+    """A device cache that holds one image's embeddings and a host tier that holds two."""
+    from deepinfer.engine.image_embeddings import ImageEmbeddings
+    from deepinfer.images import decode_images
+
+    llm = LLM(tiny_v41_dir, device="cpu", dtype="float32", block_size=16)
+    engine_cache = llm.engine.executor.images
+    a, b, c = decode_images([A, B, _image(3)])
+    want = engine_cache.embeddings([a, b, c])
+    size = want[a.digest].numel() * want[a.digest].element_size()
+    cache = ImageEmbeddings(engine_cache.encode, torch.device("cpu"), torch.from_numpy,
+                            budget_bytes=size, host_budget_bytes=2 * size)  # fmt: skip
+    for image in (a, b, c):  # a, then b, go to the host tier
+        cache.embeddings([image])
+    assert cache.stats.num_encoded == 3
+    got = cache.embeddings([a, b])
+    assert cache.stats.num_encoded == 3 and cache.stats.num_host_hits == 2
+    assert all(torch.equal(got[i.digest], want[i.digest]) for i in (a, b))
+    # Room for three in all: a fourth image pushes the least recently used (c) out of both.
+    cache.embeddings(decode_images([_image(4)]))
+    cache.embeddings([c])
+    assert cache.stats.num_encoded == 5
+
+
 def test_images_batched_chunked_and_cached_match_alone(tiny_v41_dir: Path) -> None:
     llm = LLM(tiny_v41_dir, device="cpu", dtype="float32", block_size=16)
     (alone,) = _run(llm, [(PROMPT, [A, B])])

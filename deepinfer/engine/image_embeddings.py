@@ -9,7 +9,9 @@ A chunk may cover part of an image (chunked prefill through an image, a prefix h
 one, a recompute after preemption): the image is encoded whole, since each of its embeddings
 depends on all its patches, and the chunk takes its rows. Embeddings stay cached, least recently
 used evicted first, within ``cache.image_embedding_mib``; a request's later chunks and a repeated
-image (the same bytes, any request) are not encoded again. An image that came with its
+image (the same bytes, any request) are not encoded again. Embeddings evicted from the device
+move to a host tier (``cache.image_embedding_host_mib``, least recently used out) and come back
+on a hit, as KV blocks do. An image that came with its
 embeddings (``ImageInput.embeds``: an encoder node computed them) is not encoded here unless
 they are needed again once evicted. An encoder node keeps one of these for its own cache
 (``embeddings``).
@@ -39,6 +41,7 @@ class ImageEncodeStats:
     num_encoded: int = 0  # images run through the tower
     num_hits: int = 0  # images a step needed and found cached
     num_received: int = 0  # images whose embeddings came with the request (an encoder node's)
+    num_host_hits: int = 0  # of the hits, those brought back from the host tier
     encode_seconds: float = 0.0  # in the tower (on CUDA: to the end of its kernels)
 
 
@@ -49,13 +52,13 @@ class ImageEmbeddings:
         device: torch.device,
         upload: Callable[[np.ndarray], torch.Tensor],
         budget_bytes: int,
+        host_budget_bytes: int = 0,
     ) -> None:
         self.encode = encode
         self.device = device
         self.upload = upload
-        self.budget_bytes = budget_bytes
-        self.num_bytes = 0
-        self._cached: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._cached = _LRU(budget_bytes)
+        self._host = _LRU(host_budget_bytes)
         self.stats = ImageEncodeStats()
 
     def place(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]) -> None:
@@ -86,8 +89,11 @@ class ImageEmbeddings:
             if digest in out or digest in missing:
                 continue
             cached = self._cached.get(digest)
+            if cached is None and (held := self._host.pop(digest)) is not None:
+                cached = held.to(self.device, non_blocking=True)
+                self._keep(digest, cached)
+                self.stats.num_host_hits += 1
             if cached is not None:
-                self._cached.move_to_end(digest)
                 self.stats.num_hits += 1
                 out[digest] = cached
             elif image.embeds is not None:
@@ -116,11 +122,45 @@ class ImageEmbeddings:
         return out
 
     def _keep(self, digest: bytes, embeds: torch.Tensor) -> None:
-        size = embeds.numel() * embeds.element_size()
-        if size > self.budget_bytes:
-            return
-        self._cached[digest] = embeds
-        self.num_bytes += size
+        for old_digest, evicted in self._cached.put(digest, embeds):
+            if self._host.budget_bytes:
+                host = torch.empty_like(evicted, device="cpu", pin_memory=evicted.is_cuda)
+                self._host.put(old_digest, host.copy_(evicted))
+
+
+class _LRU:
+    """Tensors by digest within ``budget_bytes``, least recently used out first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.num_bytes = 0
+        self._tensors: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        tensor = self._tensors.get(digest)
+        if tensor is not None:
+            self._tensors.move_to_end(digest)
+        return tensor
+
+    def pop(self, digest: bytes) -> torch.Tensor | None:
+        tensor = self._tensors.pop(digest, None)
+        if tensor is not None:
+            self.num_bytes -= _size(tensor)
+        return tensor
+
+    def put(self, digest: bytes, tensor: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        """Keep ``tensor`` (not if it alone is over the budget); the ones evicted for it."""
+        if _size(tensor) > self.budget_bytes or digest in self._tensors:
+            return []
+        self._tensors[digest] = tensor
+        self.num_bytes += _size(tensor)
+        evicted = []
         while self.num_bytes > self.budget_bytes:
-            _, evicted = self._cached.popitem(last=False)
-            self.num_bytes -= evicted.numel() * evicted.element_size()
+            old_digest, old = self._tensors.popitem(last=False)
+            self.num_bytes -= _size(old)
+            evicted.append((old_digest, old))
+        return evicted
+
+
+def _size(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -25,7 +25,7 @@ import torch
 from deepinfer.config import Config
 from deepinfer.device import resolve_device, resolve_dtype, use_ieee_float32
 from deepinfer.engine.image_embeddings import ImageEmbeddings
-from deepinfer.engine.model_runner import kernel_config
+from deepinfer.engine.model_runner import image_host_tier_bytes, kernel_config
 from deepinfer.engine.weights_loading import model_folder
 from deepinfer.images import ImageInput
 from deepinfer.model.families import load_args, load_family
@@ -59,6 +59,7 @@ class ImageEncodeEngine:
             self.device,
             lambda values: torch.from_numpy(values).to(self.device),
             int(config.cache.image_embedding_mib * 2**20),
+            image_host_tier_bytes(config, self.device),
         )
         num_bytes = sum(p.numel() * p.element_size() for p in self.encoder.parameters())
         logger.info(

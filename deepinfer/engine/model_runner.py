@@ -291,6 +291,7 @@ class ModelRunner:
             self.device,
             self._upload,
             int(self.config.cache.image_embedding_mib * 2**20),
+            image_host_tier_bytes(self.config, self.device),
         )
 
     def expand_images(
@@ -491,6 +492,11 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.upload(values)
+
+
+def image_host_tier_bytes(config: Config, device: torch.device) -> int:
+    """The embeddings cache's host tier: none on the CPU (the device cache is host memory)."""
+    return 0 if device.type == "cpu" else int(config.cache.image_embedding_host_mib * 2**20)
 
 
 def kernel_config(config: Config) -> KernelConfig:
