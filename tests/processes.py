@@ -96,3 +96,37 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+
+
+class Cluster:
+    """Server processes by name, each on a port of its own, logging into ``folder``; a
+    subclass's ``start(name)`` builds each one's command line and calls ``launch``."""
+
+    def __init__(self, folder: Path, model: Path, names: tuple[str, ...]) -> None:
+        self.folder, self.model = folder, model
+        self.ports = {name: free_port() for name in names}
+        self.processes: dict[str, Process] = {}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = self.folder / f"{name}-{len(self.processes)}-{time.monotonic_ns()}.log"
+        self.processes[name] = Process.start(args, env, log, self.folder)
+
+    def wait_ready(self, *names: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            while http_status(self.url(name) + "/ready") != 200:
+                assert self.processes[name].popen.poll() is None, self.logs()
+                assert time.monotonic() < deadline, f"{name} not ready\n{self.logs()}"
+                time.sleep(0.1)
+
+    def logs(self) -> str:
+        return "\n".join(f"== {n}\n{p.log[-3000:]}" for n, p in self.processes.items())
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.popen.poll() is None:
+                process.popen.kill()
+                process.popen.wait()

@@ -18,11 +18,12 @@ from typing import Any
 
 import aiohttp
 import openai
+import processes
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 from oracle import oracle_prompts
-from processes import Process, clean_env, free_port, http_status
+from processes import clean_env, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from rank_workers import drain
 
@@ -55,17 +56,12 @@ NODE_FLAGS = ("--device", "cpu", "--block-size", "16", "--num-blocks", "512",
 PAUSE_S = "0.05"
 
 
-class Cluster:
+class Cluster(processes.Cluster):
     """A decode node, a prefill node and a coordinator over them, as processes logging into
     ``folder``; ``restart`` brings a killed node back on its port."""
 
     def __init__(self, folder: Path, model: Path) -> None:
-        self.folder, self.model = folder, model
-        self.ports = {"decode": free_port(), "prefill": free_port(), "coordinator": free_port()}
-        self.processes: dict[str, Process] = {}
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
+        super().__init__(folder, model, ("decode", "prefill", "coordinator"))
 
     def start(self, name: str) -> None:
         if name == "coordinator":
@@ -78,16 +74,7 @@ class Cluster:
             args = ["node", "--model", str(self.model), "--role", name,
                     "--port", str(self.ports[name]), *NODE_FLAGS]  # fmt: skip
         env = clean_env(OMP_NUM_THREADS="1", DEEPINFER_TEST_TRANSFER_PAUSE_S=PAUSE_S)
-        log = self.folder / f"{name}-{len(self.processes)}-{time.monotonic_ns()}.log"
-        self.processes[name] = Process.start(args, env, log, self.folder)
-
-    def wait_ready(self, *names: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            while http_status(self.url(name) + "/ready") != 200:
-                assert self.processes[name].popen.poll() is None, self.logs()
-                assert time.monotonic() < deadline, f"{name} not ready\n{self.logs()}"
-                time.sleep(0.1)
+        self.launch(name, args, env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.processes[name].popen.send_signal(sig)
@@ -97,15 +84,6 @@ class Cluster:
     def restart(self, name: str) -> None:
         self.start(name)
         self.wait_ready(name, "coordinator")
-
-    def logs(self) -> str:
-        return "\n".join(f"== {n}\n{p.log[-3000:]}" for n, p in self.processes.items())
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.popen.poll() is None:
-                process.popen.kill()
-                process.popen.wait()
 
 
 @pytest.fixture(scope="module")

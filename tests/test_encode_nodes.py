@@ -23,10 +23,11 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import openai
+import processes
 import pytest
 import pytest_asyncio
 import torch
-from processes import Process, clean_env, free_port, http_status
+from processes import clean_env, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_v41_images import IMAGE_TOKEN, _image, _png
 
@@ -49,6 +50,7 @@ from deepinfer.server.routing import NodeEntry, NodeError
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "DeepSeek-V4.1-Flash"
+PAUSE_ENV = "DEEPINFER_TEST_ENCODE_PAUSE_S"
 PAUSE_S = 1.5  # the encode node waits this long before each run of its tower
 NODE_FLAGS = ("--device", "cpu", "--block-size", "16", "--num-threads", "1", "--lease-s", "5")
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=5, logprobs=0)
@@ -58,46 +60,21 @@ _ids = itertools.count()
 _KEYS = PairKeys()
 
 
-class Cluster:
+class Cluster(processes.Cluster):
     """An encode node, a mixed node and a coordinator over them (static nodes), as processes."""
 
     def __init__(self, folder: Path, model: Path) -> None:
-        self.folder, self.model = folder, model
-        self.ports = {"encode": free_port(), "mixed": free_port(), "coordinator": free_port()}
-        self.processes: dict[str, Process] = {}
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
+        super().__init__(folder, model, ("encode", "mixed", "coordinator"))
 
     def start(self, name: str) -> None:
         if name == "coordinator":
             args = ["coordinator", "--model", str(self.model), "--port", str(self.ports[name]),
                     "--internal-port", str(free_port()), "--node-probe-interval-s", "0.2",
-                    "--max-model-len", "8192",
                     "--node", self.url("mixed"), "--encode-node", self.url("encode")]  # fmt: skip
         else:
             args = ["node", "--model", str(self.model), "--role", name,
                     "--port", str(self.ports[name]), *NODE_FLAGS]  # fmt: skip
-        env = clean_env(OMP_NUM_THREADS="1", DEEPINFER_TEST_ENCODE_PAUSE_S=str(PAUSE_S))
-        log = self.folder / f"{name}-{time.monotonic_ns()}.log"
-        self.processes[name] = Process.start(args, env, log, self.folder)
-
-    def wait_ready(self, *names: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            while http_status(self.url(name) + "/ready") != 200:
-                assert self.processes[name].popen.poll() is None, self.logs()
-                assert time.monotonic() < deadline, f"{name} not ready\n{self.logs()}"
-                time.sleep(0.1)
-
-    def logs(self) -> str:
-        return "\n".join(f"== {n}\n{p.log[-3000:]}" for n, p in self.processes.items())
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.popen.poll() is None:
-                process.popen.kill()
-                process.popen.wait()
+        self.launch(name, args, clean_env(OMP_NUM_THREADS="1", **{PAUSE_ENV: str(PAUSE_S)}))
 
 
 @pytest.fixture(scope="module")
