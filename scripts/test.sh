@@ -7,4 +7,6 @@ cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 ruff check .
 ruff format --check .
-exec python -m pytest -q "$@"
+# Two workers (DEEPINFER_TEST_WORKERS; 0: none), each test file on one, so that its module
+# fixtures (engines, servers) are built once.
+exec python -m pytest -q -n "${DEEPINFER_TEST_WORKERS:-2}" --dist loadfile "$@"
