@@ -101,6 +101,10 @@ class CacheConfig:
     # Embeddings evicted from the device go to a host-memory tier of this size and come back on
     # a hit (accelerators only: on the CPU the device cache is host memory); 0 disables.
     image_embedding_host_mib: float = 2048.0
+    # And from the host (the device on the CPU) to files in this directory (its own: not
+    # disk_tier_dir), possibly a shared mount; None: no disk tier for embeddings.
+    image_embedding_disk_dir: str | None = None
+    image_embedding_disk_gib: float = 16.0
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
@@ -121,7 +125,7 @@ class CacheConfig:
             raise ValueError(f"cache.ring_margin must be >= 0, got {self.ring_margin}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"cache.max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
-        for key in ("image_embedding_mib", "image_embedding_host_mib"):
+        for key in ("image_embedding_mib", "image_embedding_host_mib", "image_embedding_disk_gib"):
             if getattr(self, key) < 0:
                 raise ValueError(f"cache.{key} must be >= 0, got {getattr(self, key)}")
         if self.max_draft_tokens > self.ring_margin:

@@ -332,6 +332,7 @@ class _ImageCollector:
         ("image_cache_hits_total", "num_hits", "Images whose embeddings a step found cached."),
         ("images_received_total", "num_received", "Images whose embeddings an encode node sent."),
         ("image_host_tier_hits_total", "num_host_hits", "Of the hits, those from the host tier."),
+        ("image_disk_tier_hits_total", "num_disk_hits", "Of the hits, those from the disk tier."),
         ("image_encode_seconds_total", "encode_seconds", "Seconds spent in the vision tower."),
     )
 

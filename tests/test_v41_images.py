@@ -79,30 +79,45 @@ def _same(a: Request, b: Request) -> None:
     assert (_logprobs(a) - _logprobs(b)).abs().max().item() < SELF_ATOL
 
 
-def test_embeddings_evicted_to_the_host_tier_come_back_without_encoding(
-    tiny_v41_dir: Path,
+def test_embeddings_evicted_to_the_tiers_come_back_without_encoding(
+    tiny_v41_dir: Path, tmp_path: Path
 ) -> None:
-    """A device cache that holds one image's embeddings and a host tier that holds two."""
+    """A device cache that holds one image's embeddings, a host tier that holds two, and a disk
+    tier that a second cache (a restarted node, or another one on the mount) reads."""
     from deepinfer.engine.image_embeddings import ImageEmbeddings
     from deepinfer.images import decode_images
+    from deepinfer.kv_cache.disk_tier import DiskTier
+    from deepinfer.kv_cache.tiers import HostTier
 
     llm = LLM(tiny_v41_dir, device="cpu", dtype="float32", block_size=16)
-    engine_cache = llm.engine.executor.images
-    a, b, c = decode_images([A, B, _image(3)])
-    want = engine_cache.embeddings([a, b, c])
+    encode = llm.engine.executor.images.encode
+    a, b, c, d = decode_images([A, B, _image(3), _image(4)])
+    want = llm.engine.executor.images.embeddings([a, b, c, d])
     size = want[a.digest].numel() * want[a.digest].element_size()
-    cache = ImageEmbeddings(engine_cache.encode, torch.device("cpu"), torch.from_numpy,
-                            budget_bytes=size, host_budget_bytes=2 * size)  # fmt: skip
+
+    def cache(host: int) -> ImageEmbeddings:
+        tiers = HostTier(host, pin_memory=False) if host else None
+        disk = DiskTier(tmp_path / "embeddings", 8 * size, b"salt")
+        return ImageEmbeddings(encode, torch.device("cpu"), torch.from_numpy, size, tiers, disk)
+
+    first = cache(host=2 * size)
     for image in (a, b, c):  # a, then b, go to the host tier
-        cache.embeddings([image])
-    assert cache.stats.num_encoded == 3
-    got = cache.embeddings([a, b])
-    assert cache.stats.num_encoded == 3 and cache.stats.num_host_hits == 2
-    assert all(torch.equal(got[i.digest], want[i.digest]) for i in (a, b))
-    # Room for three in all: a fourth image pushes the least recently used (c) out of both.
-    cache.embeddings(decode_images([_image(4)]))
-    cache.embeddings([c])
-    assert cache.stats.num_encoded == 5
+        first.embeddings([image])
+    got = first.embeddings([a, b])
+    assert first.stats.num_encoded == 3 and first.stats.num_host_hits == 2
+    # Room for three in memory: a fourth pushes the least recently used (c) on to the disk.
+    first.embeddings([d])
+    first.embeddings([c])
+    assert first.stats.num_encoded == 4 and first.stats.num_disk_hits == 1
+    assert first.disk is not None
+    first.disk.flush()
+
+    second = cache(host=0)  # what the first wrote to the disk tier, none of its memory
+    got.update(second.embeddings([a, b, c, d]))
+    assert (
+        second.stats.num_encoded < 4 and second.stats.num_disk_hits == 4 - second.stats.num_encoded
+    )
+    assert all(torch.equal(got[i.digest], want[i.digest]) for i in (a, b, c, d))
 
 
 def test_images_batched_chunked_and_cached_match_alone(tiny_v41_dir: Path) -> None:

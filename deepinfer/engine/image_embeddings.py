@@ -9,9 +9,16 @@ A chunk may cover part of an image (chunked prefill through an image, a prefix h
 one, a recompute after preemption): the image is encoded whole, since each of its embeddings
 depends on all its patches, and the chunk takes its rows. Embeddings stay cached, least recently
 used evicted first, within ``cache.image_embedding_mib``; a request's later chunks and a repeated
-image (the same bytes, any request) are not encoded again. Embeddings evicted from the device
-move to a host tier (``cache.image_embedding_host_mib``, least recently used out) and come back
-on a hit, as KV blocks do. An image that came with its
+image (the same bytes, any request) are not encoded again. Tiered as KV blocks are, with the KV
+cache's tiers (kind "image", key the digest):
+
+    device (this LRU) --evicted--> HostTier (cache.image_embedding_host_mib; accelerators only)
+                      --evicted--> DiskTier (cache.image_embedding_disk_dir, its own directory,
+                                   possibly a shared mount: any node's files serve every node)
+    a hit in either comes back to the device (a disk read is synchronous: a few MB an image)
+
+Disk files carry a salt of the checkpoint, the tower's dtype and the random-weights seed
+(``image_salt``), the same on serving and encode nodes. An image that came with its
 embeddings (``ImageInput.embeds``: an encoder node computed them) is not encoded here unless
 they are needed again once evicted. An encoder node keeps one of these for its own cache
 (``embeddings``).
@@ -23,14 +30,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from deepinfer.config import CacheConfig
 from deepinfer.images import ImageInput, PromptImage, overlapping
+from deepinfer.kv_cache.disk_tier import DiskTier
+from deepinfer.kv_cache.tiers import HostTier
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.scheduler.output import ScheduledRequest
 
+_KIND = "image"  # the tiers' kind of an image's embeddings
 Encode = Callable[[list[torch.Tensor], list[ImageInput]], list[torch.Tensor]]
 
 
@@ -42,6 +54,7 @@ class ImageEncodeStats:
     num_hits: int = 0  # images a step needed and found cached
     num_received: int = 0  # images whose embeddings came with the request (an encoder node's)
     num_host_hits: int = 0  # of the hits, those brought back from the host tier
+    num_disk_hits: int = 0  # of the hits, those read back from the disk tier
     encode_seconds: float = 0.0  # in the tower (on CUDA: to the end of its kernels)
 
 
@@ -52,14 +65,36 @@ class ImageEmbeddings:
         device: torch.device,
         upload: Callable[[np.ndarray], torch.Tensor],
         budget_bytes: int,
-        host_budget_bytes: int = 0,
+        host: HostTier | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.encode = encode
         self.device = device
         self.upload = upload
         self._cached = _LRU(budget_bytes)
-        self._host = _LRU(host_budget_bytes)
+        self.host = host
+        self.disk = disk
         self.stats = ImageEncodeStats()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CacheConfig,
+        encode: Encode,
+        device: torch.device,
+        upload: Callable[[np.ndarray], torch.Tensor],
+        salt: bytes,
+    ) -> ImageEmbeddings:
+        """The cache ``config`` sizes: no host tier on the CPU (the device cache is host
+        memory there), a disk tier when ``image_embedding_disk_dir`` is set."""
+        host = None
+        if device.type != "cpu" and config.image_embedding_host_mib > 0:
+            host = HostTier(int(config.image_embedding_host_mib * 2**20), pin_memory=True)
+        disk = None
+        if config.image_embedding_disk_dir is not None:
+            capacity = int(config.image_embedding_disk_gib * 2**30)
+            disk = DiskTier(Path(config.image_embedding_disk_dir), capacity, salt)
+        return cls(encode, device, upload, int(config.image_embedding_mib * 2**20), host, disk)
 
     def place(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]) -> None:
         """Set ``batch``'s image rows and embeddings for the step's chunks (none: unchanged)."""
@@ -89,10 +124,8 @@ class ImageEmbeddings:
             if digest in out or digest in missing:
                 continue
             cached = self._cached.get(digest)
-            if cached is None and (held := self._host.pop(digest)) is not None:
-                cached = held.to(self.device, non_blocking=True)
-                self._keep(digest, cached)
-                self.stats.num_host_hits += 1
+            if cached is None:
+                cached = self._from_tiers(digest)
             if cached is not None:
                 self.stats.num_hits += 1
                 out[digest] = cached
@@ -121,11 +154,32 @@ class ImageEmbeddings:
             self._keep(image.digest, embeds)
         return out
 
+    def _from_tiers(self, digest: bytes) -> torch.Tensor | None:
+        """An image's embeddings from the host or disk tier, back on the device (None: in
+        neither)."""
+        held = self.host.pop(_KIND, digest) if self.host is not None else None
+        if held is not None:
+            self.stats.num_host_hits += 1
+        elif self.disk is not None and (held := self.disk.get(_KIND, digest)) is not None:
+            self.stats.num_disk_hits += 1
+        if held is None:
+            return None
+        embeds = held[0].to(self.device, non_blocking=True)
+        self._keep(digest, embeds)
+        return embeds
+
     def _keep(self, digest: bytes, embeds: torch.Tensor) -> None:
-        for old_digest, evicted in self._cached.put(digest, embeds):
-            if self._host.budget_bytes:
-                host = torch.empty_like(evicted, device="cpu", pin_memory=evicted.is_cuda)
-                self._host.put(old_digest, host.copy_(evicted))
+        evicted: list[tuple[str, bytes, list[torch.Tensor]]] = [
+            (_KIND, old, [tensor]) for old, tensor in self._cached.put(digest, embeds)
+        ]
+        if self.host is not None:
+            evicted = [
+                e for kind, key, payload in evicted for e in self.host.put(kind, key, payload)
+            ]
+        if self.disk is not None:
+            for kind, key, payload in evicted:
+                # The device's tensor stays as it is (steps only read it) until it is written.
+                self.disk.put(kind, key, [t.cpu() for t in payload])
 
 
 class _LRU:

@@ -25,8 +25,8 @@ import torch
 from deepinfer.config import Config
 from deepinfer.device import resolve_device, resolve_dtype, use_ieee_float32
 from deepinfer.engine.image_embeddings import ImageEmbeddings
-from deepinfer.engine.model_runner import image_host_tier_bytes, kernel_config
-from deepinfer.engine.weights_loading import model_folder
+from deepinfer.engine.model_runner import kernel_config
+from deepinfer.engine.weights_loading import image_salt, model_folder
 from deepinfer.images import ImageInput
 from deepinfer.model.families import load_args, load_family
 from deepinfer.ops import select_kernels
@@ -54,12 +54,12 @@ class ImageEncodeEngine:
         self.encoder = self.family.load_image_encoder(
             self.model_dir, args, kernels, device=self.device, dtype=self.dtype, random_seed=seed
         )
-        self.images = ImageEmbeddings(
+        self.images = ImageEmbeddings.from_config(
+            config.cache,
             partial(self.family.encode_images, self.encoder),
             self.device,
             lambda values: torch.from_numpy(values).to(self.device),
-            int(config.cache.image_embedding_mib * 2**20),
-            image_host_tier_bytes(config, self.device),
+            image_salt(self.model_dir, config.model, self.dtype),
         )
         num_bytes = sum(p.numel() * p.element_size() for p in self.encoder.parameters())
         logger.info(

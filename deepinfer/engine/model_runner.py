@@ -42,7 +42,7 @@ from deepinfer.engine.staging import PinnedStaging
 from deepinfer.engine.step_outputs import LastSamples, LaunchedStep, prompt_logprobs, sample
 from deepinfer.engine.tier_io import move_between_tiers
 from deepinfer.engine.warm_up import warm_up_eager
-from deepinfer.engine.weights_loading import cache_salt, load_model
+from deepinfer.engine.weights_loading import cache_salt, image_salt, load_model
 from deepinfer.images import ImageInput, PromptImage, overlapping
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec
@@ -68,6 +68,7 @@ class ModelRunner:
         self, config: Config, model_dir: Path, args: Any, group: RankGroup | None = None
     ) -> None:
         self.config = config
+        self.model_dir = model_dir
         self.args = args  # the family's architecture arguments
         self.family = load_family(args.model_type)
         self.group = group
@@ -286,12 +287,12 @@ class ModelRunner:
         encoder = self.family.image_encoder(self.model)
         if encoder is None:
             return None
-        return ImageEmbeddings(
+        return ImageEmbeddings.from_config(
+            self.config.cache,
             partial(self.family.encode_images, encoder),
             self.device,
             self._upload,
-            int(self.config.cache.image_embedding_mib * 2**20),
-            image_host_tier_bytes(self.config, self.device),
+            image_salt(self.model_dir, self.config.model, self.dtype),
         )
 
     def expand_images(
@@ -492,11 +493,6 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.upload(values)
-
-
-def image_host_tier_bytes(config: Config, device: torch.device) -> int:
-    """The embeddings cache's host tier: none on the CPU (the device cache is host memory)."""
-    return 0 if device.type == "cpu" else int(config.cache.image_embedding_host_mib * 2**20)
 
 
 def kernel_config(config: Config) -> KernelConfig:

@@ -49,6 +49,12 @@ def model_folder(config: ModelConfig) -> Path:
     return path
 
 
+def image_salt(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> bytes:
+    """What image embeddings in a disk tier are keyed under besides their digest: the
+    checkpoint, the tower's dtype, the random weights' seed (serving and encode nodes alike)."""
+    return cache_salt(model_dir, config, False, f"image-embeddings:{dtype}")
+
+
 def load_model(
     config: ModelConfig,
     family: ModelFamily,
