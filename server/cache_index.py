@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
+from deepinfer.images import PromptImage, images_key
 from deepinfer.kv_cache.events import CacheEvent, CacheLayout, block_key
 from deepinfer.scheduler.prefix_cache import chain_root, hash_block
 
@@ -53,13 +54,20 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
-def prompt_keys(token_ids: Sequence[int], layout: CacheLayout, cache_salt: str | None) -> list[int]:
+def prompt_keys(
+    token_ids: Sequence[int],
+    layout: CacheLayout,
+    cache_salt: str | None,
+    images: Sequence[PromptImage] = (),
+) -> list[int]:
     """The block keys a node with ``layout`` looks up for a prompt: its full blocks before
-    the last token (which is always computed)."""
+    the last token (which is always computed). ``images``: the spans of a prompt whose images
+    are grown to their positions (a block that overlaps one is keyed by its digest too)."""
     keys, parent = [], chain_root(layout.salt, cache_salt)
     bs = layout.block_size
     for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-        parent = hash_block(parent, token_ids[start : start + bs])
+        ids = token_ids[start : start + bs]
+        parent = hash_block(parent, ids, images_key(images, start, start + bs))
         keys.append(block_key(parent))
     return keys
 

@@ -41,7 +41,8 @@ import deepseek_recipe as recipe
 import tokenizers
 
 from deepinfer.config import ServerConfig
-from deepinfer.model.families import FAMILIES
+from deepinfer.images import PromptImage
+from deepinfer.model.families import FAMILIES, ExpandImages
 from deepinfer.server.errors import ApiError, bad_request
 from deepinfer.server.images import ImageLimits, ImageResolver, ResolvedImages
 from deepinfer.server.protocol import OutputConstraint, SamplingOptions
@@ -99,9 +100,11 @@ class Prepared:
     parsing_options: recipe.ParsingOptions
     prompt_token_ids: list[int]  # one placeholder per image
     images: ResolvedImages
-    # The prompt's ids the coordinator's cache index can key: past the first image the node's
-    # block keys include the images' digests (deepinfer/images.py).
-    num_keyed_tokens: int
+    # The prompt as the node grows it (its images' positions), for the routing keys; None:
+    # ``prompt_token_ids`` (no images), or, with ``routing_images`` empty, its ids up to the
+    # first image when the checkpoint's image geometry is not known here.
+    routing_token_ids: list[int] | None
+    routing_images: list[PromptImage]
     sampling: SamplingOptions
     constraint: OutputConstraint | None
     cache_salt: str | None
@@ -125,6 +128,7 @@ class Frontend:
         default_thinking_mode: bool = True,
         default_max_tokens: int | None = None,
         image_limits: ImageLimits | None = None,
+        expand_images: ExpandImages | None = None,
     ) -> None:
         if model_type not in FAMILIES:
             raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}")
@@ -135,6 +139,7 @@ class Frontend:
         self.model_type = model_type
         self.default_max_tokens = default_max_tokens
         self.images = ImageResolver(image_limits or ImageLimits.of(ServerConfig()))
+        self.expand_images = expand_images  # as the node grows images (None: not known here)
         self.recipe_tokenizer, self.tokenizer = _load_tokenizers(path.resolve())
         self.max_token_chars = _max_token_chars(self.tokenizer)
         # What the encoding writes for each image (a placeholder the node grows to its size).
@@ -294,7 +299,7 @@ class Frontend:
             parsing_options=converted.parsing_options,
             prompt_token_ids=prompt_token_ids,
             images=images,
-            num_keyed_tokens=_num_keyed_tokens(prompt_token_ids, images, self.image_token_id),
+            **self._routing_prompt(prompt_token_ids, images),
             sampling=sampling,
             constraint=read_output_constraint(body, converted.constraint),
             cache_salt=extra.cache_salt,
@@ -302,19 +307,27 @@ class Frontend:
             namespace_tool_map=converted.namespace_tool_map,
         )
 
+    def _routing_prompt(self, ids: list[int], images: ResolvedImages) -> dict[str, Any]:
+        """``Prepared``'s routing fields: the prompt grown as the node grows it, when the
+        checkpoint's image geometry is known; else its ids up to the first image (past it the
+        node's keys hold the images' digests and positions, which are not known here)."""
+        if not images.images:
+            return {"routing_token_ids": None, "routing_images": []}
+        if self.expand_images is not None:
+            try:
+                grown, spans = self.expand_images(ids, images.images)
+                return {"routing_token_ids": grown, "routing_images": spans}
+            except ValueError:
+                pass  # the node refuses the request with the reason
+        first = ids.index(self.image_token_id) + 1 if self.image_token_id in ids else len(ids)
+        return {"routing_token_ids": ids[:first], "routing_images": []}
+
     def count_tokens(self, kind: ApiKind, body: dict[str, Any], context_limit: int) -> int:
         """The prompt's token count, each image at its positions (its sources are fetched);
         a prompt that cannot fit the context is refused (400)."""
         conversation = self.convert(kind, body).conversation
         num_tokens = len(self.encode(conversation, context_limit))
         return num_tokens + self.images.resolve(conversation).num_extra_tokens
-
-
-def _num_keyed_tokens(ids: list[int], images: ResolvedImages, image_token_id: int | None) -> int:
-    """The prompt's ids up to its first image placeholder (all of them without images)."""
-    if images.images and image_token_id in ids:
-        return ids.index(image_token_id) + 1
-    return len(ids)
 
 
 def _refuse_constant(name: str) -> None:

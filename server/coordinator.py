@@ -43,7 +43,7 @@ from aiohttp import web
 
 from deepinfer.config import Config, RoutingConfig, SchedulerConfig, ServerConfig
 from deepinfer.flags import add_config_flags
-from deepinfer.model.families import model_type_of, read_config
+from deepinfer.model.families import image_expansion, model_type_of, read_config
 from deepinfer.server import listen, systemd
 from deepinfer.server.access_log import app_runner
 from deepinfer.server.admission import AdmissionController
@@ -111,6 +111,7 @@ def create_coordinator_app(
     tokenizer_path: str | Path,
     served_model_name: str,
     model_type: str = "deepseek_v4",
+    checkpoint: dict | None = None,
     backends: Sequence[NodeBackend] = (),
     roles: Sequence[str] = (),
     max_model_len: int | None = None,
@@ -130,7 +131,8 @@ def create_coordinator_app(
     Nodes may also register on the internal app; their backends come from
     ``backend_factory(url)`` (default: ``NodeClient`` with ``config.node_token`` on a shared
     session). ``policy`` picks a node per request (default: ``routing``'s, [routing]).
-    ``model_type`` is the checkpoint's (``deepseek_v4`` | ``deepseek_v41``). ``observability``
+    ``model_type`` is the checkpoint's (``deepseek_v4`` | ``deepseek_v41``); ``checkpoint`` its
+    config.json when known (for the routing keys of prompts with images). ``observability``
     are more routes served beside /health, /ready and /metrics. ``export_vllm_names``:
     ``metrics.export_vllm_names``.
     """
@@ -147,6 +149,7 @@ def create_coordinator_app(
         default_thinking_mode=config.default_thinking_mode,
         default_max_tokens=config.default_max_tokens,
         image_limits=ImageLimits.of(config),
+        expand_images=image_expansion(checkpoint) if checkpoint else None,
     )
     registry = NodeRegistry(
         config.heartbeat_timeout_s,
@@ -687,6 +690,7 @@ async def _run(
         tokenizer_path=tokenizer_path,
         served_model_name=served,
         model_type=model_type_of(checkpoint),
+        checkpoint=checkpoint,
         backends=backends,
         roles=[role for _, role in static],
         max_model_len=max_model_len,

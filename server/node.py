@@ -9,6 +9,9 @@
                               HandedOff once the decode node has the request's cache
     POST /internal/decode     msgpack GenerateRequest with ``hand_off`` (a decode node): Reserved,
                               then the request's TokenDeltas from its second token on
+    POST /internal/generate   with ``images_from`` (a prefill or mixed node): the images'
+                              embeddings received from an encode node first, once collected
+                              (server/image_transfer.py; an encode node: server/encode_node.py)
     POST /internal/collect    msgpack CollectRequest -> 204 (404: no such hand-off waits here)
     GET  /health              200 while the process runs
     GET  /ready               200 while the engine loop turns and the node is not draining, else 503

@@ -218,7 +218,7 @@ class NodeLoad(msgspec.Struct, kw_only=True):
 class NodeRegistration(msgspec.Struct, kw_only=True):
     node_id: str
     url: str  # where the coordinator reaches the node's internal API
-    role: str  # "mixed" | "prefill" | "decode"
+    role: str  # "mixed" | "prefill" | "decode" | "encode"
     model: str  # the checkpoint's served name
     max_model_len: int
     max_num_seqs: int = SchedulerConfig.max_num_seqs  # requests it runs at once

@@ -40,6 +40,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.images import PromptImage
 from deepinfer.server.cache_index import NO_HIT, CacheIndex, PrefixHit, prompt_keys
 from deepinfer.server.pairing import PairedBackend, PairKeys, PairObserver
 from deepinfer.server.protocol import NodeHeartbeat, NodeRegistration
@@ -328,10 +329,12 @@ class NodeRegistry:
         cache_salt: str | None = None,
         *,
         looks_up: bool = True,
+        images: Sequence[PromptImage] = (),
     ) -> RouteRequest:
         """A request as the policies see it, its hit on each node from the cache index (the
         prompt hashed once per block layout). ``looks_up`` False: the node computes every
-        prompt token (it asks for prompt logprobs), so no node has a hit."""
+        prompt token (it asks for prompt logprobs), so no node has a hit. ``images``: the
+        spans of a prompt given with its images grown to their positions."""
         keys_by_layout: dict[tuple[bytes, int], list[int]] = {}
         hits: dict[str, PrefixHit] = {}
 
@@ -341,7 +344,9 @@ class NodeRegistry:
                 return []
             name = (cache.layout.salt, cache.layout.block_size)
             if name not in keys_by_layout:
-                keys_by_layout[name] = prompt_keys(prompt_token_ids, cache.layout, cache_salt)
+                keys_by_layout[name] = prompt_keys(
+                    prompt_token_ids, cache.layout, cache_salt, images
+                )
             return keys_by_layout[name]
 
         def hit(route: NodeEntry) -> PrefixHit:

@@ -77,15 +77,17 @@ def create_serve_app(
         assert tokenizer is not None, "serve needs a model with a tokenizer"
         tokenizer_path = tokenizer.path
     model_dir = engine.engine.model_dir
-    model_type = DEFAULT_MODEL_TYPE
+    model_type, checkpoint = DEFAULT_MODEL_TYPE, None
     if model_dir is not None and (model_dir / "config.json").is_file():
-        model_type = model_type_of(read_config(model_dir))
+        checkpoint = read_config(model_dir)
+        model_type = model_type_of(checkpoint)
 
     app = create_coordinator_app(
         config.server,
         tokenizer_path=tokenizer_path,
         served_model_name=model_name,
         model_type=model_type,
+        checkpoint=checkpoint,
         backends=[LocalNode(engine)],
         max_model_len=engine.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,

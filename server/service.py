@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from deepinfer.images import PromptImage
 from deepinfer.outputs import FinishReason
 from deepinfer.server.admission import AdmissionController, AdmissionError, DrainingError
 from deepinfer.server.cache_index import NO_HIT, PrefixHit
@@ -86,7 +87,10 @@ class ApiRequest:
     cache_salt: str | None = None
     images: list[ImageData] = field(default_factory=list)
     num_image_positions: int = 0  # the images' prompt positions beyond one per placeholder
-    num_keyed_tokens: int | None = None  # the prompt ids cache routing keys (None: all)
+    # The prompt as the node grows it (its images at their positions), for the cache-aware
+    # routing keys; None: ``prompt_token_ids``.
+    routing_token_ids: list[int] | None = None
+    routing_images: list[PromptImage] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     status: ApiRequestStatus = ApiRequestStatus.WAITING
     node: NodeEntry | None = None
@@ -160,11 +164,13 @@ class CoordinatorService:
             async with self.admission.admit(req.num_prompt_tokens) as admission:
                 self.metrics.queue_time.observe(admission.queue_time)
                 failed_nodes: list[str] = []
+                routing_ids = req.routing_token_ids
                 route = self.registry.route_request(
-                    req.prompt_token_ids[: req.num_keyed_tokens],
+                    req.prompt_token_ids if routing_ids is None else routing_ids,
                     req.num_tokens,
                     req.cache_salt,
                     looks_up=req.sampling.prompt_logprobs is None,
+                    images=req.routing_images,
                 )
                 while True:
                     try:

@@ -316,7 +316,8 @@ async def serve_recipe_request(
             ImageData(data=i.data, width=i.width, height=i.height) for i in prepared.images.images
         ],
         num_image_positions=images.num_extra_tokens,
-        num_keyed_tokens=prepared.num_keyed_tokens,
+        routing_token_ids=prepared.routing_token_ids,
+        routing_images=prepared.routing_images,
         arrival_time=arrival_time,
     )
     return await respond(request, service, frontend, prepared, req, timeout, turn)

@@ -65,15 +65,18 @@ class Cluster(processes.Cluster):
 
     def __init__(self, folder: Path, model: Path) -> None:
         super().__init__(folder, model, ("encode", "mixed", "coordinator"))
+        self.internal = free_port()
 
     def start(self, name: str) -> None:
         if name == "coordinator":
             args = ["coordinator", "--model", str(self.model), "--port", str(self.ports[name]),
-                    "--internal-port", str(free_port()), "--node-probe-interval-s", "0.2",
-                    "--node", self.url("mixed"), "--encode-node", self.url("encode")]  # fmt: skip
+                    "--internal-port", str(self.internal), "--node-probe-interval-s", "0.2",
+                    "--encode-node", self.url("encode")]  # fmt: skip
         else:
             args = ["node", "--model", str(self.model), "--role", name,
                     "--port", str(self.ports[name]), *NODE_FLAGS]  # fmt: skip
+        if name == "mixed":  # registers, and posts its prefix cache's events for routing
+            args += ["--coordinator-internal-url", f"http://127.0.0.1:{self.internal}"]
         self.launch(name, args, clean_env(OMP_NUM_THREADS="1", **{PAUSE_ENV: str(PAUSE_S)}))
 
 
@@ -123,6 +126,17 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+async def _index_in_step(session: aiohttp.ClientSession, cluster: Cluster) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        node = (await _metrics(session, cluster.url("mixed")))["deepinfer_cache_event_seq"]
+        index = await _metrics(session, cluster.url("coordinator"))
+        if index.get("deepinfer_router_index_seq") == node:
+            return
+        assert time.monotonic() < deadline, (node, index.get("deepinfer_router_index_seq"))
+        await asyncio.sleep(0.05)
 
 
 async def test_an_encode_nodes_embeddings_equal_the_engines_exactly(
@@ -199,12 +213,27 @@ async def test_through_the_coordinator_a_repeated_image_is_encoded_once_and_hits
 
     before = await _metrics(session, cluster.url("encode"))
     first = await ask()
+    # The coordinator's index has every block the node stored (its events) before the repeat.
+    await _index_in_step(session, cluster)
+    routed = await _metrics(session, cluster.url("coordinator"))
     again = await ask()
     after = await _metrics(session, cluster.url("encode"))
     assert first.choices[0].message.content == again.choices[0].message.content
     encoded = "deepinfer_images_encoded_total"
     assert after[encoded] - before[encoded] == 1  # the second found it cached
-    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 32
+    # The routing keys run past the image (its digest and positions, as the node grows the
+    # prompt): the hit the coordinator predicted is the node's, to the token.
+    predicted = "deepinfer_router_predicted_cached_tokens_total"
+    deadline = time.monotonic() + 10  # counted once the request's handler has ended
+    while (now := await _metrics(session, cluster.url("coordinator")))[predicted] == routed.get(
+        predicted, 0
+    ):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert now[predicted] - routed.get(predicted, 0) == cached
+    assert now.get("deepinfer_router_mispredicted_requests_total", 0) == 0
     mixed = await _metrics(session, cluster.url("mixed"))
     assert mixed["deepinfer_images_encoded_total"] == 0  # every image came from the encoder
     async with session.get(cluster.url("coordinator") + "/ready") as response:

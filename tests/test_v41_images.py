@@ -25,7 +25,10 @@ from PIL import Image
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.images import ImageInput
+from deepinfer.kv_cache.events import CacheLayout, block_key
+from deepinfer.model.families import image_expansion, read_config
 from deepinfer.scheduler.request import Request
+from deepinfer.server.cache_index import prompt_keys
 
 IMAGE_TOKEN = 129279  # the tiny V4.1's image_token_id (the tokenizer's <｜image｜>)
 SELF_ATOL = 1e-5
@@ -134,6 +137,18 @@ def test_images_batched_chunked_and_cached_match_alone(tiny_v41_dir: Path) -> No
     _same(alone, again)
     assert images.stats.num_encoded == 2
     assert again.num_cached_tokens >= len(again.prompt_token_ids) - 16
+
+    # The coordinator's routing keys (the prompt grown by the family table's expansion, off
+    # the checkpoint's config.json) are the node's block keys, images' digests included.
+    expand = image_expansion(read_config(tiny_v41_dir))
+    assert expand is not None
+    grown, spans = expand(PROMPT, [A, B])
+    assert grown == again.prompt_token_ids
+    prefix = llm.engine.scheduler.prefix
+    assert prefix is not None
+    keys = prompt_keys(grown, CacheLayout(prefix.cache.salt, 16), None, spans)
+    assert keys == [block_key(h) for h in again.reuse.block_hashes[: len(keys)]]
+    assert len(keys) == (len(grown) - 1) // 16
 
     # Other images in the same places: another answer, no hit past the first image.
     (swapped,) = _run(llm, [(PROMPT, [B, A])])

@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from deepinfer.images import ImageInput, PromptImage
 
 if TYPE_CHECKING:
     from deepinfer.model.family import ModelFamily
@@ -29,7 +32,8 @@ class FamilyInfo:
     """One row of the table. ``args``: the module whose ``ModelArgs.from_dict`` parses the
     config (torch-free); ``package``: the module whose ``FAMILY`` is the engine's interface
     (None: served by no engine here). ``cache_format``: the tag in the prefix cache's salt,
-    bumped whenever the cached bytes' layout changes."""
+    bumped whenever the cached bytes' layout changes. ``images``: the module whose
+    ``ImagePrompt.from_config`` says how prompts hold images (torch-free; None: no images)."""
 
     model_type: str
     recipe_version: str  # a deepseek-recipe ModelVersion member
@@ -37,6 +41,7 @@ class FamilyInfo:
     args: str | None
     package: str | None
     cache_format: str
+    images: str | None = None
 
 
 FAMILIES: dict[str, FamilyInfo] = {
@@ -57,6 +62,7 @@ FAMILIES: dict[str, FamilyInfo] = {
             args="deepinfer.model.deepseek_v41.args",
             package="deepinfer.model.deepseek_v41.family",
             cache_format="kv-v41-1",
+            images="deepinfer.model.deepseek_v41.vision_args",
         ),
     )
 }
@@ -91,6 +97,20 @@ def parse_args(config: dict[str, Any]) -> Any:
     if info.args is None:
         raise ValueError(f"config: model_type {info.model_type!r} is not supported by the engine")
     return importlib.import_module(info.args).ModelArgs.from_dict(config)
+
+
+ExpandImages = Callable[[list[int], list[ImageInput]], tuple[list[int], list[PromptImage]]]
+
+
+def image_expansion(config: dict[str, Any]) -> ExpandImages | None:
+    """How a checkpoint's prompts grow each image placeholder to the image's positions, as its
+    model family does (torch-free: the coordinator's routing keys use it); None when the
+    checkpoint has no vision tower."""
+    info = family_info(model_type_of(config))
+    if info.images is None:
+        return None
+    prompt = importlib.import_module(info.images).ImagePrompt.from_config(config)
+    return prompt.expand if prompt.vision is not None else None
 
 
 def load_args(model_dir: str | Path) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 from deepinfer.model.deepseek_v4.args import RopeArgs, _one_rope
 from deepinfer.model.deepseek_v41.engram import EngramArgs
-from deepinfer.model.deepseek_v41.vision_args import VisionArgs
+from deepinfer.model.deepseek_v41.vision_args import ImagePrompt, VisionArgs
 
 RATIOS = (0, 1, 2)
 YOCO_MODES = ("off", "mask", "compact")
@@ -291,8 +291,9 @@ class ModelArgs:
             eos = eos[0]
         quantization = cfg.get("quantization_config")
         candidate = text.get("candidate_source_layer_id")
+        images = ImagePrompt.from_config(cfg)
         return cls(
-            vocab_size=int(text.get("vocab_size", 129280)),
+            vocab_size=images.vocab_size,
             hidden_size=int(text["hidden_size"]),
             num_layers=n,
             num_heads=int(text["num_attention_heads"]),
@@ -327,9 +328,9 @@ class ModelArgs:
             bos_token_id=int(cfg.get("bos_token_id", text.get("bos_token_id", 0)) or 0),
             eos_token_id=int(eos if eos is not None else 1),
             pad_token_id=int(cfg.get("pad_token_id", text.get("pad_token_id", 2)) or 0),
-            image_token_id=int(cfg.get("image_token_id", text.get("image_token_id", 129264))),
+            image_token_id=images.image_token_id,
             engram=EngramArgs.from_dict(text),
-            vision=VisionArgs.from_dict(cfg.get("vision_config")),
+            vision=images.vision,
             num_mtp_layers=nextn,
             dspark=_dspark(text) if nextn else None,
             torch_dtype=str(cfg.get("dtype", cfg.get("torch_dtype", "bfloat16"))),

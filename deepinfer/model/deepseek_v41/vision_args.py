@@ -36,6 +36,37 @@ def image_ids(vocab_size: int, num_tokens: int) -> list[int]:
     return [vocab_size + IMAGE] + [vocab_size + IMAGE_PAD] * (num_tokens - 1)
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """How a checkpoint's prompts hold images, from its ``config.json``: what ``expand_images``
+    reads. The model's args take these fields from it, and the coordinator expands prompts
+    with it for its routing keys, so that both grow a prompt alike."""
+
+    image_token_id: int
+    vocab_size: int
+    vision: VisionArgs | None
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ImagePrompt:
+        text = {**cfg, **(cfg.get("text_config") or {})}
+        return cls(
+            image_token_id=int(cfg.get("image_token_id", text.get("image_token_id", 129264))),
+            vocab_size=int(text.get("vocab_size", 129280)),
+            vision=VisionArgs.from_dict(cfg.get("vision_config")),
+        )
+
+    def expand(
+        self, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], list[PromptImage]]:
+        return expand_images(
+            token_ids,
+            images,
+            image_token_id=self.image_token_id,
+            vocab_size=self.vocab_size,
+            vision=self.vision,
+        )
+
+
 def expand_images(
     token_ids: list[int],
     images: list[ImageInput],
