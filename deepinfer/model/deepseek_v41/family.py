@@ -34,7 +34,7 @@ from deepinfer.model.deepseek_v41.engram import vocabulary_of_file
 from deepinfer.model.deepseek_v41.model import DeepseekV41
 from deepinfer.model.deepseek_v41.step_plan import CacheGeometry
 from deepinfer.model.deepseek_v41.vision import ImageEncoder
-from deepinfer.model.deepseek_v41.vision_args import expand_images
+from deepinfer.model.deepseek_v41.vision_args import ImagePrompt
 from deepinfer.model.family import StepDrafts
 from deepinfer.ops import Kernels
 
@@ -189,13 +189,8 @@ class DeepseekV41Family:
     def expand_images(
         self, args: ModelArgs, token_ids: list[int], images: list[ImageInput]
     ) -> tuple[list[int], list[PromptImage]]:
-        return expand_images(
-            token_ids,
-            images,
-            image_token_id=args.image_token_id,
-            vocab_size=args.vocab_size,
-            vision=args.vision,
-        )
+        prompt = ImagePrompt(args.image_token_id, args.vocab_size, args.vision)
+        return prompt.expand(token_ids, images)
 
     def image_encoder(self, model: torch.nn.Module) -> torch.nn.Module | None:
         return getattr(model, weights.VISION_MODULE, None)
