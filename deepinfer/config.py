@@ -104,7 +104,7 @@ class CacheConfig:
     # And from the host (the device on the CPU) to files in this directory (its own: not
     # disk_tier_dir), possibly a shared mount; None: no disk tier for embeddings.
     image_embedding_disk_dir: str | None = None
-    image_embedding_disk_gib: float = 16.0
+    image_embedding_disk_gib: float = 16.0  # the embeddings' disk tier capacity
     # Test-only: replay this many tokens on a hit without a snapshot instead of the exact bound
     # num_layers * (window - 1). Shorter values give wrong results; tests show it.
     replay_tokens_override: int | None = None
