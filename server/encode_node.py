@@ -4,7 +4,6 @@
                             queued; the request's node joins the pair), Encoded (embeddings
                             ready: the coordinator tells that node to collect), HandedOff (it
                             has them); a StreamError if it fails (server/image_transfer.py)
-    POST /internal/abort    204 (a request is dropped when its stream closes)
     GET  /health, /ready, /metrics   as a node's (server/node.py)
 
 Images of requests that arrive together run through the tower together (AsyncImageEncoder, up
@@ -100,7 +99,6 @@ def create_encode_app(encoder: AsyncImageEncoder, config: Config) -> web.Applica
     app.add_routes(
         [
             web.post("/internal/encode", encode),
-            web.post("/internal/abort", abort),
             web.get("/health", health),
             web.get("/ready", ready),
             web.get("/metrics", metrics_text),
@@ -118,10 +116,6 @@ async def encode(request: web.Request) -> web.StreamResponse:
         return error_response(400, "", str(e))
     frames = encode_frames(request.app[ENCODER], request.app[TRANSFERS], message)
     return await stream_frames(request, message.request_id, frames)
-
-
-async def abort(request: web.Request) -> web.Response:
-    return web.Response(status=204)
 
 
 async def ready(request: web.Request) -> web.Response:

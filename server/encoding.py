@@ -70,13 +70,7 @@ class EncodedBackend:
                 reserved = await anext(encoding)
                 if not isinstance(reserved, Reserved):
                     raise node_failed(e, f"node {e.node_id} did not queue the images: {reserved!r}")
-                images_from = msgspec.structs.replace(
-                    route,
-                    peer=e.node_id,
-                    store_host=reserved.store_host,
-                    store_port=reserved.store_port,
-                    store_incarnation=reserved.incarnation,
-                )
+                images_from = reserved.route(route, e.node_id)
                 sent = asyncio.create_task(self._sent(encoding, request.request_id))
                 try:
                     served = self.route.backend.generate(

@@ -116,13 +116,7 @@ class PairedBackend:
                 reserved = await anext(decoding)
                 if not isinstance(reserved, Reserved):
                     raise node_failed(d, f"node {d.node_id} did not reserve: {reserved!r}")
-                route = msgspec.structs.replace(
-                    route,
-                    peer=d.node_id,
-                    store_host=reserved.store_host,
-                    store_port=reserved.store_port,
-                    store_incarnation=reserved.incarnation,
-                )
+                route = reserved.route(route, d.node_id)
                 on_prefill = on_node(p, self._node(p).generate(_with(request, route)))
                 async with contextlib.aclosing(on_prefill) as prefilling:
                     async for frame in prefilling:

@@ -173,6 +173,17 @@ class Reserved(msgspec.Struct, tag="reserved", kw_only=True):
     store_port: int
     incarnation: str  # this node process's (random at its start)
 
+    def route(self, route: HandOffRoute, peer: str) -> HandOffRoute:
+        """``route`` as its other node takes it: on this store, ``peer`` the node that sent
+        this frame."""
+        return msgspec.structs.replace(
+            route,
+            peer=peer,
+            store_host=self.store_host,
+            store_port=self.store_port,
+            store_incarnation=self.incarnation,
+        )
+
 
 class Encoded(msgspec.Struct, tag="encoded", kw_only=True):
     """An encode node's second frame: the embeddings are ready and being sent (the coordinator

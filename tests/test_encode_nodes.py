@@ -150,9 +150,7 @@ async def test_an_encode_nodes_embeddings_equal_the_engines_exactly(
     frames = client.encode(EncodeRequest(request_id="direct", images=images, route=route))
     try:
         reserved = await anext(frames)
-        route = msgspec.structs.replace(route, store_host=reserved.store_host,
-                                        store_port=reserved.store_port,
-                                        store_incarnation=reserved.incarnation)  # fmt: skip
+        route = reserved.route(route, "encode")
         receiving = asyncio.create_task(receiver.recv_parts(route))
         encoded = await anext(frames)
         assert encoded.num_images == 2
@@ -276,7 +274,6 @@ async def test_kill_9_of_the_encode_node_mid_encode(
     ))  # fmt: skip
     failed = asyncio.create_task(direct())
     await asyncio.sleep(PAUSE_S / 2)  # both wait in the encode node's queue
-    began = time.monotonic()
     cluster.processes["encode"].popen.send_signal(signal.SIGKILL)
     cluster.processes["encode"].popen.wait()
     with pytest.raises(NodeError) as raised:
@@ -284,7 +281,6 @@ async def test_kill_9_of_the_encode_node_mid_encode(
     assert raised.value.node is encode and raised.value.is_node_failure
     answer = await asyncio.wait_for(served, 60)
     assert answer.choices[0].message.content is not None
-    assert time.monotonic() - began < 60
     mixed_metrics = await _metrics(session, cluster.url("mixed"))
     assert mixed_metrics["deepinfer_images_encoded_total"] >= 1  # the retry, in-process
     assert mixed_metrics["deepinfer_num_requests_running"] == 0

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -429,7 +428,6 @@ async def test_registration_and_heartbeats(
 
 
 async def test_built_in_tiny_model_through_the_node(aiohttp_client: Callable[..., Any]) -> None:
-    start = time.perf_counter()
     config = Config.load(
         overrides={"model": {"device": "cpu"}, "cache": {"num_blocks": 8}}, environ={}
     )
@@ -442,4 +440,3 @@ async def test_built_in_tiny_model_through_the_node(aiohttp_client: Callable[...
     assert all(len(f.logprobs or []) == len(f.token_ids) for f in frames)
     assert frames[0].num_prompt_tokens == 3
     assert_all_freed(engine)
-    assert time.perf_counter() - start < 10.0

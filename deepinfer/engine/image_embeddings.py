@@ -196,12 +196,6 @@ class _LRU:
             self._tensors.move_to_end(digest)
         return tensor
 
-    def pop(self, digest: bytes) -> torch.Tensor | None:
-        tensor = self._tensors.pop(digest, None)
-        if tensor is not None:
-            self.num_bytes -= _size(tensor)
-        return tensor
-
     def put(self, digest: bytes, tensor: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
         """Keep ``tensor`` (not if it alone is over the budget); the ones evicted for it."""
         if _size(tensor) > self.budget_bytes or digest in self._tensors:

@@ -89,7 +89,6 @@ class _Waiting:
 class EncoderLoad:
     num_running: int  # requests whose images the tower runs now
     num_waiting: int  # requests queued behind them
-    num_waiting_images: int
 
 
 class AsyncImageEncoder:
@@ -125,9 +124,7 @@ class AsyncImageEncoder:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     def load(self) -> EncoderLoad:
-        return EncoderLoad(
-            self._num_running, len(self._queue), sum(len(w.images) for w in self._queue)
-        )
+        return EncoderLoad(self._num_running, len(self._queue))
 
     async def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """The embeddings of ``images`` (decoded), in order. Cancelling the caller drops them
