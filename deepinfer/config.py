@@ -536,8 +536,14 @@ class KVTransferConfig:
     checksum: bool = False  # a checksum of every part, checked on the decode node
     chunk_mib: float = 64.0  # a transfer's message size
     max_pairs: int = 64  # pairs kept per node; beyond it the least recently used idle one closes
+    # How a state moves between two node processes on one GPU: "auto": through CUDA IPC (the
+    # receiver copies it device to device); "host": through host memory and the pair's gloo
+    # group, as between machines.
+    path: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.path not in ("auto", "host"):
+            raise ValueError(f"kv_transfer.path must be auto or host, got {self.path!r}")
         if not 0 <= self.store_port < 65536:
             raise ValueError(f"kv_transfer.store_port must be in 0..65535, got {self.store_port}")
         for key in ("lease_s", "chunk_mib"):

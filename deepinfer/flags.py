@@ -41,6 +41,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "log.format": ("--log-format",),
     "speculative.method": ("--speculative-method",),
     "routing.policy": ("--routing-policy",),
+    "kv_transfer.path": ("--kv-transfer-path",),
 }
 # The Namespace entry of --speculative-config (vLLM's JSON form of the [speculative] keys).
 SPECULATIVE_JSON = "speculative_config_json"

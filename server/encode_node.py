@@ -92,7 +92,8 @@ def create_encode_app(encoder: AsyncImageEncoder, config: Config) -> web.Applica
         max_model_len=max_model_len,
         max_num_seqs=config.node.encode_batch_images,
     )
-    app[TRANSFERS] = KVTransfers(config.kv_transfer, True, metrics.watch_transfers())
+    observer = metrics.watch_transfers()
+    app[TRANSFERS] = KVTransfers(config.kv_transfer, True, observer, encoder.engine.device)
     app.cleanup_ctx.append(_encoder_ctx)
     app.cleanup_ctx.append(transfers_ctx)
     app.cleanup_ctx.append(registration_ctx)

@@ -92,7 +92,8 @@ class TransferObserver(Protocol):
 
     def transfer_started(self, direction: str) -> None: ...
 
-    def transfer_done(self, direction: str, num_bytes: int, seconds: float) -> None: ...
+    def transfer_done(self, direction: str, path: str, num_bytes: int, seconds: float) -> None:
+        """``path``: "host" (host memory and gloo) or "ipc" (CUDA IPC on a shared GPU)."""
 
     def transfer_failed(self, direction: str, reason: str) -> None: ...
 
@@ -119,10 +120,14 @@ class KVTransfers:
         config: KVTransferConfig,
         hosts_store: bool,
         observer: TransferObserver | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.hosts_store = hosts_store
         self.observer = observer
+        # The GPU this node offers its pairs for CUDA IPC (a peer on the same GPU takes it).
+        on_gpu = device is not None and device.type == "cuda"
+        self.ipc_device = device if on_gpu and config.path == "auto" else None
         self.store_address: tuple[str, int] = ("", 0)  # a host's, once started
         self.incarnation = secrets.token_hex(4)  # this process's: in its pairs' names
         self._pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="kv-transfer")
@@ -192,12 +197,25 @@ class KVTransfers:
             rank,
             timeout_s=timeout_s,
             chunk_bytes=max(1, int(self.config.chunk_mib * 2**20)),
+            ipc_device=self.ipc_device,
         )
         pause_s = float(os.environ.get(_PAUSE_ENV, "0") or 0)
         if pause_s > 0:
             transport.on_chunk = lambda chunk: time.sleep(pause_s)
-        logger.info("pair %s with %s joined (rank %d)", key, route.peer, rank)
+        path = "CUDA IPC" if transport.shared_gpu is not None else "host memory"
+        logger.info(
+            "pair %s with %s joined (rank %d, states through %s)", key, route.peer, rank, path
+        )
         return transport
+
+    def shares_gpu(self, route: HandOffRoute) -> bool:
+        """The route's pair is joined and on a GPU both ends share: a state may stay on the
+        device for it (it moves through CUDA IPC)."""
+        with self._lock:
+            pair = self._pairs.get(self._group_key(route))
+        if pair is None or not pair.future.done() or pair.future.exception() is not None:
+            return False
+        return pair.future.result().shared_gpu is not None
 
     def _client_store(self, host: str, port: int) -> dist.Store:
         """A connection to a decode node's pairs' store, one per pair (a decode node that
@@ -259,9 +277,10 @@ class KVTransfers:
         """Send one transfer (``header`` and ``parts``) on the route's pair; returns (bytes,
         seconds). Raises TransferError."""
 
-        def send(transport: PairTransport) -> int:
-            transport.send(route.transfer_id, header, parts, checksum_parts=self.config.checksum)
-            return _num_bytes(header, parts)
+        def send(transport: PairTransport) -> tuple[int, str]:
+            checksum = self.config.checksum
+            path = transport.send(route.transfer_id, header, parts, checksum_parts=checksum)
+            return _num_bytes(header, parts), path
 
         return await self._run("send", route, send)
 
@@ -269,19 +288,24 @@ class KVTransfers:
         """Receive the route's transfer: (header, parts). Raises TransferError."""
         received: list[tuple[bytes, list[torch.Tensor]]] = []
 
-        def recv(transport: PairTransport) -> int:
+        def recv(transport: PairTransport) -> tuple[int, str]:
             header, parts = transport.recv(route.transfer_id)
             received.append((header, parts))
-            return _num_bytes(header, parts)
+            on_gpu = transport.shared_gpu is not None and any(p.is_cuda for p in parts)
+            return _num_bytes(header, parts), "ipc" if on_gpu else "host"
 
         await self._run("recv", route, recv)
         return received[0]
 
     async def _run(
-        self, direction: str, route: HandOffRoute, work: Callable[[PairTransport], int]
+        self,
+        direction: str,
+        route: HandOffRoute,
+        work: Callable[[PairTransport], tuple[int, str]],
     ) -> tuple[int, float]:
-        """``work(transport)`` (it returns the bytes it moved) in a transfer thread on the
-        route's pair, observed; returns (bytes, seconds). A failure closes the pair here."""
+        """``work(transport)`` (it returns the bytes it moved and their path) in a transfer
+        thread on the route's pair, observed; returns (bytes, seconds). A failure closes the
+        pair here."""
         pair = self.join(route)
         with self._lock:
             pair.num_in_use += 1
@@ -292,7 +316,7 @@ class KVTransfers:
                 self.observer.transfer_started(direction)
             try:
                 transport = pair.future.result(timeout=self.config.lease_s)
-                num_bytes = work(transport)
+                num_bytes, path = work(transport)
             except Exception as error:
                 failure = error
                 if not isinstance(error, TransferError):  # the join timed out or failed
@@ -313,7 +337,7 @@ class KVTransfers:
                 raise failure from error
             seconds = time.monotonic() - start
             if self.observer is not None:
-                self.observer.transfer_done(direction, num_bytes, seconds)
+                self.observer.transfer_done(direction, path, num_bytes, seconds)
             return num_bytes, seconds
 
         future = self._pool.submit(run)
@@ -368,7 +392,7 @@ async def prefill_frames(
     route = message.hand_off
     assert route is not None
     transfers.join(route)  # joins beside the prompt's steps
-    export = HandOffExport()
+    export = HandOffExport(on_device=lambda: transfers.shares_gpu(route))
     async for delta in token_deltas(engine, message, params, hand_off=export, images=images):
         yield delta
     if export.state is None:

@@ -131,7 +131,8 @@ def create_node_app(
     # them, prefill and mixed nodes receive images' embeddings from encode nodes.
     hosts_store = config.node.role == "decode"
     observer = metrics.watch_transfers()
-    app[TRANSFERS] = KVTransfers(config.kv_transfer, hosts_store, observer)
+    device = engine.engine.device
+    app[TRANSFERS] = KVTransfers(config.kv_transfer, hosts_store, observer, device)
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(transfers_ctx)
     app.cleanup_ctx.append(registration_ctx)

@@ -26,7 +26,8 @@ owns its CollectorRegistry, so several nodes (and tests) can share a process.
     deepinfer_prefix_*, deepinfer_kv_snapshots, deepinfer_kv_tier_*   counters (cache_stats)
     deepinfer_lockstep_steps_total{rank,kind}         counter: forward | placeholder | idle
     deepinfer_expert_tokens_total{rank,expert}        counter: pairs each routed expert computed
-    deepinfer_kv_transfer_bytes_total{direction}      counter: hand-offs' bytes (send | recv)
+    deepinfer_kv_transfer_bytes_total{direction,path}   counter: hand-offs' bytes (send | recv;
+                                                      host | ipc)
     deepinfer_kv_transfer_seconds{direction}          histogram: one transfer, its wait included
     deepinfer_kv_transfer_failures_total{direction,reason}   counter: peer | timeout | checksum |
                                                       join | malformed
@@ -416,8 +417,9 @@ class TransferMetrics:
         by_direction = [*_LABELS, "direction"]
         self._bytes = Counter(
             "deepinfer_kv_transfer_bytes",
-            "Node: bytes of hand-offs moved, by direction (send, recv).",
-            by_direction,
+            "Node: bytes of hand-offs moved, by direction (send, recv) and path (host: through "
+            "host memory and gloo; ipc: CUDA IPC on the GPU both nodes share).",
+            [*by_direction, "path"],
             registry=registry,
         )
         self._seconds = Histogram(
@@ -441,15 +443,15 @@ class TransferMetrics:
             registry=registry,
         )
         for direction in ("send", "recv"):  # shown (at 0) from the start
-            self._bytes.labels(*labels, direction)
+            self._bytes.labels(*labels, direction, "host")
             self._in_flight.labels(*labels, direction)
 
     def transfer_started(self, direction: str) -> None:
         self._in_flight.labels(*self.labels, direction).inc()
 
-    def transfer_done(self, direction: str, num_bytes: int, seconds: float) -> None:
+    def transfer_done(self, direction: str, path: str, num_bytes: int, seconds: float) -> None:
         self._in_flight.labels(*self.labels, direction).dec()
-        self._bytes.labels(*self.labels, direction).inc(num_bytes)
+        self._bytes.labels(*self.labels, direction, path).inc(num_bytes)
         self._seconds.labels(*self.labels, direction).observe(seconds)
 
     def transfer_failed(self, direction: str, reason: str) -> None:

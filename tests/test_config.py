@@ -148,6 +148,7 @@ _OTHER_VALUES = {
     "routing.policy": "least_loaded",
     "routing.balance_ratio": 3.0,
     "routing.host_hit_cost": 0.5,
+    "kv_transfer.path": "host",
 }
 
 

@@ -254,10 +254,10 @@ async def test_the_openai_client_through_the_coordinator_gets_serves_completion(
     outcomes = {s.labels["outcome"]: s.value for s in pair_samples if s.name.endswith("_total")}
     assert outcomes == {"handed_off": 3.0}
     samples = await _metrics(session, cluster, "prefill")
-    assert samples[("deepinfer_kv_transfer_bytes_total", "send")] > 0
+    assert samples[("deepinfer_kv_transfer_bytes_total", "send", "host")] > 0
     assert (await _metrics(session, cluster, "decode"))[
-        ("deepinfer_kv_transfer_bytes_total", "recv")
-    ] == samples[("deepinfer_kv_transfer_bytes_total", "send")]
+        ("deepinfer_kv_transfer_bytes_total", "recv", "host")
+    ] == samples[("deepinfer_kv_transfer_bytes_total", "send", "host")]
 
 
 # ---- failures --------------------------------------------------------------------------------
@@ -296,6 +296,8 @@ async def _metrics(session: aiohttp.ClientSession, cluster: Cluster, name: str) 
             key = s.name if "direction" not in s.labels else (s.name, s.labels["direction"])
             if "reason" in s.labels:
                 key = (s.name, s.labels["direction"], s.labels["reason"])
+            if "path" in s.labels:
+                key = (s.name, s.labels["direction"], s.labels["path"])
             out[key] = s.value
     return out
 

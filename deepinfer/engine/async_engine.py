@@ -551,7 +551,8 @@ class AsyncEngine:
         request_id = stream.request_id
         stream.is_finished = True
         try:
-            stream.hand_off.state = self.engine.export_request(request_id)
+            on_device = stream.hand_off.on_device()
+            stream.hand_off.state = self.engine.export_request(request_id, on_device)
         except Exception as e:
             logger.exception("exporting hand-off %r failed", request_id)
             stream.queue.put_nowait(EngineStepError(f"exporting the request's state failed: {e}"))

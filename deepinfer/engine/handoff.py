@@ -23,7 +23,7 @@ holds is the serving layer's business; a held request that nobody exports is rel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -40,7 +40,8 @@ from deepinfer.scheduler.scheduler import Scheduler
 @dataclass
 class RequestState:
     """One request's hand-off. Producer: ``export_request`` (prefill engine). Consumer:
-    ``import_request`` (decode engine). Tensors on the host, in the cache spec's part order."""
+    ``import_request`` (decode engine). Tensors in the cache spec's part order, on the host
+    (or, exported ``on_device``, on the prefill engine's device)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,9 +59,11 @@ class RequestState:
 class HandOffExport:
     """Where ``AsyncEngine.generate(..., hand_off=export)`` puts a prefill-side request's state
     when it leaves the engine; None while it has not (or if it finished there, with its first
-    token)."""
+    token). ``on_device``: asked when the state leaves; True keeps its tensors on the device
+    (a transport that moves them from there: CUDA IPC), else they are copied to the host."""
 
     state: RequestState | None = None
+    on_device: Callable[[], bool] = lambda: False
 
 
 class _StateHeader(msgspec.Struct):
@@ -114,10 +117,16 @@ def unpack_state(header: bytes, tensors: list[torch.Tensor]) -> RequestState:
 
 
 def export_request(
-    scheduler: Scheduler, cache: KVCache, model_salt: bytes, request_id: str
+    scheduler: Scheduler,
+    cache: KVCache,
+    model_salt: bytes,
+    request_id: str,
+    on_device: bool = False,
 ) -> RequestState:
     """The held hand-off ``request_id``'s state (KeyError if it is not held: not sampled yet,
-    released, or never a hand-off). It stays held until ``Scheduler.release_held``."""
+    released, or never a hand-off): copies on the host, or ``on_device`` on the cache's device
+    (queued there behind the steps: later steps that reuse the blocks run after the copies).
+    It stays held until ``Scheduler.release_held``."""
     request = scheduler.held_request(request_id)
     if request is None:
         raise KeyError(f"request {request_id!r} is not a held hand-off")
@@ -130,9 +139,13 @@ def export_request(
         num_cached_tokens=request.num_cached_tokens,
         cache_salt=request.cache_salt,
         model_salt=model_salt,
-        blocks=[t.cpu() for t in cache.blocks_payload(request.block_table)],
-        slot=[t.cpu() for t in cache.slot_payload(request.state_slot)],
+        blocks=[_leave(t, on_device) for t in cache.blocks_payload(request.block_table)],
+        slot=[_leave(t, on_device) for t in cache.slot_payload(request.state_slot)],
     )
+
+
+def _leave(tensor: torch.Tensor, on_device: bool) -> torch.Tensor:
+    return tensor if on_device else tensor.cpu()
 
 
 def import_request(

@@ -35,6 +35,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from deepinfer.config import Config
 from deepinfer.constraints import ConstraintError
 from deepinfer.constraints.compiler import GrammarCompiler
@@ -364,10 +366,17 @@ class LLMEngine:
             raise ConstraintError("output constraints need a model with a tokenizer and an EOS")
         return sampling_params.constraint
 
-    def export_request(self, request_id: str) -> RequestState:
-        """A held hand-off's state (handoff.py); it stays held until ``release_hand_off``."""
+    def export_request(self, request_id: str, on_device: bool = False) -> RequestState:
+        """A held hand-off's state (handoff.py; ``on_device``: its tensors stay on the device);
+        it stays held until ``release_hand_off``."""
         runner = self._model_runner()
-        return export_request(self.scheduler, runner.kv_cache, runner.cache_salt, request_id)
+        cache, salt = runner.kv_cache, runner.cache_salt
+        return export_request(self.scheduler, cache, salt, request_id, on_device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's KV cache is (the CPU for an executor without one)."""
+        return getattr(self.executor, "device", torch.device("cpu"))
 
     def release_hand_off(self, request_id: str) -> None:
         """Free a held hand-off's blocks and slot (exported, or not collected)."""

@@ -16,6 +16,14 @@ of one pair can be in flight at once, each in its own thread):
        manifest; a hand-off has thousands of small parts: a message each would cost more)
     -> [checksums] int64 [n], one per part (``checksum_parts=True``)
 
+Two ends on one GPU (two node processes sharing it: ``ipc_device`` given on both sides, and the
+same GPU behind it, as told through the pair's store when it is joined) move CUDA parts through
+CUDA IPC instead: the sender packs them into one buffer on the device and names it in the
+manifest (its allocation's IPC handle and an event after the packing); the receiver maps it,
+copies it into memory of its own and acknowledges, and only then may the sender free it:
+
+    [manifest length] -> manifest (with the shared buffer) -> receiver: [ack] -> [checksums]
+
 The receiver allocates every part from the manifest and hands nothing back until the last part
 (and its checksum) arrived: a transfer is applied whole or not at all. Any failure (a peer that
 died, the group's timeout, a checksum that differs) is a TransferError: a peer whose process
@@ -29,7 +37,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import torch
@@ -53,11 +63,38 @@ def _failure(what: str, error: Exception) -> TransferError:
     return TransferError(f"{what}: {error}", reason)
 
 
+class _Shared(msgspec.Struct):
+    """A sender's buffer on the GPU both ends share: what the receiver's torch needs to map it
+    (``UntypedStorage._share_cuda_``'s fields but the device, which each side numbers its own
+    way)."""
+
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
 class _Manifest(msgspec.Struct):
     header: bytes
     parts: list[tuple[str, list[int]]]  # (dtype name, shape) per part
     checksum: bool
     chunk_bytes: int  # the sender's: the receiver posts exactly the messages it sends
+    shared: _Shared | None = None  # the parts in one buffer on the GPU both ends share
+
+
+def gpu_identity(device: torch.device | None) -> str:
+    """Which physical GPU ``device`` is, across processes ("" for none): the machine's boot id
+    and the GPU's UUID (each process may number its GPUs differently)."""
+    if device is None or device.type != "cuda":
+        return ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""  # not Linux: no way to tell two processes' GPUs apart, so no sharing
+    return f"{boot}/{torch.cuda.get_device_properties(device).uuid}"
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,8 +105,41 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     return (data * (weights + 1)).sum()
 
 
+def _packed(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The parts' bytes back to back in one uint8 tensor on ``device``."""
+    flat = [p.to(device).view(torch.uint8).flatten() for p in parts]
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _unpacked(
+    data: torch.Tensor, layout: list[tuple[torch.dtype, list[int]]]
+) -> list[torch.Tensor]:
+    """``_packed``'s inverse: each part a view of ``data`` where its offset suits its dtype,
+    else a copy."""
+    parts, offset = [], 0
+    for dtype, shape in layout:
+        size = math.prod(shape) * dtype.itemsize
+        piece = data[offset : offset + size]
+        if offset % dtype.itemsize:
+            piece = piece.clone()
+        parts.append(piece.view(dtype).view(shape))
+        offset += size
+    return parts
+
+
+def _share(buffer: torch.Tensor) -> _Shared:
+    """``buffer`` (a whole CUDA allocation of torch's) named for another process on its GPU;
+    its event is recorded on the current stream, after whatever wrote the buffer."""
+    (_, handle, size, offset, counter, counter_offset, event, sync) = (
+        buffer.untyped_storage()._share_cuda_()
+    )
+    return _Shared(handle, size, offset, counter, counter_offset, event, sync)
+
+
 class PairTransport:
-    """One end of a pair's process group. ``device``: where parts travel (CPU for gloo)."""
+    """One end of a pair's process group. ``device``: where parts travel (CPU for gloo).
+    ``shared_gpu``: the CUDA device both ends share (CUDA parts then move through IPC), or
+    None."""
 
     def __init__(
         self,
@@ -77,13 +147,16 @@ class PairTransport:
         rank: int,
         device: torch.device,
         chunk_bytes: int = 64 << 20,
+        shared_gpu: torch.device | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self.chunk_bytes = chunk_bytes
+        self.shared_gpu = shared_gpu
         self.on_chunk: Callable[[int], None] | None = None  # test hook (see the module)
+        self.on_shared: Callable[[], None] | None = None  # test hook: after a shared manifest
 
     @classmethod
     def connect(
@@ -95,6 +168,7 @@ class PairTransport:
         timeout_s: float,
         device: torch.device | None = None,
         chunk_bytes: int = 64 << 20,
+        ipc_device: torch.device | None = None,
     ) -> PairTransport:
         """Join the pair at ``address:port`` (rank 0 listens there). Blocks until both ends are
         in, or raises TransferError after ``timeout_s``."""
@@ -104,7 +178,7 @@ class PairTransport:
         except (RuntimeError, ValueError) as error:
             message = f"cannot join the pair at {address}:{port}: {error}"
             raise TransferError(message, "join") from error
-        kwargs = {"device": device, "chunk_bytes": chunk_bytes}
+        kwargs = {"device": device, "chunk_bytes": chunk_bytes, "ipc_device": ipc_device}
         return cls.join(store, "", rank, timeout_s=timeout_s, **kwargs)
 
     @classmethod
@@ -117,10 +191,13 @@ class PairTransport:
         timeout_s: float,
         device: torch.device | None = None,
         chunk_bytes: int = 64 << 20,
+        ipc_device: torch.device | None = None,
     ) -> PairTransport:
         """Join the pair named ``key`` on ``store`` (the other end joins with the same key and
         the other rank). Blocks until both are in, or raises TransferError after ``timeout_s``.
-        Every operation of the pair then fails after ``timeout_s`` without progress."""
+        Every operation of the pair then fails after ``timeout_s`` without progress.
+        ``ipc_device``: this end's CUDA device, offered for CUDA IPC; the pair uses it when the
+        other end offers the same GPU."""
         device = device or torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
         if key:
@@ -130,9 +207,13 @@ class PairTransport:
                 group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, 2)
             else:
                 group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+            # Each end says which GPU it offers (after the group: both ends are in by then).
+            store.set(f"gpu/{rank}", gpu_identity(ipc_device))
+            peer_gpu = store.get(f"gpu/{1 - rank}").decode()
         except (RuntimeError, ValueError) as error:
             raise TransferError(f"cannot join pair {key!r}: {error}", "join") from error
-        return cls(group, rank, device, chunk_bytes)
+        same = peer_gpu != "" and peer_gpu == gpu_identity(ipc_device)
+        return cls(group, rank, device, chunk_bytes, ipc_device if same else None)
 
     def send(
         self,
@@ -141,21 +222,32 @@ class PairTransport:
         tensors: Sequence[torch.Tensor],
         *,
         checksum_parts: bool = False,
-    ) -> None:
+    ) -> str:
+        """Send one transfer; returns its path: "ipc" (through the GPU both ends share) or
+        "host" (its bytes over the group)."""
         parts = [t.contiguous() for t in tensors]
         layout = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in parts]
         chunk = self.chunk_bytes
-        manifest = msgspec.msgpack.encode(_Manifest(header, layout, checksum_parts, chunk))
+        gpu = self.shared_gpu
+        on_gpu = gpu is not None and bool(parts) and all(p.device == gpu for p in parts)
         try:
+            buffer = _packed(parts, gpu if on_gpu else self.device)
+            shared = _share(buffer) if on_gpu else None
+            manifest = msgspec.msgpack.encode(
+                _Manifest(header, layout, checksum_parts, chunk, shared)
+            )
             data = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(self.device)
             self._send(torch.tensor([len(manifest)], device=self.device), transfer_id)
             self._send(data, transfer_id)
-            flat = [p.to(self.device).view(torch.uint8).flatten() for p in parts]
-            data = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)
-            for i, start in enumerate(range(0, data.numel(), chunk)):
-                self._send(data[start : start + chunk], transfer_id)
-                if self.on_chunk is not None:
-                    self.on_chunk(i)
+            if shared is None:
+                for i, start in enumerate(range(0, buffer.numel(), chunk)):
+                    self._send(buffer[start : start + chunk], transfer_id)
+                    if self.on_chunk is not None:
+                        self.on_chunk(i)
+            else:  # the buffer is ours again once the receiver has copied it
+                if self.on_shared is not None:
+                    self.on_shared()
+                self._recv(torch.zeros(1, dtype=torch.int64, device=self.device), transfer_id)
             if checksum_parts:
                 sums = torch.stack([checksum(p) for p in parts]) if parts else torch.zeros(0)
                 self._send(sums.to(torch.int64).to(self.device), transfer_id)
@@ -163,6 +255,11 @@ class PairTransport:
             if isinstance(error, TransferError):
                 raise
             raise _failure(f"transfer {transfer_id}: sending failed", error) from error
+        finally:
+            if on_gpu:
+                buffer = None
+                torch.cuda.ipc_collect()  # frees what the receiver has let go of
+        return "host" if shared is None else "ipc"
 
     def recv(self, transfer_id: int) -> tuple[bytes, list[torch.Tensor]]:
         try:
@@ -171,19 +268,17 @@ class PairTransport:
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
             self._recv(data, transfer_id)
             manifest = msgspec.msgpack.decode(data.cpu().numpy().tobytes(), type=_Manifest)
-            parts = [
-                torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
-                for dtype_name, shape in manifest.parts
-            ]
-            sizes = [p.numel() * p.element_size() for p in parts]
-            data = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            chunk = manifest.chunk_bytes
-            for start in range(0, data.numel(), chunk):
-                self._recv(data[start : start + chunk], transfer_id)
-            offset = 0
-            for part, size in zip(parts, sizes, strict=True):
-                part.view(torch.uint8).view(-1).copy_(data[offset : offset + size])
-                offset += size
+            layout = [(getattr(torch, name), shape) for name, shape in manifest.parts]
+            num_bytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout)
+            if manifest.shared is None:
+                data = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+                chunk = manifest.chunk_bytes
+                for start in range(0, data.numel(), chunk):
+                    self._recv(data[start : start + chunk], transfer_id)
+            else:
+                data = self._copy_shared(manifest.shared, num_bytes)
+                self._send(torch.ones(1, dtype=torch.int64, device=self.device), transfer_id)
+            parts = _unpacked(data, layout)
             if manifest.checksum:
                 sums = torch.zeros(len(parts), dtype=torch.int64, device=self.device)
                 self._recv(sums, transfer_id)
@@ -202,6 +297,29 @@ class PairTransport:
                 raise
             raise _failure(f"transfer {transfer_id}: receiving failed", error) from error
         return manifest.header, parts
+
+    def _copy_shared(self, shared: _Shared, num_bytes: int) -> torch.Tensor:
+        """The sender's buffer, mapped from its process and copied into memory of our own (on
+        the GPU both share); the mapping is let go before this returns."""
+        if self.shared_gpu is None:
+            raise TransferError("the peer shared a GPU buffer with an end that shares none")
+        gpu = self.shared_gpu
+        with torch.cuda.device(gpu):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                gpu.index if gpu.index is not None else torch.cuda.current_device(),
+                shared.handle,
+                shared.storage_size,
+                shared.storage_offset,
+                shared.ref_counter_handle,
+                shared.ref_counter_offset,
+                shared.event_handle,
+                shared.event_sync_required,
+            )  # the current stream waits for the sender's packing (its event)
+            mapped = torch.empty(0, dtype=torch.uint8, device=gpu).set_(storage)
+            data = mapped[:num_bytes].clone()
+            torch.cuda.current_stream(gpu).synchronize()  # copied before the sender may free it
+            del mapped, storage
+        return data
 
     def _send(self, tensor: torch.Tensor, tag: int) -> None:
         self.group.send([tensor], self.peer, tag).wait()
