@@ -11,8 +11,10 @@ Every server is a real process. Two `deepinfer bench serve` clients run at once 
 setup: the decode stream (short prompts, long outputs, --decode-concurrency at a time) and the
 long prompts (--long-len tokens in, 16 out, --long-rate a second, Poisson). Printed per setup:
 the decode stream's ITL and TPOT, the long prompts' TTFT (p50, p99), output tok/s; for the pair,
-the hand-offs' mean size and time and their rate against this machine's copy rate of the path
-used (host memcpy; on a GPU also device-to-host), measured in the same run.
+the hand-offs' mean size and time and their rate against this machine's copy rates (host
+memcpy; on a GPU also device to host and device to device), measured in the same run. On a GPU
+the pair runs twice: its hand-offs through CUDA IPC (the default for two nodes on one GPU) and
+through host memory (`--kv-transfer-path host`, as between machines).
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def _samples(base: str) -> dict:
         for s in family.samples:
             if s.name.startswith("deepinfer_kv_transfer"):
                 key = (s.name, s.labels.get("direction"), s.labels.get("reason"))
-                out[key] = out.get(key, 0.0) + s.value
+                out[key] = out.get(key, 0.0) + s.value  # the bytes: summed over the paths
+                if "path" in s.labels and s.value:
+                    out["paths"] = {*out.get("paths", ()), s.labels["path"]}
     return out
 
 
@@ -89,8 +93,10 @@ class Servers:
         argv = [sys.executable, "-P", "-m", "deepinfer.cli", *args]
         self.running.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=log))
 
-    def cluster(self, roles: tuple[str, str]) -> tuple[str, dict[str, str]]:
-        """Two nodes of ``roles`` and a coordinator over them; (its URL, the nodes' URLs)."""
+    def cluster(self, roles: tuple[str, str], path: str) -> tuple[str, dict[str, str]]:
+        """Two nodes of ``roles`` (hand-offs on ``path``: kv_transfer.path) and a coordinator
+        over them; (its URL, the nodes' URLs)."""
+        self.env["DEEPINFER_KV_TRANSFER_PATH"] = path
         nodes, flags = {}, []
         for i, role in enumerate(roles):
             port = _free_port()
@@ -131,18 +137,37 @@ def _row(setup: str, results: dict[str, dict]) -> tuple:
             d["output_throughput"] + long["output_throughput"])  # fmt: skip
 
 
-def _copy_gbps(device: str) -> float:
-    """A 256 MiB copy on this path (host to host, or device to pinned host), best of 5, GB/s."""
-    a = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    b = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=device == "cuda")
+def _copy_gbps(source: str, target: str) -> float:
+    """A 256 MiB copy from ``source`` to ``target`` ("cpu" or "cuda"; host memory pinned when the
+    other end is the GPU), best of 5, GB/s."""
+    pinned = "cuda" in (source, target)
+    a, b = (torch.empty(256 << 20, dtype=torch.uint8, device=d, pin_memory=pinned and d == "cpu")
+            for d in (source, target))  # fmt: skip
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         b.copy_(a)
-        if device == "cuda":
+        if pinned:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return a.numel() / best / 1e9
+
+
+def _hand_offs(setup: str, sent: dict, received: dict, copies: dict[str, float]) -> str:
+    count = sent[("deepinfer_kv_transfer_seconds_count", "send", None)]
+    num_bytes = sent[("deepinfer_kv_transfer_bytes_total", "send", None)]
+    seconds = sent[("deepinfer_kv_transfer_seconds_sum", "send", None)]
+    recv_seconds = received[("deepinfer_kv_transfer_seconds_sum", "recv", None)]
+    same = received[("deepinfer_kv_transfer_bytes_total", "recv", None)] == num_bytes
+    rate = num_bytes / seconds / 1e9
+    against = ", ".join(f"{rate / v:.3f} of {k} ({v:.1f} GB/s)" for k, v in copies.items())
+    return (
+        f"{setup}: {count:.0f} hand-offs through {'+'.join(sorted(sent.get('paths', ())))}, "
+        f"{num_bytes / count / 2**20:.2f} MiB each; send {seconds / count * 1e3:.1f} ms (the "
+        f"wait for the decode node's collect included), receive "
+        f"{recv_seconds / count * 1e3:.1f} ms; {rate:.2f} GB/s sent = {against}; bytes received "
+        f"{'equal' if same else 'DIFFER from'} those sent"
+    )
 
 
 def main() -> int:
@@ -160,13 +185,18 @@ def main() -> int:
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     servers = Servers(ns)
-    rows = []
-    for setup, roles in (("2 mixed", ("mixed", "mixed")), ("1P + 1D", ("prefill", "decode"))):
+    setups = [("2 mixed", ("mixed", "mixed"), "auto")]
+    if not ns.tiny:
+        setups.append(("1P + 1D (ipc)", ("prefill", "decode"), "auto"))
+    setups.append(("1P + 1D (host)", ("prefill", "decode"), "host"))
+    rows, transfers = [], {}
+    for setup, roles, path in setups:
         try:
-            coordinator, nodes = servers.cluster(roles)
-            rows.append(_row(setup, _run_workload(coordinator, setup.replace(" ", ""), ns)))
+            coordinator, nodes = servers.cluster(roles, path)
+            name = setup.replace(" ", "").replace("(", "_").replace(")", "")
+            rows.append(_row(setup, _run_workload(coordinator, name, ns)))
             if "prefill0" in nodes:
-                sent, received = _samples(nodes["prefill0"]), _samples(nodes["decode1"])
+                transfers[setup] = (_samples(nodes["prefill0"]), _samples(nodes["decode1"]))
         finally:
             servers.stop()
 
@@ -178,23 +208,19 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.1f} | {:.0f} |".format(*row))
-    count = sent[("deepinfer_kv_transfer_seconds_count", "send", None)]
-    num_bytes = sent[("deepinfer_kv_transfer_bytes_total", "send", None)]
-    seconds = sent[("deepinfer_kv_transfer_seconds_sum", "send", None)]
-    recv_seconds = received[("deepinfer_kv_transfer_seconds_sum", "recv", None)]
-    failures = {k: v for k, v in {**sent, **received}.items() if "failures" in k[0] and v}
-    same = received[("deepinfer_kv_transfer_bytes_total", "recv", None)] == num_bytes
-    rate = num_bytes / seconds / 1e9
-    paths = {"host copy": _copy_gbps("cpu")}
+    copies = {"host memcpy": _copy_gbps("cpu", "cpu")}
     if torch.cuda.is_available():
-        paths["device to pinned host"] = _copy_gbps("cuda")
-    against = ", ".join(f"{rate / v:.3f} of the {k} rate ({v:.1f} GB/s)" for k, v in paths.items())
-    print(
-        f"hand-offs: {count:.0f}, {num_bytes / count / 2**20:.2f} MiB each; send "
-        f"{seconds / count * 1e3:.1f} ms (the wait for the decode node's collect included), "
-        f"receive {recv_seconds / count * 1e3:.1f} ms; {rate:.2f} GB/s sent = {against}; bytes "
-        f"received {'equal' if same else 'DIFFER from'} those sent; failures: {failures or 0}"
-    )
+        copies["device to pinned host"] = _copy_gbps("cuda", "cpu")
+        copies["device to device"] = _copy_gbps("cuda", "cuda")
+    failures = {}
+    for setup, (sent, received) in transfers.items():
+        print(_hand_offs(setup, sent, received, copies))
+        failures |= {
+            (setup, *k): v
+            for k, v in {**sent, **received}.items()
+            if k != "paths" and "failures" in k[0] and v
+        }
+    print(f"failures: {failures or 0}")
     return 0 if not failures and all(r[2] == 0 for r in rows) else 1
 
 

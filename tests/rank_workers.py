@@ -138,3 +138,40 @@ def receive_forever(port: int, conn: Connection) -> None:
     pair = PairTransport.connect("127.0.0.1", port, 1, timeout_s=30.0)
     conn.send("joined")
     pair.recv(1)
+
+
+def receive_on_gpu(port: int, offer_gpu: bool, num_transfers: int, conn: Connection) -> None:
+    """rank 1 of a pair on CUDA device 0 (offering it for CUDA IPC when ``offer_gpu``): sends
+    whether the pair shares the GPU, then per transfer (header, the parts' devices, the parts on
+    the CPU) or the error's text."""
+    from deepinfer.parallel.transfer import PairTransport
+
+    gpu = torch.device("cuda", 0)
+    pair = PairTransport.connect(
+        "127.0.0.1", port, 1, timeout_s=10.0, ipc_device=gpu if offer_gpu else None
+    )
+    conn.send(pair.shared_gpu is not None)
+    for transfer_id in range(1, num_transfers + 1):
+        try:
+            header, parts = pair.recv(transfer_id)
+        except Exception as error:  # the test reads what failed
+            conn.send(f"{type(error).__name__}: {error}")
+            continue
+        conn.send((header, [str(p.device) for p in parts], [p.cpu() for p in parts]))
+    pair.close()
+
+
+def share_then_die(port: int, conn: Connection) -> None:
+    """rank 0 of a pair sharing CUDA device 0: sends one transfer through IPC and is killed
+    (SIGKILL, by itself) right after its manifest went out, before the receiver's ack."""
+    import os
+    import signal
+
+    from deepinfer.parallel.transfer import PairTransport
+
+    gpu = torch.device("cuda", 0)
+    pair = PairTransport.connect("127.0.0.1", port, 0, timeout_s=5.0, ipc_device=gpu)
+    conn.send(pair.shared_gpu is not None)
+    pair.on_shared = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    parts = [torch.arange(1 << 20, dtype=torch.float32, device=gpu)]
+    pair.send(1, b"doomed", parts, checksum_parts=True)

@@ -136,6 +136,30 @@ def _share(buffer: torch.Tensor) -> _Shared:
     return _Shared(handle, size, offset, counter, counter_offset, event, sync)
 
 
+def _drop_receivers_reference(shared: _Shared, gpu: torch.device, reason: str) -> None:
+    """A transfer through IPC failed before the receiver's ack. The receiver holds a reference
+    to the buffer (torch counts it in a shared-memory file and the receiver decrements it when
+    it lets go of its mapping); a receiver that went away ("peer": its process died, and its
+    mapping with it) never will, so drop the reference for it, else the buffer is never freed.
+    A receiver that stalled ("timeout") may still be copying: its reference stays, and the
+    buffer is freed when it lets go (or when this process exits)."""
+    if reason != "peer":
+        logger.warning("a stalled receiver still maps %d bytes of ours", shared.storage_size)
+        return
+    counter = Path("/dev/shm") / shared.ref_counter_handle.decode().lstrip("/")
+    try:
+        with counter.open("rb") as f:
+            f.seek(8 * shared.ref_counter_offset)
+            count = int.from_bytes(f.read(8), "little", signed=True)
+    except OSError:
+        logger.warning("cannot read the shared buffer's reference count", exc_info=True)
+        return
+    if count > 0:  # (0: it let go before it died, its ack lost)
+        torch.UntypedStorage._release_ipc_counter(
+            shared.ref_counter_handle, shared.ref_counter_offset, device=gpu
+        )
+
+
 class PairTransport:
     """One end of a pair's process group. ``device``: where parts travel (CPU for gloo).
     ``shared_gpu``: the CUDA device both ends share (CUDA parts then move through IPC), or
@@ -230,6 +254,7 @@ class PairTransport:
         chunk = self.chunk_bytes
         gpu = self.shared_gpu
         on_gpu = gpu is not None and bool(parts) and all(p.device == gpu for p in parts)
+        shared, acked = None, False
         try:
             buffer = _packed(parts, gpu if on_gpu else self.device)
             shared = _share(buffer) if on_gpu else None
@@ -248,13 +273,18 @@ class PairTransport:
                 if self.on_shared is not None:
                     self.on_shared()
                 self._recv(torch.zeros(1, dtype=torch.int64, device=self.device), transfer_id)
+                acked = True
             if checksum_parts:
                 sums = torch.stack([checksum(p) for p in parts]) if parts else torch.zeros(0)
                 self._send(sums.to(torch.int64).to(self.device), transfer_id)
         except RuntimeError as error:
-            if isinstance(error, TransferError):
+            failure = error if isinstance(error, TransferError) else None
+            failure = failure or _failure(f"transfer {transfer_id}: sending failed", error)
+            if shared is not None and not acked:
+                _drop_receivers_reference(shared, gpu, failure.reason)
+            if failure is error:
                 raise
-            raise _failure(f"transfer {transfer_id}: sending failed", error) from error
+            raise failure from error
         finally:
             if on_gpu:
                 buffer = None
@@ -315,10 +345,12 @@ class PairTransport:
                 shared.event_handle,
                 shared.event_sync_required,
             )  # the current stream waits for the sender's packing (its event)
-            mapped = torch.empty(0, dtype=torch.uint8, device=gpu).set_(storage)
-            data = mapped[:num_bytes].clone()
-            torch.cuda.current_stream(gpu).synchronize()  # copied before the sender may free it
-            del mapped, storage
+            try:
+                mapped = torch.empty(0, dtype=torch.uint8, device=gpu).set_(storage)
+                data = mapped[:num_bytes].clone()
+                torch.cuda.current_stream(gpu).synchronize()  # copied before the sender frees it
+            finally:
+                mapped = storage = None  # let go of the mapping (before the ack, or on failure)
         return data
 
     def _send(self, tensor: torch.Tensor, tag: int) -> None:

@@ -1,5 +1,6 @@
 """The prefill/decode hand-off on CUDA: a prompt computed by one engine and decoded by another
-(decode graphs on) gives one engine's greedy tokens, and the decode engine's steps replay graphs.
+(decode graphs on) gives one engine's greedy tokens, its state copied to the host or kept on the
+device (as for a decode node on the same GPU), and the decode engine's steps replay graphs.
 fp32 (TF32 off): the two engines run the same kernels on the same shapes."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _drain(engine: LLMEngine) -> list[int]:
     return tokens
 
 
-def test_hand_off_on_cuda_decodes_as_one_engine(oracle_hf_dir):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-copies", "device-copies"])
+def test_hand_off_on_cuda_decodes_as_one_engine(oracle_hf_dir, on_device):
     mixed, prefill, decode = (_engine(oracle_hf_dir) for _ in range(3))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     graphs = decode.executor.graphs
@@ -41,9 +43,10 @@ def test_hand_off_on_cuda_decodes_as_one_engine(oracle_hf_dir):
         want = _drain(mixed)
         prefill.add_request(f"h{i}", prompt, params, hand_off=True)
         first = _drain(prefill)
-        state = prefill.export_request(f"h{i}")
-        prefill.release_hand_off(f"h{i}")
-        assert all(t.device.type == "cpu" for t in state.slot)
+        state = prefill.export_request(f"h{i}", on_device=on_device)
+        prefill.release_hand_off(f"h{i}")  # the device copies are the state's own
+        device = "cuda" if on_device else "cpu"
+        assert all(t.device.type == device for t in [*state.slot, *state.blocks])
         decode.import_request(state, params)
         assert first + _drain(decode) == want
     assert graphs.num_replays >= 15 * len(oracle_prompts())  # the decode steps after import
