@@ -223,6 +223,8 @@ class PairTransport:
         ``ipc_device``: this end's CUDA device, offered for CUDA IPC; the pair uses it when the
         other end offers the same GPU."""
         device = device or torch.device("cpu")
+        if ipc_device is not None and ipc_device.index is None:  # "cuda": the current one
+            ipc_device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(seconds=timeout_s)
         if key:
             store = dist.PrefixStore(f"pair/{key}", store)

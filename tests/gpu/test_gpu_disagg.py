@@ -1,7 +1,8 @@
 """A prefill node and a decode node as processes on the one GPU (fp32, the oracle checkpoint):
-their hand-offs move through CUDA IPC by default and through host memory with
-``--kv-transfer-path host``; either way the pair gives one engine's greedy tokens, and the nodes
-count the bytes under the path they took."""
+their hand-offs move through CUDA IPC by default (once the pair is joined: the first one,
+exported before that, goes through the host) and through host memory with
+``--kv-transfer-path host``; either way the pair gives one engine's greedy tokens, and the
+nodes count the bytes under the path they took."""
 
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ class Pair(processes.Cluster):
             self.launch(name, args, clean_env())
 
 
-async def _bytes_by_path(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+async def _bytes_by_path(
+    session: aiohttp.ClientSession, url: str, since: dict | None = None
+) -> dict[tuple[str, str], float]:
+    """The node's hand-off bytes by (direction, path), less ``since``'s."""
     async with session.get(url + "/metrics") as response:
         text = await response.text()
+    since = since or {}
     return {
         (s.labels["direction"], s.labels["path"]): s.value
+        - since.get((s.labels["direction"], s.labels["path"]), 0)
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if s.name == "deepinfer_kv_transfer_bytes_total"
@@ -57,14 +63,22 @@ async def _through_the_pair(pair: Pair) -> tuple[list[list[int]], dict, dict]:
         prefill = NodeEntry("p", NodeClient(pair.url("prefill"), session=session), 1024)
         decode = NodeEntry("d", NodeClient(pair.url("decode"), session=session), 1024)
         keys, outputs = PairKeys(), []
+        # A first hand-off joins the pair (its state is exported before the join completes,
+        # so it goes through the host); the bytes are counted from after it.
+        warm_up = GenerateRequest(request_id="warm-up", prompt_token_ids=oracle_prompts()[0],
+                                  sampling=GREEDY)  # fmt: skip
+        async for _ in PairedBackend(prefill, decode, keys).generate(warm_up):
+            pass
+        sent_before = await _bytes_by_path(session, pair.url("prefill"))
+        received_before = await _bytes_by_path(session, pair.url("decode"))
         for i, prompt in enumerate(oracle_prompts()):
             request = GenerateRequest(request_id=f"g{i}", prompt_token_ids=prompt,
                                       sampling=GREEDY)  # fmt: skip
             outputs.append([])
             async for delta in PairedBackend(prefill, decode, keys).generate(request):
                 outputs[-1] += delta.token_ids
-        sent = await _bytes_by_path(session, pair.url("prefill"))
-        received = await _bytes_by_path(session, pair.url("decode"))
+        sent = await _bytes_by_path(session, pair.url("prefill"), sent_before)
+        received = await _bytes_by_path(session, pair.url("decode"), received_before)
     return outputs, sent, received
 
 
