@@ -185,10 +185,12 @@ def main() -> int:
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     servers = Servers(ns)
-    setups = [("2 mixed", ("mixed", "mixed"), "auto")]
+    setups = [
+        ("2 mixed", ("mixed", "mixed"), "auto"),
+        ("1P + 1D (host)", ("prefill", "decode"), "host"),
+    ]
     if not ns.tiny:
         setups.append(("1P + 1D (ipc)", ("prefill", "decode"), "auto"))
-    setups.append(("1P + 1D (host)", ("prefill", "decode"), "host"))
     rows, transfers = [], {}
     for setup, roles, path in setups:
         try:

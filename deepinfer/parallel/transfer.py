@@ -181,6 +181,7 @@ class PairTransport:
         self.shared_gpu = shared_gpu
         self.on_chunk: Callable[[int], None] | None = None  # test hook (see the module)
         self.on_shared: Callable[[], None] | None = None  # test hook: after a shared manifest
+        self._copy_stream: torch.cuda.Stream | None = None  # receiving through IPC
 
     @classmethod
     def connect(
@@ -332,13 +333,16 @@ class PairTransport:
 
     def _copy_shared(self, shared: _Shared, num_bytes: int) -> torch.Tensor:
         """The sender's buffer, mapped from its process and copied into memory of our own (on
-        the GPU both share); the mapping is let go before this returns."""
+        the GPU both share); the mapping is let go before this returns. The copy runs on a
+        stream of its own, not queued behind this process's steps on the default stream."""
         if self.shared_gpu is None:
             raise TransferError("the peer shared a GPU buffer with an end that shares none")
         gpu = self.shared_gpu
-        with torch.cuda.device(gpu):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(gpu)
+        with torch.cuda.stream(self._copy_stream):
             storage = torch.UntypedStorage._new_shared_cuda(
-                gpu.index if gpu.index is not None else torch.cuda.current_device(),
+                gpu.index,
                 shared.handle,
                 shared.storage_size,
                 shared.storage_offset,
@@ -346,13 +350,15 @@ class PairTransport:
                 shared.ref_counter_offset,
                 shared.event_handle,
                 shared.event_sync_required,
-            )  # the current stream waits for the sender's packing (its event)
+            )  # the copy stream waits for the sender's packing (its event)
             try:
                 mapped = torch.empty(0, dtype=torch.uint8, device=gpu).set_(storage)
                 data = mapped[:num_bytes].clone()
-                torch.cuda.current_stream(gpu).synchronize()  # copied before the sender frees it
+                self._copy_stream.synchronize()  # copied before the sender may free it
             finally:
                 mapped = storage = None  # let go of the mapping (before the ack, or on failure)
+        # The caller's steps use it on the default stream: its memory waits for them when freed.
+        data.record_stream(torch.cuda.default_stream(gpu))
         return data
 
     def _send(self, tensor: torch.Tensor, tag: int) -> None:
