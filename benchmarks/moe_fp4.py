@@ -11,7 +11,9 @@ token count:
 - ``bf16``: our fused MoE on the dense weights with the engine's tiles (``pick_tile_config``);
 - ``grouped_mm``: the dense weights through ``torch._grouped_mm`` (CUTLASS grouped GEMMs: the
   reference implementation of bf16 grouped GEMMs on SM90; moe_tiles.py's ``grouped_mm_moe``);
-- ``fp4 <tiles>``: our fused MoE on the packed weights, the engine's tiles and each candidate.
+- ``fp4 <tiles>``: our fused MoE on the packed weights, the engine's tiles and each candidate;
+  ``fp4 gemv ...`` candidates run a program a pair (``triton_gemv.py``), and up to 256 pairs
+  ``bf16 gemv`` runs those kernels on the dense weights.
 
 Checks in the run: every packed variant is within 2e-2 (relative norm) of the bf16 result on the
 same values (exact in registers; only the summation order differs). Timing:
@@ -60,9 +62,23 @@ CANDIDATES = [
     (128, 128, 64, 8, 8, 3),
     (128, 128, 128, 8, 8, 3),
 ]
+# A program a pair (triton_gemv.py): (block_n, block_k, down_block_n, down_block_k, num_warps).
+GEMV_CANDIDATES = [
+    (16, 256, 16, 256, 4),
+    (8, 256, 8, 256, 4),
+    (8, 512, 8, 512, 4),
+    (4, 512, 4, 512, 2),
+    (16, 512, 16, 512, 4),
+    (32, 256, 32, 256, 4),
+    (16, 256, 8, 512, 4),
+    (8, 1024, 8, 1024, 4),
+    (16, 128, 16, 128, 2),
+]
 
 
 def _name(tiles: tuple[int, ...]) -> str:
+    if len(tiles) == 5:
+        return "gemv {}x{} down {}x{} w{}".format(*tiles)
     return "{}x{}x{} g{} w{} s{}".format(*tiles)
 
 
@@ -76,10 +92,18 @@ def main() -> None:
         help="candidates instead of the built-in list: m,n,k,group,warps,stages;... (BLOCK_K a "
         "multiple of 32)",
     )
+    ap.add_argument(
+        "--gemv",
+        help="a-program-a-pair candidates instead of the built-in list: "
+        "block_n,block_k,down_block_n,down_block_k,warps;...",
+    )
     ns = ap.parse_args()
     candidates = CANDIDATES
     if ns.tiles:
         candidates = [tuple(parse_ints(t)) for t in ns.tiles.split(";") if t.strip()]
+    gemv_candidates = GEMV_CANDIDATES
+    if ns.gemv:
+        gemv_candidates = [tuple(parse_ints(t)) for t in ns.gemv.split(";") if t.strip()]
     setup = make_setup(tiny=False)  # exits without CUDA
     from deepinfer.ops.moe import triton as ours
 
@@ -122,10 +146,15 @@ def main() -> None:
             "grouped_mm": functools.partial(grouped_mm_moe, x, w13_t, w2_t, topk_ids, topk_weights),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
         }
-        for tiles in candidates:
-            config = ours.TileConfig(*tiles)
+        for tiles in [*candidates, *gemv_candidates]:
+            config = (ours.GemvConfig if len(tiles) == 5 else ours.TileConfig)(*tiles)
             runs[f"fp4 {_name(tiles)}"] = functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=config
+            )
+        if num_tokens * TOP_K <= 256:  # the dense weights through a program a pair, for scale
+            config = ours.GemvConfig(*gemv_candidates[0])
+            runs["bf16 gemv"] = functools.partial(
+                ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT, config=config
             )
         for name, run in runs.items():
             row["us"][name] = candidate_us(run, reference, 2e-2)

@@ -263,3 +263,70 @@ def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
     )
     # fp32 (parity) runs keep their own small tiles whatever the row.
     assert pick(49152, torch.float32, packed=True).block_k == 32
+
+
+def _random_mxfp4(gen: torch.Generator, rows: int, cols: int) -> torch_ref.Mxfp4Weight:
+    """Every code equally likely (all 16 e2m1 values in both nibbles) and scales 2**-7..2**-2."""
+    packed = torch.randint(0, 256, (NUM_EXPERTS, rows, cols // 2), generator=gen).to(torch.uint8)
+    scale = torch.randint(120, 126, (NUM_EXPERTS, rows, cols // 32), generator=gen).to(torch.uint8)
+    return torch_ref.Mxfp4Weight(packed, scale)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "kind", "tiles"),
+    [(1, "random", None), (5, "repeated_expert", None), (5, "random", (16, 64, 32, 64, 2))],
+)
+def test_decode_gemv_is_the_reference_on_packed_and_dense_experts(
+    moe_triton: ModuleType, num_tokens: int, kind: str, tiles: tuple[int, ...] | None
+) -> None:
+    """A program a pair (triton_gemv.py), the engine's pick at these sizes or the tiles given:
+    packed experts against torch_ref on the same bytes, and the same kernels on the dense
+    weights (the values dequantized) against it too, to FP32_TOL. The tiles (16, 64, 32, 64)
+    take several K steps and a partial N tile (I = 160 is not a multiple of 64)."""
+    gen = torch.Generator().manual_seed(20 + num_tokens)
+    top_k = 3
+    assert isinstance(moe_triton.pick_tile_config(num_tokens * top_k, torch.float32, True),
+                      moe_triton.GemvConfig)  # fmt: skip
+    config = moe_triton.GemvConfig(*tiles) if tiles else None
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    packed = [
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+    ]
+    topk_ids = _routing(kind, num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    ref = torch_ref.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
+    assert _rel_err(out, ref) < FP32_TOL
+    gemv = config or moe_triton.pick_tile_config(num_tokens * top_k, torch.float32, True)
+    dense = [w.dequantize() for w in packed]
+    out = moe_triton.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT, config=gemv)
+    assert _rel_err(out, ref) < FP32_TOL
+
+
+def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
+    moe_triton: ModuleType,
+) -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, top_k, position = 7, 3, 4
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    packed = [
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+    ]
+    topk_ids = _routing("random", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    batched = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    one = slice(position, position + 1)
+    alone = moe_triton.fused_moe(x[one], *packed, topk_ids[one], topk_weights[one], LIMIT)
+    assert torch.equal(alone[0], batched[position])
+
+
+def test_mxfp4_decode_takes_a_program_a_pair_up_to_96_pairs(moe_triton: ModuleType) -> None:
+    pick = moe_triton.pick_tile_config
+    for dtype in (torch.bfloat16, torch.float32):
+        assert isinstance(pick(96, dtype, packed=True), moe_triton.GemvConfig)
+        assert isinstance(pick(97, dtype, packed=True), moe_triton.TileConfig)
+        assert isinstance(pick(6, dtype), moe_triton.TileConfig)  # dense: the grouped GEMMs

@@ -16,11 +16,22 @@ from types import ModuleType
 from typing import Any
 
 
+def _reload(name: str) -> ModuleType:
+    """Module ``name`` reloaded after the kernel modules it imports (``KERNEL_MODULES``)."""
+    for dependency in KERNEL_MODULES.get(name, ()):
+        importlib.reload(importlib.import_module(dependency))
+    return importlib.reload(importlib.import_module(name))
+
+
+# Backend modules whose kernels live partly in other modules, which must be reloaded first.
+KERNEL_MODULES = {"deepinfer.ops.moe.triton": ("deepinfer.ops.moe.triton_gemv",)}
+
+
 def interpreted(name: str, interpret_before: str | None) -> Iterator[ModuleType]:
     """Yield module ``name`` reloaded with TRITON_INTERPRET=1; afterwards put TRITON_INTERPRET
     back to ``interpret_before`` (its value when the test module was collected)."""
     os.environ["TRITON_INTERPRET"] = "1"
-    yield importlib.reload(importlib.import_module(name))
+    yield _reload(name)
     if interpret_before is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
@@ -31,7 +42,7 @@ def compiled(name: str) -> ModuleType:
     """Module ``name`` reloaded with compiled kernels (a CPU test may have set TRITON_INTERPRET
     when it was collected)."""
     os.environ.pop("TRITON_INTERPRET", None)
-    return importlib.reload(importlib.import_module(name))
+    return _reload(name)
 
 
 class Launches:

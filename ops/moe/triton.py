@@ -55,10 +55,12 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK, ExpertWeight, Mxfp4Weight, swiglu
+from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision
 
 __all__ = [
+    "GemvConfig",
     "TileConfig",
     "TritonMoEBackend",
     "align_by_expert",
@@ -108,16 +110,24 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
 _MXFP4_DECODE_PAIRS = 4096
 _MXFP4_PREFILL_PAIRS = 16384
 _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
+# MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs.
+_MXFP4_GEMV_PAIRS = 96
+_MXFP4_GEMV = GemvConfig(block_n=16, block_k=256, down_block_n=16, down_block_k=256, num_warps=4)
 
 
-def pick_tile_config(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> TileConfig:
+def pick_tile_config(
+    num_pairs: int, dtype: torch.dtype, packed: bool = False
+) -> TileConfig | GemvConfig:
     """The tile configuration for T * k = ``num_pairs`` pairs of ``dtype`` activations
-    (``packed``: MXFP4 experts).
+    (``packed``: MXFP4 experts): a GemvConfig runs triton_gemv.py's kernels instead of the
+    grouped GEMMs.
 
     fp32 (the engine's parity mode) runs the IEEE FMA dot, not tensor cores: 4-byte operands
     held in registers, so smaller M and K tiles and two stages keep it within registers and
     shared memory. It is for exactness, not speed.
     """
+    if packed and num_pairs <= _MXFP4_GEMV_PAIRS:
+        return _MXFP4_GEMV
     if packed and num_pairs <= _MXFP4_DECODE_PAIRS:
         num_pairs = 1
     config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)
@@ -506,7 +516,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     limit: float,
     *,
-    config: TileConfig | None = None,
+    config: TileConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
 
@@ -515,7 +525,8 @@ def fused_moe(
     [T, k] fp32. Returns [T, D] in x's dtype. GEMMs accumulate in fp32; h and the weighted
     per-pair outputs are rounded to x's dtype before the fp32 combine. fp32 inputs use the IEEE
     dot, so they match the CPU reference to ~1e-6. config: tiles other than
-    pick_tile_config's (for tuning).
+    pick_tile_config's (for tuning); a GemvConfig takes triton_gemv.py's kernels (D and I
+    multiples of 32).
     """
     num_tokens, dim = x.shape
     num_experts, inter, _ = w1.shape
@@ -536,6 +547,9 @@ def fused_moe(
 
     num_pairs = num_tokens * top_k
     config = config or pick_tile_config(num_pairs, x.dtype, packed)
+    if isinstance(config, GemvConfig):
+        weights = ((w1, s1), (w2, s2), (w3, s3))
+        return decode_moe(x, weights, topk_ids, topk_weights, limit, config)
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
@@ -630,7 +644,7 @@ class TritonMoEBackend(Backend):
         device: torch.device,
         parallel: ParallelContext | None = None,
         *,
-        config: TileConfig | None = None,
+        config: TileConfig | GemvConfig | None = None,
     ) -> None:
         super().__init__(device, parallel)
         self.config = config

@@ -186,7 +186,7 @@ def mxfp4_experts(bf16_experts: Experts) -> tuple[list[torch_ref.Mxfp4Weight], E
     return packed, dense  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("num_tokens", [1, 16, *NUM_TOKENS[1:]])
 def test_mxfp4_matches_the_fp32_reference_on_its_values(
     moe_triton: ModuleType,
     mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
@@ -194,9 +194,9 @@ def test_mxfp4_matches_the_fp32_reference_on_its_values(
     record_figure: Callable[[str], None],
     num_tokens: int,
 ) -> None:
-    """E = 256 at V4-Flash shapes, decode to prefill tiles: the packed path (values exact in
-    registers, other summation order) within BF16_TOL of the fp32 reference on the dequantized
-    weights, as the bf16 kernel on those weights is."""
+    """E = 256 at V4-Flash shapes, decode to prefill tiles (T = 1 and 16: a program a pair):
+    the packed path (values exact in registers, other summation order) within BF16_TOL of the
+    fp32 reference on the dequantized weights, as the bf16 kernel on those weights is."""
     packed, dense = mxfp4_experts
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=10 + num_tokens)
     out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
@@ -231,3 +231,29 @@ def test_mxfp4_captures_in_a_cuda_graph(
     topk_weights.copy_(new_weights)
     graph.replay()
     assert torch.equal(out, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
+
+
+def test_mxfp4_decode_gemv_in_fp32_is_the_reference(
+    moe_triton: ModuleType, fp32_experts: Experts, ieee_fp32: None
+) -> None:
+    """fp32 (parity) decode through a program a pair: torch_ref on the same packed bytes, to
+    FP32_TOL (the fp32 FMAs differ from cuBLAS only in summation order)."""
+    packed = [torch_ref.quantize_mxfp4(w) for w in fp32_experts]
+    x, topk_ids, topk_weights = _batch(3, 32, torch.float32, seed=30)
+    assert isinstance(moe_triton.pick_tile_config(3 * TOP_K, torch.float32, packed=True),
+                      moe_triton.GemvConfig)  # fmt: skip
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    ref = torch_ref.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    assert _rel_err(out, ref.float()) < FP32_TOL
+
+
+def test_mxfp4_decode_gemv_token_output_does_not_depend_on_the_batch(
+    moe_triton: ModuleType, mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts]
+) -> None:
+    """bf16, a program a pair: a token alone and among 15 others, bitwise the same."""
+    packed, _ = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(16, 256, torch.bfloat16, seed=31)
+    batched = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    one = slice(9, 10)
+    alone = moe_triton.fused_moe(x[one], *packed, topk_ids[one], topk_weights[one], LIMIT)
+    assert torch.equal(alone[0], batched[9])
