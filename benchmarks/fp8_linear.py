@@ -69,6 +69,11 @@ def main() -> None:
     ap.add_argument("--tflops", type=float, default=1430.0, help="FP8 tensor-core TFLOP/s")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--tiny", action="store_true", help="shapes / 32; CPU + interpreter w/o CUDA")
+    ap.add_argument(
+        "--tiles",
+        help="TileConfig candidates timed besides the engine's pick: block_m,block_n,group_m,"
+        "warps,stages,quantize_in_gemm(0/1),max_split_k;... (a second table: the best per row)",
+    )
     ns = ap.parse_args()
     names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
     unknown = [s for s in names if s not in SHAPES]
@@ -79,6 +84,11 @@ def main() -> None:
     from deepinfer.ops.linear import torch_ref
     from deepinfer.ops.linear import triton as fp8_triton
 
+    candidates = [
+        fp8_triton.TileConfig(*parse_ints(t)[:5], bool(parse_ints(t)[5]), parse_ints(t)[6])
+        for t in (ns.tiles or "").split(";")
+        if t.strip()
+    ]
     setup = make_setup(ns.tiny)
     rows: list[dict[str, Any]] = []
     payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
@@ -95,6 +105,7 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen, device=setup.device).to(setup.dtype)
             row = {"shape": name, "n": n, "k": k, "m": m}
             row |= _measure(x, weight, scale, w_dense, fp8_triton, setup, ns)
+            row["tiles_s"] = _sweep(x, weight, scale, fp8_triton, candidates, setup, ns)
             rows.append(row)
             write_json(ns.json, payload)
             print(
@@ -104,6 +115,9 @@ def main() -> None:
         release()
     print()
     print(_table(rows, ns))
+    if candidates:
+        print()
+        print(_sweep_table(rows, fp8_triton))
 
 
 def _measure(
@@ -145,6 +159,52 @@ def _time(fn: Any, setup: Setup, ns: argparse.Namespace) -> float:
     if seconds is None:
         seconds = median_time(calls, setup, ns.warmup, ns.repeats)
     return seconds / ns.calls
+
+
+def _tile_name(config: Any) -> str:
+    c = config
+    quantize = "q-in" if c.quantize_in_gemm else "q-pass"
+    return (
+        f"{c.block_m}x{c.block_n} g{c.group_m} w{c.num_warps} s{c.num_stages} {quantize}"
+        f" sk{c.max_split_k}"
+    )
+
+
+def _sweep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_triton: Any,
+    candidates: list[Any],
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> dict[str, float]:
+    """Seconds per call of each candidate tile config (each checked against the engine's
+    output: the same quantized x, so only the accumulation order differs)."""
+    ours = fp8_triton.fp8_linear(x, weight, scale).float()
+    times = {}
+    for config in candidates:
+        out = fp8_triton.fp8_linear(x, weight, scale, config=config).float()
+        diff = ((out - ours).norm() / ours.norm()).item()
+        assert diff < 1e-2, f"{_tile_name(config)}: rel diff {diff:.1e} to the engine's tiles"
+        times[_tile_name(config)] = _time(
+            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config), setup, ns
+        )
+    return times
+
+
+def _sweep_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
+    headers = ["linear", "M", "engine tiles", "engine µs", "best µs", "best tiles", "bf16 µs",
+               "bf16 / best"]  # fmt: skip
+    out = []
+    for r in rows:
+        best = min(r["tiles_s"], key=r["tiles_s"].get)
+        out.append([
+            r["shape"], r["m"], _tile_name(fp8_triton.pick_tile_config(r["m"])), _us(r["fp8_s"]),
+            _us(r["tiles_s"][best]), best, _us(r["bf16_s"]),
+            ratio(r["bf16_s"], r["tiles_s"][best]),
+        ])  # fmt: skip
+    return markdown(headers, out)
 
 
 def _scaled_mm(
