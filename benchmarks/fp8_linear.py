@@ -84,11 +84,8 @@ def main() -> None:
     from deepinfer.ops.linear import torch_ref
     from deepinfer.ops.linear import triton as fp8_triton
 
-    candidates = [
-        fp8_triton.TileConfig(*parse_ints(t)[:5], bool(parse_ints(t)[5]), parse_ints(t)[6])
-        for t in (ns.tiles or "").split(";")
-        if t.strip()
-    ]
+    fields = [parse_ints(t) for t in (ns.tiles or "").split(";") if t.strip()]
+    candidates = [fp8_triton.TileConfig(*f[:5], bool(f[5]), f[6]) for f in fields]
     setup = make_setup(ns.tiny)
     rows: list[dict[str, Any]] = []
     payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
@@ -104,8 +101,9 @@ def main() -> None:
         for m in parse_ints(ns.tokens or ("1,32" if ns.tiny else "1,32,128,4096")):
             x = torch.randn(m, k, generator=gen, device=setup.device).to(setup.dtype)
             row = {"shape": name, "n": n, "k": k, "m": m}
-            row |= _measure(x, weight, scale, w_dense, fp8_triton, setup, ns)
-            row["tiles_s"] = _sweep(x, weight, scale, fp8_triton, candidates, setup, ns)
+            ours = fp8_triton.fp8_linear(x, weight, scale)
+            row |= _measure(x, weight, scale, w_dense, ours, fp8_triton, setup, ns)
+            row["tiles_s"] = _sweep(x, weight, scale, ours, fp8_triton, candidates, setup, ns)
             rows.append(row)
             write_json(ns.json, payload)
             print(
@@ -125,14 +123,15 @@ def _measure(
     weight: torch.Tensor,
     scale: torch.Tensor,
     w_dense: torch.Tensor,
+    ours: torch.Tensor,
     fp8_triton: Any,
     setup: Setup,
     ns: argparse.Namespace,
 ) -> dict[str, Any]:
-    """The figures of one (linear, M): times of the three paths, bytes/s, flop/s."""
+    """The figures of one (linear, M): times of the three paths, bytes/s, flop/s (``ours``:
+    the engine's output, which the other paths are compared with)."""
     m, k = x.shape
     n = weight.shape[0]
-    ours = fp8_triton.fp8_linear(x, weight, scale)
     row: dict[str, Any] = {
         "fp8_s": _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns),
         "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
@@ -161,8 +160,7 @@ def _time(fn: Any, setup: Setup, ns: argparse.Namespace) -> float:
     return seconds / ns.calls
 
 
-def _tile_name(config: Any) -> str:
-    c = config
+def _tile_name(c: Any) -> str:
     quantize = "q-in" if c.quantize_in_gemm else "q-pass"
     return (
         f"{c.block_m}x{c.block_n} g{c.group_m} w{c.num_warps} s{c.num_stages} {quantize}"
@@ -174,18 +172,18 @@ def _sweep(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
+    ours: torch.Tensor,
     fp8_triton: Any,
     candidates: list[Any],
     setup: Setup,
     ns: argparse.Namespace,
 ) -> dict[str, float]:
     """Seconds per call of each candidate tile config (each checked against the engine's
-    output: the same quantized x, so only the accumulation order differs)."""
-    ours = fp8_triton.fp8_linear(x, weight, scale).float()
+    output ``ours``: the same quantized x, so only the accumulation order differs)."""
     times = {}
     for config in candidates:
         out = fp8_triton.fp8_linear(x, weight, scale, config=config).float()
-        diff = ((out - ours).norm() / ours.norm()).item()
+        diff = ((out - ours.float()).norm() / ours.float().norm()).item()
         assert diff < 1e-2, f"{_tile_name(config)}: rel diff {diff:.1e} to the engine's tiles"
         times[_tile_name(config)] = _time(
             lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config), setup, ns

@@ -111,7 +111,7 @@ _MXFP4_DECODE_PAIRS = 4096
 _MXFP4_PREFILL_PAIRS = 16384
 _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
-# 2026-12-05 sweep (benchmarks/RESULTS.md): 16 x 512 tiles are the best or within 9% of it at
+# 2026-12-05 sweep (benchmarks/RESULTS.md): 16 x 512 tiles are the best or within 10% of it at
 # T = 1..16 (T = 1: 96.8 µs, best 88.6; the grouped kernel 164); past 96 pairs the grouped
 # kernel is as fast.
 _MXFP4_GEMV_PAIRS = 96
