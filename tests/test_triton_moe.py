@@ -274,15 +274,15 @@ def _random_mxfp4(gen: torch.Generator, rows: int, cols: int) -> torch_ref.Mxfp4
 
 @pytest.mark.parametrize(
     ("num_tokens", "kind", "tiles"),
-    [(1, "random", None), (5, "repeated_expert", None), (5, "random", (16, 64, 32, 64, 2))],
+    [(1, "random", None), (5, "repeated_expert", None), (5, "random", (64, 64, 2, 64, 64, 2))],
 )
 def test_decode_gemv_is_the_reference_on_packed_and_dense_experts(
     moe_triton: ModuleType, num_tokens: int, kind: str, tiles: tuple[int, ...] | None
 ) -> None:
     """A program a pair (triton_gemv.py), the engine's pick at these sizes or the tiles given:
     packed experts against torch_ref on the same bytes, and the same kernels on the dense
-    weights (the values dequantized) against it too, to FP32_TOL. The tiles (16, 64, 32, 64)
-    take several K steps and a partial N tile (I = 160 is not a multiple of 64)."""
+    weights (the values dequantized) against it too, to FP32_TOL. The tiles given take several K
+    steps (64 divides neither D = 96 nor I = 160, so steps of 32) and partial N tiles."""
     gen = torch.Generator().manual_seed(20 + num_tokens)
     top_k = 3
     assert isinstance(moe_triton.pick_tile_config(num_tokens * top_k, torch.float32, True),

@@ -115,7 +115,9 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # T = 1..16 (T = 1: 96.8 µs, best 88.6; the grouped kernel 164); past 96 pairs the grouped
 # kernel is as fast.
 _MXFP4_GEMV_PAIRS = 96
-_MXFP4_GEMV = GemvConfig(block_n=16, block_k=512, down_block_n=16, down_block_k=512, num_warps=4)
+_MXFP4_GEMV = GemvConfig(
+    block_n=16, block_k=512, num_warps=4, down_block_n=16, down_block_k=512, down_num_warps=4
+)
 
 
 def pick_tile_config(

@@ -8,7 +8,7 @@ the bytes once, turns them into values with a few integer ops and one conversion
 them on the CUDA cores in fp32. Data flow, all on x's device, shapes only (a CUDA graph
 captures it):
 
-    x [T, D], topk_ids [T, k], w1, w3 [E, I, D]    --_gate_up_kernel-->  h [T * k, I]  (SwiGLU)
+    x [T, D], topk_ids [T, k], w1, w3 [E, I, D]    --_gate_up_kernel-->  h [T * k, I] fp32
     h, topk_ids, topk_weights [T, k], w2 [E, D, I] --_down_kernel----->  out [T, D]
 
     grid: gate/up (pair, I tile), down (token, D tile)
@@ -16,15 +16,29 @@ captures it):
 The down kernel adds a token's k pairs in slot order in fp32, each pair's weighted output rounded
 to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair rows and no combine
 launch. A token's output depends only on its own routing and the tile sizes: it is bitwise the
-same alone or in any batch that runs the same ``GemvConfig``.
+same alone or in any batch that runs the same ``GemvConfig``. Each kernel loads the next step's
+weights before it computes on the current ones, so a step's loads are in flight while the last
+step's arithmetic runs.
 
-Weights: ``Mxfp4Weight`` or dense in x's dtype. An e2m1 code c (sign bit 3, exponent bits 2-1,
-mantissa bit 0) becomes the fp16 with bits (c & 8) << 12 | (c & 7) << 9: its exponent bits land
-in fp16's exponent and its mantissa bit at the top of fp16's, so that fp16 is the e2m1 value times
-2 ** -14 exactly (code 1, 0.5, becomes the subnormal 2 ** -15). A group's 32 products are summed
+Packed weights (``Mxfp4Weight``) are read as 32-bit words, 8 inputs a word, 4 words a scale
+group, each thread taking whole groups (16-byte loads):
+
+    word w of group g (inputs 32g + 8w .. 32g + 8w + 7), nibble j = input 32g + 8w + j:
+        bits  31..28  27..24  23..20  19..16  15..12  11..8   7..4    3..0
+        nibble  7       6       5       4       3       2       1       0
+
+An e2m1 nibble (sign bit 3, exponent bits 2-1, mantissa bit 0) becomes the fp16 with bits
+(n & 8) << 12 | (n & 7) << 9: its exponent bits land in fp16's exponent and its mantissa bit at
+the top of fp16's, so that fp16 is the e2m1 value times 2 ** -14 exactly (nibble 1, 0.5, becomes
+the subnormal 2 ** -15). Nibbles j and j + 4 sit 16 bits apart, so two shifts and two masks place
+both in the two fp16 halves of one register (``_nibble_pair``). A group's 32 products are summed
 in fp32 and multiplied by 2 ** (byte - 127 + 14), a power of two whose fp32 bits are
 (byte + 14) << 23: exact for every scale byte up to 240. The values are ``dequantize_mxfp4``'s;
 only the order of the sums differs from the dense kernels'.
+
+The down kernel reads h nibble-major within each group, as the gate/up kernel writes it (input
+32g + 8w + j at 32g + 4j + w), so the h values that meet nibble j of a group's four words are
+four consecutive floats. h holds fp32 values rounded to x's dtype (the reference's rounding).
 
 K (D for gate/up, I for down) must be a multiple of BLOCK_K: ``pick_block_k`` takes the largest
 of the config's BLOCK_K and its halves that divides K (V4's K are powers of two; MXFP4 rows are
@@ -41,21 +55,22 @@ import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
 
-__all__ = ["GemvConfig", "decode_moe", "pick_block_k"]
+__all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "pick_block_k"]
 
 _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up to here
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tiles of the decode MoE: block_n output rows a program and block_k inputs a step, for
-    the gate/up kernel and (down_*) the down kernel; num_warps for both."""
+    """Tiles of the decode MoE: block_n output rows a program and block_k inputs a step, with
+    num_warps, for the gate/up kernel and (down_*) the down kernel."""
 
     block_n: int
     block_k: int
+    num_warps: int
     down_block_n: int
     down_block_k: int
-    num_warps: int
+    down_num_warps: int
 
 
 def pick_block_k(block_k: int, k: int) -> int:
@@ -67,52 +82,68 @@ def pick_block_k(block_k: int, k: int) -> int:
 
 
 @triton.jit
-def _e2m1_times_2_pow_minus_14(codes):
-    """e2m1 codes (0..15, any integer type) -> fp32 values times 2 ** -14, exactly."""
-    c = codes.to(tl.uint16)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+def _nibble_pair(words, J: tl.constexpr):
+    """Nibbles J and J + 4 (J < 4) of each uint32 word as fp32 e2m1 values times 2 ** -14."""
+    mag = words << (9 - 4 * J) if J <= 2 else words >> (4 * J - 9)
+    sign = words << (12 - 4 * J)
+    halves = (mag & 0x0E000E00) | (sign & 0x80008000)  # two fp16: nibble J low, J + 4 high
+    low = halves.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (halves >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
 
 
 @triton.jit
-def _step_dot(
-    x_ptr,
-    x_row,
-    stride_xk,
-    w_ptr,
-    w_rows,
-    stride_wk,
-    s_ptr,
-    s_rows,
-    stride_sk,
-    k_start,
-    BLOCK_K: tl.constexpr,
-    W_FP4: tl.constexpr,
-):
-    """sum over inputs k_start .. k_start + BLOCK_K - 1 of w[row, k] * x[k], fp32 [BLOCK_N].
-
-    x_row: the offset of x's row (the token, or the pair's h row); w_rows, s_rows [BLOCK_N]: the
-    offsets of the weight's rows and of their scale bytes (the expert included). Packed: byte b
-    of a row holds inputs 2b (low nibble) and 2b + 1 (high), group g the bytes 16g .. 16g + 15.
-    """
+def _load_weights(w_ptr, w_rows, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr):
+    """The step's weights: packed, uint32 words [BLOCK_N, BLOCK_K / 8] (w_ptr the int32 view);
+    dense, [BLOCK_N, BLOCK_K] values. w_rows [BLOCK_N]: row offsets in w_ptr's elements."""
     if W_FP4:
-        offs_g = tl.arange(0, BLOCK_K // 32)
-        byte = k_start // 2 + offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
-        packed = tl.load(w_ptr + w_rows[:, None, None] + byte[None, :, :] * stride_wk)
-        x_even = tl.load(x_ptr + x_row + 2 * byte * stride_xk).to(tl.float32)  # [G, 16]
-        x_odd = tl.load(x_ptr + x_row + (2 * byte + 1) * stride_xk).to(tl.float32)
-        low = _e2m1_times_2_pow_minus_14(packed & 0xF)  # [BLOCK_N, G, 16]
-        high = _e2m1_times_2_pow_minus_14(packed >> 4)
-        groups = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BN, G]
-        exps = tl.load(s_ptr + s_rows[:, None] + (k_start // 32 + offs_g)[None, :] * stride_sk)
-        exps = tl.minimum(exps.to(tl.uint32), _MAX_SCALE_BYTE)
-        scales = ((exps + 14) << 23).to(tl.float32, bitcast=True)  # 2 ** (byte - 113)
-        return tl.sum(groups * scales, axis=1)
+        offs = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+        return tl.load(w_ptr + w_rows[:, None] + offs[None, :]).to(tl.uint32, bitcast=True)
     else:
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk).to(tl.float32)
-        x = tl.load(x_ptr + x_row + offs_k * stride_xk).to(tl.float32)
-        return tl.sum(w * x[None, :], axis=1)
+        offs = k_start + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + w_rows[:, None] + offs[None, :])
+
+
+@triton.jit
+def _group_sums(w, x_ptr, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr,
+                X_NIBBLE_MAJOR: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K / 32] fp32: each scale group's 32 products of w (``_load_weights``)
+    and x (x_ptr at the row's input 0), packed values times 2 ** -14. X_NIBBLE_MAJOR: x is in
+    h's order (module docstring), else in input order."""
+    G: tl.constexpr = BLOCK_K // 32
+    if W_FP4:
+        word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [W]
+        if X_NIBBLE_MAJOR:
+            x_words = x_ptr + (word // 4) * 32 + word % 4  # nibble 0 of each word
+            nibble_step: tl.constexpr = 4
+        else:
+            x_words = x_ptr + word * 8
+            nibble_step: tl.constexpr = 1
+        acc = tl.zeros(w.shape, dtype=tl.float32)  # [BLOCK_N, W]
+        for j in tl.static_range(4):
+            low, high = _nibble_pair(w, j)
+            acc += low * tl.load(x_words + j * nibble_step).to(tl.float32)[None, :]
+            acc += high * tl.load(x_words + (j + 4) * nibble_step).to(tl.float32)[None, :]
+        return tl.sum(acc.reshape(acc.shape[0], G, 4), axis=2)
+    else:
+        k = k_start + tl.arange(0, BLOCK_K)
+        if X_NIBBLE_MAJOR:
+            k = (k // 32) * 32 + (k % 8) * 4 + (k % 32) // 8
+        prod = w.to(tl.float32) * tl.load(x_ptr + k).to(tl.float32)[None, :]
+        return tl.sum(prod.reshape(prod.shape[0], G, 32), axis=2)
+
+
+@triton.jit
+def _group_scales(s_ptr, s_rows, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 32] fp32: 2 ** (byte - 113) for each group's scale byte (packed),
+    else 1. s_rows [BLOCK_N]: the rows' offsets in s_ptr."""
+    G: tl.constexpr = BLOCK_K // 32
+    if W_FP4:
+        exps = tl.load(s_ptr + s_rows[:, None] + (k_start // 32 + tl.arange(0, G))[None, :])
+        exps = tl.minimum(exps.to(tl.uint32), _MAX_SCALE_BYTE)
+        return ((exps + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        return tl.full((s_rows.shape[0], G), 1.0, tl.float32)
 
 
 @triton.jit(do_not_specialize=["limit"])
@@ -126,15 +157,11 @@ def _gate_up_kernel(
     topk_ids_ptr,
     limit,
     stride_xt,
-    stride_xk,
     stride_we,
     stride_wn,
-    stride_wk,
     stride_se,
     stride_sn,
-    stride_sk,
     stride_hm,
-    stride_hn,
     N: tl.constexpr,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -142,32 +169,40 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
 ):
-    """h[pair, N tile] = swiglu(x[token] @ w1[e]^T, x[token] @ w3[e]^T), N = I, K = D."""
+    """h[pair, N tile] = swiglu(x[token] @ w1[e]^T, x[token] @ w3[e]^T), N = I, K = D; inputs
+    contiguous along K (w strides in w_ptr's elements: int32 words when packed)."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    x_row = (pair // TOP_K) * stride_xt
+    x_row = x_ptr + (pair // TOP_K) * stride_xt
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % N).to(tl.int64)  # wrapped rows keep the loads in bounds; not stored
     w_rows = expert * stride_we + rows * stride_wn
     s_rows = expert * stride_se + rows * stride_sn
 
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    w1 = _load_weights(w1_ptr, w_rows, 0, BLOCK_K, W_FP4)
+    w3 = _load_weights(w3_ptr, w_rows, 0, BLOCK_K, W_FP4)
     for k_start in range(0, K, BLOCK_K):
-        gate += _step_dot(
-            x_ptr, x_row, stride_xk, w1_ptr, w_rows, stride_wk, s1_ptr, s_rows, stride_sk,
-            k_start, BLOCK_K, W_FP4,
-        )  # fmt: skip
-        up += _step_dot(
-            x_ptr, x_row, stride_xk, w3_ptr, w_rows, stride_wk, s3_ptr, s_rows, stride_sk,
-            k_start, BLOCK_K, W_FP4,
-        )  # fmt: skip
+        k_next = (k_start + BLOCK_K) % K  # the last step loads the first again: unused
+        w1_next = _load_weights(w1_ptr, w_rows, k_next, BLOCK_K, W_FP4)
+        w3_next = _load_weights(w3_ptr, w_rows, k_next, BLOCK_K, W_FP4)
+        gate += _group_sums(w1, x_row, k_start, BLOCK_K, W_FP4, False) * _group_scales(
+            s1_ptr, s_rows, k_start, BLOCK_K, W_FP4
+        )
+        up += _group_sums(w3, x_row, k_start, BLOCK_K, W_FP4, False) * _group_scales(
+            s3_ptr, s_rows, k_start, BLOCK_K, W_FP4
+        )
+        w1 = w1_next
+        w3 = w3_next
 
-    gate = tl.minimum(gate, limit)
+    gate = tl.minimum(tl.sum(gate, axis=1), limit)
+    up = tl.sum(up, axis=1)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
-    h_ptrs = h_ptr + pair * stride_hm + offs_n * stride_hn
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=offs_n < N)
+    h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    nibble_major = (offs_n // 32) * 32 + (offs_n % 8) * 4 + (offs_n % 32) // 8
+    offs_h = nibble_major if W_FP4 else offs_n
+    tl.store(h_ptr + pair * stride_hm + offs_h, h, mask=offs_n < N)
 
 
 @triton.jit
@@ -179,15 +214,11 @@ def _down_kernel(
     topk_ids_ptr,
     topk_weights_ptr,
     stride_hm,
-    stride_hk,
     stride_we,
     stride_wn,
-    stride_wk,
     stride_se,
     stride_sn,
-    stride_sk,
     stride_ot,
-    stride_on,
     N: tl.constexpr,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -196,27 +227,38 @@ def _down_kernel(
     W_FP4: tl.constexpr,
 ):
     """out[token, N tile] = sum over slots j = 0..k-1, in that order, in fp32, of
-    round(topk_weight[pair] * h[pair] @ w2[e]^T), pair = token * k + j; N = D, K = I."""
+    round(topk_weight[pair] * h[pair] @ w2[e]^T), pair = token * k + j; N = D, K = I. The loop
+    runs over (slot, K step) so that the next slot's first weights load during the last step."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % N).to(tl.int64)
     out_dtype = out_ptr.dtype.element_ty
+    STEPS: tl.constexpr = K // BLOCK_K
 
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
+    part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    expert = tl.load(topk_ids_ptr + token * TOP_K).to(tl.int64)
+    w = _load_weights(w2_ptr, expert * stride_we + rows * stride_wn, 0, BLOCK_K, W_FP4)
+    for step in range(TOP_K * STEPS):
+        pair = token * TOP_K + step // STEPS
+        k_start = (step % STEPS) * BLOCK_K
+        following = (step + 1) % (TOP_K * STEPS)  # the last step loads the first again: unused
+        next_expert = tl.load(topk_ids_ptr + token * TOP_K + following // STEPS).to(tl.int64)
+        w_next = _load_weights(
+            w2_ptr, next_expert * stride_we + rows * stride_wn, (following % STEPS) * BLOCK_K,
+            BLOCK_K, W_FP4,
+        )  # fmt: skip
         expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        w_rows = expert * stride_we + rows * stride_wn
         s_rows = expert * stride_se + rows * stride_sn
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            part += _step_dot(
-                h_ptr, pair * stride_hm, stride_hk, w2_ptr, w_rows, stride_wk, s2_ptr, s_rows,
-                stride_sk, k_start, BLOCK_K, W_FP4,
-            )  # fmt: skip
-        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        acc += (part * weight).to(out_dtype).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs_n * stride_on, acc.to(out_dtype), offs_n < N)
+        part += _group_sums(w, h_ptr + pair * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * (
+            _group_scales(s2_ptr, s_rows, k_start, BLOCK_K, W_FP4)
+        )
+        if step % STEPS == STEPS - 1:
+            weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+            acc += (tl.sum(part, axis=1) * weight).to(out_dtype).to(tl.float32)
+            part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        w = w_next
+    tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), offs_n < N)
 
 
 def decode_moe(
@@ -228,62 +270,93 @@ def decode_moe(
     config: GemvConfig,
 ) -> torch.Tensor:
     """``triton.fused_moe`` for few tokens: x [T, D]; weights ((w1, s1), (w2, s2), (w3, s3)),
-    each the weight's tensor (packed bytes [E, N, K/2] or dense [E, N, K]) and its scale bytes
-    (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32. Returns [T, D] in x's dtype."""
+    each the weight's tensor (packed bytes [E, N, K/2] or dense [E, N, K], contiguous along K)
+    and its scale bytes (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32. Returns
+    [T, D] in x's dtype."""
     (w1, s1), (w2, s2), (w3, s3) = weights
-    packed = s1 is not None
-    num_tokens, dim = x.shape
-    top_k = topk_ids.shape[1]
-    inter = w1.shape[1]
-    flat_ids = topk_ids.reshape(-1).contiguous()
-    flat_weights = topk_weights.reshape(-1).contiguous()
-    # A dense weight stands in for the scales it does not have (never read).
-    s1, s2, s3 = (w if s is None else s for w, s in ((w1, s1), (w2, s2), (w3, s3)))
-    dense_strides = (0, 0, 0)
+    h = gate_up(x, (w1, s1), (w3, s3), topk_ids, limit, config)
+    return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config)
 
-    h = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    block_k = pick_block_k(config.block_k, dim)
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
+
+def _operand(w: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight as the kernels read it, its scales): packed bytes as int32 words (8 inputs a
+    word); a dense weight stands in for the scales it does not have (never read)."""
+    assert w.stride(2) == 1, f"weights must be contiguous along K, strides {w.stride()}"
+    return (w, w) if s is None else (w.view(torch.int32), s)
+
+
+def gate_up(
+    x: torch.Tensor,
+    w1: tuple[torch.Tensor, torch.Tensor | None],
+    w3: tuple[torch.Tensor, torch.Tensor | None],
+    topk_ids: torch.Tensor,
+    limit: float,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """h [T * k, I] fp32 (nibble-major in each group of 32 when packed; module docstring) of
+    x [T, D] and each pair's expert (w1, w3: (weight, scales) as in ``decode_moe``)."""
+    packed = w1[1] is not None
+    (w1, s1), (w3, s3) = _operand(*w1), _operand(*w3)
+    assert x.stride(1) == 1, f"x must be contiguous along D, strides {x.stride()}"
+    num_pairs = topk_ids.numel()
+    dim, inter = x.shape[1], w1.shape[1]
+    h = torch.empty((num_pairs, inter), dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
         x,
         w1,
         w3,
         s1,
         s3,
         h,
-        flat_ids,
+        topk_ids.reshape(-1).contiguous(),
         float(limit),
-        *x.stride(),
-        *w1.stride(),
-        *(s1.stride() if packed else dense_strides),
-        *h.stride(),
+        x.stride(0),
+        *w1.stride()[:2],
+        *s1.stride()[:2],
+        h.stride(0),
         N=inter,
         K=dim,
-        TOP_K=top_k,
+        TOP_K=topk_ids.shape[1],
         BLOCK_N=config.block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=pick_block_k(config.block_k, dim),
         W_FP4=packed,
         num_warps=config.num_warps,
     )
+    return h
 
-    out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
-    block_k = pick_block_k(config.down_block_k, inter)
+
+def down(
+    h: torch.Tensor,
+    w2: tuple[torch.Tensor, torch.Tensor | None],
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    dtype: torch.dtype,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """out [T, D] in ``dtype``: each token's slots' h (``gate_up``'s) through their experts' w2
+    ((weight, scales) as in ``decode_moe``), weighted and added in slot order."""
+    packed = w2[1] is not None
+    w2, s2 = _operand(*w2)
+    num_tokens, top_k = topk_ids.shape
+    dim, inter = w2.shape[1], h.shape[1]
+    out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
     _down_kernel[(num_tokens, triton.cdiv(dim, config.down_block_n))](
         h,
         w2,
         s2,
         out,
-        flat_ids,
-        flat_weights,
-        *h.stride(),
-        *w2.stride(),
-        *(s2.stride() if packed else dense_strides),
-        *out.stride(),
+        topk_ids.reshape(-1).contiguous(),
+        topk_weights.reshape(-1).contiguous(),
+        h.stride(0),
+        *w2.stride()[:2],
+        *s2.stride()[:2],
+        out.stride(0),
         N=dim,
         K=inter,
         TOP_K=top_k,
         BLOCK_N=config.down_block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=pick_block_k(config.down_block_k, inter),
         W_FP4=packed,
-        num_warps=config.num_warps,
+        num_warps=config.down_num_warps,
     )
     return out

@@ -1,0 +1,177 @@
+"""Packed MXFP4 experts at decode, a program a pair: each of the two kernels on its own, by tiles.
+
+    bash scripts/gpu_bench.sh benchmarks/moe_gemv.py [--tokens 1,2,4,8,16,32]
+        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS;..."] [--baseline PATH] [--json PATH]
+
+V4-Flash routed experts as moe_fp4.py (256 experts, top-6, hidden 4096, intermediate 2048,
+uniform random routing, bf16 weights quantized to MXFP4). For each token count:
+
+- ``gate_up`` (x -> h) and ``down`` (h -> out) of ``triton_gemv.py``, timed apart for each
+  candidate tile (block_n, block_k, num_warps), each checked against the engine's tiles' output
+  (1e-3: the same values, another summation order);
+- the whole call: the engine's pick, the best gate/up + best down candidates, our bf16 fused MoE
+  on the dequantized weights (the same function), and with ``--baseline`` a previous version of
+  ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
+- the bound: packed bytes of the experts the routing hits (17/32 of a byte a value) over the
+  copy bandwidth measured in the run, per kernel and whole.
+
+Timing: CUDA-graph replays, L2 cleared before each, median (flashmla_vs_triton.py's
+``kernel_seconds``). The engine's output is checked within 2e-2 of bf16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flashmla_vs_triton import candidate_us
+from moe_tiles import DIM, INTER, LIMIT, NUM_EXPERTS, TOP_K
+from v4_flash import make_setup, parse_ints, release
+from v4_flash_report import copy_bandwidth, device_name, header, markdown, table, write_json
+
+from deepinfer.ops.moe import quantize_mxfp4
+
+SCRIPT = "moe_gemv.py"
+# (block_n, block_k, num_warps)
+GATE_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;32,512,8;8,256,2;4,1024,4"
+DOWN_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;8,2048,8;4,1024,4;8,256,2"
+# The engine's tiles of the version before this kernel (RESULTS.md 2026-12-05).
+BASELINE_TILES = (16, 512, 16, 512, 4)
+
+
+def _tiles(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(parse_ints(t)) for t in text.split(";") if t.strip()]
+
+
+def _load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("baseline_gemv", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--gate", default=GATE_CANDIDATES, help="BN,BK,WARPS;... for gate/up")
+    ap.add_argument("--down", default=DOWN_CANDIDATES, help="BN,BK,WARPS;... for down")
+    ap.add_argument("--baseline", help="a previous triton_gemv.py to time beside this one")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every figure here")
+    ns = ap.parse_args()
+    setup = make_setup(tiny=False)  # exits without CUDA
+    from deepinfer.ops.moe import triton as ours
+    from deepinfer.ops.moe import triton_gemv as gemv
+
+    baseline = _load_baseline(ns.baseline) if ns.baseline else None
+    bandwidth = copy_bandwidth(setup)
+    print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s")
+    gen = torch.Generator(device=setup.device).manual_seed(ns.seed)
+
+    def experts(rows: int, cols: int):
+        dense = torch.randn(NUM_EXPERTS, rows, cols, generator=gen, device=setup.device) * 0.02
+        packed = quantize_mxfp4(dense.bfloat16())
+        del dense
+        return packed, packed.dequantize().bfloat16()
+
+    (p1, w1), (p3, w3), (p2, w2) = experts(INTER, DIM), experts(INTER, DIM), experts(DIM, INTER)
+    release()
+    rows: list[dict] = []
+    payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
+    for num_tokens in parse_ints(ns.tokens):
+        x = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
+        scores = torch.rand((num_tokens, NUM_EXPERTS), generator=gen, device=setup.device)
+        topk_ids = scores.topk(TOP_K, dim=-1).indices
+        topk_weights = torch.rand((num_tokens, TOP_K), generator=gen, device=setup.device)
+        engine = ours.pick_tile_config(num_tokens * TOP_K, x.dtype, packed=True)
+        assert isinstance(engine, gemv.GemvConfig), f"T = {num_tokens} is past the gemv pick"
+        dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+        out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
+        diff = ((out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
+        assert diff < 2e-2, f"packed vs dense on the dequantized weights: rel diff {diff:.2e}"
+        up_in = ((p1.packed, p1.scale), (p3.packed, p3.scale))
+        down_in = (p2.packed, p2.scale)
+        h = gemv.gate_up(x, *up_in, topk_ids, LIMIT, engine)
+        hit = int(torch.unique(topk_ids).numel())
+        packed_bytes = hit * DIM * INTER * 17 / 32
+        row: dict = {"tokens": num_tokens, "experts_hit": hit, "gate": {}, "down": {}, "us": {}}
+        row["bound_us"] = {
+            "gate": 2 * packed_bytes / bandwidth * 1e6,
+            "down": packed_bytes / bandwidth * 1e6,
+            "whole": 3 * packed_bytes / bandwidth * 1e6,
+        }
+        for bn, bk, warps in _tiles(ns.gate):
+            config = gemv.GemvConfig(bn, bk, warps, *BASELINE_TILES[2:])
+            run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
+            row["gate"][f"{bn}x{bk} w{warps}"] = candidate_us(run, [h], 1e-3)
+        for bn, bk, warps in _tiles(ns.down):
+            config = gemv.GemvConfig(*BASELINE_TILES[:2], 4, bn, bk, warps)
+            run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
+            row["down"][f"{bn}x{bk} w{warps}"] = candidate_us(run, [out], 1e-3)
+        for part in ("gate", "down"):
+            timed = {n: v for n, v in row[part].items() if isinstance(v, float)}
+            row[f"best_{part}"] = min(timed, key=timed.get)
+            print(f"  T={num_tokens:3} {part}: " + ", ".join(
+                f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
+                for n, v in row[part].items()))  # fmt: skip
+        best = gemv.GemvConfig(
+            *(parse_ints(row["best_gate"].replace("x", ",").replace(" w", ",")) + parse_ints(
+                row["best_down"].replace("x", ",").replace(" w", ",")))
+        )  # fmt: skip
+        runs = {
+            "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
+            "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
+            "fp4 best": functools.partial(
+                ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=best
+            ),
+        }
+        if baseline is not None:
+            weights = ((p1.packed, p1.scale), (p2.packed, p2.scale), (p3.packed, p3.scale))
+            runs["baseline"] = functools.partial(
+                baseline.decode_moe, x, weights, topk_ids, topk_weights, LIMIT,
+                baseline.GemvConfig(*BASELINE_TILES),
+            )  # fmt: skip
+        for name, run in runs.items():
+            row["us"][name] = candidate_us(run, [dense_out], 2e-2)
+            print(f"  T={num_tokens:3} {name}: {row['us'][name]}")
+        rows.append(row)
+        write_json(ns.json, payload)
+        del x, scores, topk_ids, topk_weights, dense_out, out, h
+        release()
+
+    headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
+               "fp4 best µs", "bound µs", "bf16 / fp4", "previous / fp4", "fp4 / bound",
+               "best gate/up (µs, / bound)", "best down (µs, / bound)"]  # fmt: skip
+    body = []
+    for r in rows:
+        us = r["us"]
+
+        def num(name: str, us=us) -> float | None:
+            return us.get(name) if isinstance(us.get(name), float) else None
+
+        fp4, bound = num("fp4"), r["bound_us"]
+        gate, down = r["gate"][r["best_gate"]], r["down"][r["best_down"]]
+        body.append([
+            r["tokens"], r["experts_hit"], num("bf16"), num("baseline") or "—", fp4,
+            num("fp4 best"), bound["whole"],
+            num("bf16") / fp4 if fp4 and num("bf16") else None,
+            num("baseline") / fp4 if fp4 and num("baseline") else None,
+            fp4 / bound["whole"] if fp4 else None,
+            f"{r['best_gate']}: {gate:.1f}, {gate / bound['gate']:.2f}",
+            f"{r['best_down']}: {down:.1f}, {down / bound['down']:.2f}",
+        ])  # fmt: skip
+    print()
+    print(table(headers, body))
+    print()
+    print(markdown(headers, body))
+
+
+if __name__ == "__main__":
+    main()
