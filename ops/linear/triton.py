@@ -200,6 +200,7 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     QUANTIZE_A: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     """c[split, M tile, N tile] = sum over this split's K blocks of
     (a_q @ b^T)[block] * a_s[:, block] * b_s[n // SCALE_BLOCK_N, block].
@@ -207,6 +208,10 @@ def _gemm_kernel(
     a: x itself (QUANTIZE_A: quantized here, a_s unused) or its e4m3 q with scales a_s [M, Kb];
     b: the weight [N, K] e4m3, read as its transpose [BLOCK_K, BLOCK_N]; b_s: [Nb, Kb] fp32.
     Program (tile, split): tiles in grouped order (GROUP_M M tiles sweep the N tiles together).
+    ONE_ROW (QUANTIZE_A, M = 1): x's one row is loaded and quantized once and repeated down the
+    tile; a 16-row tile quantized 16 copies of it, and their divisions, not the weight's bytes,
+    were the cost of a batch-1 decode linear. (Quantizing 2-8 rows and repeating them compiles
+    to more instructions than the 16 copies, so M > 1 keeps the whole tile.)
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -227,7 +232,8 @@ def _gemm_kernel(
     first_block = split * BLOCKS_PER_SPLIT
     k_start = first_block * BLOCK_K
 
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    a_rows = tl.zeros((1,), dtype=tl.int64) if ONE_ROW else rows
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
     b_s_ptrs = b_s_ptr + (cols // SCALE_BLOCK_N) * stride_bsn + first_block * stride_bsk
@@ -243,6 +249,9 @@ def _gemm_kernel(
             b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
         if QUANTIZE_A:
             a, a_s = _quantize_tile(a.to(tl.float32))
+            if ONE_ROW:  # [1, BLOCK_K] -> [BLOCK_M, BLOCK_K]
+                a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
+                a_s = tl.broadcast_to(a_s, (BLOCK_M,))
         else:
             a_s = tl.load(a_s_ptrs)
         b_s = tl.load(b_s_ptrs)
@@ -376,6 +385,7 @@ def fp8_linear(
         BLOCK_K=bk,
         GROUP_M=config.group_m,
         QUANTIZE_A=config.quantize_in_gemm,
+        ONE_ROW=config.quantize_in_gemm and m == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
