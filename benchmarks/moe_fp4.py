@@ -76,6 +76,37 @@ GEMV_CANDIDATES = [
 ]
 
 
+def mxfp4_experts(setup, gen: torch.Generator) -> list:
+    """[(packed, dense bf16)] for w1, w2, w3 of the V4-Flash experts: N(0, 0.02) weights in
+    bf16, quantized to MXFP4; the dense ones are the packed values (the same function)."""
+
+    def experts(rows: int, cols: int):
+        dense = torch.randn(NUM_EXPERTS, rows, cols, generator=gen, device=setup.device) * 0.02
+        packed = quantize_mxfp4(dense.bfloat16())
+        del dense
+        return packed, packed.dequantize().bfloat16()
+
+    w1, w3, w2 = experts(INTER, DIM), experts(INTER, DIM), experts(DIM, INTER)
+    release()
+    return [w1, w2, w3]
+
+
+def decode_batch(setup, gen: torch.Generator, num_tokens: int, experts: list, ours) -> tuple:
+    """(x [T, D] bf16, topk_ids, topk_weights, bf16 output, packed output) of a uniform random
+    routing through ``mxfp4_experts``' weights by ``ours`` (ops.moe.triton) with the engine's
+    tiles; the packed output is checked within 2e-2 of the dense one (the same function)."""
+    (p1, w1), (p2, w2), (p3, w3) = experts
+    x = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
+    scores = torch.rand((num_tokens, NUM_EXPERTS), generator=gen, device=setup.device)
+    topk_ids = scores.topk(TOP_K, dim=-1).indices
+    topk_weights = torch.rand((num_tokens, TOP_K), generator=gen, device=setup.device)
+    dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
+    packed_out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
+    diff = ((packed_out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
+    assert diff < 2e-2, f"packed vs dense on the dequantized weights: rel diff {diff:.2e}"
+    return x, topk_ids, topk_weights, dense_out, packed_out
+
+
 def _name(tiles: tuple[int, ...]) -> str:
     if len(tiles) == 5:
         return "gemv {}x{} down {}x{} w{}".format(*tiles)
@@ -111,28 +142,17 @@ def main() -> None:
     print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s, GEMM {rate / 1e12:.1f} TFLOP/s")
     gen = torch.Generator(device=setup.device).manual_seed(ns.seed)
 
-    def experts(rows: int, cols: int):
-        dense = torch.randn(NUM_EXPERTS, rows, cols, generator=gen, device=setup.device) * 0.02
-        packed = quantize_mxfp4(dense.bfloat16())
-        del dense
-        return packed, packed.dequantize().bfloat16()
-
-    (p1, w1), (p3, w3), (p2, w2) = experts(INTER, DIM), experts(INTER, DIM), experts(DIM, INTER)
-    release()
+    experts = mxfp4_experts(setup, gen)
+    (p1, w1), (p2, w2), (p3, w3) = experts
     w13_t = torch.cat([w1, w3], dim=1).transpose(1, 2)  # [E, D, 2I]
     w2_t = w2.transpose(1, 2)  # [E, I, D]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     for num_tokens in parse_ints(ns.tokens):
-        x = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
-        scores = torch.rand((num_tokens, NUM_EXPERTS), generator=gen, device=setup.device)
-        topk_ids = scores.topk(TOP_K, dim=-1).indices
-        topk_weights = torch.rand((num_tokens, TOP_K), generator=gen, device=setup.device)
+        x, topk_ids, topk_weights, dense_out, packed_out = decode_batch(
+            setup, gen, num_tokens, experts, ours
+        )
         chosen = ours.pick_tile_config(num_tokens * TOP_K, x.dtype, packed=True)
-        dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
-        packed_out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
-        diff = ((packed_out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
-        assert diff < 2e-2, f"packed vs dense on the dequantized weights: rel diff {diff:.2e}"
         hit = int(torch.unique(topk_ids).numel())
         values = hit * 3 * DIM * INTER
         io = 2 * num_tokens * DIM * 2
@@ -166,7 +186,7 @@ def main() -> None:
         row["best"] = min(swept, key=swept.get) if swept else None
         rows.append(row)
         write_json(ns.json, payload)
-        del x, scores, topk_ids, topk_weights, dense_out, packed_out, reference, runs
+        del x, topk_ids, topk_weights, dense_out, packed_out, reference, runs
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "grouped_mm µs", "fp4 µs (engine tiles)",

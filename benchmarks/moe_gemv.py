@@ -31,11 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from flashmla_vs_triton import candidate_us
-from moe_tiles import DIM, INTER, LIMIT, NUM_EXPERTS, TOP_K
+from moe_fp4 import decode_batch, mxfp4_experts
+from moe_tiles import DIM, INTER, LIMIT, TOP_K
 from v4_flash import make_setup, parse_ints, release
 from v4_flash_report import copy_bandwidth, device_name, header, markdown, table, write_json
-
-from deepinfer.ops.moe import quantize_mxfp4
 
 SCRIPT = "moe_gemv.py"
 # (block_n, block_k, num_warps)
@@ -75,27 +74,16 @@ def main() -> None:
     print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s")
     gen = torch.Generator(device=setup.device).manual_seed(ns.seed)
 
-    def experts(rows: int, cols: int):
-        dense = torch.randn(NUM_EXPERTS, rows, cols, generator=gen, device=setup.device) * 0.02
-        packed = quantize_mxfp4(dense.bfloat16())
-        del dense
-        return packed, packed.dequantize().bfloat16()
-
-    (p1, w1), (p3, w3), (p2, w2) = experts(INTER, DIM), experts(INTER, DIM), experts(DIM, INTER)
-    release()
+    experts = mxfp4_experts(setup, gen)
+    (p1, w1), (p2, w2), (p3, w3) = experts
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     for num_tokens in parse_ints(ns.tokens):
-        x = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
-        scores = torch.rand((num_tokens, NUM_EXPERTS), generator=gen, device=setup.device)
-        topk_ids = scores.topk(TOP_K, dim=-1).indices
-        topk_weights = torch.rand((num_tokens, TOP_K), generator=gen, device=setup.device)
+        x, topk_ids, topk_weights, dense_out, out = decode_batch(
+            setup, gen, num_tokens, experts, ours
+        )
         engine = ours.pick_tile_config(num_tokens * TOP_K, x.dtype, packed=True)
         assert isinstance(engine, gemv.GemvConfig), f"T = {num_tokens} is past the gemv pick"
-        dense_out = ours.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
-        out = ours.fused_moe(x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
-        diff = ((out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
-        assert diff < 2e-2, f"packed vs dense on the dequantized weights: rel diff {diff:.2e}"
         up_in = ((p1.packed, p1.scale), (p3.packed, p3.scale))
         down_in = (p2.packed, p2.scale)
         h = gemv.gate_up(x, *up_in, topk_ids, LIMIT, engine)
@@ -143,7 +131,7 @@ def main() -> None:
             print(f"  T={num_tokens:3} {name}: {row['us'][name]}")
         rows.append(row)
         write_json(ns.json, payload)
-        del x, scores, topk_ids, topk_weights, dense_out, out, h
+        del x, topk_ids, topk_weights, dense_out, out, h
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
