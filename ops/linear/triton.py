@@ -203,7 +203,10 @@ def _gemm_kernel(
     ONE_ROW: tl.constexpr,
 ):
     """c[split, M tile, N tile] = sum over this split's K blocks of
-    (a_q @ b^T)[block] * a_s[:, block] * b_s[n // SCALE_BLOCK_N, block].
+    (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]).
+
+    The two scales are multiplied first, so a K block costs one FMA an output (a tile inside
+    one scale block, BLOCK_N dividing SCALE_BLOCK_N, loads its weight scale as one number).
 
     a: x itself (QUANTIZE_A: quantized here, a_s unused) or its e4m3 q with scales a_s [M, Kb];
     b: the weight [N, K] e4m3, read as its transpose [BLOCK_K, BLOCK_N]; b_s: [Nb, Kb] fp32.
@@ -236,7 +239,11 @@ def _gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
-    b_s_ptrs = b_s_ptr + (cols // SCALE_BLOCK_N) * stride_bsn + first_block * stride_bsk
+    if SCALE_BLOCK_N % BLOCK_N == 0:  # the tile's columns share one scale block: one scale
+        b_s_ptrs = b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK_N) * stride_bsn
+    else:
+        b_s_ptrs = b_s_ptr + (cols // SCALE_BLOCK_N)[None, :] * stride_bsn
+    b_s_ptrs += first_block * stride_bsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
@@ -254,8 +261,8 @@ def _gemm_kernel(
                 a_s = tl.broadcast_to(a_s, (BLOCK_M,))
         else:
             a_s = tl.load(a_s_ptrs)
-        b_s = tl.load(b_s_ptrs)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        b_s = tl.load(b_s_ptrs)  # a scalar, or [1, BLOCK_N]
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         a_s_ptrs += stride_ask
