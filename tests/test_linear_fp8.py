@@ -184,6 +184,21 @@ def test_fp8_linear_matches_reference(
     assert _rel_err(out, torch_ref.fp8_linear(x, weight, scale)) < W8A8_TOL
 
 
+@pytest.mark.parametrize("quantize_in_gemm", [True, False])
+def test_tile_across_weight_scale_blocks(linear_triton: ModuleType, quantize_in_gemm: bool) -> None:
+    """Weight blocks of 32 x 128 under 64-wide tiles: each column takes its own block's scale
+    (the tiles inside one block load theirs as one number)."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(96, 256, generator=gen) * torch.exp2(torch.arange(96).float() // 32)[:, None]
+    weight, scale = torch_ref.quantize_fp8(w, (32, 128))
+    x = torch.randn(2, 256, generator=gen)
+    config = linear_triton.TileConfig(16, 64, 1, 4, 2, quantize_in_gemm, 1)
+    out = linear_triton.fp8_linear(x, weight, scale, (32, 128), config=config)
+    q, x_scale = torch_ref.quantize_activations(x)
+    x_hat = q.float() * x_scale.repeat_interleave(128, 1)
+    assert _rel_err(out, x_hat @ torch_ref.dequantize_fp8(weight, scale, (32, 128)).T) < 1e-5
+
+
 def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     """K = 512 (4 blocks) over 2 N tiles on the interpreter's 4 "SMs": split in 2. Quantizing in
     the GEMM or in a separate pass gives bitwise the same result."""
