@@ -111,12 +111,12 @@ _MXFP4_DECODE_PAIRS = 4096
 _MXFP4_PREFILL_PAIRS = 16384
 _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
-# 2026-12-05 sweep (benchmarks/RESULTS.md): 16 x 512 tiles are the best or within 10% of it at
-# T = 1..16 (T = 1: 96.8 µs, best 88.6; the grouped kernel 164); past 96 pairs the grouped
-# kernel is as fast.
+# 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
+# of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
+# 248.7 µs); whole, 1.5x / 1.4x / 1.4x the previous kernel, 2.3x / 1.9x / 1.65x bf16.
 _MXFP4_GEMV_PAIRS = 96
 _MXFP4_GEMV = GemvConfig(
-    block_n=16, block_k=512, num_warps=4, down_block_n=16, down_block_k=512, down_num_warps=4
+    block_n=32, block_k=256, num_warps=4, down_block_n=8, down_block_k=1024, down_num_warps=4
 )
 
 
