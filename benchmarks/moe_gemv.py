@@ -22,6 +22,7 @@ Timing: CUDA-graph replays, L2 cleared before each, median (flashmla_vs_triton.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -96,24 +97,25 @@ def main() -> None:
             "down": packed_bytes / bandwidth * 1e6,
             "whole": 3 * packed_bytes / bandwidth * 1e6,
         }
-        for bn, bk, warps in _tiles(ns.gate):
-            config = gemv.GemvConfig(bn, bk, warps, *BASELINE_TILES[2:])
+        gate_tiles = {f"{bn}x{bk} w{warps}": (bn, bk, warps) for bn, bk, warps in _tiles(ns.gate)}
+        down_tiles = {f"{bn}x{bk} w{warps}": (bn, bk, warps) for bn, bk, warps in _tiles(ns.down)}
+        for name, (bn, bk, warps) in gate_tiles.items():
+            config = dataclasses.replace(engine, block_n=bn, block_k=bk, num_warps=warps)
             run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
-            row["gate"][f"{bn}x{bk} w{warps}"] = candidate_us(run, [h], 1e-3)
-        for bn, bk, warps in _tiles(ns.down):
-            config = gemv.GemvConfig(*BASELINE_TILES[:2], 4, bn, bk, warps)
+            row["gate"][name] = candidate_us(run, [h], 1e-3)
+        for name, (bn, bk, warps) in down_tiles.items():
+            config = dataclasses.replace(
+                engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps
+            )
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
-            row["down"][f"{bn}x{bk} w{warps}"] = candidate_us(run, [out], 1e-3)
+            row["down"][name] = candidate_us(run, [out], 1e-3)
         for part in ("gate", "down"):
             timed = {n: v for n, v in row[part].items() if isinstance(v, float)}
             row[f"best_{part}"] = min(timed, key=timed.get)
             print(f"  T={num_tokens:3} {part}: " + ", ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                 for n, v in row[part].items()))  # fmt: skip
-        best = gemv.GemvConfig(
-            *(parse_ints(row["best_gate"].replace("x", ",").replace(" w", ",")) + parse_ints(
-                row["best_down"].replace("x", ",").replace(" w", ",")))
-        )  # fmt: skip
+        best = gemv.GemvConfig(*gate_tiles[row["best_gate"]], *down_tiles[row["best_down"]])
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),

@@ -248,7 +248,6 @@ def _down_kernel(
             w2_ptr, next_expert * stride_we + rows * stride_wn, (following % STEPS) * BLOCK_K,
             BLOCK_K, W_FP4,
         )  # fmt: skip
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
         s_rows = expert * stride_se + rows * stride_sn
         part += _group_sums(w, h_ptr + pair * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * (
             _group_scales(s2_ptr, s_rows, k_start, BLOCK_K, W_FP4)
@@ -258,6 +257,7 @@ def _down_kernel(
             acc += (tl.sum(part, axis=1) * weight).to(out_dtype).to(tl.float32)
             part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         w = w_next
+        expert = next_expert
     tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), offs_n < N)
 
 
