@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from deepinfer.config import CacheConfig, KernelConfig
+from deepinfer.engine.weights_loading import convert_experts_to_fp8
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
@@ -230,7 +231,8 @@ def build_model(
     args: ModelArgs, kernels: Kernels, setup: Setup, seed: int, fp4_experts: bool = False
 ) -> torch.nn.Module:
     """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign);
-    ``fp4_experts``: the routed experts packed MXFP4, as V4-Flash ships them."""
+    ``fp4_experts``: the routed experts packed MXFP4, as V4-Flash ships them; converted to FP8
+    blocks after loading where the MoE backend takes them (``fp8_experts``)."""
     weights = FAMILY.random_weights(
         args, seed, setup.device, setup.dtype, fp8_block=None, fp4_experts=fp4_experts
     )
@@ -238,6 +240,9 @@ def build_model(
         model = FAMILY.build_model(args, kernels)
         use_mxfp4_experts(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
+    del weights
+    if getattr(kernels.moe, "fp8_experts", False):  # --backend moe=deepgemm, as the engine does
+        convert_experts_to_fp8(model)
     model.init_rope(setup.device)
     return model.eval()
 

@@ -246,7 +246,9 @@ class KernelConfig:
 
     attention: str = "auto"  # auto | triton | torch_ref: sparse attention and the indexer
     linear: str = "auto"  # auto | deepgemm | triton | torch_ref: FP8 GEMMs (model.fp8_weights)
-    moe: str = "auto"  # auto | triton | torch_ref: the routed experts
+    # auto | triton | deepgemm | torch_ref: the routed experts (deepgemm: by name only; the
+    # experts are converted to FP8 128x128 blocks at load, twice the packed FP4 bytes)
+    moe: str = "auto"
     norm: str = "auto"  # auto | triton | torch_ref: RMSNorm and the hyper-connection mixing
     sampling: str = "auto"  # auto | torch_ref: the sampler (top-k, top-p, min-p, penalties)
     num_threads: int = 0  # CPU intra-op threads; 0 leaves torch's default

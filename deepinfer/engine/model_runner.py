@@ -133,6 +133,7 @@ class ModelRunner:
         )
         self.model = loaded.model
         self.fp8_weights = loaded.fp8_weights  # FP8 weights change activations: in the salt
+        self.fp8_experts = loaded.fp8_experts  # so do FP8 experts
         self.weight_bytes = loaded.weight_bytes
 
     def _init_kv_cache(self) -> None:
@@ -306,7 +307,9 @@ class ModelRunner:
         """Model fingerprint + what changes the cached bytes (dtype, block layout)."""
         spec_salt = self.kv_cache.spec.salt
         layout = cache_format_salt(self.family.model_type, dtype=str(self.dtype), layout=spec_salt)
-        return cache_salt(model_dir, self.config.model, self.fp8_weights, layout)
+        return cache_salt(
+            model_dir, self.config.model, self.fp8_weights, layout, fp8_experts=self.fp8_experts
+        )
 
     @property
     def replay_tokens(self) -> int:

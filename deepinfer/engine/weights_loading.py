@@ -3,7 +3,9 @@
     model_dir (config.json + safetensors) -> the family's load_weights / random_weights
     -> the model built on the meta device -> FP8 linears swapped in (model.fp8_weights, CUDA),
        packed routed experts (model.fp4_experts, FP4 checkpoints)
-    -> load_state_dict(assign=True) on ``device`` -> LoadedModel
+    -> load_state_dict(assign=True) on ``device``
+    -> routed experts converted to FP8 blocks when the MoE backend takes them (fp8_experts)
+    -> LoadedModel
 
 Building on the meta device allocates nothing: ``assign=True`` makes the loaded tensors the
 parameters, so the weights are held once. Also here: what of the weights goes into the prefix
@@ -36,6 +38,7 @@ class LoadedModel:
 
     model: torch.nn.Module  # in eval mode; called as model(ForwardBatch, KVCache) -> logits
     fp8_weights: bool  # FP8 linear weights kept (model.fp8_weights on CUDA)
+    fp8_experts: bool  # routed experts converted to FP8 blocks for the MoE backend
     weight_bytes: WeightBytes
 
 
@@ -104,6 +107,15 @@ def load_model(
     if num_fp4:
         logger.info("model: routed experts of %d layers packed FP4 (MXFP4)", num_fp4)
     model.load_state_dict(weights, strict=True, assign=True)
+    del weights
+    fp8_experts = getattr(kernels.moe, "fp8_experts", False)
+    if fp8_experts:
+        num_converted = convert_experts_to_fp8(model)
+        logger.info(
+            "model: routed experts of %d layers converted to FP8 128x128 blocks for %s",
+            num_converted,
+            type(kernels.moe).__name__,
+        )
     family.init_buffers(model, device)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
@@ -120,7 +132,16 @@ def load_model(
         device,
         time.perf_counter() - start,
     )
-    return LoadedModel(model, keep_fp8, weight_bytes)
+    return LoadedModel(model, keep_fp8, fp8_experts, weight_bytes)
+
+
+def convert_experts_to_fp8(model: torch.nn.Module) -> int:
+    """Every routed-experts module of ``model`` (those with ``to_fp8``) converted to FP8 with
+    128 x 128 block scales, one module at a time; returns how many."""
+    modules = [m for m in model.modules() if hasattr(m, "to_fp8")]
+    for module in modules:
+        module.to_fp8()
+    return len(modules)
 
 
 @dataclass(frozen=True)
@@ -140,14 +161,23 @@ def parameter_bytes(model: torch.nn.Module) -> WeightBytes:
     return WeightBytes(total, routed)
 
 
-def cache_salt(model_dir: Path, config: ModelConfig, fp8_weights: bool, kv_layout: str) -> bytes:
+def cache_salt(
+    model_dir: Path,
+    config: ModelConfig,
+    fp8_weights: bool,
+    kv_layout: str,
+    *,
+    fp8_experts: bool = False,
+) -> bytes:
     """The prefix cache's salt: the checkpoint's fingerprint, then ``kv_layout`` (what changes
     the cached bytes: dtype, block layout), then what else changes the weights (the random
-    weights' seed, FP8 weights kept). Disk-tier files carry it (kv_file.py): other bytes make
-    every file already there foreign."""
+    weights' seed, FP8 weights kept, experts converted to FP8). Disk-tier files carry it
+    (kv_file.py): other bytes make every file already there foreign."""
     salt = kv_layout
     if config.random_weights:
         salt += f":random-{config.tiny_model_seed}"
     if fp8_weights:
         salt += ":fp8-weights"
+    if fp8_experts:
+        salt += ":fp8-experts"
     return checkpoint_fingerprint(model_dir) + salt.encode()

@@ -1,8 +1,10 @@
 """MoE ops: routed experts with clamped SwiGLU. A backend object (``MoEBackend``) provides
-``fused_moe`` and ``swiglu`` with torch_ref's signatures; expert weights are dense tensors or
-packed MXFP4 (``Mxfp4Weight``, as the checkpoints ship them). Backends, fastest first:
-``triton`` (CUDA: two grouped GEMMs, MXFP4 dequantized in registers), ``torch_ref`` (the
-oracle)."""
+``fused_moe`` and ``swiglu`` with torch_ref's signatures; expert weights are dense tensors,
+packed MXFP4 (``Mxfp4Weight``, as the checkpoints ship them) or FP8 128 x 128 blocks
+(``Fp8ExpertWeight``, converted at load for a backend whose ``fp8_experts`` is set). Backends,
+in auto's order: ``triton`` (CUDA: grouped GEMMs or a program a pair, MXFP4 dequantized in
+registers), ``deepgemm`` (DeepSeek's grouped FP8 GEMMs on FP8 experts: twice the packed bytes,
+so auto reaches it only where Triton is absent; ``deepgemm.py``), ``torch_ref`` (the oracle)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,17 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.ops.linear.deepgemm import is_available as deepgemm_available
 from deepinfer.ops.moe.torch_ref import (
     MXFP4_BLOCK,
     ExpertWeight,
+    Fp8ExpertWeight,
     Mxfp4Weight,
     dequantize_mxfp4,
     fused_moe,
     quantize_mxfp4,
     swiglu,
+    to_fp8_experts,
 )
 from deepinfer.ops.registry import OpRegistry, triton_available
 
@@ -26,7 +31,8 @@ from deepinfer.ops.registry import OpRegistry, triton_available
 class MoEBackend(Protocol):
     """The routed experts of one backend object. Producer: ``BACKENDS.select`` (or
     ``ops.reference_kernels``). Consumer: the model's MoE, through ``Kernels.moe``. Semantics:
-    torch_ref's functions of the same names."""
+    torch_ref's functions of the same names. A backend whose class sets ``fp8_experts = True``
+    gets the routed experts as ``Fp8ExpertWeight`` (the loader converts them)."""
 
     def fused_moe(
         self,
@@ -44,16 +50,19 @@ class MoEBackend(Protocol):
 
 BACKENDS = OpRegistry("moe", MoEBackend)
 BACKENDS.register("triton", "deepinfer.ops.moe.triton:TritonMoEBackend", triton_available)
+BACKENDS.register("deepgemm", "deepinfer.ops.moe.deepgemm:DeepGEMMMoEBackend", deepgemm_available)
 BACKENDS.register("torch_ref", "deepinfer.ops.moe.torch_ref:TorchRefMoEBackend")
 
 __all__ = [
     "BACKENDS",
     "MXFP4_BLOCK",
     "ExpertWeight",
+    "Fp8ExpertWeight",
     "MoEBackend",
     "Mxfp4Weight",
     "dequantize_mxfp4",
     "fused_moe",
     "quantize_mxfp4",
     "swiglu",
+    "to_fp8_experts",
 ]

@@ -124,6 +124,11 @@ class ExpertParallelMoEBackend(Backend):
 
     swiglu = staticmethod(swiglu)
 
+    @property
+    def fp8_experts(self) -> bool:
+        """The inner backend's expert format (the loader converts this rank's share)."""
+        return getattr(self.inner, "fp8_experts", False)
+
     def fused_moe(
         self,
         x: torch.Tensor,

@@ -10,6 +10,9 @@ bit) two values per byte, with one ue8m0 scale (a biased power of two) per 32 in
 A dequantized value is exact in bf16 and fp32 (two significant bits times a power of two), so
 a kernel that dequantizes in registers computes the function the dense kernel computes on
 ``dequantize_mxfp4``'s weights; only the order of its sums may differ.
+
+The DeepGEMM backend takes a third form, converted at load: FP8 e4m3 with one fp32 scale per
+128 x 128 block (``Fp8ExpertWeight``, ``to_fp8_experts``; exact from MXFP4, see there).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.ops.linear.torch_ref import scale_to_float
+from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, quantize_fp8, scale_to_float
 from deepinfer.ops.registry import Backend
 
 MXFP4_BLOCK = 32  # inputs of a row that share one scale
@@ -70,7 +73,63 @@ class Mxfp4Weight:
         return dequantize_mxfp4(self.packed, self.scale)
 
 
-ExpertWeight = torch.Tensor | Mxfp4Weight
+@dataclass(frozen=True)
+class Fp8ExpertWeight:
+    """One projection of a layer's routed experts in FP8 with 128 x 128 block scales (the
+    DeepGEMM backend's operand): ``weight`` [E, N, K] float8_e4m3fn, ``scale`` [E, ceil(N/128),
+    ceil(K/128)] fp32. Producer: ``to_fp8_experts`` at load, when the MoE backend asks for it
+    (``fp8_experts``). Consumers: the deepgemm backend, and torch_ref (dequantized)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        e, n, k = self.weight.shape
+        bn, bk = FP8_BLOCK
+        assert self.weight.dtype == torch.float8_e4m3fn, f"weight {self.weight.dtype}"
+        assert self.scale.dtype == torch.float32, f"scale {self.scale.dtype}"
+        assert tuple(self.scale.shape) == (e, -(-n // bn), -(-k // bk)), (
+            f"scale {tuple(self.scale.shape)} for weight {tuple(self.weight.shape)}"
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, k = self.weight.shape
+        return e, n, k
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def expert(self, index: int) -> torch.Tensor:
+        """Expert ``index``'s matrix [N, K] in fp32."""
+        return dequantize_fp8(self.weight[index], self.scale[index])
+
+    def dequantize(self) -> torch.Tensor:
+        """Every expert [E, N, K] in fp32."""
+        return dequantize_fp8(self.weight, self.scale)
+
+
+ExpertWeight = torch.Tensor | Mxfp4Weight | Fp8ExpertWeight
+
+
+def to_fp8_experts(w: ExpertWeight) -> Fp8ExpertWeight:
+    """Routed experts (dense or MXFP4) as FP8 with 128 x 128 block scales, one expert at a time
+    (fp32 temporaries of one matrix). Scales are powers of two (ue8m0, as DeepSeek's FP8
+    checkpoints): an MXFP4 value c * 2**s (c in e2m1) divided by a power of two keeps its two
+    significant bits, so the conversion is exact wherever a block's 32-input group scales span
+    at most 14 binades (e4m3's range below its largest power); smaller values round to e4m3's
+    subnormal step. Dense weights round to e4m3 like any FP8 quantization."""
+    if isinstance(w, Fp8ExpertWeight):
+        return w
+    e, n, k = w.shape
+    bn, bk = FP8_BLOCK
+    weight = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(e, -(-n // bn), -(-k // bk), dtype=torch.float32, device=w.device)
+    for index in range(e):
+        dense = w.expert(index) if isinstance(w, Mxfp4Weight) else w[index]
+        weight[index], scale[index] = quantize_fp8(dense, FP8_BLOCK, ue8m0=True)
+    return Fp8ExpertWeight(weight, scale)
 
 
 def dequantize_mxfp4(
@@ -136,7 +195,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def _expert_matrix(w: ExpertWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(w, Mxfp4Weight):
+    if isinstance(w, Mxfp4Weight | Fp8ExpertWeight):
         return w.expert(expert).to(dtype)
     return w[expert]
 
@@ -152,10 +211,11 @@ def fused_moe(
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x).
 
-    x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], dense or ``Mxfp4Weight`` (dequantized per
-    expert to x's dtype, exactly); topk_ids: [T, k] int64; topk_weights: [T, k] fp32. Experts
-    are visited in id order and accumulated with index_add (the order transformers uses), so
-    results are reproducible for a given batch. Returns [T, D] in x's dtype.
+    x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], dense, ``Mxfp4Weight`` or ``Fp8ExpertWeight``
+    (dequantized per expert to x's dtype; exactly in fp32); topk_ids: [T, k] int64;
+    topk_weights: [T, k] fp32. Experts are visited in id order and accumulated with index_add
+    (the order transformers uses), so results are reproducible for a given batch. Returns
+    [T, D] in x's dtype.
     """
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():

@@ -54,7 +54,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK, ExpertWeight, Mxfp4Weight, swiglu
+from deepinfer.ops.moe.torch_ref import (
+    MXFP4_BLOCK,
+    ExpertWeight,
+    Fp8ExpertWeight,
+    Mxfp4Weight,
+    swiglu,
+)
 from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision
@@ -631,6 +637,8 @@ def fused_moe(
 
 def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the weight's tensor, its scale bytes or None): a dense weight must be in ``dtype``."""
+    if isinstance(w, Fp8ExpertWeight):
+        raise TypeError("FP8 routed experts run on kernel.moe = 'deepgemm' or 'torch_ref'")
     if isinstance(w, Mxfp4Weight):
         _, _, cols = w.shape
         assert cols % MXFP4_BLOCK == 0, f"MXFP4 rows of {cols} inputs: not whole scale groups"

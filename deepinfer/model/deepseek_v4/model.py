@@ -27,7 +27,14 @@ from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, 
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
-from deepinfer.ops.moe import MXFP4_BLOCK, ExpertWeight, Mxfp4Weight, swiglu
+from deepinfer.ops.moe import (
+    MXFP4_BLOCK,
+    ExpertWeight,
+    Fp8ExpertWeight,
+    Mxfp4Weight,
+    swiglu,
+    to_fp8_experts,
+)
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
 
@@ -129,7 +136,8 @@ class Experts(nn.Module):
     """Routed experts, stacked: w1/w3 [E, I, D], w2 [E, D, I]; E = the experts this rank holds
     (all of them, or its share under expert parallelism). Dense, or after ``to_mxfp4`` packed
     as the checkpoint ships them (``model.fp4_experts``): each ``wN`` uint8 [E, rows, cols/2]
-    beside ``wN_scales`` uint8 [E, rows, cols/32] (``ops.moe.Mxfp4Weight``)."""
+    beside ``wN_scales`` uint8 [E, rows, cols/32] (``ops.moe.Mxfp4Weight``); after ``to_fp8``
+    FP8 with 128 x 128 block scales (``ops.moe.Fp8ExpertWeight``)."""
 
     def __init__(self, args: ModelArgs, num_local: int) -> None:
         super().__init__()
@@ -145,17 +153,36 @@ class Experts(nn.Module):
                 empty = torch.empty(e, rows, width, dtype=torch.uint8)
                 self.register_parameter(name + suffix, nn.Parameter(empty, requires_grad=False))
 
+    def to_fp8(self) -> None:
+        """The loaded experts (dense or packed) converted in place to FP8 with 128 x 128 block
+        scales (``ops.moe.to_fp8_experts``), for a MoE backend that takes them (``fp8_experts``):
+        each ``wN`` float8_e4m3fn [E, rows, cols] beside ``wN_block_scale`` fp32. One projection
+        at a time, so the old tensor is freed before the next is converted."""
+        for name, weight in zip(("w1", "w2", "w3"), self.weights(), strict=True):
+            fp8 = to_fp8_experts(weight)
+            if hasattr(self, name + "_scales"):
+                delattr(self, name + "_scales")
+            self.register_parameter(name, nn.Parameter(fp8.weight, requires_grad=False))
+            scale = nn.Parameter(fp8.scale, requires_grad=False)
+            self.register_parameter(name + "_block_scale", scale)
+
     @property
     def packed(self) -> bool:
         return self.w1.dtype == torch.uint8
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
         """(w1, w2, w3) as the MoE backends take them."""
+        names = ("w1", "w2", "w3")
+        if self.w1.dtype == torch.float8_e4m3fn:
+            w1, w2, w3 = (
+                Fp8ExpertWeight(self.get_parameter(n), self.get_parameter(n + "_block_scale"))
+                for n in names
+            )
+            return w1, w2, w3
         if not self.packed:
             return self.w1, self.w2, self.w3
         w1, w2, w3 = (
-            Mxfp4Weight(self.get_parameter(n), self.get_parameter(n + "_scales"))
-            for n in ("w1", "w2", "w3")
+            Mxfp4Weight(self.get_parameter(n), self.get_parameter(n + "_scales")) for n in names
         )
         return w1, w2, w3
 
