@@ -239,6 +239,35 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     assert launches.grids == [(2, 2), (2, 4), (2, 1)]
 
 
+def test_backend_takes_cublas_from_its_row_count_and_drops_it_when_refused(
+    linear_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``cublas_min_rows`` rows of bf16 (CUDA only; set by hand here) the backend calls
+    cublas_fp8_linear; where torch refuses the recipe (RuntimeError) it answers with our
+    kernel, and keeps to ours from then on."""
+    backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
+    assert backend.cublas_min_rows is None  # not on the CPU
+    calls: list[int] = []
+
+    def refused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        raise RuntimeError("blockwise scaling needs CUDA 12.9")
+
+    monkeypatch.setattr(linear_triton, "cublas_fp8_linear", refused)
+    backend.cublas_min_rows = 4
+    weight, scale = _weight(64, 256, seed=4)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    backend.fp8_linear(x[:3], weight, scale)  # below the row count: ours
+    assert calls == [] and backend.cublas_min_rows == 4
+    backend.fp8_linear(x.float(), weight, scale)  # fp32 (parity runs): ours
+    assert calls == []
+    out = backend.fp8_linear(x, weight, scale)
+    assert calls == [5] and backend.cublas_min_rows is None
+    assert torch.equal(out, linear_triton.fp8_linear(x, weight, scale))
+    backend.fp8_linear(x, weight, scale)
+    assert calls == [5]
+
+
 def test_bf16_input_strided_and_empty(linear_triton: ModuleType) -> None:
     weight, scale = _weight(96, 200, seed=4)
     gen = torch.Generator().manual_seed(4)

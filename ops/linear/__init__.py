@@ -5,7 +5,7 @@ weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M,
 Backends, fastest first: ``deepgemm`` (DeepSeek's DeepGEMM, SM90+; chosen by auto only when it
 is installed and a probe GEMM runs right in a child process: ``deepgemm.py``), ``triton`` (CUDA:
 activations quantized to e4m3 per token per K block, FP8 tensor-core GEMM with the block
-scales applied per K block; one launch at decode),
+scales applied per K block; one launch at decode; cuBLAS's blockwise FP8 GEMM at prefill),
 ``torch_ref`` (the oracle: the dequantized weight, an fp32 matmul, x unquantized).
 """
 

@@ -34,7 +34,9 @@ interpreter cannot loop to a runtime bound under numpy >= 2.4); M is a runtime a
 Triton does not specialise on, so every M within one row of the tile table shares a binary.
 
 ``TritonLinearBackend`` at the end is the backend object: it keeps the device's SM count and
-any tile override, and calls ``fp8_linear`` with them.
+any tile override, and calls ``fp8_linear`` with them; from ``CUBLAS_MIN_ROWS`` rows (prefill)
+it calls cuBLAS's blockwise FP8 GEMM instead (``cublas_fp8_linear``: torch._scaled_mm on this
+module's quantized x), which is faster than our kernel there.
 
 One file of ~410 lines: a backend is one module per op family (``ops/registry.py``); the
 quantizer, the GEMM and the split-K sum share their tile and split choices.
@@ -43,6 +45,7 @@ quantizer, the GEMM and the split-K sum share their tile and split choices.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +56,13 @@ from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import num_sms
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "CUBLAS_MIN_ROWS",
     "TileConfig",
     "TritonLinearBackend",
+    "cublas_fp8_linear",
     "fp8_linear",
     "pick_tile_config",
     "quantize_activations",
@@ -95,6 +102,10 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
+
+
+# From this many rows the backend runs cuBLAS's blockwise FP8 GEMM instead of ours (prefill).
+CUBLAS_MIN_ROWS = 256
 
 
 def pick_tile_config(num_rows: int) -> TileConfig:
@@ -404,10 +415,25 @@ def fp8_linear(
     return out
 
 
+def cublas_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """fp8_linear's function through cuBLAS's blockwise FP8 GEMM (``torch._scaled_mm`` with
+    1 x 128 activation and 128 x 128 weight scales: DeepSeek's recipe): x quantized by this
+    module's quantizer, whose scales have the strides (1, M) cuBLAS asks for. CUDA, bf16 / fp16
+    x, 128 x 128 weight blocks; raises RuntimeError where torch or cuBLAS refuses the shapes."""
+    q, scale = quantize_activations(x, FP8_BLOCK[1])
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype
+    )
+
+
 class TritonLinearBackend(Backend):
-    """This module's GEMM on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
-    that split K fills; ``config``: a TileConfig for every call instead of the table's (for
-    tuning; None in the engine)."""
+    """This module's GEMM on one CUDA device (or the interpreter's CPU), and cuBLAS's blockwise
+    FP8 GEMM from ``cublas_min_rows`` rows up (prefill, where it is 1.5-2.3x our kernel:
+    benchmarks/RESULTS.md; None: never). ``num_sms``: the SMs that split K fills; ``config``: a
+    TileConfig for every call instead of the table's (for tuning; None in the engine, and no
+    cuBLAS then either)."""
 
     def __init__(
         self,
@@ -419,6 +445,8 @@ class TritonLinearBackend(Backend):
         super().__init__(device, parallel)
         self.num_sms = _num_sms(device)
         self.config = config
+        on_cuda = device.type == "cuda" and config is None
+        self.cublas_min_rows: int | None = CUBLAS_MIN_ROWS if on_cuda else None
 
     def fp8_linear(
         self,
@@ -427,4 +455,16 @@ class TritonLinearBackend(Backend):
         weight_scale: torch.Tensor,
         block: tuple[int, int] = FP8_BLOCK,
     ) -> torch.Tensor:
+        rows = self.cublas_min_rows
+        if (
+            rows is not None
+            and x.shape[0] >= rows
+            and tuple(block) == FP8_BLOCK
+            and x.dtype in (torch.bfloat16, torch.float16)
+        ):
+            try:
+                return cublas_fp8_linear(x, weight, weight_scale)
+            except RuntimeError as error:  # this torch / cuBLAS lacks the recipe: ours from now
+                self.cublas_min_rows = None
+                logger.warning("linear: cuBLAS blockwise FP8 refused (%s); Triton only", error)
         return fp8_linear(x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms)

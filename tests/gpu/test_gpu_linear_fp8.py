@@ -131,6 +131,34 @@ def test_matches_reference_and_times(
     assert err_ref < W8A8_TOL
 
 
+@pytest.mark.parametrize("num_tokens", [256, 333, 4096])
+@pytest.mark.parametrize("name", ["wq_a", "wq_b", "wo_b"])
+def test_backend_takes_cublas_at_prefill(
+    linear_triton: ModuleType,
+    ieee_fp32: None,
+    record_figure: Callable[[str], None],
+    name: str,
+    num_tokens: int,
+) -> None:
+    """From CUBLAS_MIN_ROWS rows the backend runs cuBLAS's blockwise FP8 (torch._scaled_mm),
+    with the same references and tolerances as our kernel, also at an M off every tile."""
+    n, k = SHAPES[name]
+    weight, scale = _weight(n, k, seed=n + k)
+    x = _x(num_tokens, k, seed=num_tokens)
+    backend = linear_triton.TritonLinearBackend(torch.device("cuda"))
+    assert num_tokens >= backend.cublas_min_rows
+    out = backend.fp8_linear(x, weight, scale)
+    assert backend.cublas_min_rows is not None, "cuBLAS refused the blockwise recipe"
+    assert torch.equal(out, linear_triton.cublas_fp8_linear(x, weight, scale))
+    err_emulated = _rel_err(out, _emulated(x, weight, scale))
+    err_ref = _rel_err(out, torch_ref.fp8_linear(x.float(), weight, scale))
+    record_figure(
+        f"cublas fp8_linear {name} M={num_tokens}: rel err {err_ref:.2e} vs torch_ref, "
+        f"{err_emulated:.2e} vs W8A8 in fp32"
+    )
+    assert err_emulated < EMULATED_TOL and err_ref < W8A8_TOL
+
+
 def test_quantizer_matches_reference_bitwise(linear_triton: ModuleType) -> None:
     """div_rn and the explicit rounding: the compiled quantizer is torch_ref's, bit for bit,
     including an outlier group whose other values fall into e4m3's subnormals."""
