@@ -239,14 +239,18 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     assert launches.grids == [(2, 2), (2, 4), (2, 1)]
 
 
-def test_backend_takes_cublas_from_its_row_count_and_drops_it_when_refused(
+def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     linear_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From ``cublas_min_rows`` rows of bf16 (CUDA only; set by hand here) the backend calls
-    cublas_fp8_linear; where torch refuses the recipe (RuntimeError) it answers with our
-    kernel, and keeps to ours from then on."""
+    """Where ``use_cublas`` says so, for bf16 x (CUDA only; switched on by hand here), the
+    backend calls cublas_fp8_linear; where torch refuses the recipe (RuntimeError) it answers
+    with our kernel, and keeps to ours from then on."""
+    assert not linear_triton.use_cublas(16, 32768, 1024)  # decode: ours
+    assert linear_triton.use_cublas(17, 512, 4096) and linear_triton.use_cublas(64, 512, 4096)
+    assert not linear_triton.use_cublas(512, 512, 4096)  # a small weight at mid M: ours
+    assert linear_triton.use_cublas(512, 32768, 1024) and linear_triton.use_cublas(1024, 512, 4096)
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
-    assert backend.cublas_min_rows is None  # not on the CPU
+    assert not backend.cublas  # not on the CPU
     calls: list[int] = []
 
     def refused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -254,18 +258,26 @@ def test_backend_takes_cublas_from_its_row_count_and_drops_it_when_refused(
         raise RuntimeError("blockwise scaling needs CUDA 12.9")
 
     monkeypatch.setattr(linear_triton, "cublas_fp8_linear", refused)
-    backend.cublas_min_rows = 4
+    backend.cublas = True
     weight, scale = _weight(64, 256, seed=4)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
-    backend.fp8_linear(x[:3], weight, scale)  # below the row count: ours
-    assert calls == [] and backend.cublas_min_rows == 4
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    backend.fp8_linear(x[:3], weight, scale)  # 3 rows: ours
     backend.fp8_linear(x.float(), weight, scale)  # fp32 (parity runs): ours
-    assert calls == []
+    assert calls == [] and backend.cublas
     out = backend.fp8_linear(x, weight, scale)
-    assert calls == [5] and backend.cublas_min_rows is None
+    assert calls == [20] and not backend.cublas
     assert torch.equal(out, linear_triton.fp8_linear(x, weight, scale))
     backend.fp8_linear(x, weight, scale)
-    assert calls == [5]
+    assert calls == [20]
+
+
+def test_quantizer_pads_rows_for_a_gemm_that_wants_them(linear_triton: ModuleType) -> None:
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    q, scale = linear_triton.quantize_activations(x, 128, rows=16)
+    assert q.shape == (16, 256) and scale.shape == (16, 2) and scale.stride() == (1, 16)
+    expected = torch_ref.quantize_activations(x)
+    assert torch.equal(q[:5].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(scale[:5], expected[1])
 
 
 def test_bf16_input_strided_and_empty(linear_triton: ModuleType) -> None:

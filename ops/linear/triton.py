@@ -34,9 +34,9 @@ interpreter cannot loop to a runtime bound under numpy >= 2.4); M is a runtime a
 Triton does not specialise on, so every M within one row of the tile table shares a binary.
 
 ``TritonLinearBackend`` at the end is the backend object: it keeps the device's SM count and
-any tile override, and calls ``fp8_linear`` with them; from ``CUBLAS_MIN_ROWS`` rows (prefill)
-it calls cuBLAS's blockwise FP8 GEMM instead (``cublas_fp8_linear``: torch._scaled_mm on this
-module's quantized x), which is faster than our kernel there.
+any tile override, and calls ``fp8_linear`` with them, or cuBLAS's blockwise FP8 GEMM where
+that is faster (``use_cublas``; ``cublas_fp8_linear``: torch._scaled_mm on this module's
+quantized x).
 
 One file of ~410 lines: a backend is one module per op family (``ops/registry.py``); the
 quantizer, the GEMM and the split-K sum share their tile and split choices.
@@ -59,13 +59,13 @@ from deepinfer.ops.triton_utils import num_sms
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CUBLAS_MIN_ROWS",
     "TileConfig",
     "TritonLinearBackend",
     "cublas_fp8_linear",
     "fp8_linear",
     "pick_tile_config",
     "quantize_activations",
+    "use_cublas",
 ]
 
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
@@ -102,10 +102,6 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
-
-
-# From this many rows the backend runs cuBLAS's blockwise FP8 GEMM instead of ours (prefill).
-CUBLAS_MIN_ROWS = 256
 
 
 def pick_tile_config(num_rows: int) -> TileConfig:
@@ -311,14 +307,17 @@ def _reduce_kernel(
 
 
 def quantize_activations(
-    x: torch.Tensor, group: int = FP8_BLOCK[1]
+    x: torch.Tensor, group: int = FP8_BLOCK[1], rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As torch_ref.quantize_activations, bitwise: x [M, K] -> (q [M, K] float8_e4m3fn,
-    x_scale [M, ceil(K/group)] fp32 with strides (1, M))."""
+    x_scale [M, ceil(K/group)] fp32 with strides (1, M)). ``rows`` >= M: q and x_scale have
+    that many rows, the ones past M left unwritten (for a GEMM that wants M padded)."""
     m, k = x.shape
+    rows = m if rows is None else rows
+    assert rows >= m, f"{rows} rows for an x of {m}"
     num_groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((num_groups, m), dtype=torch.float32, device=x.device).t()
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((num_groups, rows), dtype=torch.float32, device=x.device).t()
     if m == 0:
         return q, scale
     groups_per_program = min(8, triton.next_power_of_2(num_groups))
@@ -415,25 +414,37 @@ def fp8_linear(
     return out
 
 
+def use_cublas(m: int, n: int, k: int) -> bool:
+    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]
+    (H200, benchmarks/RESULTS.md 2026-12-06): ours up to 16 rows (decode), cuBLAS from 17 to
+    64 rows (our 64-row tiles are slow there), then ours on the small weights (N K < 2^24:
+    wq_a, wkv, the shared expert) up to 1,023 rows, where cuBLAS's ~15 µs floor loses."""
+    return m > 16 and (m <= 64 or m >= 1024 or n * k >= 1 << 24)
+
+
 def cublas_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
     """fp8_linear's function through cuBLAS's blockwise FP8 GEMM (``torch._scaled_mm`` with
     1 x 128 activation and 128 x 128 weight scales: DeepSeek's recipe): x quantized by this
-    module's quantizer, whose scales have the strides (1, M) cuBLAS asks for. CUDA, bf16 / fp16
-    x, 128 x 128 weight blocks; raises RuntimeError where torch or cuBLAS refuses the shapes."""
-    q, scale = quantize_activations(x, FP8_BLOCK[1])
-    return torch._scaled_mm(
+    module's quantizer, whose scales have the strides (1, M) cuBLAS asks for, into M rounded up
+    to 16 rows (cuBLAS has no algorithm for odd M: the padding rows are computed, then
+    dropped). CUDA, bf16 / fp16 x, 128 x 128 weight blocks; raises RuntimeError where torch or
+    cuBLAS refuses the shapes."""
+    m = x.shape[0]
+    q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16)
+    out = torch._scaled_mm(
         q, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype
     )
+    return out[:m]
 
 
 class TritonLinearBackend(Backend):
     """This module's GEMM on one CUDA device (or the interpreter's CPU), and cuBLAS's blockwise
-    FP8 GEMM from ``cublas_min_rows`` rows up (prefill, where it is 1.5-2.3x our kernel:
-    benchmarks/RESULTS.md; None: never). ``num_sms``: the SMs that split K fills; ``config``: a
-    TileConfig for every call instead of the table's (for tuning; None in the engine, and no
-    cuBLAS then either)."""
+    FP8 GEMM where ``use_cublas`` says it is faster (``cublas``: CUDA and no tile override;
+    off for good once cuBLAS refuses the recipe). ``num_sms``: the SMs that split K fills;
+    ``config``: a TileConfig for every call instead of the table's (for tuning; None in the
+    engine)."""
 
     def __init__(
         self,
@@ -445,8 +456,7 @@ class TritonLinearBackend(Backend):
         super().__init__(device, parallel)
         self.num_sms = _num_sms(device)
         self.config = config
-        on_cuda = device.type == "cuda" and config is None
-        self.cublas_min_rows: int | None = CUBLAS_MIN_ROWS if on_cuda else None
+        self.cublas = device.type == "cuda" and config is None
 
     def fp8_linear(
         self,
@@ -455,16 +465,15 @@ class TritonLinearBackend(Backend):
         weight_scale: torch.Tensor,
         block: tuple[int, int] = FP8_BLOCK,
     ) -> torch.Tensor:
-        rows = self.cublas_min_rows
         if (
-            rows is not None
-            and x.shape[0] >= rows
+            self.cublas
             and tuple(block) == FP8_BLOCK
             and x.dtype in (torch.bfloat16, torch.float16)
+            and use_cublas(x.shape[0], *weight.shape)
         ):
             try:
                 return cublas_fp8_linear(x, weight, weight_scale)
             except RuntimeError as error:  # this torch / cuBLAS lacks the recipe: ours from now
-                self.cublas_min_rows = None
+                self.cublas = False
                 logger.warning("linear: cuBLAS blockwise FP8 refused (%s); Triton only", error)
         return fp8_linear(x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms)
