@@ -11,6 +11,8 @@ per-call figure is the replay time / calls), median of ``--repeats``:
 
 - fp8: ``ops.linear.triton.fp8_linear`` (x quantized per token per 128 inputs, then the FP8
   GEMM; one launch at decode, two or three at prefill);
+- engine: the Triton backend object's ``fp8_linear``, the engine's path without DeepGEMM (our
+  kernel, or cuBLAS's blockwise FP8 where ``use_cublas`` picks it);
 - bf16: ``F.linear`` (cuBLAS) on the dequantized weight in bf16, the engine's path without
   ``model.fp8_weights``;
 - scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
@@ -132,8 +134,13 @@ def _measure(
     the engine's output, which the other paths are compared with)."""
     m, k = x.shape
     n = weight.shape[0]
+    backend = fp8_triton.TritonLinearBackend(setup.device)
+    engine = backend.fp8_linear(x, weight, scale)
+    diff = ((engine.float() - ours.float()).norm() / ours.float().norm()).item()
+    assert diff < 1e-2, f"the backend's path: rel diff {diff:.1e} to the Triton kernel's"
     row: dict[str, Any] = {
         "fp8_s": _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns),
+        "engine_s": _time(lambda: backend.fp8_linear(x, weight, scale), setup, ns),
         "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
     }
     row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(
@@ -262,6 +269,8 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
         "fp8 Triton µs",
         "bf16 cuBLAS µs",
         "bf16 / fp8",
+        "engine µs",
+        "bf16 / engine",
         "scaled_mm µs",
         "deepgemm µs",
         "bf16 / deepgemm",
@@ -284,6 +293,8 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
                 _us(r["fp8_s"]),
                 _us(r["bf16_s"]),
                 ratio(r["bf16_s"], r["fp8_s"]),
+                _us(r["engine_s"]),
+                ratio(r["bf16_s"], r["engine_s"]),
                 _us(r["scaled_mm_s"]),
                 _us(r["deepgemm_s"]),
                 ratio(r["bf16_s"], r["deepgemm_s"]),

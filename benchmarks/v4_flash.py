@@ -32,8 +32,9 @@ from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.tiny import QUANTIZED_CONFIG
 from deepinfer.model.families import load_family
-from deepinfer.model.layers import use_mxfp4_experts
+from deepinfer.model.layers import use_fp8_linears, use_mxfp4_experts
 from deepinfer.ops import Kernels, select_kernels
+from deepinfer.ops.linear import FP8_BLOCK
 
 # The model, its weights and its cache, as the engine gets them: through the family table.
 FAMILY = load_family("deepseek_v4")
@@ -228,16 +229,25 @@ def describe_kernels(kernels: Kernels) -> str:
 
 
 def build_model(
-    args: ModelArgs, kernels: Kernels, setup: Setup, seed: int, fp4_experts: bool = False
+    args: ModelArgs,
+    kernels: Kernels,
+    setup: Setup,
+    seed: int,
+    fp4_experts: bool = False,
+    fp8_linears: bool = False,
 ) -> torch.nn.Module:
     """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign);
     ``fp4_experts``: the routed experts packed MXFP4, as V4-Flash ships them; converted to FP8
-    blocks after loading where the MoE backend takes them (``fp8_experts``)."""
+    blocks after loading where the MoE backend takes them (``fp8_experts``); ``fp8_linears``:
+    the linears V4-Flash ships FP8 kept FP8 (128 x 128 blocks, ``model.fp8_weights``)."""
+    block = FP8_BLOCK if fp8_linears else None
     weights = FAMILY.random_weights(
-        args, seed, setup.device, setup.dtype, fp8_block=None, fp4_experts=fp4_experts
+        args, seed, setup.device, setup.dtype, fp8_block=block, fp4_experts=fp4_experts
     )
     with torch.device("meta"):
         model = FAMILY.build_model(args, kernels)
+        if block is not None:
+            use_fp8_linears(model, weights, block, kernels.linear)
         use_mxfp4_experts(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
@@ -255,6 +265,7 @@ def each_layer_model(
     seed: int,
     measure: Callable[[str, ModelArgs, torch.nn.Module], None],
     fp4_experts: bool = False,
+    fp8_linears: bool = False,
 ) -> str:
     """Build one model per layer type (``outer`` first: no layers), call ``measure(kind,
     cache_args, model)``, free the model before the next. ``cache_args`` shapes the inputs and
@@ -264,7 +275,7 @@ def each_layer_model(
     every_type = ModelArgs.from_dict(config_dict(list(LAYER_TYPES.values()), setup.tiny))
     for kind in [OUTER, *kinds]:
         args = model_args(kind, depth, setup.tiny)
-        model = build_model(args, kernels, setup, seed, fp4_experts)
+        model = build_model(args, kernels, setup, seed, fp4_experts, fp8_linears)
         measure(kind, every_type if kind == OUTER else args, model)
         del model
         release()

@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument(
         "--experts",
         default="bf16",
-        help="routed experts: bf16 (dense) and/or fp4 (packed MXFP4), e.g. bf16,fp4",
+        help="weights: bf16 (dense), fp4 (routed experts packed MXFP4), fp4-fp8 (and the "
+        "linears the checkpoint ships FP8 kept FP8), e.g. bf16,fp4,fp4-fp8",
     )
     add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
@@ -95,8 +96,8 @@ def main() -> None:
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))
     contexts = parse_ints(ns.context or ("64" if ns.tiny else "4096,32768"))
     variants = [v.strip() for v in ns.experts.split(",") if v.strip()]
-    if not variants or set(variants) - {"bf16", "fp4"}:
-        raise SystemExit(f"--experts: expected bf16 and/or fp4, got {ns.experts!r}")
+    if not variants or set(variants) - {"bf16", "fp4", "fp4-fp8"}:
+        raise SystemExit(f"--experts: expected bf16, fp4 and/or fp4-fp8, got {ns.experts!r}")
 
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
@@ -151,7 +152,14 @@ def main() -> None:
                     experts_hit=hit,
                     experts_counted=counted,
                     bytes=decode_bytes(
-                        args, kind, batch_size, context, hit, setup.dtype, variant == "fp4"
+                        args,
+                        kind,
+                        batch_size,
+                        context,
+                        hit,
+                        setup.dtype,
+                        fp4_experts=variant != "bf16",
+                        fp8_linears=variant == "fp4-fp8",
                     ),
                 )
                 rows.append(row)
@@ -166,7 +174,14 @@ def main() -> None:
 
     for variant in variants:  # measure() reads the variant being built
         kernels = each_layer_model(
-            kinds, ns.depth, ns.backend, setup, ns.seed, measure, variant == "fp4"
+            kinds,
+            ns.depth,
+            ns.backend,
+            setup,
+            ns.seed,
+            measure,
+            fp4_experts=variant != "bf16",
+            fp8_linears=variant == "fp4-fp8",
         )
     payload["kernels"] = kernels
     write_json(ns.json, payload)

@@ -24,7 +24,12 @@ import torch
 from v4_flash import FULL_DEPTH_LAYERS, LAYER_TYPES, OUTER, PLANS, Setup, release
 
 from deepinfer.model.deepseek_v4.args import ModelArgs
-from deepinfer.model.deepseek_v4.weights import expected_shapes, is_fp32_param, is_integer_param
+from deepinfer.model.deepseek_v4.weights import (
+    expected_shapes,
+    is_fp8_linear,
+    is_fp32_param,
+    is_integer_param,
+)
 
 # ---- timing and ceilings ---------------------------------------------------------------------
 
@@ -130,9 +135,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def layer_weights(
-    args: ModelArgs, layer: int, dtype: torch.dtype, fp4_experts: bool = False
+    args: ModelArgs,
+    layer: int,
+    dtype: torch.dtype,
+    fp4_experts: bool = False,
+    fp8_linears: bool = False,
 ) -> LayerWeights:
-    """``fp4_experts``: routed experts packed MXFP4 (half a byte a value + a byte per 32)."""
+    """``fp4_experts``: routed experts packed MXFP4 (half a byte a value + a byte per 32);
+    ``fp8_linears``: the linears the checkpoint ships FP8 at a byte a value + an fp32 scale per
+    128 x 128 block."""
     dense_bytes = dense_matmul = expert_numel = 0
     prefix = f"layers.{layer}."
     for name, shape in expected_shapes(args).items():
@@ -142,7 +153,10 @@ def layer_weights(
         if ".ffn.experts." in name:
             expert_numel += numel // args.num_experts
             continue
-        dense_bytes += numel * (4 if is_fp32_param(name) else _itemsize(dtype))
+        if fp8_linears and is_fp8_linear(name):
+            dense_bytes += numel + math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128) * 4
+        else:
+            dense_bytes += numel * (4 if is_fp32_param(name) else _itemsize(dtype))
         if len(shape) == 2 and not name.endswith(".ape"):
             dense_matmul += numel
     expert_bytes = expert_numel * 17 // 32 if fp4_experts else expert_numel * _itemsize(dtype)
@@ -179,11 +193,12 @@ def decode_bytes(
     hit: float,
     dtype: torch.dtype,
     fp4_experts: bool = False,
+    fp8_linears: bool = False,
 ) -> float:
     """Bytes one decode step of one layer of ``kind`` must read (``outer``: embed/head)."""
     if kind not in LAYER_TYPES:
         return outer_weight_bytes(args, batch, dtype) if kind == OUTER else 0
-    w = layer_weights(args, 0, dtype, fp4_experts)
+    w = layer_weights(args, 0, dtype, fp4_experts, fp8_linears)
     return (
         w.dense_bytes + hit * w.expert_bytes + batch * decode_kv_bytes(args, kind, context, dtype)
     )
