@@ -62,17 +62,14 @@ CANDIDATES = [
     (128, 128, 64, 8, 8, 3),
     (128, 128, 128, 8, 8, 3),
 ]
-# A program a pair (triton_gemv.py): (block_n, block_k, down_block_n, down_block_k, num_warps).
+# A program a pair (triton_gemv.py), GemvConfig's fields: (block_n, block_k, num_warps,
+# down_block_n, down_block_k, down_num_warps); the engine's first (benchmarks/moe_gemv.py sweeps
+# each kernel alone).
 GEMV_CANDIDATES = [
-    (16, 256, 16, 256, 4),
-    (8, 256, 8, 256, 4),
-    (8, 512, 8, 512, 4),
-    (4, 512, 4, 512, 2),
-    (16, 512, 16, 512, 4),
-    (32, 256, 32, 256, 4),
-    (16, 256, 8, 512, 4),
-    (8, 1024, 8, 1024, 4),
-    (16, 128, 16, 128, 2),
+    (32, 256, 4, 8, 1024, 4),
+    (16, 256, 4, 16, 256, 4),
+    (8, 1024, 4, 8, 1024, 4),
+    (16, 512, 4, 16, 512, 4),
 ]
 
 
@@ -107,9 +104,10 @@ def decode_batch(setup, gen: torch.Generator, num_tokens: int, experts: list, ou
     return x, topk_ids, topk_weights, dense_out, packed_out
 
 
-def _name(tiles: tuple[int, ...]) -> str:
-    if len(tiles) == 5:
-        return "gemv {}x{} down {}x{} w{}".format(*tiles)
+def _name(config: object) -> str:
+    tiles = tuple(vars(config).values())
+    if type(config).__name__ == "GemvConfig":
+        return "gemv {}x{} w{} down {}x{} w{}".format(*tiles)
     return "{}x{}x{} g{} w{} s{}".format(*tiles)
 
 
@@ -126,7 +124,7 @@ def main() -> None:
     ap.add_argument(
         "--gemv",
         help="a-program-a-pair candidates instead of the built-in list: "
-        "block_n,block_k,down_block_n,down_block_k,warps;...",
+        "block_n,block_k,warps,down_block_n,down_block_k,down_warps;...",
     )
     ns = ap.parse_args()
     candidates = CANDIDATES
@@ -166,9 +164,10 @@ def main() -> None:
             "grouped_mm": functools.partial(grouped_mm_moe, x, w13_t, w2_t, topk_ids, topk_weights),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
         }
-        for tiles in [*candidates, *gemv_candidates]:
-            config = (ours.GemvConfig if len(tiles) == 5 else ours.TileConfig)(*tiles)
-            runs[f"fp4 {_name(tiles)}"] = functools.partial(
+        configs = [ours.TileConfig(*t) for t in candidates]
+        configs += [ours.GemvConfig(*t) for t in gemv_candidates]
+        for config in configs:
+            runs[f"fp4 {_name(config)}"] = functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=config
             )
         if num_tokens * TOP_K <= 256:  # the dense weights through a program a pair, for scale
@@ -182,7 +181,7 @@ def main() -> None:
         swept = {
             n: v for n, v in row["us"].items() if n.startswith("fp4 ") and isinstance(v, float)
         }
-        row["chosen"] = _name(tuple(vars(chosen).values()))
+        row["chosen"] = _name(chosen)
         row["best"] = min(swept, key=swept.get) if swept else None
         rows.append(row)
         write_json(ns.json, payload)
