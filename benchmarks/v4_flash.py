@@ -25,14 +25,18 @@ from typing import Any
 
 import torch
 
-from deepinfer.config import CacheConfig, KernelConfig
+from deepinfer.config import CacheConfig, KernelConfig, ModelConfig
 from deepinfer.engine.weights_loading import convert_experts_to_fp8
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.tiny import QUANTIZED_CONFIG
 from deepinfer.model.families import load_family
-from deepinfer.model.layers import use_fp8_linears, use_mxfp4_experts
+from deepinfer.model.layers import (
+    dequantize_small_fp8_linears,
+    use_fp8_linears,
+    use_mxfp4_experts,
+)
 from deepinfer.ops import Kernels, select_kernels
 from deepinfer.ops.linear import FP8_BLOCK
 
@@ -239,11 +243,15 @@ def build_model(
     """Random weights in ``args``' shapes, built as the engine builds a model (meta, assign);
     ``fp4_experts``: the routed experts packed MXFP4, as V4-Flash ships them; converted to FP8
     blocks after loading where the MoE backend takes them (``fp8_experts``); ``fp8_linears``:
-    the linears V4-Flash ships FP8 kept FP8 (128 x 128 blocks, ``model.fp8_weights``)."""
+    the linears V4-Flash ships FP8 kept FP8 (128 x 128 blocks, ``model.fp8_weights``; those
+    under ``model.fp8_min_weights`` dense)."""
     block = FP8_BLOCK if fp8_linears else None
     weights = FAMILY.random_weights(
         args, seed, setup.device, setup.dtype, fp8_block=block, fp4_experts=fp4_experts
     )
+    if block is not None:  # the small ones dense, as the engine holds them
+        min_weights = ModelConfig().fp8_min_weights
+        dequantize_small_fp8_linears(weights, min_weights, block, setup.dtype)
     with torch.device("meta"):
         model = FAMILY.build_model(args, kernels)
         if block is not None:

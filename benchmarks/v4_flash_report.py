@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from v4_flash import FULL_DEPTH_LAYERS, LAYER_TYPES, OUTER, PLANS, Setup, release
 
+from deepinfer.config import ModelConfig
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.weights import (
     expected_shapes,
@@ -130,6 +131,9 @@ class LayerWeights:
     expert_params: int
 
 
+FP8_MIN_WEIGHTS = ModelConfig().fp8_min_weights
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -143,7 +147,7 @@ def layer_weights(
 ) -> LayerWeights:
     """``fp4_experts``: routed experts packed MXFP4 (half a byte a value + a byte per 32);
     ``fp8_linears``: the linears the checkpoint ships FP8 at a byte a value + an fp32 scale per
-    128 x 128 block."""
+    128 x 128 block (those the engine keeps FP8: ``model.fp8_min_weights`` weights or more)."""
     dense_bytes = dense_matmul = expert_numel = 0
     prefix = f"layers.{layer}."
     for name, shape in expected_shapes(args).items():
@@ -153,7 +157,7 @@ def layer_weights(
         if ".ffn.experts." in name:
             expert_numel += numel // args.num_experts
             continue
-        if fp8_linears and is_fp8_linear(name):
+        if fp8_linears and is_fp8_linear(name) and numel >= FP8_MIN_WEIGHTS:
             dense_bytes += numel + math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128) * 4
         else:
             dense_bytes += numel * (4 if is_fp32_param(name) else _itemsize(dtype))

@@ -45,12 +45,14 @@ def layer_mix(num_layers: int) -> list[str]:
 
 
 def forms(args: ModelArgs) -> dict[str, int]:
-    block = fp8_block(args)
+    """The weights' bytes held in each form; FP8 linears as the engine keeps them (those under
+    model.fp8_min_weights in bf16)."""
+    fp8 = {"fp8_block": fp8_block(args), "fp8_min_weights": ModelConfig().fp8_min_weights}
     return {
         "bf16": held_bytes(args, 2),
-        "fp8 linears": held_bytes(args, 2, fp8_block=block),
+        "fp8 linears": held_bytes(args, 2, **fp8),
         "fp4 experts": held_bytes(args, 2, fp4_experts=True),
-        "fp8 linears + fp4 experts": held_bytes(args, 2, fp8_block=block, fp4_experts=True),
+        "fp8 linears + fp4 experts": held_bytes(args, 2, fp4_experts=True, **fp8),
     }
 
 
@@ -122,7 +124,13 @@ def check_allocation(num_layers: int, device: torch.device) -> dict:
         loaded = load_model(config, family, Path(folder), args, kernels, device, torch.bfloat16)
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated(device) - before
-    sizing = held_bytes(args, 2, fp8_block=fp8_block(args), fp4_experts=True)
+    sizing = held_bytes(
+        args,
+        2,
+        fp8_block=fp8_block(args),
+        fp4_experts=True,
+        fp8_min_weights=config.fp8_min_weights,
+    )
     result = {
         "layers": num_layers,
         "types": ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types)),

@@ -46,6 +46,10 @@ class ModelConfig:
     # CUDA: keep the checkpoint's FP8 linear weights FP8 (block-scaled W8A8 GEMMs, kernel.linear)
     # instead of dequantizing them to dtype; ignored on other devices.
     fp8_weights: bool = False
+    # With fp8_weights: linears of fewer weights than this stay in dtype. FP8 loses to bf16 on
+    # V4-Flash's small ones at every M measured (wq_a, wkv: quantizing x costs as much as their
+    # GEMM; benchmarks/RESULTS.md 2026-12-06); 0 keeps every FP8 linear FP8.
+    fp8_min_weights: int = 8_388_608
     # Keep the checkpoint's FP4 routed experts packed (e2m1 + ue8m0 per 32, a quarter of bf16's
     # bytes; the MoE kernels dequantize in registers, exactly) instead of dequantizing them to
     # dtype. Same values either way, so the same tokens; ignored for checkpoints without FP4.

@@ -25,6 +25,8 @@ from deepinfer.cli import main as cli_main
 from deepinfer.model.deepseek_v4.checkpoint import CheckpointError, fp8_block, load_checkpoint
 from deepinfer.model.deepseek_v4.checkpoint import load_model_args as load_args
 from deepinfer.model.deepseek_v4.weights import held_bytes, is_fp8_linear
+from deepinfer.model.layers import dequantize_small_fp8_linears
+from deepinfer.ops.linear import dequantize_fp8
 from deepinfer.ops.moe import Mxfp4Weight, quantize_mxfp4
 from deepinfer.ops.moe.torch_ref import E2M1_VALUES
 
@@ -189,3 +191,28 @@ def test_sizing_from_shapes_is_what_the_loader_holds(
     loaded = sum(t.numel() * t.element_size() for t in state.values())
     block = fp8_block(args) if keep_fp8 else None
     assert loaded == held_bytes(args, 4, fp8_block=block, fp4_experts=keep_fp4, num_experts=4)
+
+
+def test_small_fp8_linears_are_held_dequantized_and_sized_so(quantized_dir: Path) -> None:
+    """``model.fp8_min_weights``: FP8 linears of fewer weights become dense (their exact
+    dequantized values, scales dropped), and the sizing from shapes counts them so."""
+    args = load_args(quantized_dir)
+    block = fp8_block(args)
+    state = _load(quantized_dir, keep_fp8=True, keep_fp4=True)
+    fp8_sizes = {n: t.numel() for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
+    threshold = sorted(set(fp8_sizes.values()))[1]  # the smallest size goes dense, the rest stay
+    expected = {
+        n: dequantize_fp8(state[n], state[n.removesuffix(".weight") + ".scale"], block)
+        for n, size in fp8_sizes.items()
+        if size < threshold
+    }
+    assert expected and len(expected) < len(fp8_sizes)
+    assert dequantize_small_fp8_linears(state, threshold, block, torch.float32) == len(expected)
+    for name, values in expected.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], values)
+        assert name.removesuffix(".weight") + ".scale" not in state
+    kept = [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(kept) == len(fp8_sizes) - len(expected)
+    loaded = sum(t.numel() * t.element_size() for t in state.values())
+    sized = held_bytes(args, 4, fp8_block=block, fp4_experts=True, fp8_min_weights=threshold)
+    assert loaded == sized

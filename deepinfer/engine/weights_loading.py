@@ -25,7 +25,11 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.model.family import ModelFamily
 from deepinfer.model.fingerprint import checkpoint_fingerprint
-from deepinfer.model.layers import use_fp8_linears, use_mxfp4_experts
+from deepinfer.model.layers import (
+    dequantize_small_fp8_linears,
+    use_fp8_linears,
+    use_mxfp4_experts,
+)
 from deepinfer.model.tiny import ensure_tiny_model
 from deepinfer.ops import Kernels
 
@@ -98,12 +102,23 @@ def load_model(
             keep_fp4=config.fp4_experts,
             experts=experts,
         )
+    num_dense = 0
+    if keep_fp8 and config.fp8_min_weights > 0:
+        num_dense = dequantize_small_fp8_linears(weights, config.fp8_min_weights, block, dtype)
     with torch.device("meta"):
         model = family.build_model(args, kernels, experts)
         num_fp8 = use_fp8_linears(model, weights, block, kernels.linear)
         num_fp4 = use_mxfp4_experts(model, weights)
     if keep_fp8:
-        logger.info("model: %d linear layers on FP8 weights (%dx%d blocks)", num_fp8, *block)
+        logger.info(
+            "model: %d linear layers on FP8 weights (%dx%d blocks), %d smaller than "
+            "model.fp8_min_weights = %d in %s",
+            num_fp8,
+            *block,
+            num_dense,
+            config.fp8_min_weights,
+            str(dtype).removeprefix("torch."),
+        )
     if num_fp4:
         logger.info("model: routed experts of %d layers packed FP4 (MXFP4)", num_fp4)
     model.load_state_dict(weights, strict=True, assign=True)
@@ -177,7 +192,7 @@ def cache_salt(
     if config.random_weights:
         salt += f":random-{config.tiny_model_seed}"
     if fp8_weights:
-        salt += ":fp8-weights"
+        salt += f":fp8-weights-from-{config.fp8_min_weights}"
     if fp8_experts:
         salt += ":fp8-experts"
     return checkpoint_fingerprint(model_dir) + salt.encode()

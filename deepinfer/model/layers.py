@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.ops.linear import LinearBackend
+from deepinfer.ops.linear import LinearBackend, dequantize_fp8
 from deepinfer.ops.norm import NormBackend
 
 
@@ -72,6 +72,22 @@ def use_fp8_linears(
         assert isinstance(old, nn.Linear), f"{path} is a {type(old).__name__}, not nn.Linear"
         new = Fp8Linear(old.in_features, old.out_features, block, linear)
         setattr(model.get_submodule(parent), attr, new)
+        count += 1
+    return count
+
+
+def dequantize_small_fp8_linears(
+    state: dict[str, torch.Tensor], min_weights: int, block: tuple[int, int], dtype: torch.dtype
+) -> int:
+    """Replace in ``state`` each FP8 linear weight of fewer than ``min_weights`` values by its
+    dequantized values in ``dtype``, dropping its ``.scale``, so that ``use_fp8_linears`` leaves
+    that layer an ``nn.Linear`` (``model.fp8_min_weights``); returns how many."""
+    count = 0
+    for name in [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]:
+        if state[name].numel() >= min_weights:
+            continue
+        scale = state.pop(name.removesuffix(".weight") + ".scale")
+        state[name] = dequantize_fp8(state[name], scale, block).to(dtype)
         count += 1
     return count
 

@@ -252,7 +252,7 @@ def test_engine_on_fp8_weights(fp8_dir: Path, record_figure: Callable[[str], Non
     ]
     params = SamplingParams(temperature=0.0, max_tokens=32, prompt_logprobs=1)
 
-    fp8 = LLM(**common, fp8_weights=True)
+    fp8 = LLM(**common, fp8_weights=True, fp8_min_weights=0)  # every toy linear FP8
     runner = fp8.engine.executor
     # DeepGEMM where it is built (it runs the Triton GEMM at these toy shapes), else Triton.
     assert type(runner.kernels.linear).__module__ in (

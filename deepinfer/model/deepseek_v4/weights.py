@@ -272,14 +272,16 @@ def held_bytes(
     fp8_block: tuple[int, int] | None = None,
     fp4_experts: bool = False,
     num_experts: int | None = None,
+    fp8_min_weights: int = 0,
 ) -> int:
     """Bytes of the weights as the model holds them (the state dict ``load_checkpoint`` or
     ``random_weights`` returns), computed from the shapes alone: ``itemsize`` bytes per value
     of the compute dtype, 4 for the fp32 parameters, 8 for ``tid2eid``; ``fp8_block``: the
     ``is_fp8_linear`` weights 1 byte per value plus fp32 block scales; ``fp4_experts``: the
     routed experts half a byte per value plus one scale byte per 32; ``num_experts``: the
-    routed experts one rank holds (None: all). For sizing a model that is not loaded (a
-    full-depth V4-Flash on the accelerators it needs)."""
+    routed experts one rank holds (None: all); ``fp8_min_weights``: FP8 linears of fewer
+    weights held in the compute dtype (``model.fp8_min_weights``). For sizing a model that is
+    not loaded (a full-depth V4-Flash on the accelerators it needs)."""
     total = 0
     for name, shape in expected_shapes(args, num_experts).items():
         numel = 1
@@ -289,7 +291,7 @@ def held_bytes(
             total += 8 * numel
         elif is_fp32_param(name):
             total += 4 * numel
-        elif fp8_block is not None and is_fp8_linear(name):
+        elif fp8_block is not None and is_fp8_linear(name) and numel >= fp8_min_weights:
             rows, cols = shape
             scales = -(-rows // fp8_block[0]) * -(-cols // fp8_block[1])
             total += numel + 4 * scales
