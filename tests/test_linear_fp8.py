@@ -245,10 +245,11 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     """Where ``use_cublas`` says so, for bf16 x (CUDA only; switched on by hand here), the
     backend calls cublas_fp8_linear; where torch refuses the recipe (RuntimeError) it answers
     with our kernel, and keeps to ours from then on."""
-    assert not linear_triton.use_cublas(16, 32768, 1024)  # decode: ours
-    assert linear_triton.use_cublas(17, 512, 4096) and linear_triton.use_cublas(64, 512, 4096)
-    assert not linear_triton.use_cublas(512, 512, 4096)  # a small weight at mid M: ours
-    assert linear_triton.use_cublas(512, 32768, 1024) and linear_triton.use_cublas(1024, 512, 4096)
+    use = linear_triton.use_cublas
+    assert not use(1, 32768, 1024) and use(2, 32768, 1024)  # wq_b: ours at one row only
+    assert use(1, 4096, 8192)  # wo_b: cuBLAS even at one row (K = 8192)
+    assert not use(16, 512, 4096) and use(17, 512, 4096) and use(64, 512, 4096)  # wkv
+    assert not use(512, 512, 4096) and use(1024, 512, 4096)  # a small weight at mid M: ours
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
     assert not backend.cublas  # not on the CPU
     calls: list[int] = []

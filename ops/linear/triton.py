@@ -416,10 +416,13 @@ def fp8_linear(
 
 def use_cublas(m: int, n: int, k: int) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]
-    (H200, benchmarks/RESULTS.md 2026-12-06): ours up to 16 rows (decode), cuBLAS from 17 to
-    64 rows (our 64-row tiles are slow there), then ours on the small weights (N K < 2^24:
-    wq_a, wkv, the shared expert) up to 1,023 rows, where cuBLAS's ~15 µs floor loses."""
-    return m > 16 and (m <= 64 or m >= 1024 or n * k >= 1 << 24)
+    (H100 and H200, benchmarks/RESULTS.md 2026-12-06). On the large weights (N K >= 2^24: wq_b,
+    wo_b) from 2 rows, and at one row where K is long (wo_b: x padded to 16 rows, ~18 µs against
+    our 27); on the small ones only from 17 to 64 rows (our 64-row tiles are slow there) and
+    from 1,024 rows up: elsewhere cuBLAS's ~15 µs floor loses to our kernel."""
+    if n * k < 1 << 24:
+        return 16 < m <= 64 or m >= 1024
+    return m > 1 or k >= 8192
 
 
 def cublas_fp8_linear(

@@ -131,7 +131,7 @@ def test_matches_reference_and_times(
     assert err_ref < W8A8_TOL
 
 
-@pytest.mark.parametrize("num_tokens", [33, 333, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 33, 333, 4096])
 @pytest.mark.parametrize("name", ["wq_a", "wq_b", "wo_b"])
 def test_backend_takes_cublas_where_faster(
     linear_triton: ModuleType,
