@@ -9,18 +9,36 @@ converting the experts at load for a backend that takes them.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-import torch
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+# deepgemm.py imports the Triton modules (align_by_expert, the quantizer) though nothing here
+# launches a kernel: imported interpreted, as the other CPU tests need them (triton_modules.py).
+os.environ["TRITON_INTERPRET"] = "1"
 
-from deepinfer import LLM, SamplingParams
-from deepinfer.cli import main as cli_main
-from deepinfer.ops import moe
-from deepinfer.ops.linear import torch_ref as linear_ref
-from deepinfer.ops.moe import deepgemm
-from deepinfer.ops.moe import torch_ref as moe_ref
-from deepinfer.ops.registry import BackendEntry, always
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.cli import main as cli_main  # noqa: E402
+from deepinfer.ops import moe  # noqa: E402
+from deepinfer.ops.linear import torch_ref as linear_ref  # noqa: E402
+from deepinfer.ops.moe import deepgemm  # noqa: E402
+from deepinfer.ops.moe import torch_ref as moe_ref  # noqa: E402
+from deepinfer.ops.registry import BackendEntry, always  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_flag_restored() -> Iterator[None]:
+    yield
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
 
 LIMIT = 7.0
 

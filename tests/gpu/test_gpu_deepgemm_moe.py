@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from triton_modules import compiled
 
 from deepinfer.ops import moe
 from deepinfer.ops.linear import deepgemm as linear_deepgemm
@@ -35,6 +36,10 @@ def available() -> None:
     ok, why = linear_deepgemm.is_available(CUDA)
     if not ok:
         pytest.skip(why)
+    # The Triton modules deepgemm.py calls, compiled (a CPU test may have imported them
+    # interpreted in this session; reloaded in place, so deepgemm.py sees the new kernels).
+    compiled("deepinfer.ops.linear.triton")
+    compiled("deepinfer.ops.moe.triton")
 
 
 @pytest.fixture(scope="module")
