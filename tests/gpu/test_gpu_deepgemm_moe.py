@@ -11,7 +11,9 @@ Skips with the backend's own reason where deep_gemm cannot run (scripts/build_de
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,7 +22,6 @@ from triton_modules import compiled
 from deepinfer.ops import moe
 from deepinfer.ops.linear import deepgemm as linear_deepgemm
 from deepinfer.ops.linear import torch_ref as linear_ref
-from deepinfer.ops.moe import deepgemm
 from deepinfer.ops.moe import torch_ref as moe_ref
 
 pytestmark = pytest.mark.gpu
@@ -31,15 +32,18 @@ ORACLE_TOL = 8e-2
 CUDA = torch.device("cuda")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def available() -> None:
+@pytest.fixture(scope="module")
+def deepgemm() -> ModuleType:
+    """ops/moe/deepgemm.py, imported here, not at collection: it imports the Triton modules,
+    which must come compiled (a CPU test may have imported them interpreted in this session;
+    reloaded in place, so deepgemm.py sees the new kernels), and a first ``import triton``
+    without TRITON_INTERPRET would make every CPU test's interpreter fail."""
     ok, why = linear_deepgemm.is_available(CUDA)
     if not ok:
         pytest.skip(why)
-    # The Triton modules deepgemm.py calls, compiled (a CPU test may have imported them
-    # interpreted in this session; reloaded in place, so deepgemm.py sees the new kernels).
     compiled("deepinfer.ops.linear.triton")
     compiled("deepinfer.ops.moe.triton")
+    return importlib.import_module("deepinfer.ops.moe.deepgemm")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def test_selected_by_name_and_converts_at_load() -> None:
+def test_selected_by_name_and_converts_at_load(deepgemm: ModuleType) -> None:
     backend = moe.BACKENDS.select("deepgemm", CUDA)
     assert type(backend).__name__ == "DeepGEMMMoEBackend" and backend.fp8_experts
     assert type(moe.BACKENDS.select("auto", CUDA)).__name__ == "TritonMoEBackend"
@@ -88,6 +92,7 @@ def test_selected_by_name_and_converts_at_load() -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 512, 4096])
 def test_matches_the_references(
+    deepgemm: ModuleType,
     num_tokens: int,
     experts: list[moe.Fp8ExpertWeight],
     ieee_fp32: None,
@@ -107,7 +112,9 @@ def test_matches_the_references(
     assert emulated < W8A8_TOL and exact < ORACLE_TOL
 
 
-def test_a_cuda_graph_replays_the_eager_result(experts: list[moe.Fp8ExpertWeight]) -> None:
+def test_a_cuda_graph_replays_the_eager_result(
+    deepgemm: ModuleType, experts: list[moe.Fp8ExpertWeight]
+) -> None:
     """Nothing in the step reads the device from the host: it captures, and a replay on new
     routing gives what an eager call gives."""
     backend = moe.BACKENDS.select("deepgemm", CUDA)
