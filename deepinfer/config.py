@@ -93,6 +93,10 @@ class CacheConfig:
     # Draft tokens whose state can be rolled back (speculative decoding; 0: none; at most
     # ring_margin): the compressors' buffer rings keep ratio - 1 + max_draft_tokens rows.
     max_draft_tokens: int = 0
+    # The compressed KV entries and window rings: "bfloat16"/"auto" (the model dtype) or "fp8"
+    # (DeepSeek-V4: NoPE channels e4m3 with a power-of-two scale per 64, RoPE bf16; 584 bytes a
+    # row instead of 1,024; ops/attention/kv_fp8.py).
+    kv_dtype: str = "auto"
     enable_prefix_caching: bool = True  # reuse cached prefix blocks across requests
     num_snapshots: int | None = None  # state snapshots; None: 2 x the number of state slots
     snapshot_interval_blocks: int = 16  # also snapshot every N blocks of a long prefill
@@ -115,6 +119,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_positive("cache.block_size", self.block_size)
+        _check_choice("cache.kv_dtype", self.kv_dtype, ("auto", "bfloat16", "fp8"))
         if self.num_blocks is not None:
             _check_positive("cache.num_blocks", self.num_blocks)
         if self.num_state_slots is not None:

@@ -16,6 +16,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec, RowFormat
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.cache import kv_fp8_layout
 from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG
 from deepinfer.model.families import load_family
 from deepinfer.ops import reference_kernels
@@ -69,18 +70,22 @@ def test_the_built_in_model_allocates_what_its_spec_sizes(max_draft: int) -> Non
     assert buffers and all(p.rows == args.compress_ratio(p.key[0]) - 1 + max_draft for p in buffers)
 
 
-@pytest.mark.parametrize("entry_format", [None, FP8_ENTRY])
-def test_v4_flash_shapes_on_the_meta_device(entry_format: RowFormat | None) -> None:
+@pytest.mark.parametrize("kv_format", [None, FP8_ENTRY])
+def test_v4_flash_shapes_on_the_meta_device(kv_format: RowFormat | None) -> None:
     args = _v4_flash_args()
-    spec = _spec(args, entry_format=entry_format)
+    spec = _spec(args, kv_format=kv_format)
     kv = _assert_sized_as_allocated(spec, torch.bfloat16, "meta")
     csa = args.layer_types.index("compressed_sparse_attention")
-    if entry_format is None:
+    ring = (4, args.sliding_window + 16)
+    if kv_format is None:
         assert (
             kv[csa, "entries"].shape == (8, 32, 512) and kv[csa, "entries"].dtype == torch.bfloat16
         )
+        assert kv[csa, "ring"].shape == (*ring, 512)
     else:
         assert kv[csa, "entries"].shape == (8, 32, 584) and kv[csa, "entries"].dtype == torch.uint8
+        assert kv[csa, "ring"].shape == (*ring, 584) and kv[csa, "ring"].dtype == torch.uint8
+        assert FP8_ENTRY.nbytes == kv_fp8_layout(args).row_format().nbytes
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,25 @@ def test_sparse_attention_matches_reference(
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
 
 
+def test_packed_fp8_sources_are_read_as_their_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cache.kv_dtype = "fp8": a packed source is unpacked row by listed row (in chunks of
+    queries, forced small here) and gives torch_ref's result over the same packed rows."""
+    from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+
+    monkeypatch.setattr(kernels, "_PACKED_CHUNK_BYTES", 2 * 9 * 64 * 4)  # 2 queries a chunk
+    gen = torch.Generator().manual_seed(3)
+    layout, num_q, heads = Fp8Layout(64, 16), 5, 4
+    packed = Fp8Rows.of(torch.zeros(3, 8, layout.row_bytes, dtype=torch.uint8), layout)
+    packed.store(torch.arange(24), torch.randn(24, layout.head_dim, generator=gen))
+    step = (torch.randn(num_q, 64, generator=gen), torch.arange(num_q).view(-1, 1))
+    idx = _index_lists(gen, num_q, 9, 24, torch.int64)
+    q = torch.randn(num_q, heads, 64, generator=gen)
+    sinks = torch.randn(heads, generator=gen)
+    out = kernels.sparse_attention(q, [step, (packed, idx)], sinks, 0.125)
+    expected = ref.sparse_attention(q, [step, (packed, idx)], sinks, 0.125)
+    assert _rel_err(out, expected) < ATTENTION_REL_TOL
+
+
 def test_backend_object_launches_with_its_sm_count_and_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

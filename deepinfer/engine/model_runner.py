@@ -180,6 +180,7 @@ class ModelRunner:
             block_size=cache.block_size,
             ring_margin=cache.ring_margin,
             max_draft=cache.max_draft_tokens,
+            kv_dtype=cache.kv_dtype,
         )
 
     @property

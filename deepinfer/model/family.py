@@ -141,8 +141,17 @@ class ModelFamily(Protocol):
         ...
 
     def cache_spec(
-        self, args: Any, *, block_size: int, ring_margin: int, max_draft: int
-    ) -> CacheSpec: ...
+        self,
+        args: Any,
+        *,
+        block_size: int,
+        ring_margin: int,
+        max_draft: int,
+        kv_dtype: str = "auto",
+    ) -> CacheSpec:
+        """``kv_dtype``: cache.kv_dtype; a family that cannot store its KV so raises
+        ValueError naming the key."""
+        ...
 
     def geometry(self, args: Any, cache: KVCache) -> Any: ...
 

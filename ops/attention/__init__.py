@@ -2,7 +2,8 @@
 
 A backend object (``AttentionBackend``) provides ``sparse_attention`` and ``indexer_scores``
 with torch_ref's signatures. Backends, fastest first: ``triton`` (CUDA), ``torch_ref`` (the
-oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why).
+oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why). A key
+source is dense rows or packed FP8 rows (``kv_fp8.py``, cache.kv_dtype = "fp8").
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.ops.attention.kv_fp8 import KVSource
 from deepinfer.ops.attention.torch_ref import indexer_scores, sparse_attention
 from deepinfer.ops.registry import OpRegistry, triton_available
 
@@ -25,7 +27,7 @@ class AttentionBackend(Protocol):
     def sparse_attention(
         self,
         q: torch.Tensor,
-        sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        sources: Sequence[tuple[KVSource, torch.Tensor]],
         sinks: torch.Tensor,
         scale: float,
     ) -> torch.Tensor: ...

@@ -3,10 +3,11 @@
 An adapter, not an engine backend: the benchmark (benchmarks/flashmla_vs_triton.py) and the GPU
 test (tests/gpu/test_gpu_flashmla.py) use it to hold our sparse attention against DeepSeek's own
 kernels. It is not registered in ``BACKENDS``: FlashMLA's sparse decode reads only an FP8 KV cache
-in the layout below, while our engine's KV cache is bf16 rows [N, 512] and our attention op takes
-up to three key sources per token (this step's new keys, the window ring, the compressed entries)
-where FlashMLA takes two (a main cache and an "extra" one). Serving through it would take an FP8
-cache in the engine and a different KV write path; until then it is a yardstick. The kernels are
+in the layout below, which the engine's cache holds with ``cache.kv_dtype = "fp8"`` (the same
+row bytes, ``kv_fp8.py``; a block's stride r * 584 there), but our attention op takes up to
+three key sources per token (this step's new keys, the window ring, the compressed entries)
+where FlashMLA takes two (a main cache and an "extra" one); until the step's keys go through
+the ring first, it is a yardstick. The kernels are
 vendor code built apart (scripts/build_flashmla.sh): ``flash_mla`` is imported only when a
 function here runs, so this module imports everywhere; ``is_available`` says why it cannot run.
 
@@ -46,21 +47,16 @@ from typing import Any
 
 import torch
 
+from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+
 HEAD_DIM = 512  # d_qk = d_v = 512: the whole row is key and value
 ROPE_DIM = 64  # kept in bf16
-NOPE_DIM = HEAD_DIM - ROPE_DIM  # 448, stored in FP8
-QUANT_TILE = 64  # NoPE channels per scale
-NUM_TILES = NOPE_DIM // QUANT_TILE  # 7
-TOKEN_DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576: fp8 NoPE + bf16 RoPE of one token
-TOKEN_SCALE_BYTES = NUM_TILES + 1  # 8: 7 ue8m0 exponents + 1 zero byte
-BYTES_PER_TOKEN = TOKEN_DATA_BYTES + TOKEN_SCALE_BYTES  # 584, the last dim FlashMLA checks
+LAYOUT = Fp8Layout(HEAD_DIM, ROPE_DIM)  # the engine's FP8 KV rows for V4: these bytes
+BYTES_PER_TOKEN = LAYOUT.row_bytes  # 584 (576 data + 8 scales), the last dim FlashMLA checks
 BLOCK_ALIGN = 576  # a block's stride is a multiple of this (as FlashMLA's tests lay it out)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-MIN_SCALE = 1e-4  # a tile's scale is at least 2^ceil(log2(1e-4)) = 2^-13
 DECODE_TOPK_BLOCK = 64  # decode index lists: a multiple of this many entries (padded with -1)
 PREFILL_TOPK_BLOCK = 128  # sm90 sparse prefill: topk % (2 * 64) == 0
 SUPPORTED_HEADS = (64, 128)
-_UE8M0_BIAS = 127
 
 
 def is_available(device: torch.device) -> tuple[bool, str]:
@@ -95,22 +91,13 @@ def block_stride_bytes(block_size: int) -> int:
     return -(-block_size * BYTES_PER_TOKEN // BLOCK_ALIGN) * BLOCK_ALIGN
 
 
-def _tile_exponents(nope: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(max(amax / 448, 1e-4))) per 64-channel tile, exactly: nope [N, 7, 64] fp32 ->
-    [N, 7] int32. frexp gives x = m * 2^e with m in [0.5, 1): ceil(log2 x) is e - 1 when m is
-    exactly 0.5 (x a power of two), else e."""
-    scale = (nope.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
-    mantissa, exponent = torch.frexp(scale)
-    return exponent - (mantissa == 0.5).to(exponent.dtype)
-
-
 def pack_kv_cache(kv: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     """KV rows [N, 512] (bf16 or fp32, ``[nope 448 | rope 64]``) in FlashMLA's V4 FP8 layout.
 
     Returns the view FlashMLA takes: [ceil(N / block_size), block_size, 1, 584] float8_e4m3fn
     with strides (block_stride_bytes(block_size), 584, 584, 1), on kv's device; rows past N are
-    zeros. Row n's index in FlashMLA's index lists is n. kv is rounded to bf16 first (the RoPE
-    channels are stored so).
+    zeros. Row n's index in FlashMLA's index lists is n. The rows are packed by
+    ``kv_fp8.Fp8Layout`` (the engine's FP8 KV rows: the same bytes), rounded to bf16 first.
     """
     assert kv.dim() == 2 and kv.shape[1] == HEAD_DIM, f"kv rows [N, {HEAD_DIM}], got {kv.shape}"
     assert block_size > 0, f"block_size {block_size}"
@@ -120,25 +107,15 @@ def pack_kv_cache(kv: torch.Tensor, block_size: int = 64) -> torch.Tensor:
         (num_blocks * block_size, HEAD_DIM), dtype=torch.bfloat16, device=kv.device
     )
     padded[:num_rows] = kv
-    nope = padded[:, :NOPE_DIM].float().view(-1, NUM_TILES, QUANT_TILE)  # [R, 7, 64]
-    exponents = _tile_exponents(nope)  # [R, 7]
-    scaled = nope / torch.exp2(exponents.float()).unsqueeze(-1)  # exact: powers of two
-    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(num_blocks, block_size, NOPE_DIM)
-    rope = padded[:, NOPE_DIM:].contiguous().view(torch.uint8)  # [R, 128] little-endian bf16
-
+    data, scales = LAYOUT.pack(padded)  # [R, 576], [R, 8]
     blocks = torch.zeros(
         (num_blocks, block_stride_bytes(block_size)), dtype=torch.uint8, device=kv.device
     )
-    data = blocks[:, : block_size * TOKEN_DATA_BYTES].view(num_blocks, block_size, -1)
-    data[..., :NOPE_DIM] = fp8
-    data[..., NOPE_DIM:] = rope.view(num_blocks, block_size, 2 * ROPE_DIM)
-    scale_end = block_size * BYTES_PER_TOKEN
-    scales = blocks[:, block_size * TOKEN_DATA_BYTES : scale_end].view(num_blocks, block_size, -1)
-    scales[..., :NUM_TILES] = (
-        (exponents + _UE8M0_BIAS).to(torch.uint8).view(num_blocks, block_size, NUM_TILES)
-    )
-    cache = blocks[:, :scale_end].view(num_blocks, block_size, 1, BYTES_PER_TOKEN)
-    return cache.view(torch.float8_e4m3fn)
+    rows = blocks[:, : block_size * BYTES_PER_TOKEN].view(num_blocks, block_size, -1)
+    packed = Fp8Rows.of(rows, LAYOUT)
+    packed.data.copy_(data.view(num_blocks, block_size, -1))
+    packed.scales.copy_(scales.view(num_blocks, block_size, -1))
+    return rows.unsqueeze(2).view(torch.float8_e4m3fn)
 
 
 def unpack_kv_cache(cache: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
@@ -148,19 +125,13 @@ def unpack_kv_cache(cache: torch.Tensor, num_rows: int | None = None) -> torch.T
     any block stride). NoPE = fp8 value x 2^(byte - 127), exact in bf16; RoPE as stored.
     num_rows: the first rows to return (default: every slot of every block).
     """
-    num_blocks, block_size, num_kv_heads, token_bytes = cache.shape
+    _, _, num_kv_heads, token_bytes = cache.shape
     assert num_kv_heads == 1 and token_bytes == BYTES_PER_TOKEN, f"cache {tuple(cache.shape)}"
     assert cache.stride(1) == BYTES_PER_TOKEN and cache.stride(3) == 1, (
         f"a block's tokens must be contiguous: strides {cache.stride()}"
     )
-    blocks = cache.view(torch.uint8).flatten(1)  # [num_blocks, 584 * block_size]
-    data = blocks[:, : block_size * TOKEN_DATA_BYTES].reshape(num_blocks * block_size, -1)
-    scales = blocks[:, block_size * TOKEN_DATA_BYTES :].reshape(num_blocks * block_size, -1)
-    exponents = scales[:, :NUM_TILES].int() - _UE8M0_BIAS  # [R, 7]
-    nope = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    nope = nope.view(-1, NUM_TILES, QUANT_TILE) * torch.exp2(exponents.float()).unsqueeze(-1)
-    rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16)  # [R, 64]
-    rows = torch.cat([nope.flatten(1).to(torch.bfloat16), rope], dim=1)
+    packed = Fp8Rows.of(cache.view(torch.uint8).squeeze(2), LAYOUT)
+    rows = LAYOUT.unpack(packed.data, packed.scales).flatten(0, 1)
     return rows if num_rows is None else rows[:num_rows]
 
 

@@ -15,21 +15,31 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend
 
 # Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
 _CHUNK = 256
 
 
+def gather_rows(kv: KVSource, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a key source at indices ``rows`` (any shape, valid) -> [..., D] in ``dtype``:
+    dense rows as stored, packed FP8 rows unpacked (exact)."""
+    if isinstance(kv, Fp8Rows):
+        return kv.gather(rows).to(dtype)
+    return kv[rows]
+
+
 def sparse_attention(
     q: torch.Tensor,
-    sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    sources: Sequence[tuple[KVSource, torch.Tensor]],
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
-    q: [T, H, D]. sources: (kv [N, D] one head used as key and value, idx [T, L] integer rows of
+    q: [T, H, D]. sources: (kv [N, D] one head used as key and value, or packed FP8 rows
+    (``kv_fp8.Fp8Rows``, read as their exact values in q's dtype), idx [T, L] integer rows of
     kv, -1 = no key) per source; a query attends to the union of its listed rows. sinks: [H]
     fp32; exp(sink) joins the softmax denominator and contributes no value. The softmax runs in
     fp32. A query with no keys outputs zeros. Returns [T, H, D] in q's dtype.
@@ -42,7 +52,7 @@ def sparse_attention(
         keys, valid = [], []
         for kv, idx in sources:
             rows = idx[lo:hi].long()
-            keys.append(kv[rows.clamp(min=0)])  # [C, L, D]
+            keys.append(gather_rows(kv, rows.clamp(min=0), q.dtype))  # [C, L, D]
             valid.append(rows >= 0)
         kv_rows, mask = torch.cat(keys, dim=1), torch.cat(valid, dim=1)  # [C, L, D], [C, L]
         logits = torch.einsum("chd,cld->chl", q[lo:hi], kv_rows).float() * scale

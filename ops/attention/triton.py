@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
@@ -359,7 +360,7 @@ def _combine_splits_kernel(
 
 def sparse_attention(
     q: torch.Tensor,
-    sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    sources: Sequence[tuple[KVSource, torch.Tensor]],
     sinks: torch.Tensor,
     scale: float,
     *,
@@ -369,11 +370,14 @@ def sparse_attention(
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
     q: [T, H, D] bf16/fp16/fp32, D a power of two >= 16. sources: 1 to 3 (kv [N, D] in q's
-    dtype with unit column stride, idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
+    dtype with unit column stride, or packed FP8 rows (``_packed_sparse_attention``), idx [T, L]
+    int32/int64 rows of kv, -1 = no key). sinks: [H].
     Returns [T, H, D] in q's dtype; a query with no keys outputs zeros. config: tiles other
     than attention_config's (for tuning). num_sms: the SMs the splits fill (default: q's
     device's; the backend object passes its own).
     """
+    if any(isinstance(kv, Fp8Rows) for kv, _ in sources):
+        return _packed_sparse_attention(q, sources, sinks, scale, config, num_sms)
     num_q, num_heads, dim = q.shape
     assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim must be a power of two >= 16, got {dim}"
@@ -456,6 +460,42 @@ def sparse_attention(
             BLOCK_D=block_d,
             num_warps=4,
         )
+    return out
+
+
+# Bytes of unpacked keys a chunk of queries may gather from packed sources (below).
+_PACKED_CHUNK_BYTES = 1 << 28
+
+
+def _packed_sparse_attention(
+    q: torch.Tensor,
+    sources: Sequence[tuple[KVSource, torch.Tensor]],
+    sinks: torch.Tensor,
+    scale: float,
+    config: AttentionConfig | None,
+    num_sms: int | None,
+) -> torch.Tensor:
+    """Packed FP8 key sources (cache.kv_dtype = "fp8"), read as their exact values: for a chunk
+    of queries at a time, the rows a packed source lists are unpacked into dense rows in q's
+    dtype and the indices renumbered to them (-1 kept), then the kernel runs on dense sources.
+    Correct, not fast: the kernel does not read FP8 rows itself yet."""
+    num_q = q.shape[0]
+    listed = sum(idx.shape[1] for kv, idx in sources if isinstance(kv, Fp8Rows))
+    row_bytes = q.shape[2] * q.element_size()
+    chunk = max(1, _PACKED_CHUNK_BYTES // max(1, listed * row_bytes))
+    out = torch.empty_like(q)
+    for lo in range(0, num_q, chunk):
+        hi = min(num_q, lo + chunk)
+        dense = []
+        for kv, idx in sources:
+            idx = idx[lo:hi]
+            if isinstance(kv, Fp8Rows):
+                flat = idx.reshape(-1).long()
+                kv = kv.gather(flat.clamp(min=0)).to(q.dtype)  # [C * L, D]
+                numbered = torch.arange(flat.numel(), device=flat.device)
+                idx = torch.where(flat >= 0, numbered, -1).view(idx.shape)
+            dense.append((kv, idx))
+        out[lo:hi] = sparse_attention(q[lo:hi], dense, sinks, scale, config=config, num_sms=num_sms)
     return out
 
 
@@ -596,7 +636,7 @@ class TritonAttentionBackend(Backend):
     def sparse_attention(
         self,
         q: torch.Tensor,
-        sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        sources: Sequence[tuple[KVSource, torch.Tensor]],
         sinks: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:

@@ -50,9 +50,12 @@ host and disk tiers store; d > 0 changes the payloads' shapes and layout, so it 
 
 from __future__ import annotations
 
+import torch
+
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CachePart, CacheSpec, RowFormat
 from deepinfer.model.deepseek_v4.args import CSA, HCA, ModelArgs
+from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 
 # The compressors of a layer kind: (state prefix, row width attribute).
 _COMPRESSORS = {
@@ -67,10 +70,11 @@ def cache_spec(
     block_size: int,
     ring_margin: int,
     max_draft: int = 0,
-    entry_format: RowFormat | None = None,
+    kv_format: RowFormat | None = None,
 ) -> CacheSpec:
-    """The parts above. ``entry_format``: the compressed entries as packed rows (e.g. FP8 with
-    in-row scales) instead of hd elements of the cache dtype."""
+    """The parts above. ``kv_format``: the compressed entries and the window rings as packed
+    rows (``kv_fp8_layout(args).row_format()``: FP8 with in-row scales, cache.kv_dtype =
+    "fp8") instead of hd elements of the cache dtype."""
     check_margins(args.compress_ratios, block_size, ring_margin, max_draft)
     ring = ring_size(args, ring_margin)
     layers = list(enumerate(zip(args.layer_types, args.compress_ratios, strict=True)))
@@ -78,14 +82,15 @@ def cache_spec(
     index_keys: list[CachePart] = []
     for i, (layer_type, ratio) in layers:
         if ratio:
-            row = entry_format or args.head_dim
+            row = kv_format or args.head_dim
             entries.append(CachePart((i, "entries"), "paged", block_size // ratio, row))
         if layer_type == CSA:
             index_keys.append(
                 CachePart((i, "index_keys"), "paged", block_size // ratio, args.index_head_dim)
             )
-    rings = [CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True) for i, _ in layers]
-    rings += mtp_parts(args, ring)
+    kv_row = kv_format or args.head_dim
+    rings = [CachePart((i, "ring"), "state", ring, kv_row, snapshot=True) for i, _ in layers]
+    rings += mtp_parts(args, ring, kv_row)
     compressors: list[CachePart] = []
     for i, (layer_type, ratio) in layers:
         for prefix, width_attr in _COMPRESSORS.get(layer_type, ()):
@@ -99,22 +104,37 @@ def cache_spec(
         max_draft=max_draft,
         salt=f"{block_size}:{ring}"
         + (f":draft{max_draft}" if max_draft else "")
-        + (f":mtp{args.mtp_served}" if args.mtp_served else ""),
+        + (f":mtp{args.mtp_served}" if args.mtp_served else "")
+        + (f":{kv_format.name}" if kv_format else ""),
     )
 
 
-def mtp_parts(args: ModelArgs, ring: int) -> list[CachePart]:
+def mtp_parts(args: ModelArgs, ring: int, kv_row: int | RowFormat) -> list[CachePart]:
     """A served MTP layer's state (layer id ``num_layers + i``): its window ring, and the stack's
     last hidden streams at the request's last computed position (what the layer reads there in
     the next step, when that position's next token is known)."""
     parts = []
     for i in range(args.num_layers, args.num_layers + args.mtp_served):
-        parts.append(CachePart((i, "ring"), "state", ring, args.head_dim, snapshot=True))
+        parts.append(CachePart((i, "ring"), "state", ring, kv_row, snapshot=True))
         hidden = CachePart(
             (i, "mtp_hidden"), "state", args.hc_mult, args.hidden_size, snapshot=True
         )
         parts.append(hidden)
     return parts
+
+
+def kv_fp8_layout(args: ModelArgs) -> Fp8Layout:
+    """The FP8 rows of this model's KV (entries and rings): NoPE e4m3, RoPE bf16."""
+    return Fp8Layout(args.head_dim, args.rope_head_dim)
+
+
+def kv_rows(cache: KVCache, key: tuple[int, str], args: ModelArgs) -> KVSource:
+    """A KV part (entries or a ring) as flat rows: [groups * rows, hd] of the cache dtype, or
+    ``Fp8Rows`` when the part is packed (cache.kv_dtype = "fp8")."""
+    part = cache[key]
+    if part.dtype == torch.uint8:  # a packed row (the cache dtype is never uint8)
+        return Fp8Rows.of(part, kv_fp8_layout(args))
+    return part.flatten(0, 1)
 
 
 def check_margins(

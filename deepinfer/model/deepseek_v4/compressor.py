@@ -18,6 +18,7 @@ from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels
+from deepinfer.ops.attention.kv_fp8 import KVSource, store_rows
 from deepinfer.ops.norm import rope_cos_sin
 
 
@@ -72,10 +73,11 @@ class Compressor(nn.Module):
         x: torch.Tensor,
         plan: CompressPlan,
         state: CompressorState,
-        pool: torch.Tensor,
+        pool: KVSource,
         inv_freq: torch.Tensor,
     ) -> None:
-        """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim]) and
+        """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim], or
+        its packed FP8 rows) and
         keep the tokens a later step (or a rollback) needs in the buffer ring (compress_plan.py's
         plan)."""
         m = self.ratio
@@ -91,7 +93,7 @@ class Compressor(nn.Module):
                 win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
             pooled = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
             pooled = self.norm_ops.apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
-            pool[plan.entry_dst] = pooled[plan.keep_windows].to(pool.dtype)
+            store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
         buf_kv[plan.left_dst] = src_kv[plan.left_src]
         buf_gate[plan.left_dst] = src_gate[plan.left_src]
 

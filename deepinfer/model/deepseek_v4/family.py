@@ -104,10 +104,21 @@ class DeepseekV4Family:
         tiny.write_tiny_checkpoint(folder, seed, quantized)
 
     def cache_spec(
-        self, args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int
+        self,
+        args: ModelArgs,
+        *,
+        block_size: int,
+        ring_margin: int,
+        max_draft: int,
+        kv_dtype: str = "auto",
     ) -> CacheSpec:
+        kv_format = cache_layout.kv_fp8_layout(args).row_format() if kv_dtype == "fp8" else None
         return cache_layout.cache_spec(
-            args, block_size=block_size, ring_margin=ring_margin, max_draft=max_draft
+            args,
+            block_size=block_size,
+            ring_margin=ring_margin,
+            max_draft=max_draft,
+            kv_format=kv_format,
         )
 
     def geometry(self, args: ModelArgs, cache: KVCache) -> CacheGeometry:

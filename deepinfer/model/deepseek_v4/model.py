@@ -23,10 +23,12 @@ from torch import nn
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
+from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
+from deepinfer.ops.attention.kv_fp8 import as_stored, store_rows
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
     ExpertWeight,
@@ -46,6 +48,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.kernels = kernels
+        self.args = args
         self.layer_id = layer_id
         self.layer_type = args.layer_types[layer_id]
         self.ratio = args.compress_ratio(layer_id)
@@ -79,11 +82,13 @@ class Attention(nn.Module):
         kv = norm.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
-        ring = cache[self.layer_id, "ring"].flatten(0, 1)  # [slots * ring, hd]
-        # Keys: this step's window rows, earlier window rows from the ring, compressed entries.
-        sources = [(kv, meta.win_step_idx), (ring, meta.win_ring_idx)]
+        ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
+        # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
+        # cache, so a key reads the same in its own step and later), earlier window rows from
+        # the ring, compressed entries.
+        sources = [(as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
-            pool = cache[self.layer_id, "entries"].flatten(0, 1)  # [blocks * per block, hd]
+            pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
             state = CompressorState.of(cache, self.layer_id, "comp")
             self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq)
             if self.layer_type == CSA:
@@ -94,7 +99,7 @@ class Attention(nn.Module):
         out = self.kernels.attention.sparse_attention(
             q, sources, self.attn_sink, self.head_dim**-0.5
         )
-        ring[meta.ring_dst] = kv[meta.ring_src].to(ring.dtype)
+        store_rows(ring, meta.ring_dst, kv[meta.ring_src])
         out = norm.apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]

@@ -127,8 +127,19 @@ class DeepseekV41Family:
         tiny.write_tiny_checkpoint(folder, seed, quantized)
 
     def cache_spec(
-        self, args: ModelArgs, *, block_size: int, ring_margin: int, max_draft: int
+        self,
+        args: ModelArgs,
+        *,
+        block_size: int,
+        ring_margin: int,
+        max_draft: int,
+        kv_dtype: str = "auto",
     ) -> CacheSpec:
+        if kv_dtype == "fp8":
+            raise ValueError(
+                "cache.kv_dtype = 'fp8' is built for DeepSeek-V4 models so far, not for "
+                f"{args.model_type}: use 'auto'"
+            )
         return cache_layout.cache_spec(
             args, block_size=block_size, ring_margin=ring_margin, max_draft=max_draft
         )
