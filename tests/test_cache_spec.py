@@ -16,7 +16,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.kv_cache.spec import CacheSpec, RowFormat
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import ModelArgs
-from deepinfer.model.deepseek_v4.cache import kv_fp8_layout
+from deepinfer.model.deepseek_v4.cache import kv_fp8_format
 from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG
 from deepinfer.model.families import load_family
 from deepinfer.ops import reference_kernels
@@ -85,7 +85,7 @@ def test_v4_flash_shapes_on_the_meta_device(kv_format: RowFormat | None) -> None
     else:
         assert kv[csa, "entries"].shape == (8, 32, 584) and kv[csa, "entries"].dtype == torch.uint8
         assert kv[csa, "ring"].shape == (*ring, 584) and kv[csa, "ring"].dtype == torch.uint8
-        assert FP8_ENTRY.nbytes == kv_fp8_layout(args).row_format().nbytes
+        assert FP8_ENTRY.nbytes == kv_fp8_format(args).nbytes
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,7 @@ _OTHER_VALUES = {
     "speculative.verify_schedule": "confidence",  # with dspark: its confidence head
     "speculative.verify_cost_curve": ("1:20", "6:40.5"),  # "tokens:ms" points
     "cache.max_draft_tokens": 5,  # >= speculative.num_speculative_tokens' other value, 4
+    "cache.kv_dtype": "fp8",
     "routing.policy": "least_loaded",
     "routing.balance_ratio": 3.0,
     "routing.host_hit_cost": 0.5,

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kv_cache.spec import RowFormat
-
 FP8_MAX = 448.0  # the largest finite e4m3
 MIN_SCALE = 1e-4  # a tile's scale is at least 2^ceil(log2(1e-4)) = 2^-13
 MAX_TILE = 64  # NoPE channels per scale (fewer when the NoPE part is narrower)
@@ -71,10 +69,10 @@ class Fp8Layout:
     def row_bytes(self) -> int:
         return self.data_bytes + self.scale_bytes
 
-    def row_format(self) -> RowFormat:
-        """The cache spec's packed row (``CachePart.row``)."""
-        name = f"fp8_e4m3_ue8m0x{self.tile}_bf16rope{self.rope_dim}_hd{self.head_dim}"
-        return RowFormat(name, self.row_bytes)
+    @property
+    def name(self) -> str:
+        """What the cache spec calls these rows (its salt names them)."""
+        return f"fp8_e4m3_ue8m0x{self.tile}_bf16rope{self.rope_dim}_hd{self.head_dim}"
 
     def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [M, head_dim] (any float dtype) -> (data [M, data_bytes], scales [M,

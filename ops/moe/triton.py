@@ -119,9 +119,10 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
-# 248.7 µs). H100, same day: at T = 32 (192 pairs) these tiles take 1,205 µs, the grouped
-# kernel 1,681; larger T was not measured.
-_MXFP4_GEMV_PAIRS = 192
+# 248.7 µs). H100, same day (moe_fp4.py): at T = 32 (192 pairs) these tiles take 1,206 µs, the
+# grouped kernel 1,685; at T = 48 (288 pairs) 1,776 against 2,089; at T = 64 (384 pairs) 2,341
+# against 2,313: the grouped kernel from there.
+_MXFP4_GEMV_PAIRS = 320
 _MXFP4_GEMV = GemvConfig(
     block_n=32, block_k=256, num_warps=4, down_block_n=8, down_block_k=1024, down_num_warps=4
 )

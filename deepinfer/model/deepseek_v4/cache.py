@@ -73,8 +73,8 @@ def cache_spec(
     kv_format: RowFormat | None = None,
 ) -> CacheSpec:
     """The parts above. ``kv_format``: the compressed entries and the window rings as packed
-    rows (``kv_fp8_layout(args).row_format()``: FP8 with in-row scales, cache.kv_dtype =
-    "fp8") instead of hd elements of the cache dtype."""
+    rows (``kv_fp8_format(args)``: FP8 with in-row scales, cache.kv_dtype = "fp8") instead of
+    hd elements of the cache dtype."""
     check_margins(args.compress_ratios, block_size, ring_margin, max_draft)
     ring = ring_size(args, ring_margin)
     layers = list(enumerate(zip(args.layer_types, args.compress_ratios, strict=True)))
@@ -126,6 +126,12 @@ def mtp_parts(args: ModelArgs, ring: int, kv_row: int | RowFormat) -> list[Cache
 def kv_fp8_layout(args: ModelArgs) -> Fp8Layout:
     """The FP8 rows of this model's KV (entries and rings): NoPE e4m3, RoPE bf16."""
     return Fp8Layout(args.head_dim, args.rope_head_dim)
+
+
+def kv_fp8_format(args: ModelArgs) -> RowFormat:
+    """Those rows as the cache spec's packed row (cache.kv_dtype = "fp8")."""
+    layout = kv_fp8_layout(args)
+    return RowFormat(layout.name, layout.row_bytes)
 
 
 def kv_rows(cache: KVCache, key: tuple[int, str], args: ModelArgs) -> KVSource:

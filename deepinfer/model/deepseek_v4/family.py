@@ -112,7 +112,7 @@ class DeepseekV4Family:
         max_draft: int,
         kv_dtype: str = "auto",
     ) -> CacheSpec:
-        kv_format = cache_layout.kv_fp8_layout(args).row_format() if kv_dtype == "fp8" else None
+        kv_format = cache_layout.kv_fp8_format(args) if kv_dtype == "fp8" else None
         return cache_layout.cache_spec(
             args,
             block_size=block_size,
