@@ -116,7 +116,10 @@ class DeepGEMMMoEBackend(Backend):
         super().__init__(device, parallel)
         import deep_gemm
 
-        self.grouped_gemm: GroupedGemm = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
+        def grouped_gemm(a: Operand, b: Operand, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a=a, b=b, d=d, grouped_layout=m_indices)
+
+        self.grouped_gemm: GroupedGemm = grouped_gemm
 
     def fused_moe(
         self,
