@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from oracle import oracle_prompts
 from test_prefix_cache import BASE, BLOCK, PARAMS, _assert_same, _diverging, _first, _llm
 
@@ -87,3 +88,13 @@ def _make_request(llm: LLM):
     from deepinfer.scheduler.request import Request
 
     return Request("probe", _first(), SamplingParams(), cache_salt=None)
+
+
+def test_fp8_kv_hit_from_the_host_tier(oracle_hf_dir: Path) -> None:
+    """cache.kv_dtype = "fp8": the packed entries and rings go to the host tier and come back
+    as they were (the hit gives the tokens of a cold FP8 run)."""
+    cold = _llm(oracle_hf_dir, enable_prefix_caching=False, kv_dtype="fp8")
+    llm = _llm(oracle_hf_dir, num_blocks=NUM_BLOCKS, host_tier_gib=0.01, kv_dtype="fp8")
+    assert llm.engine.executor.kv_cache[1, "ring"].dtype == torch.uint8
+    _evict_first_prompt(llm)
+    assert _second(llm, cold) == {"device": 0, "host": BASE}
