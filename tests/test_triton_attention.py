@@ -153,23 +153,35 @@ def test_sparse_attention_matches_reference(
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
 
 
-def test_packed_fp8_sources_are_read_as_their_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cache.kv_dtype = "fp8": a packed source is unpacked row by listed row (in chunks of
-    queries, forced small here) and gives torch_ref's result over the same packed rows."""
+@pytest.mark.parametrize("num_sms", [132, 1])
+@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (128, 64)])
+def test_packed_fp8_sources_are_read_as_their_values(
+    monkeypatch: pytest.MonkeyPatch, num_sms: int, head_dim: int, rope_dim: int
+) -> None:
+    """cache.kv_dtype = "fp8": the kernel reads packed rows (one group of 8 rows, two of 3: the
+    ring's and the entries' shapes) as their exact values, beside dense sources: torch_ref's
+    result over the same packed rows."""
     from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
 
-    monkeypatch.setattr(kernels, "_PACKED_CHUNK_BYTES", 2 * 9 * 64 * 4)  # 2 queries a chunk
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: num_sms)
     gen = torch.Generator().manual_seed(3)
-    layout, num_q, heads = Fp8Layout(64, 16), 5, 4
-    packed = Fp8Rows.of(torch.zeros(3, 8, layout.row_bytes, dtype=torch.uint8), layout)
-    packed.store(torch.arange(24), torch.randn(24, layout.head_dim, generator=gen))
-    step = (torch.randn(num_q, 64, generator=gen), torch.arange(num_q).view(-1, 1))
-    idx = _index_lists(gen, num_q, 9, 24, torch.int64)
-    q = torch.randn(num_q, heads, 64, generator=gen)
+    layout, num_q, heads = Fp8Layout(head_dim, rope_dim), 5, 4
+    ring = Fp8Rows.of(torch.zeros(3, 8, layout.row_bytes, dtype=torch.uint8), layout)
+    ring.store(torch.arange(24), torch.randn(24, head_dim, generator=gen))
+    entries = Fp8Rows.of(torch.zeros(4, 3, layout.row_bytes, dtype=torch.uint8), layout)
+    entries.store(torch.arange(12), torch.randn(12, head_dim, generator=gen))
+    step = (torch.randn(num_q, head_dim, generator=gen), torch.arange(num_q).view(-1, 1))
+    sources = [
+        step,
+        (ring, _index_lists(gen, num_q, 9, 24, torch.int64)),
+        (entries, _index_lists(gen, num_q, 7, 12, torch.int64)),
+    ]
+    q = torch.randn(num_q, heads, head_dim, generator=gen)
     sinks = torch.randn(heads, generator=gen)
-    out = kernels.sparse_attention(q, [step, (packed, idx)], sinks, 0.125)
-    expected = ref.sparse_attention(q, [step, (packed, idx)], sinks, 0.125)
+    out = kernels.sparse_attention(q, sources, sinks, head_dim**-0.5)
+    expected = ref.sparse_attention(q, sources, sinks, head_dim**-0.5)
     assert _rel_err(out, expected) < ATTENTION_REL_TOL
+    assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
 
 
 def test_backend_object_launches_with_its_sm_count_and_tiles(

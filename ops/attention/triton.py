@@ -197,14 +197,21 @@ def _attend_source(
     lo,
     hi,
     qk_scale,
+    rows_per_group,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr,
+    NOPE: tl.constexpr,
+    TILE: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
 ):
     """Fold one source's keys at positions [lo, hi) of the token's list into (m_i, l_i, acc).
 
     The source holds positions [first, first + length); idx_row points at the token's index row
-    of it. Holes (-1) load nothing and score -inf.
+    of it. Holes (-1) load nothing and score -inf. PACKED: kv_ptr is a byte pointer and
+    stride_kv in bytes; the source is packed FP8 rows when rows_per_group > 0 (``_load_bytes``).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -214,10 +221,47 @@ def _attend_source(
         local = tile + offs_n
         rows = tl.load(idx_row + local, mask=local < end, other=-1).to(tl.int64)
         valid = rows >= 0
-        kv_rows = tl.multiple_of(kv_ptr + tl.where(valid, rows, 0) * stride_kv, 16)
-        kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if PACKED:
+            kv = _load_bytes(
+                kv_ptr, rows, valid, stride_kv, rows_per_group, offs_d, q.dtype, NOPE, TILE,
+                DATA_BYTES, SCALE_BYTES,
+            )  # fmt: skip
+        else:
+            kv_rows = tl.multiple_of(kv_ptr + tl.where(valid, rows, 0) * stride_kv, 16)
+            kv = tl.load(kv_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _fold_tile(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _load_bytes(
+    kv_ptr, rows, valid, stride_kv, rows_per_group, offs_d, DTYPE: tl.constexpr,
+    NOPE: tl.constexpr, TILE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+):  # fmt: skip
+    """Rows [BLOCK_N, D] in DTYPE from a byte pointer: packed FP8 rows (kv_fp8.py's layout:
+    group g = row // rows_per_group at kv_ptr + g * stride_kv holds its rows' data, then their
+    scales; NoPE e4m3 x 2^(scale byte - 127), RoPE bf16, the values unpack gives) when
+    rows_per_group > 0, else dense rows of DTYPE, stride_kv bytes apart."""
+    safe = tl.where(valid, rows, 0)
+    if rows_per_group > 0:
+        group = safe // rows_per_group
+        base = kv_ptr + group * stride_kv
+        data = base + (safe - group * rows_per_group) * DATA_BYTES
+        scales = base + rows_per_group * DATA_BYTES + (safe - group * rows_per_group) * SCALE_BYTES
+        is_nope = offs_d < NOPE
+        nope_mask = valid[:, None] & is_nope[None, :]
+        code_ptrs = (data[:, None] + offs_d[None, :]).to(tl.pointer_type(tl.float8e4nv))
+        codes = tl.load(code_ptrs, mask=nope_mask, other=0.0).to(tl.float32)
+        exponents = tl.load(scales[:, None] + (offs_d // TILE)[None, :], mask=nope_mask, other=127)
+        nope = codes * tl.exp2(exponents.to(tl.float32) - 127.0)
+        rope_rows = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
+        rope_ptrs = rope_rows[:, None] + (offs_d - NOPE)[None, :]
+        rope = tl.load(rope_ptrs, mask=valid[:, None] & ~is_nope[None, :], other=0.0)
+        kv = tl.where(is_nope[None, :], nope, rope.to(tl.float32)).to(DTYPE)
+    else:
+        row_ptrs = (kv_ptr + safe * stride_kv).to(tl.pointer_type(DTYPE))
+        kv = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return kv
 
 
 @triton.jit
@@ -243,6 +287,9 @@ def _sparse_attention_kernel(
     stride_kv2,
     stride_idx2,
     len2,
+    rows_per_group0,
+    rows_per_group1,
+    rows_per_group2,
     num_heads,
     keys_per_split,
     qk_scale,
@@ -253,6 +300,11 @@ def _sparse_attention_kernel(
     IS_SPLIT: tl.constexpr,
     PER_SOURCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr,
+    NOPE: tl.constexpr,
+    TILE: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
 ):
     """Grid (T, cdiv(H, BLOCK_H), S): token, head block, split of the token's key list.
 
@@ -292,9 +344,11 @@ def _sparse_attention_kernel(
             stride_idx = _pick(source, stride_idx0, stride_idx1, stride_idx2)
             first = _pick(source, 0, len0, len0 + len1)
             length = _pick(source, len0, len1, len2)
+            rows_per_group = _pick(source, rows_per_group0, rows_per_group1, rows_per_group2)
             m_i, l_i, acc = _attend_source(
                 q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length,
-                lo, hi, qk_scale, D, BLOCK_N, DOT_PRECISION,
+                lo, hi, qk_scale, rows_per_group, D, BLOCK_N, DOT_PRECISION, PACKED, NOPE, TILE,
+                DATA_BYTES, SCALE_BYTES,
             )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_straddling(
@@ -370,14 +424,12 @@ def sparse_attention(
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
     q: [T, H, D] bf16/fp16/fp32, D a power of two >= 16. sources: 1 to 3 (kv [N, D] in q's
-    dtype with unit column stride, or packed FP8 rows (``_packed_sparse_attention``), idx [T, L]
-    int32/int64 rows of kv, -1 = no key). sinks: [H].
+    dtype with unit column stride, or packed FP8 rows (``kv_fp8.Fp8Rows``, read as their exact
+    values, walked source by source), idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
     Returns [T, H, D] in q's dtype; a query with no keys outputs zeros. config: tiles other
     than attention_config's (for tuning). num_sms: the SMs the splits fill (default: q's
     device's; the backend object passes its own).
     """
-    if any(isinstance(kv, Fp8Rows) for kv, _ in sources):
-        return _packed_sparse_attention(q, sources, sinks, scale, config, num_sms)
     num_q, num_heads, dim = q.shape
     assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim must be a power of two >= 16, got {dim}"
@@ -390,22 +442,37 @@ def sparse_attention(
     # engine's are all int64 already).
     if len({idx.dtype for _, idx in sources}) > 1:
         sources = [(kv, idx.long()) for kv, idx in sources]
+    # Packed FP8 sources (cache.kv_dtype = "fp8"): every source goes in as bytes, and the kernel
+    # reads a packed one's rows as their exact values (_load_bytes).
+    layouts = {kv.layout for kv, _ in sources if isinstance(kv, Fp8Rows)}
+    assert len(layouts) <= 1, f"packed sources of several layouts: {layouts}"
+    layout = next(iter(layouts), None)
     # Absent sources repeat the first with length 0: never read, as NUM_SOURCES bounds the loop.
     padded = [*sources] + [sources[0]] * (3 - len(sources))
     source_ptrs: list[torch.Tensor] = []
     source_sizes: list[int] = []
+    rows_per_group: list[int] = []
     for s, (kv, idx) in enumerate(padded):
-        assert kv.dtype == q.dtype and kv.shape[1] == dim and kv.stride(1) == 1, (
-            f"kv {tuple(kv.shape)} {kv.dtype} strides {kv.stride()} vs q {tuple(q.shape)} {q.dtype}"
-        )
-        # The kernel promises 16-byte aligned rows (tl.multiple_of) for vectorised gathers.
-        assert kv.data_ptr() % 16 == 0 and kv.stride(0) * kv.element_size() % 16 == 0, (
-            f"kv rows must be 16-byte aligned: data_ptr {kv.data_ptr()}, strides {kv.stride()}"
-        )
         assert idx.shape[0] == num_q, f"idx {tuple(idx.shape)} for {num_q} query tokens"
         idx = idx if idx.stride(1) == 1 else idx.contiguous()
-        source_ptrs += [kv, idx]
-        source_sizes += [kv.stride(0), idx.stride(0), idx.shape[1] if s < len(sources) else 0]
+        if isinstance(kv, Fp8Rows):
+            assert kv.layout.head_dim == dim, f"packed rows of {kv.layout.head_dim}, q of {dim}"
+            ptr, stride_kv, groups = kv.data, kv.data.stride(0), kv.data.shape[1]
+        else:
+            assert kv.dtype == q.dtype and kv.shape[1] == dim and kv.stride(1) == 1, (
+                f"kv {tuple(kv.shape)} {kv.dtype} strides {kv.stride()} vs q "
+                f"{tuple(q.shape)} {q.dtype}"
+            )
+            # The kernel promises 16-byte aligned rows (tl.multiple_of) for vectorised gathers.
+            assert kv.data_ptr() % 16 == 0 and kv.stride(0) * kv.element_size() % 16 == 0, (
+                f"kv rows must be 16-byte aligned: data_ptr {kv.data_ptr()}, strides {kv.stride()}"
+            )
+            ptr, stride_kv, groups = kv, kv.stride(0), 0
+            if layout is not None:
+                ptr, stride_kv = kv.view(torch.uint8), kv.stride(0) * kv.element_size()
+        source_ptrs += [ptr, idx]
+        source_sizes += [stride_kv, idx.stride(0), idx.shape[1] if s < len(sources) else 0]
+        rows_per_group.append(groups)
     num_keys = sum(idx.shape[1] for _, idx in sources)
 
     num_sms = _num_sms(q.device) if num_sms is None else num_sms
@@ -432,6 +499,7 @@ def sparse_attention(
         part_acc,
         *source_ptrs,
         *source_sizes,
+        *rows_per_group,
         num_heads,
         keys_per_split,
         scale * _LOG2E.value,
@@ -440,8 +508,13 @@ def sparse_attention(
         BLOCK_N=config.block_n,
         NUM_SOURCES=len(sources),
         IS_SPLIT=is_split,
-        PER_SOURCE=config.per_source,
+        PER_SOURCE=config.per_source or layout is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
+        PACKED=layout is not None,
+        NOPE=layout.nope_dim if layout else 0,
+        TILE=layout.tile if layout else 1,
+        DATA_BYTES=layout.data_bytes if layout else 0,
+        SCALE_BYTES=layout.scale_bytes if layout else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -460,42 +533,6 @@ def sparse_attention(
             BLOCK_D=block_d,
             num_warps=4,
         )
-    return out
-
-
-# Bytes of unpacked keys a chunk of queries may gather from packed sources (below).
-_PACKED_CHUNK_BYTES = 1 << 28
-
-
-def _packed_sparse_attention(
-    q: torch.Tensor,
-    sources: Sequence[tuple[KVSource, torch.Tensor]],
-    sinks: torch.Tensor,
-    scale: float,
-    config: AttentionConfig | None,
-    num_sms: int | None,
-) -> torch.Tensor:
-    """Packed FP8 key sources (cache.kv_dtype = "fp8"), read as their exact values: for a chunk
-    of queries at a time, the rows a packed source lists are unpacked into dense rows in q's
-    dtype and the indices renumbered to them (-1 kept), then the kernel runs on dense sources.
-    Correct, not fast: the kernel does not read FP8 rows itself yet."""
-    num_q = q.shape[0]
-    listed = sum(idx.shape[1] for kv, idx in sources if isinstance(kv, Fp8Rows))
-    row_bytes = q.shape[2] * q.element_size()
-    chunk = max(1, _PACKED_CHUNK_BYTES // max(1, listed * row_bytes))
-    out = torch.empty_like(q)
-    for lo in range(0, num_q, chunk):
-        hi = min(num_q, lo + chunk)
-        dense = []
-        for kv, idx in sources:
-            idx = idx[lo:hi]
-            if isinstance(kv, Fp8Rows):
-                flat = idx.reshape(-1).long()
-                kv = kv.gather(flat.clamp(min=0)).to(q.dtype)  # [C * L, D]
-                numbered = torch.arange(flat.numel(), device=flat.device)
-                idx = torch.where(flat >= 0, numbered, -1).view(idx.shape)
-            dense.append((kv, idx))
-        out[lo:hi] = sparse_attention(q[lo:hi], dense, sinks, scale, config=config, num_sms=num_sms)
     return out
 
 
