@@ -251,13 +251,14 @@ def _load_bytes(
         is_nope = offs_d < NOPE
         nope_mask = valid[:, None] & is_nope[None, :]
         code_ptrs = (data[:, None] + offs_d[None, :]).to(tl.pointer_type(tl.float8e4nv))
-        codes = tl.load(code_ptrs, mask=nope_mask, other=0.0).to(tl.float32)
+        codes = tl.load(code_ptrs, mask=nope_mask, other=0.0).to(DTYPE)
         exponents = tl.load(scales[:, None] + (offs_d // TILE)[None, :], mask=nope_mask, other=127)
-        nope = codes * tl.exp2(exponents.to(tl.float32) - 127.0)
+        # A power of two times an e4m3 value: exact in DTYPE (bf16 has fp32's exponent range).
+        nope = codes * tl.exp2(exponents.to(tl.float32) - 127.0).to(DTYPE)
         rope_rows = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
         rope_ptrs = rope_rows[:, None] + (offs_d - NOPE)[None, :]
         rope = tl.load(rope_ptrs, mask=valid[:, None] & ~is_nope[None, :], other=0.0)
-        kv = tl.where(is_nope[None, :], nope, rope.to(tl.float32)).to(DTYPE)
+        kv = tl.where(is_nope[None, :], nope, rope.to(DTYPE))
     else:
         row_ptrs = (kv_ptr + safe * stride_kv).to(tl.pointer_type(DTYPE))
         kv = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
