@@ -30,6 +30,7 @@ from deepinfer.engine.weights_loading import convert_experts_to_fp8
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
+from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.tiny import QUANTIZED_CONFIG
 from deepinfer.model.families import load_family
 from deepinfer.model.layers import (
@@ -38,6 +39,7 @@ from deepinfer.model.layers import (
     use_mxfp4_experts,
 )
 from deepinfer.ops import Kernels, select_kernels
+from deepinfer.ops.attention.kv_fp8 import Fp8Rows
 from deepinfer.ops.linear import FP8_BLOCK
 
 # The model, its weights and its cache, as the engine gets them: through the family table.
@@ -291,14 +293,25 @@ def each_layer_model(
 
 
 def new_cache(
-    args: Any, setup: Setup, num_seqs: int, max_len: int, seed: int, family: Any = FAMILY
+    args: Any,
+    setup: Setup,
+    num_seqs: int,
+    max_len: int,
+    seed: int,
+    family: Any = FAMILY,
+    kv_dtype: str = "auto",
 ) -> KVCache:
     """Room for ``num_seqs`` requests of ``max_len`` tokens (+ spare blocks), every floating
-    tensor (paged pools, window rings, compressor state) filled with N(0, 1): never zeros.
+    tensor (paged pools, window rings, compressor state) filled with N(0, 1): never zeros; with
+    ``kv_dtype`` "fp8" (cache.kv_dtype) the packed entries and rings hold N(0, 1) rows packed.
     ``family``: the model family whose cache spec it is (DeepSeek-V4 by default)."""
     blocks_per_seq = math.ceil(max_len / setup.block_size)
     spec = family.cache_spec(
-        args, block_size=setup.block_size, ring_margin=setup.ring_margin, max_draft=0
+        args,
+        block_size=setup.block_size,
+        ring_margin=setup.ring_margin,
+        max_draft=0,
+        kv_dtype=kv_dtype,
     )
     cache = KVCache(
         spec,
@@ -308,10 +321,20 @@ def new_cache(
         device=setup.device,
     )
     gen = torch.Generator(device=setup.device).manual_seed(seed)
-    for tensor in cache.tensors.values():
+    for key, tensor in cache.tensors.items():
         if tensor.is_floating_point() and tensor.numel():
             tensor.normal_(generator=gen)
+        elif key[1] in ("entries", "ring"):  # packed FP8 rows
+            _fill_packed(kv_rows(cache, key, args), gen)
     return cache
+
+
+def _fill_packed(rows: Fp8Rows, gen: torch.Generator, chunk: int = 1 << 16) -> None:
+    """N(0, 1) rows packed into every row of a packed part, ``chunk`` rows at a time."""
+    for first in range(0, rows.num_rows, chunk):
+        index = torch.arange(first, min(first + chunk, rows.num_rows), device=rows.device)
+        values = torch.randn(index.numel(), rows.layout.head_dim, generator=gen, device=rows.device)
+        rows.store(index, values)
 
 
 def _block_ids(
@@ -324,7 +347,13 @@ def _block_ids(
 
 
 def decode_inputs(
-    args: Any, setup: Setup, batch_size: int, context: int, seed: int, family: Any = FAMILY
+    args: Any,
+    setup: Setup,
+    batch_size: int,
+    context: int,
+    seed: int,
+    family: Any = FAMILY,
+    kv_dtype: str = "auto",
 ) -> tuple[ForwardBatch, KVCache]:
     """One decode step of ``batch_size`` requests that each hold ``context`` tokens, without a
     prefill: the cache holds random values where the context's KV would be, and every request
@@ -334,7 +363,7 @@ def decode_inputs(
     Repeating the step is idempotent in shape: it rewrites the same ring row and open-window
     buffer row. Request i owns slot i and its own blocks.
     """
-    return verify_inputs(args, setup, batch_size, context, 1, seed, family)
+    return verify_inputs(args, setup, batch_size, context, 1, seed, family, kv_dtype)
 
 
 def verify_inputs(
@@ -345,6 +374,7 @@ def verify_inputs(
     num_tokens: int,
     seed: int,
     family: Any = FAMILY,
+    kv_dtype: str = "auto",
 ) -> tuple[ForwardBatch, KVCache]:
     """A verification step of speculative decoding, as ``decode_inputs`` builds a decode step
     (``num_tokens`` = 1 is that step): every request holds ``context`` tokens and feeds
@@ -357,7 +387,7 @@ def verify_inputs(
     """
     gen = torch.Generator().manual_seed(seed)
     end = context + num_tokens
-    cache = new_cache(args, setup, batch_size, end, seed, family)
+    cache = new_cache(args, setup, batch_size, end, seed, family, kv_dtype)
     tables = _block_ids(cache, batch_size, end, gen)
     seqs = [
         SeqSpan(

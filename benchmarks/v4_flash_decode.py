@@ -87,7 +87,8 @@ def main() -> None:
         "--experts",
         default="bf16",
         help="weights: bf16 (dense), fp4 (routed experts packed MXFP4), fp4-fp8 (and the "
-        "linears the checkpoint ships FP8 kept FP8), e.g. bf16,fp4,fp4-fp8",
+        "linears the checkpoint ships FP8 kept FP8), fp4-fp8-kv8 (and the FP8 KV cache, "
+        "cache.kv_dtype = fp8), e.g. bf16,fp4,fp4-fp8",
     )
     add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
@@ -96,8 +97,9 @@ def main() -> None:
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))
     contexts = parse_ints(ns.context or ("64" if ns.tiny else "4096,32768"))
     variants = [v.strip() for v in ns.experts.split(",") if v.strip()]
-    if not variants or set(variants) - {"bf16", "fp4", "fp4-fp8"}:
-        raise SystemExit(f"--experts: expected bf16, fp4 and/or fp4-fp8, got {ns.experts!r}")
+    known = {"bf16", "fp4", "fp4-fp8", "fp4-fp8-kv8"}
+    if not variants or set(variants) - known:
+        raise SystemExit(f"--experts: expected some of {sorted(known)}, got {ns.experts!r}")
 
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
@@ -110,7 +112,10 @@ def main() -> None:
         use_graph = ns.graph
         for context in contexts:
             for batch_size in batches:
-                batch, cache = decode_inputs(args, setup, batch_size, context, ns.seed)
+                kv_dtype = "fp8" if variant.endswith("kv8") else "auto"
+                batch, cache = decode_inputs(
+                    args, setup, batch_size, context, ns.seed, kv_dtype=kv_dtype
+                )
                 row = {
                     "kind": "decode",
                     "layer": kind,
@@ -159,7 +164,8 @@ def main() -> None:
                         hit,
                         setup.dtype,
                         fp4_experts=variant != "bf16",
-                        fp8_linears=variant == "fp4-fp8",
+                        fp8_linears=variant.startswith("fp4-fp8"),
+                        kv_fp8=variant.endswith("kv8"),
                     ),
                 )
                 rows.append(row)
@@ -181,7 +187,7 @@ def main() -> None:
             ns.seed,
             measure,
             fp4_experts=variant != "bf16",
-            fp8_linears=variant == "fp4-fp8",
+            fp8_linears=variant.startswith("fp4-fp8"),
         )
     payload["kernels"] = kernels
     write_json(ns.json, payload)

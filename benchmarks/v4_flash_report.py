@@ -25,6 +25,7 @@ from v4_flash import FULL_DEPTH_LAYERS, LAYER_TYPES, OUTER, PLANS, Setup, releas
 
 from deepinfer.config import ModelConfig
 from deepinfer.model.deepseek_v4.args import ModelArgs
+from deepinfer.model.deepseek_v4.cache import kv_fp8_layout
 from deepinfer.model.deepseek_v4.weights import (
     expected_shapes,
     is_fp8_linear,
@@ -176,17 +177,23 @@ def outer_weight_bytes(args: ModelArgs, num_tokens: int, dtype: torch.dtype) -> 
     return head + small + num_tokens * args.hidden_size * size
 
 
-def decode_kv_bytes(args: ModelArgs, kind: str, context: int, dtype: torch.dtype) -> int:
+def decode_kv_bytes(
+    args: ModelArgs, kind: str, context: int, dtype: torch.dtype, kv_fp8: bool = False
+) -> int:
     """KV one request's decode query reads at position ``context``: the window's ring rows; CSA:
-    the top-k compressed entries + every visible indexer key; HCA: every visible entry."""
-    size, hd = _itemsize(dtype), args.head_dim
-    rows = min(args.sliding_window - 1, context) * hd
+    the top-k compressed entries + every visible indexer key; HCA: every visible entry.
+    ``kv_fp8``: ring rows and entries packed (cache.kv_dtype = "fp8"; the indexer keys not)."""
+    size = _itemsize(dtype)
+    row = kv_fp8_layout(args).row_bytes if kv_fp8 else args.head_dim * size
+    kv_rows = min(args.sliding_window - 1, context)
+    index_bytes = 0
     if kind == "csa":
         visible = (context + 1) // args.csa_ratio
-        rows += min(args.index_topk, visible) * hd + visible * args.index_head_dim
+        kv_rows += min(args.index_topk, visible)
+        index_bytes = visible * args.index_head_dim * size
     elif kind == "hca":
-        rows += (context + 1) // args.hca_ratio * hd
-    return rows * size
+        kv_rows += (context + 1) // args.hca_ratio
+    return kv_rows * row + index_bytes
 
 
 def decode_bytes(
@@ -198,13 +205,16 @@ def decode_bytes(
     dtype: torch.dtype,
     fp4_experts: bool = False,
     fp8_linears: bool = False,
+    kv_fp8: bool = False,
 ) -> float:
     """Bytes one decode step of one layer of ``kind`` must read (``outer``: embed/head)."""
     if kind not in LAYER_TYPES:
         return outer_weight_bytes(args, batch, dtype) if kind == OUTER else 0
     w = layer_weights(args, 0, dtype, fp4_experts, fp8_linears)
     return (
-        w.dense_bytes + hit * w.expert_bytes + batch * decode_kv_bytes(args, kind, context, dtype)
+        w.dense_bytes
+        + hit * w.expert_bytes
+        + batch * decode_kv_bytes(args, kind, context, dtype, kv_fp8)
     )
 
 
