@@ -21,12 +21,12 @@ THINK, USER, ASSISTANT = 128821, 128803, 128804
 TOL = 1e-5
 
 
-def _config(model: Path | None = None) -> Config:
+def _config(model: Path | None = None, kv_dtype: str = "auto") -> Config:
     # 16-token blocks, chunks of 32 tokens, a snapshot every 4 blocks of a long prefill.
     return Config.load(
         overrides={
             "model": {"device": "cpu", "path": None if model is None else str(model)},
-            "cache": {"block_size": 16, "snapshot_interval_blocks": 4},
+            "cache": {"block_size": 16, "snapshot_interval_blocks": 4, "kv_dtype": kv_dtype},
             "scheduler": {"max_num_batched_tokens": 32},
             "kernel": {"num_threads": 2},
         }
@@ -134,6 +134,20 @@ def test_the_oracle_checkpoint_hands_off_exactly(oracle_hf_dir):
     engines = Engines(_config(oracle_hf_dir))
     for prompt in oracle_prompts()[:2]:
         _assert_same(engines.handed_off(prompt, GREEDY), engines.mixed_run(prompt, GREEDY))
+
+
+def test_an_fp8_kv_cache_hands_off_exactly() -> None:
+    """cache.kv_dtype = "fp8" on both sides: the packed entries and rings travel as bytes."""
+    engines = Engines(_config(kv_dtype="fp8"))
+    assert engines.decode.executor.kv_cache[1, "entries"].dtype == torch.uint8
+    prompt = _prompt(150, 6)  # chunked, snapshots on the way
+    _assert_same(engines.handed_off(prompt, GREEDY), engines.mixed_run(prompt, GREEDY))
+    # A decode engine of the other layout refuses the state instead of misreading its bytes.
+    _run(engines.prefill, "fp8-to-bf16", _prompt(40, 7), GREEDY, hand_off=True)
+    state = engines.prefill.export_request("fp8-to-bf16")
+    engines.prefill.release_hand_off("fp8-to-bf16")
+    with pytest.raises(ValueError, match="another model or cache layout"):
+        LLMEngine(_config()).import_request(state, GREEDY)
 
 
 def test_held_hand_offs_free_what_they_hold_and_bad_states_are_refused(builtin):
