@@ -141,3 +141,8 @@ def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(
     assert tokens(again) == tokens(first)
     # The rounding is real: the unrounded cache's logprobs differ somewhere.
     assert tokens(plain) != tokens(first)
+
+
+def test_a_v41_model_refuses_fp8_kv_by_name(tiny_v41_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"cache\.kv_dtype = 'fp8' is built for DeepSeek-V4"):
+        LLM(model=tiny_v41_dir, device="cpu", block_size=16, kv_dtype="fp8")
