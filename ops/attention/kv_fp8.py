@@ -17,7 +17,7 @@ value times a power of two is exact in bf16), so attention over packed rows equa
 
 ``Fp8Rows`` is a packed cache part as the attention ops take a key source: ``gather`` rows by
 flat index (block * r + row, as for a dense part flattened), ``store`` rows at flat indices.
-Producer: the model (``kv_rows`` on a part whose row is a ``row_format``). Consumers: the
+Producer: the model (``kv_rows`` on a packed part, deepseek_v4/cache.py). Consumers: the
 attention backends and the model's cache writes.
 """
 
