@@ -168,6 +168,14 @@ def store_rows(target: KVSource, index: torch.Tensor, values: torch.Tensor) -> N
         target[index] = values.to(target.dtype)
 
 
+def gather_rows(source: KVSource, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a key source at valid indices ``index`` (any shape) -> [..., head_dim]: dense
+    rows as stored, packed rows unpacked (exact) in ``dtype``."""
+    if isinstance(source, Fp8Rows):
+        return source.gather(index).to(dtype)
+    return source[index]
+
+
 def as_stored(target: KVSource, values: torch.Tensor) -> torch.Tensor:
     """What ``target`` would give back for ``values``: themselves for a dense tensor, the
     FP8 round trip for a packed part (so that a step's own keys are read as stored)."""

@@ -15,19 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
+from deepinfer.ops.attention.kv_fp8 import KVSource, gather_rows
 from deepinfer.ops.registry import Backend
 
 # Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
 _CHUNK = 256
-
-
-def gather_rows(kv: KVSource, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of a key source at indices ``rows`` (any shape, valid) -> [..., D] in ``dtype``:
-    dense rows as stored, packed FP8 rows unpacked (exact)."""
-    if isinstance(kv, Fp8Rows):
-        return kv.gather(rows).to(dtype)
-    return kv[rows]
 
 
 def sparse_attention(

@@ -245,9 +245,10 @@ def _load_bytes(
     safe = tl.where(valid, rows, 0)
     if rows_per_group > 0:
         group = safe // rows_per_group
+        slot = safe - group * rows_per_group
         base = kv_ptr + group * stride_kv
-        data = base + (safe - group * rows_per_group) * DATA_BYTES
-        scales = base + rows_per_group * DATA_BYTES + (safe - group * rows_per_group) * SCALE_BYTES
+        data = base + slot * DATA_BYTES
+        scales = base + rows_per_group * DATA_BYTES + slot * SCALE_BYTES
         is_nope = offs_d < NOPE
         nope_mask = valid[:, None] & is_nope[None, :]
         code_ptrs = (data[:, None] + offs_d[None, :]).to(tl.pointer_type(tl.float8e4nv))
