@@ -84,7 +84,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def test_selected_by_name_and_converts_at_load(deepgemm: ModuleType) -> None:
+def test_selected_by_name_only_and_asks_for_fp8_experts(deepgemm: ModuleType) -> None:
+    """The loader's conversion for it is tested on the CPU (test_moe_deepgemm.py)."""
     backend = moe.BACKENDS.select("deepgemm", CUDA)
     assert type(backend).__name__ == "DeepGEMMMoEBackend" and backend.fp8_experts
     assert type(moe.BACKENDS.select("auto", CUDA)).__name__ == "TritonMoEBackend"
