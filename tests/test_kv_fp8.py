@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.model.deepseek_v4 import compressor as v4_compressor
-from deepinfer.model.deepseek_v4 import model as v4_model
 from deepinfer.ops.attention import torch_ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
 
@@ -94,9 +92,10 @@ def test_attention_over_packed_rows_is_attention_over_their_values() -> None:
     assert torch.allclose(out, expected, rtol=0, atol=1e-5)
 
 
-def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model's KV writes and a step's own keys FP8-rounded in a dense cache: the oracle.
-    Only KV rows (head_dim wide) round-trip; the indexer's keys stay as they are."""
+def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch, backend: type) -> None:
+    """The model's KV writes and a step's own keys FP8-rounded in a dense cache: the oracle,
+    through the cache writes of the attention backend class ``backend``. Only KV rows
+    (head_dim wide) round-trip; the indexer's keys stay as they are."""
 
     def as_stored(target: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return TINY.roundtrip(values)
@@ -106,9 +105,8 @@ def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch) -> None:
             values = TINY.roundtrip(values)
         target[index] = values.to(target.dtype)
 
-    monkeypatch.setattr(v4_model, "as_stored", as_stored)
-    monkeypatch.setattr(v4_model, "store_rows", store_rows)
-    monkeypatch.setattr(v4_compressor, "store_rows", store_rows)
+    monkeypatch.setattr(backend, "as_stored", staticmethod(as_stored))
+    monkeypatch.setattr(backend, "store_rows", staticmethod(store_rows))
 
 
 def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(
@@ -130,7 +128,7 @@ def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(
     del fp8
 
     with monkeypatch.context() as patch:
-        _round_tripped_dense_cache(patch)
+        _round_tripped_dense_cache(patch, torch_ref.TorchRefAttentionBackend)
         oracle = LLM(**common).generate(prompts, params, use_tqdm=False)
     plain = LLM(**common).generate(prompts, params, use_tqdm=False)
 

@@ -154,7 +154,7 @@ def test_sparse_attention_matches_reference(
 
 
 @pytest.mark.parametrize("num_sms", [132, 1])
-@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (128, 64)])
+@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (256, 64)])
 def test_packed_fp8_sources_are_read_as_their_values(
     monkeypatch: pytest.MonkeyPatch, num_sms: int, head_dim: int, rope_dim: int
 ) -> None:
@@ -182,6 +182,42 @@ def test_packed_fp8_sources_are_read_as_their_values(
     expected = ref.sparse_attention(q, sources, sinks, head_dim**-0.5)
     assert _rel_err(out, expected) < ATTENTION_REL_TOL
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
+
+
+@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (256, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_kernel_writes_the_bytes_of_fp8_layout_pack(
+    head_dim: int, rope_dim: int, dtype: torch.dtype
+) -> None:
+    """The backend's cache writes: ``store_rows`` into a packed part gives the bytes of
+    ``Fp8Layout.pack`` (scales included, the rows it does not name untouched), ``as_stored``
+    the values of ``Fp8Layout.roundtrip``, bit for bit. The rows span many binades, zeros, a
+    tile whose amax is exactly 448 x 2^k (scale 2^k, not 2^(k+1)) and tiny values (the 1e-4
+    floor on the scale)."""
+    from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+
+    gen = torch.Generator().manual_seed(5)
+    layout = Fp8Layout(head_dim, rope_dim)
+    values = torch.randn(9, head_dim, generator=gen) * torch.logspace(-6, 3, 9).unsqueeze(1)
+    values[1] = 0.0
+    values[2, :] = 0.5
+    values[2, 0] = 448.0 * 4
+    values[3, : layout.tile] *= 1e-9
+    values = values.to(dtype)
+    backend = kernels.TritonAttentionBackend(torch.device("cpu"))
+    before = torch.randint(0, 256, (4, 3, layout.row_bytes), generator=gen, dtype=torch.uint8)
+    part = before.clone()
+    index = torch.tensor([11, 0, 4, 5, 9, 1, 2, 7, 6])
+    backend.store_rows(Fp8Rows.of(part, layout), index, values)
+    expected = before.clone()
+    Fp8Rows.of(expected, layout).store(index, values)
+    assert torch.equal(part, expected)
+    untouched = torch.tensor([3, 8, 10])
+    for name in ("data", "scales"):
+        now, then = (getattr(Fp8Rows.of(p, layout), name).flatten(0, 1) for p in (part, before))
+        assert torch.equal(now[untouched], then[untouched])
+    stored = backend.as_stored(Fp8Rows.of(part, layout), values)
+    assert stored.dtype == dtype and torch.equal(stored, layout.roundtrip(values))
 
 
 def test_backend_object_launches_with_its_sm_count_and_tiles(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.ops.attention.kv_fp8 import KVSource, gather_rows
+from deepinfer.ops.attention.kv_fp8 import KVSource, as_stored, gather_rows, store_rows
 from deepinfer.ops.registry import Backend
 
 # Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
@@ -92,3 +92,5 @@ class TorchRefAttentionBackend(Backend):
 
     sparse_attention = staticmethod(sparse_attention)
     indexer_scores = staticmethod(indexer_scores)
+    store_rows = staticmethod(store_rows)
+    as_stored = staticmethod(as_stored)

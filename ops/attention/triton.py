@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
+from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
@@ -204,6 +204,7 @@ def _attend_source(
     PACKED: tl.constexpr,
     NOPE: tl.constexpr,
     TILE: tl.constexpr,
+    GROUPS: tl.constexpr,
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
 ):
@@ -223,8 +224,8 @@ def _attend_source(
         valid = rows >= 0
         if PACKED:
             kv = _load_bytes(
-                kv_ptr, rows, valid, stride_kv, rows_per_group, offs_d, q.dtype, NOPE, TILE,
-                DATA_BYTES, SCALE_BYTES,
+                kv_ptr, rows, valid, stride_kv, rows_per_group, offs_d, q.dtype, D, NOPE, TILE,
+                GROUPS, DATA_BYTES, SCALE_BYTES,
             )  # fmt: skip
         else:
             kv_rows = tl.multiple_of(kv_ptr + tl.where(valid, rows, 0) * stride_kv, 16)
@@ -236,34 +237,171 @@ def _attend_source(
 @triton.jit
 def _load_bytes(
     kv_ptr, rows, valid, stride_kv, rows_per_group, offs_d, DTYPE: tl.constexpr,
-    NOPE: tl.constexpr, TILE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr, GROUPS: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Rows [BLOCK_N, D] in DTYPE from a byte pointer: packed FP8 rows (kv_fp8.py's layout:
     group g = row // rows_per_group at kv_ptr + g * stride_kv holds its rows' data, then their
     scales; NoPE e4m3 x 2^(scale byte - 127), RoPE bf16, the values unpack gives) when
-    rows_per_group > 0, else dense rows of DTYPE, stride_kv bytes apart."""
+    rows_per_group > 0, else dense rows of DTYPE, stride_kv bytes apart.
+
+    A packed row is read as [GROUPS, D // GROUPS] channels, group j scaled by scale byte j
+    (GROUPS = D // TILE, or 1 when the NoPE part is one tile): one scale load per tile, not
+    per channel. Rows start 8-byte aligned (data and row sizes are multiples of 8), so codes
+    and RoPE load 8 bytes at a time.
+    """
     safe = tl.where(valid, rows, 0)
     if rows_per_group > 0:
-        group = safe // rows_per_group
-        slot = safe - group * rows_per_group
-        base = kv_ptr + group * stride_kv
-        data = base + slot * DATA_BYTES
+        flat = safe.to(tl.int32)  # the host checks rows < 2^31: a 32-bit division
+        group = flat // rows_per_group
+        slot = flat - group * rows_per_group
+        base = kv_ptr + group.to(tl.int64) * stride_kv
+        data = tl.multiple_of(base + slot * DATA_BYTES, 8)
         scales = base + rows_per_group * DATA_BYTES + slot * SCALE_BYTES
-        is_nope = offs_d < NOPE
-        nope_mask = valid[:, None] & is_nope[None, :]
-        code_ptrs = (data[:, None] + offs_d[None, :]).to(tl.pointer_type(tl.float8e4nv))
-        codes = tl.load(code_ptrs, mask=nope_mask, other=0.0).to(DTYPE)
-        exponents = tl.load(scales[:, None] + (offs_d // TILE)[None, :], mask=nope_mask, other=127)
+        WIDTH: tl.constexpr = D // GROUPS
+        offs_g = tl.arange(0, GROUPS)
+        chan = offs_g[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]  # [GROUPS, WIDTH]
+        is_nope = (chan < NOPE)[None, :, :]
+        row_mask = valid[:, None, None]
+        tile_mask = valid[:, None] & (offs_g * TILE < NOPE)[None, :]
+        exponents = tl.load(scales[:, None] + offs_g[None, :], mask=tile_mask, other=127)
+        factor = _power_of_two(exponents.to(tl.int32) - 127).to(DTYPE)  # [BLOCK_N, GROUPS]
+        codes_ptrs = data.to(tl.pointer_type(tl.float8e4nv))[:, None, None] + chan[None, :, :]
+        codes = tl.load(codes_ptrs, mask=row_mask & is_nope, other=0.0).to(DTYPE)
         # A power of two times an e4m3 value: exact in DTYPE (bf16 has fp32's exponent range).
-        nope = codes * tl.exp2(exponents.to(tl.float32) - 127.0).to(DTYPE)
-        rope_rows = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
-        rope_ptrs = rope_rows[:, None] + (offs_d - NOPE)[None, :]
-        rope = tl.load(rope_ptrs, mask=valid[:, None] & ~is_nope[None, :], other=0.0)
-        kv = tl.where(is_nope[None, :], nope, rope.to(DTYPE))
+        nope = codes * factor[:, :, None]
+        rope_rows = tl.multiple_of(data + NOPE, 8).to(tl.pointer_type(tl.bfloat16))
+        rope_ptrs = rope_rows[:, None, None] + (chan - NOPE)[None, :, :]
+        rope = tl.load(rope_ptrs, mask=row_mask & ~is_nope, other=0.0).to(DTYPE)
+        kv = tl.reshape(tl.where(is_nope, nope, rope), (rows.shape[0], D))
     else:
-        row_ptrs = (kv_ptr + safe * stride_kv).to(tl.pointer_type(DTYPE))
+        row_ptrs = tl.multiple_of(kv_ptr + safe * stride_kv, 16).to(tl.pointer_type(DTYPE))
         kv = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     return kv
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """2^exponent in fp32, exactly, built from its bits (exponent in [-126, 127])."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: integer arithmetic on its
+    bits, so that Triton's interpreter (which truncates) rounds as the GPU and torch do."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """fp32 y (|y| <= 448 up to rounding) -> its e4m3fn code 0..255, rounded to nearest even
+    as torch's cast does, on integers (the interpreter's float8 cast does not round)."""
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.abs(y)
+    small = tl.minimum(a, 0.015625)  # below 2^-6: subnormal, m x 2^-9 with m in 0..8
+    subnormal = ((small * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)  # exponent bias 7
+    return tl.minimum(tl.where(a < 0.015625, subnormal, normal), 0x7E) | sign
+
+
+@triton.jit
+def _e4m3_value(code):
+    """An e4m3fn code 0..255 -> its value in fp32 (exactly)."""
+    exponent = (code >> 3) & 15
+    mantissa = code & 7
+    magnitude = tl.where(exponent == 0, mantissa, mantissa + 8).to(tl.float32)
+    value = magnitude * _power_of_two(tl.maximum(exponent, 1) - 10)
+    return tl.where((code & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    values_ptr, index_ptr, part_ptr, out_ptr, stride_values, stride_group, stride_out,
+    rows_per_group, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr,
+    GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    STORE: tl.constexpr,
+):  # fmt: skip
+    """Program m: row m of values [M, D] packed as ``Fp8Layout.pack`` does (rounded to bf16;
+    each NoPE tile's scale 2^ceil(log2(max(amax / 448, 1e-4))), its channels e4m3 under it).
+    STORE: into packed row index[m] of the part at part_ptr (``_load_bytes``'s addressing);
+    else the row as unpacked (``Fp8Layout.roundtrip``) into out row m."""
+    m = tl.program_id(0).to(tl.int64)
+    WIDTH: tl.constexpr = D // GROUPS
+    offs_g = tl.arange(0, GROUPS)
+    chan = offs_g[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]  # [GROUPS, WIDTH]: tile g
+    is_nope = chan < NOPE
+    v = _round_to_bf16(tl.load(values_ptr + m * stride_values + chan).to(tl.float32))
+    amax = tl.max(tl.where(is_nope, tl.abs(v), 0.0), axis=1)  # [GROUPS]
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-4)
+    # ceil(log2(scale)) of a normal fp32: its exponent, plus one unless a power of two.
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    codes = _e4m3_bits(v * _power_of_two(-exponent)[:, None])  # exact: a power of two
+    if STORE:
+        flat = tl.load(index_ptr + m).to(tl.int32)
+        group = flat // rows_per_group
+        slot = flat - group * rows_per_group
+        base = part_ptr + group.to(tl.int64) * stride_group
+        data = base + slot * DATA_BYTES
+        tl.store(data + chan, codes.to(tl.uint8), mask=is_nope)
+        rope = (data + NOPE).to(tl.pointer_type(tl.bfloat16)) + (chan - NOPE)
+        tl.store(rope, v.to(tl.bfloat16), mask=~is_nope)  # exact: v is a bf16 value
+        scales = base + rows_per_group * DATA_BYTES + slot * SCALE_BYTES
+        NUM_TILES: tl.constexpr = NOPE // TILE
+        offs_s = tl.arange(0, SCALE_BYTES)
+        tl.store(scales + offs_s, tl.zeros([SCALE_BYTES], tl.uint8), mask=offs_s >= NUM_TILES)
+        tl.store(scales + offs_g, (exponent + 127).to(tl.uint8), mask=offs_g < NUM_TILES)
+    else:
+        nope = _e4m3_value(codes) * _power_of_two(exponent)[:, None]  # exact in bf16
+        row = tl.where(is_nope, nope, v).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_out + chan, row)
+
+
+def _fp8_rows(
+    values: torch.Tensor, layout: Fp8Layout, target: Fp8Rows | None, index: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Launch ``_fp8_rows_kernel``: store values into target's rows at index, or (target None)
+    return their round trip."""
+    num, dim = values.shape
+    assert dim == layout.head_dim and dim & (dim - 1) == 0, f"rows {tuple(values.shape)}"
+    values = values if values.stride(1) == 1 else values.contiguous()
+    out = None if target is not None else torch.empty_like(values)
+    if num == 0:
+        return out
+    if target is None:
+        part, stride_group, rows_per_group, index = values, 0, 1, values
+    else:
+        assert target.num_rows < 2**31, f"{target.num_rows} packed rows: indexed 32-bit"
+        part = target.data
+        stride_group, rows_per_group = part.stride(0), part.shape[1]
+    _fp8_rows_kernel[(num,)](
+        values, index, part, out if out is not None else values, values.stride(0),
+        stride_group, out.stride(0) if out is not None else 0, rows_per_group, D=dim,
+        NOPE=layout.nope_dim, TILE=layout.tile, GROUPS=_scale_groups(layout, dim),
+        DATA_BYTES=layout.data_bytes, SCALE_BYTES=layout.scale_bytes, STORE=target is not None,
+        num_warps=4 if dim >= 256 else 1,
+    )  # fmt: skip
+    return out
+
+
+def store_rows(target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``kv_fp8.store_rows`` in one launch for a packed part."""
+    if isinstance(target, Fp8Rows):
+        _fp8_rows(values, target.layout, target, index)
+    else:
+        target[index] = values.to(target.dtype)
+
+
+def as_stored(target: KVSource, values: torch.Tensor) -> torch.Tensor:
+    """``kv_fp8.as_stored`` in one launch for a packed part."""
+    if isinstance(target, Fp8Rows):
+        out = _fp8_rows(values, target.layout, None, None)
+        assert out is not None
+        return out
+    return values
 
 
 @triton.jit
@@ -305,6 +443,7 @@ def _sparse_attention_kernel(
     PACKED: tl.constexpr,
     NOPE: tl.constexpr,
     TILE: tl.constexpr,
+    GROUPS: tl.constexpr,
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
 ):
@@ -350,7 +489,7 @@ def _sparse_attention_kernel(
             m_i, l_i, acc = _attend_source(
                 q, m_i, l_i, acc, kv_ptr, idx_ptr + t * stride_idx, stride_kv, first, length,
                 lo, hi, qk_scale, rows_per_group, D, BLOCK_N, DOT_PRECISION, PACKED, NOPE, TILE,
-                DATA_BYTES, SCALE_BYTES,
+                GROUPS, DATA_BYTES, SCALE_BYTES,
             )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_straddling(
@@ -414,6 +553,18 @@ def _combine_splits_kernel(
     tl.store(out_ptr + (t * num_heads + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def _scale_groups(layout: Fp8Layout | None, dim: int) -> int:
+    """How many channel groups the kernel reads a packed row in (``_load_bytes``): one per
+    scale tile when the tiles divide the row, one when the NoPE part is a single tile."""
+    if layout is None:
+        return 1
+    groups = dim // layout.tile
+    if dim % layout.tile == 0 and groups & (groups - 1) == 0:
+        return groups
+    assert layout.num_tiles == 1, f"{layout.name}: scale tiles must divide the row in 2^k"
+    return 1
+
+
 def sparse_attention(
     q: torch.Tensor,
     sources: Sequence[tuple[KVSource, torch.Tensor]],
@@ -459,6 +610,7 @@ def sparse_attention(
         idx = idx if idx.stride(1) == 1 else idx.contiguous()
         if isinstance(kv, Fp8Rows):
             assert kv.layout.head_dim == dim, f"packed rows of {kv.layout.head_dim}, q of {dim}"
+            assert kv.num_rows < 2**31, f"{kv.num_rows} packed rows: the kernel indexes 32-bit"
             ptr, stride_kv, groups = kv.data, kv.data.stride(0), kv.data.shape[1]
         else:
             assert kv.dtype == q.dtype and kv.shape[1] == dim and kv.stride(1) == 1, (
@@ -515,6 +667,7 @@ def sparse_attention(
         PACKED=layout is not None,
         NOPE=layout.nope_dim if layout else 0,
         TILE=layout.tile if layout else 1,
+        GROUPS=_scale_groups(layout, dim),
         DATA_BYTES=layout.data_bytes if layout else 0,
         SCALE_BYTES=layout.scale_bytes if layout else 0,
         num_warps=config.num_warps,
@@ -660,6 +813,8 @@ class TritonAttentionBackend(Backend):
     attention_config's (for tuning; None in the engine)."""
 
     indexer_scores = staticmethod(indexer_scores)
+    store_rows = staticmethod(store_rows)
+    as_stored = staticmethod(as_stored)
 
     def __init__(
         self,

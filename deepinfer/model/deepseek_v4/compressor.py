@@ -18,7 +18,7 @@ from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels
-from deepinfer.ops.attention.kv_fp8 import KVSource, store_rows
+from deepinfer.ops.attention.kv_fp8 import KVSource
 from deepinfer.ops.norm import rope_cos_sin
 
 
@@ -59,7 +59,7 @@ class Compressor(nn.Module):
     def __init__(self, args: ModelArgs, dim: int, ratio: int, kernels: Kernels) -> None:
         super().__init__()
         self.dim, self.ratio = dim, ratio
-        self.norm_ops = kernels.norm
+        self.norm_ops, self.attention_ops = kernels.norm, kernels.attention
         # Upstream decides the overlapping layout by the ratio alone (CSA's 4).
         self.overlap = ratio == 4
         width = 2 * dim if self.overlap else dim
@@ -93,7 +93,7 @@ class Compressor(nn.Module):
                 win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
             pooled = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
             pooled = self.norm_ops.apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
-            store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
+            self.attention_ops.store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
         buf_kv[plan.left_dst] = src_kv[plan.left_src]
         buf_gate[plan.left_dst] = src_gate[plan.left_src]
 

@@ -28,7 +28,6 @@ from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, 
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import RMSNorm, linear
 from deepinfer.ops import Kernels, reference_kernels
-from deepinfer.ops.attention.kv_fp8 import as_stored, store_rows
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
     ExpertWeight,
@@ -86,7 +85,8 @@ class Attention(nn.Module):
         # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
         # cache, so a key reads the same in its own step and later), earlier window rows from
         # the ring, compressed entries.
-        sources = [(as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
+        attention = self.kernels.attention
+        sources = [(attention.as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
             pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
             state = CompressorState.of(cache, self.layer_id, "comp")
@@ -96,10 +96,8 @@ class Attention(nn.Module):
             else:
                 entries = meta.visible_idx[self.ratio]
             sources.append((pool, entries))
-        out = self.kernels.attention.sparse_attention(
-            q, sources, self.attn_sink, self.head_dim**-0.5
-        )
-        store_rows(ring, meta.ring_dst, kv[meta.ring_src])
+        out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5)
+        attention.store_rows(ring, meta.ring_dst, kv[meta.ring_src])
         out = norm.apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
