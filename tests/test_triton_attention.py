@@ -233,7 +233,9 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     assert contract_mismatches(backend, AttentionBackend) == []
     monkeypatch.setattr(kernels, "_num_sms", no_sm_lookup)
     monkeypatch.setattr(
-        kernels, "attention_config", lambda *args: pytest.fail("the tile override was ignored")
+        kernels,
+        "attention_config",
+        lambda *args, **kwargs: pytest.fail("the tile override was ignored"),
     )
     launches = Launches(kernels._sparse_attention_kernel)
     monkeypatch.setattr(kernels, "_sparse_attention_kernel", launches)

@@ -76,7 +76,9 @@ _num_sms = functools.partial(num_sms, cpu_stand_in=132)
 _dot_precision = functools.partial(dot_precision, for_16bit="tf32")
 
 
-def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> AttentionConfig:
+def attention_config(
+    dtype: torch.dtype, num_heads: int, num_q: int, *, packed: bool = False
+) -> AttentionConfig:
     """Tiles for num_q query tokens of num_heads heads: the fastest of
     benchmarks/attention_tiles.py on the H200 at V4's 64 heads of 512 (RESULTS.md, 2026-11-30).
 
@@ -87,6 +89,10 @@ def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> Attentio
     128). Below, there are too few programs to fill the SMs with 64-head blocks, and 32-head
     blocks (mma.sync, HMMA, ~160 registers) win: 32 keys a tile at one to four tokens (more
     splits), 64 above. fp32 runs IEEE dots on CUDA cores: 16 x 16 over 8 warps (~175).
+
+    Packed FP8 sources (``packed``) are dequantized in registers, which the 64-head tiles pay
+    for in spills (~760 bytes): 32-head tiles win at every count there (H100, 2026-12-06:
+    1.23x the 64-head tiles at 128 tokens, 1.33x in a 1,024-token prefill chunk).
     """
     if dtype == torch.float32:
         return AttentionConfig(block_h=16, block_n=16, num_warps=8)
@@ -94,7 +100,7 @@ def attention_config(dtype: torch.dtype, num_heads: int, num_q: int) -> Attentio
         return AttentionConfig(block_h=16, block_n=16, num_warps=4)
     if num_heads < 64 or num_q <= 4:
         return AttentionConfig(block_h=32, block_n=32, num_warps=8)
-    if num_q <= 32:
+    if num_q <= 32 or packed:
         return AttentionConfig(block_h=32, block_n=64, num_warps=8)
     # A third stage pays at decode batches (128-256 tokens: 4-5% faster), not in prefill chunks.
     stages = 3 if 64 < num_q <= 512 else 2
@@ -630,7 +636,7 @@ def sparse_attention(
     num_keys = sum(idx.shape[1] for _, idx in sources)
 
     num_sms = _num_sms(q.device) if num_sms is None else num_sms
-    config = config or attention_config(q.dtype, num_heads, num_q)
+    config = config or attention_config(q.dtype, num_heads, num_q, packed=layout is not None)
     num_head_blocks = triton.cdiv(num_heads, config.block_h)
     num_splits, keys_per_split = _split_keys(
         num_q, num_head_blocks, num_keys, config.block_n, num_sms
