@@ -3,12 +3,13 @@ through `deepinfer bench serve` at concurrency 1 and 64, and proof that no decod
 captured while serving.
 
     python3 -P benchmarks/serve_graphs.py [--layers swa,csa,hca,csa] [--max-model-len 65536]
-        [--weights bf16,fp4,fp4-fp8] [--concurrency 1,64] [--out DIR]
+        [--weights bf16,fp4,fp4-fp8,fp4-fp8-kv8] [--concurrency 1,64] [--out DIR]
         (on the device machine: bash scripts/gpu_bench.sh benchmarks/...)
     python3 -P benchmarks/serve_graphs.py --tiny   # the built-in model on the CPU (smoke test)
 
 The server is a real process (random weights in V4-Flash shapes, `model.random_weights`, kept
-as --weights says: dense bf16, routed experts packed FP4, or also the FP8 linears FP8);
+as --weights says: dense bf16, routed experts packed FP4, or also the FP8 linears FP8, and
+the KV cache FP8 with fp4-fp8-kv8);
 start-up time is process start -> /ready 200, and the capture time and memory are read from its
 log ("captured N decode graphs ... in S s, +M MiB"). The counter that proves the point is the
 node's ``deepinfer_decode_graph_captures{phase="serving"}``, which must stay 0.
@@ -86,6 +87,7 @@ WEIGHTS = {
     "fp4": {"DEEPINFER_MODEL_FP4_EXPERTS": "true", "DEEPINFER_MODEL_FP8_WEIGHTS": "false"},
     "fp4-fp8": {"DEEPINFER_MODEL_FP4_EXPERTS": "true", "DEEPINFER_MODEL_FP8_WEIGHTS": "true"},
 }
+WEIGHTS["fp4-fp8-kv8"] = {**WEIGHTS["fp4-fp8"], "DEEPINFER_CACHE_KV_DTYPE": "fp8"}  # FP8 KV too
 
 
 def main() -> int:
