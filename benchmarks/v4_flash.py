@@ -412,13 +412,19 @@ def verify_inputs(
 
 
 def prefill_inputs(
-    args: Any, setup: Setup, prompt_len: int, chunk: int, seed: int, family: Any = FAMILY
+    args: Any,
+    setup: Setup,
+    prompt_len: int,
+    chunk: int,
+    seed: int,
+    family: Any = FAMILY,
+    kv_dtype: str = "auto",
 ) -> tuple[list[ForwardBatch], KVCache]:
     """One request's prompt in chunks of at most ``chunk`` tokens, as the engine schedules it
     under a token budget: successive batches on slot 0 and the same blocks, start_pos growing;
-    logits for each chunk's last token."""
+    logits for each chunk's last token. ``kv_dtype``: new_cache's."""
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(args, setup, 1, prompt_len, seed, family)
+    cache = new_cache(args, setup, 1, prompt_len, seed, family, kv_dtype)
     (table,) = _block_ids(cache, 1, prompt_len, gen)
     prompt = torch.randint(3, args.vocab_size, (prompt_len,), generator=gen).to(setup.device)
     batches = []

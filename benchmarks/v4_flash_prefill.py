@@ -1,7 +1,7 @@
 """Prefill tokens/s of V4-Flash-shaped layers against the compute bound (MFU), per layer type.
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_prefill.py [--layers csa,hca,swa]
-        [--prompt 1024,8192,32768] [--chunk 8192] [--backend auto] [--json PATH]
+        [--prompt 1024,8192,32768] [--chunk 8192] [--kv auto|fp8] [--backend auto] [--json PATH]
     python benchmarks/v4_flash_prefill.py --tiny          # CPU smoke test, every shape shrunk
 
 Method. The models of v4_flash_decode.py: one per layer type (``--depth`` layers of it, random
@@ -67,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--prompt", help="prompt lengths (default 1024,8192,32768; --tiny: 32,64)")
     ap.add_argument("--chunk", type=int, help="tokens per forward (default 8192; --tiny: 16)")
+    ap.add_argument("--kv", default="auto", help="cache.kv_dtype: auto (bf16) or fp8 (packed)")
     add_common_args(ap, warmup=1, repeats=3)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
@@ -81,7 +82,7 @@ def main() -> None:
 
     def measure(kind: str, args, model) -> None:
         for prompt_len in prompts:
-            batches, cache = prefill_inputs(args, setup, prompt_len, chunk, ns.seed)
+            batches, cache = prefill_inputs(args, setup, prompt_len, chunk, ns.seed, kv_dtype=ns.kv)
             row = {"kind": "prefill", "layer": kind, "prompt": prompt_len, "chunk": chunk}
             row["flops"] = prefill_flops(args, kind, 0, prompt_len)  # of one layer
 
@@ -175,7 +176,8 @@ def report(rows, kinds, prompts, chunk, setup, kernels, rate, ns) -> None:
             [
                 f"Model: one model per layer type ({', '.join(kinds)}; {ns.depth} layer(s) each) "
                 f"in V4-Flash shapes{' (--tiny)' if setup.tiny else ''}, random weights, and one "
-                f"with no layers (outer). One request, chunks of {chunk} tokens. Kernels: "
+                f"with no layers (outer). One request, chunks of {chunk} tokens; cache.kv_dtype "
+                f"{ns.kv}. Kernels: "
                 f"{kernels}.",
                 f"Per layer = (model − outer) / depth, median of {ns.repeats} after {ns.warmup} "
                 "warm-up. Bound = FLOPs (2 × active parameters + attention + indexer scores) / "

@@ -153,17 +153,22 @@ def test_sparse_attention_matches_reference(
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
 
 
+@pytest.mark.parametrize("unpack_first", [False, True], ids=["in_kernel", "unpacked"])
 @pytest.mark.parametrize("num_sms", [132, 1])
 @pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (256, 64)])
 def test_packed_fp8_sources_are_read_as_their_values(
-    monkeypatch: pytest.MonkeyPatch, num_sms: int, head_dim: int, rope_dim: int
+    monkeypatch: pytest.MonkeyPatch, num_sms: int, head_dim: int, rope_dim: int, unpack_first: bool
 ) -> None:
     """cache.kv_dtype = "fp8": the kernel reads packed rows (one group of 8 rows, two of 3: the
     ring's and the entries' shapes) as their exact values, beside dense sources: torch_ref's
-    result over the same packed rows."""
+    result over the same packed rows. From UNPACK_MIN_TOKENS query tokens the rows are unpacked
+    first (the distinct rows named, holes kept), with the same result."""
     from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
 
     monkeypatch.setattr(kernels, "_num_sms", lambda device: num_sms)
+    monkeypatch.setattr(kernels, "UNPACK_MIN_TOKENS", 1 if unpack_first else 10**9)
+    launches = Launches(kernels._sparse_attention_kernel)
+    monkeypatch.setattr(kernels, "_sparse_attention_kernel", launches)
     gen = torch.Generator().manual_seed(3)
     layout, num_q, heads = Fp8Layout(head_dim, rope_dim), 5, 4
     ring = Fp8Rows.of(torch.zeros(3, 8, layout.row_bytes, dtype=torch.uint8), layout)
@@ -182,6 +187,7 @@ def test_packed_fp8_sources_are_read_as_their_values(
     expected = ref.sparse_attention(q, sources, sinks, head_dim**-0.5)
     assert _rel_err(out, expected) < ATTENTION_REL_TOL
     assert (out - expected).abs().max().item() < ATTENTION_ABS_TOL
+    assert [launch["PACKED"] for launch in launches.keywords] == [not unpack_first]
 
 
 @pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 16), (256, 64)])

@@ -46,16 +46,24 @@ def compiled(name: str) -> ModuleType:
 
 
 class Launches:
-    """Stands in for a Triton kernel of a backend module: records the grid of every launch,
-    then launches the kernel. Install with ``monkeypatch.setattr(module, name, Launches(...))``."""
+    """Stands in for a Triton kernel of a backend module: records the grid and the keyword
+    arguments (constexprs, launch options) of every launch, then launches the kernel. Install
+    with ``monkeypatch.setattr(module, name, Launches(...))``."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.grids: list[tuple[int, ...]] = []
+        self.keywords: list[dict[str, Any]] = []
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         self.grids.append(tuple(grid))
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.keywords.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return recorded
 
 
 def no_sm_lookup(device: object) -> int:

@@ -571,6 +571,29 @@ def _scale_groups(layout: Fp8Layout | None, dim: int) -> int:
     return 1
 
 
+# From this many query tokens (a prefill chunk), packed sources are unpacked first: the rows the
+# index lists name, once each, into a dense scratch that the dense kernel reads with its widest
+# tiles. Reading packed rows in the kernel dequantizes each row once per 32-head block and tile,
+# 3.8x the dense kernel's time in a 1,024-token chunk; unpacking costs a sort of the index
+# lists and a host sync (the scratch's size), which CUDA graphs cannot hold, so captured steps
+# (decode) never take this path.
+UNPACK_MIN_TOKENS = 256
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _unpacked(kv: KVSource, idx: torch.Tensor, dtype: torch.dtype) -> tuple[KVSource, torch.Tensor]:
+    """A packed source as dense rows in ``dtype``: the distinct rows of ``idx``, exactly
+    unpacked, and ``idx`` renumbered onto them (holes stay -1). A dense source as it is."""
+    if not isinstance(kv, Fp8Rows):
+        return kv, idx
+    rows, local = torch.unique(idx.clamp(min=-1), return_inverse=True)  # syncs: the row count
+    dense = kv.gather(rows.clamp(min=0)).to(dtype)
+    return dense, torch.where(idx < 0, -1, local).to(idx.dtype)
+
+
 def sparse_attention(
     q: torch.Tensor,
     sources: Sequence[tuple[KVSource, torch.Tensor]],
@@ -606,6 +629,9 @@ def sparse_attention(
     layouts = {kv.layout for kv, _ in sources if isinstance(kv, Fp8Rows)}
     assert len(layouts) <= 1, f"packed sources of several layouts: {layouts}"
     layout = next(iter(layouts), None)
+    if layout is not None and num_q >= UNPACK_MIN_TOKENS and not _capturing(q.device):
+        sources = [_unpacked(kv, idx, q.dtype) for kv, idx in sources]
+        layout = None
     # Absent sources repeat the first with length 0: never read, as NUM_SOURCES bounds the loop.
     padded = [*sources] + [sources[0]] * (3 - len(sources))
     source_ptrs: list[torch.Tensor] = []
