@@ -48,3 +48,43 @@ def test_fp8_kv_on_cuda_gives_the_tokens_of_round_tripped_keys(
 
     assert tokens(first) == tokens(oracle)
     assert tokens(again) == tokens(first)
+
+
+def test_prefill_chunks_unpack_packed_rows_to_the_same_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From UNPACK_MIN_TOKENS query tokens the Triton op unpacks the rows its lists name and
+    runs the dense kernel: on V4-Flash shapes (64 heads of 512, bf16), a 300-token chunk's
+    output matches the kernel's own read of the packed rows and the dense kernel over the
+    rows unpacked by torch, holes included."""
+    from deepinfer.ops.attention import triton as ours
+    from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+
+    layout, num_q, heads, gen = Fp8Layout(512, 64), 300, 64, torch.Generator("cuda").manual_seed(0)
+    ring = Fp8Rows.of(
+        torch.zeros(4, 144, layout.row_bytes, dtype=torch.uint8, device="cuda"), layout
+    )
+    ring.store(
+        torch.arange(576, device="cuda"), torch.randn(576, 512, device="cuda", generator=gen)
+    )
+    pool = Fp8Rows.of(
+        torch.zeros(64, 32, layout.row_bytes, dtype=torch.uint8, device="cuda"), layout
+    )
+    pool.store(
+        torch.arange(2048, device="cuda"), torch.randn(2048, 512, device="cuda", generator=gen)
+    )
+    ring_idx = torch.randint(-1, 576, (num_q, 128), device="cuda", generator=gen)
+    pool_idx = torch.randint(-1, 2048, (num_q, 512), device="cuda", generator=gen)
+    q = torch.randn(num_q, heads, 512, device="cuda", generator=gen).bfloat16()
+    sinks = torch.randn(heads, device="cuda", generator=gen)
+    packed = [(ring, ring_idx), (pool, pool_idx)]
+    dense = [(ring.gather(torch.arange(576, device="cuda")), ring_idx)]
+    dense.append((pool.gather(torch.arange(2048, device="cuda")), pool_idx))
+
+    unpacked = ours.sparse_attention(q, packed, sinks, 512**-0.5).float()
+    over_dense = ours.sparse_attention(q, dense, sinks, 512**-0.5).float()
+    monkeypatch.setattr(ours, "UNPACK_MIN_TOKENS", 10**9)
+    in_kernel = ours.sparse_attention(q, packed, sinks, 512**-0.5).float()
+
+    assert torch.equal(unpacked, over_dense)  # the same rows, the same kernel and tiles
+    assert ((in_kernel - unpacked).norm() / unpacked.norm()).item() < 1e-2
