@@ -210,21 +210,35 @@ def _window_plan(
     slot's ring)."""
     window, ring = geometry.window, geometry.ring_size
     req, pos = reqs.token_req, reqs.positions
-    start = reqs.start[req][:, None]
+    start, floor = reqs.start[req], reqs.floor[req]
     max_new = int(reqs.num_tokens.max())
     # Columns past the widest window part are -1 everywhere: trimmed (decode: 1 step column).
-    cols = np.arange(window)[None, :]
-    key = pos[:, None] - cols[:, : min(window, max_new)]  # [T, step columns] key positions
-    valid = key >= np.maximum(reqs.floor[req][:, None], start)
-    win_step = np.where(valid, key - start + reqs.offset[req][:, None], -1)
-    # Ring keys are older than the step and at or after the floor. A step whose requests all
-    # start at their floor (a fresh prompt) has none: its [T, window] of -1 skips the arithmetic.
-    if (reqs.start > reqs.floor).any():
-        key = pos[:, None] - cols
-        old = (key < start) & (key >= reqs.floor[req][:, None])
-        win_ring = np.where(old, reqs.slot[req][:, None] * ring + key % ring, -1)
-    else:
-        win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
+    cols = np.arange(window)
+    step_cols = cols[: min(window, max_new)]
+    # Step keys: row (pos - c) - start + offset for c < window, where pos - c >= max(floor,
+    # start). Only a token within a window of that bound has a column that fails it, so the
+    # [T, columns] arithmetic is one subtraction and the masking touches those rows alone (a
+    # long prefill chunk's first window of tokens).
+    win_step = np.subtract.outer(pos - start + reqs.offset[req], step_cols)
+    lowest = np.maximum(floor, start)
+    near = _rows(pos - lowest < len(step_cols) - 1)
+    key = pos[near, None] - step_cols
+    win_step[near] = np.where(key >= lowest[near, None], win_step[near], -1)
+    # Ring keys are older than the step and at or after the floor: only a token within a window
+    # of its step's start has one. A step whose requests all start at their floor (a fresh
+    # prompt) has none.
+    win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
+    near = _rows((pos - start < window - 1) & (start > floor))
+    if not isinstance(near, np.ndarray) or near.size:
+        key = pos[near, None] - cols
+        old = (key < start[near, None]) & (key >= floor[near, None])
+        win_ring[near] = np.where(old, reqs.slot[req[near]][:, None] * ring + key % ring, -1)
     kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
     slot = np.where(reqs.is_pad[kept], geometry.scratch_slot, reqs.slot[req[kept]])
     return win_step, win_ring, kept, slot * ring + pos[kept] % ring
+
+
+def _rows(mask: np.ndarray) -> np.ndarray | slice:
+    """The rows where ``mask`` holds: their indices, or every row as a slice (decode: no
+    gather and scatter of whole arrays)."""
+    return slice(None) if mask.all() else np.flatnonzero(mask)
