@@ -25,10 +25,17 @@ With one split the attention kernel applies the sink and writes the output itsel
 ``indexer_scores`` runs one program per (token, block of entries); blocks past the token's
 visible entries only write -inf.
 
+An FP8 KV cache (cache.kv_dtype = "fp8", ``kv_fp8.py``) gives packed sources. The attention
+kernel reads their rows itself (``_load_bytes``: a row as [tiles, 64] channels under one scale
+load a tile), except in a chunk of UNPACK_MIN_TOKENS or more, whose named rows are unpacked
+once into dense rows first. The backend's ``store_rows`` / ``as_stored`` pack a step's rows in
+one launch (``_fp8_rows_kernel``), rounding on integers so that Triton's interpreter matches
+the GPU and torch bit for bit.
+
 Inputs are bf16 in production (tensor-core dots, fp32 accumulation) or fp32 in the parity mode,
 where every dot runs in IEEE fp32 (``input_precision="ieee"``) to match the CPU to ~1e-5.
 
-One file of ~600 lines: a backend is one module per op family (``ops/registry.py``), and these
+One file of ~850 lines: a backend is one module per op family (``ops/registry.py``), and these
 kernels share their launchers' tile tables (``benchmarks/attention_tiles.py`` sweeps them).
 ``TritonAttentionBackend`` at the end is the backend object: it keeps the device's SM count and
 any tile override, and calls the launchers with them.
