@@ -330,3 +330,45 @@ def test_mxfp4_decode_takes_a_program_a_pair_up_to_320_pairs(moe_triton: ModuleT
         assert isinstance(pick(320, dtype, packed=True), moe_triton.GemvConfig)
         assert isinstance(pick(321, dtype, packed=True), moe_triton.TileConfig)
         assert isinstance(pick(6, dtype), moe_triton.TileConfig)  # dense: the grouped GEMMs
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[ModuleType]:
+    yield from interpreted("deepinfer.ops.moe.triton_router", _INTERPRET_BEFORE)
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["top_k", "hash"])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (256, 6), (12, 3)])
+def test_router_is_the_reference(
+    router: ModuleType, moe_triton: ModuleType, num_experts: int, top_k: int, hashed: bool
+) -> None:
+    """The one-launch router (``route``) against torch_ref's: the same experts (as a set: the
+    order is the kernel's, highest first) and weights within 1e-6, for logits from -30 to 30
+    (both softplus thresholds, 20 and -16) in bf16 and fp32, and the backend object's."""
+    gen = torch.Generator().manual_seed(num_experts)
+    num_tokens = 9
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 4
+    logits[0, :3] = torch.tensor([-30.0, 25.0, -17.0])[: min(3, num_experts)]
+    bias = torch.randn(num_experts, generator=gen) * 0.1
+    hash_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(-1)[:, :top_k]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        args = (None, hash_ids) if hashed else (bias, None)
+        weights, ids = router.route(x, *args, top_k, 2.5)
+        ref_weights, ref_ids = torch_ref.route(x, *args, top_k, 2.5)
+        order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+        assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+        torch.testing.assert_close(
+            weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7
+        )
+        if hashed:
+            assert torch.equal(ids, hash_ids)  # a hash layer's ids in their own order
+        else:  # the kernel's order: highest score + bias first
+            biased = torch.nn.functional.softplus(x.float()).sqrt() + bias
+            assert (biased.gather(1, ids).diff(dim=-1) <= 0).all()
+    backend = moe_triton.TritonMoEBackend(torch.device("cpu"))
+    args = (None, hash_ids) if hashed else (bias, None)
+    weights, ids = backend.route(logits, *args, top_k, 1.0)
+    ref_weights, ref_ids = torch_ref.route(logits, *args, top_k, 1.0)
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)

@@ -124,6 +124,17 @@ class ExpertParallelMoEBackend(Backend):
 
     swiglu = staticmethod(swiglu)
 
+    def route(
+        self,
+        logits: torch.Tensor,
+        bias: torch.Tensor | None,
+        hash_ids: torch.Tensor | None,
+        top_k: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inner backend's router: every rank routes its own tokens over all experts."""
+        return self.inner.route(logits, bias, hash_ids, top_k, scale)
+
     @property
     def fp8_experts(self) -> bool:
         """The inner backend's expert format (the loader converts this rank's share)."""

@@ -194,6 +194,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    hash_ids: torch.Tensor | None,
+    top_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's router after its GEMM: scores = sqrt(softplus(logits)) in fp32; the experts
+    are the top_k of scores + bias (bias for the selection only), or ``hash_ids`` (a hash
+    layer's, from the token id's table); weights = their scores / (sum + 1e-20) * scale.
+
+    logits: [T, E] any float dtype; bias: [E] fp32 (None with hash_ids [T, k]). Returns
+    (weights [T, k] fp32, expert ids [T, k] int64)."""
+    scores = F.softplus(logits.float()).sqrt()  # [T, E]
+    if hash_ids is None:
+        assert bias is not None, "route: a bias to select by, or hash ids"
+        ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    else:
+        ids = hash_ids
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def _expert_matrix(w: ExpertWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, Mxfp4Weight | Fp8ExpertWeight):
         return w.expert(expert).to(dtype)
@@ -234,3 +258,4 @@ class TorchRefMoEBackend(Backend):
 
     fused_moe = staticmethod(fused_moe)
     swiglu = staticmethod(swiglu)
+    route = staticmethod(route)

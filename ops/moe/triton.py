@@ -62,6 +62,7 @@ from deepinfer.ops.moe.torch_ref import (
     swiglu,
 )
 from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
+from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision
 
@@ -653,6 +654,7 @@ class TritonMoEBackend(Backend):
     tiles for every call instead of pick_tile_config's (for tuning; None in the engine)."""
 
     swiglu = staticmethod(swiglu)
+    route = staticmethod(route)
 
     def __init__(
         self,

@@ -257,3 +257,22 @@ def test_mxfp4_decode_gemv_token_output_does_not_depend_on_the_batch(
     one = slice(9, 10)
     alone = moe_triton.fused_moe(x[one], *packed, topk_ids[one], topk_weights[one], LIMIT)
     assert torch.equal(alone[0], batched[9])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 128, 4096])
+def test_router_on_cuda_picks_the_reference_experts(num_tokens: int) -> None:
+    """The one-launch router at V4-Flash's 256 experts, top 6, bf16 logits: the experts of
+    torch_ref.route on CUDA (as sets) and its weights within 1e-5; a hash layer's ids kept."""
+    router = compiled("deepinfer.ops.moe.triton_router")
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = (torch.randn(num_tokens, 256, generator=gen, device="cuda") * 3).bfloat16()
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
+    hash_ids = torch.rand(num_tokens, 256, generator=gen, device="cuda").argsort(-1)[:, :TOP_K]
+    for args in ((bias, None), (None, hash_ids)):
+        weights, ids = router.route(logits, *args, TOP_K, 2.5)
+        ref_weights, ref_ids = torch_ref.route(logits, *args, TOP_K, 2.5)
+        order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+        torch.testing.assert_close(
+            weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6
+        )

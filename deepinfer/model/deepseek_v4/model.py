@@ -32,6 +32,7 @@ from deepinfer.ops.moe import (
     MXFP4_BLOCK,
     ExpertWeight,
     Fp8ExpertWeight,
+    MoEBackend,
     Mxfp4Weight,
     swiglu,
     to_fp8_experts,
@@ -107,10 +108,12 @@ class Attention(nn.Module):
 
 class Gate(nn.Module):
     """Router: sqrt(softplus) scores; top-k by scores + bias (selection only) or by the token
-    id's hash table; weights = the chosen scores renormalised and scaled."""
+    id's hash table; weights = the chosen scores renormalised and scaled. After its GEMM, the
+    MoE backend's ``route`` (torch_ref.route says how; one launch on Triton)."""
 
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, moe_ops: MoEBackend) -> None:
         super().__init__()
+        self.moe_ops = moe_ops
         self.is_hash = args.mlp_layer_types[layer_id] == HASH_MOE
         self.topk, self.route_scale = args.num_experts_per_tok, args.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(args.num_experts, args.hidden_size))
@@ -125,14 +128,12 @@ class Gate(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()  # [T, E]
+        logits = F.linear(x, self.weight)  # [T, E]
         if self.is_hash:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, ids
+            return self.moe_ops.route(
+                logits, None, self.tid2eid[input_ids], self.topk, self.route_scale
+            )
+        return self.moe_ops.route(logits, self.bias, None, self.topk, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -227,7 +228,7 @@ class MoE(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.limit = args.swiglu_limit
-        self.gate = gate if gate is not None else Gate(args, layer_id)
+        self.gate = gate if gate is not None else Gate(args, layer_id, kernels.moe)
         self.topk = self.gate.topk
         self.experts = Experts(args, num_local)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
