@@ -262,7 +262,9 @@ def test_mxfp4_decode_gemv_token_output_does_not_depend_on_the_batch(
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 def test_router_on_cuda_picks_the_reference_experts(num_tokens: int) -> None:
     """The one-launch router at V4-Flash's 256 experts, top 6, bf16 logits: the experts of
-    torch_ref.route on CUDA (as sets) and its weights within 1e-5; a hash layer's ids kept."""
+    torch_ref.route on CUDA (as sets; a token may differ only where the reference's 6th and
+    7th scores tie within 1e-5, the kernel's exp and log being a few ulps off CUDA's) and its
+    weights within 1e-5 where they agree; a hash layer's ids kept."""
     router = compiled("deepinfer.ops.moe.triton_router")
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     logits = (torch.randn(num_tokens, 256, generator=gen, device="cuda") * 3).bfloat16()
@@ -272,7 +274,14 @@ def test_router_on_cuda_picks_the_reference_experts(num_tokens: int) -> None:
         weights, ids = router.route(logits, *args, TOP_K, 2.5)
         ref_weights, ref_ids = torch_ref.route(logits, *args, TOP_K, 2.5)
         order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
-        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+        same = (ids.gather(1, order) == ref_ids.gather(1, ref_order)).all(-1)
+        if not same.all():
+            biased = torch.nn.functional.softplus(logits.float()).sqrt() + args[0]
+            top = biased[~same].topk(TOP_K + 1, dim=-1).values
+            assert (top[:, -2] - top[:, -1] < 1e-5).all(), "experts differ without a tie"
         torch.testing.assert_close(
-            weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6
+            weights.gather(1, order)[same],
+            ref_weights.gather(1, ref_order)[same],
+            rtol=1e-5,
+            atol=1e-6,
         )
