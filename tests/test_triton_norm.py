@@ -275,6 +275,30 @@ def test_apply_rope(
     assert torch.equal(out[..., :nope], x[..., :nope])
 
 
+@pytest.mark.parametrize(("shape", "rope_dim"), ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_rope_is_the_two_launches_in_one(
+    norm_triton: ModuleType,
+    shape: tuple[int, ...],
+    rope_dim: int,
+    dtype: torch.dtype,
+    weighted: bool,
+) -> None:
+    """rms_norm_rope gives apply_rope(rms_norm(x)) of this backend bit for bit (the same row
+    sums, the normalised row rounded to x's dtype before the rotation, the same rotation), and
+    torch_ref's within apply_rope's tolerance; odd nope widths pair their channels right."""
+    gen = torch.Generator().manual_seed(sum(shape) + 3 * rope_dim)
+    x, cos, sin = _rope_inputs(shape, rope_dim, dtype, gen)
+    weight = torch.rand(shape[-1], generator=gen) + 0.5 if weighted else None
+    fused = norm_triton.rms_norm_rope(x, weight, 1e-6, cos, sin)
+    two = norm_triton.apply_rope(norm_triton.rms_norm(x, weight, 1e-6), cos, sin)
+    assert fused.dtype == dtype and fused.shape == x.shape
+    assert torch.equal(fused, two)
+    tol = ROPE_FP32_TOL if dtype == torch.float32 else ROPE_BF16_TOL
+    assert _rel_err(fused, torch_ref.rms_norm_rope(x, weight, 1e-6, cos, sin)) < tol
+
+
 @pytest.mark.parametrize(("shape", "rope_dim"), [((3, 4, 64), 16), ((5, 48), 48)])
 def test_apply_rope_inverse(norm_triton: ModuleType, shape: tuple[int, ...], rope_dim: int) -> None:
     """-sin rotates back: the round trip returns x, and the inverse alone matches torch_ref's."""

@@ -40,6 +40,15 @@ class NormBackend(Protocol):
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
+    def rms_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor: ...
+
     def hc_pre(
         self,
         x: torch.Tensor,

@@ -112,6 +112,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: a query's or a key's norm, then its
+    RoPE (one launch on Triton)."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -198,6 +206,7 @@ class TorchRefNormBackend(Backend):
 
     rms_norm = staticmethod(rms_norm)
     apply_rope = staticmethod(apply_rope)
+    rms_norm_rope = staticmethod(rms_norm_rope)
     hc_pre = staticmethod(hc_pre)
     hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)

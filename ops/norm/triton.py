@@ -56,6 +56,7 @@ __all__ = [
     "hc_pre",
     "hc_pre_shifted",
     "rms_norm",
+    "rms_norm_rope",
     "rope_cos_sin",
     "rope_inv_freq",
 ]
@@ -276,6 +277,92 @@ def apply_rope(
         BLOCK_HALF=triton.next_power_of_2(max(1, half)),
         num_warps=min(8, max(1, block_r * row_width // 512)),
     )
+    return y
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, num_rows, num_heads, x_token_stride,
+    x_head_stride, cos_stride, sin_stride, eps, N: tl.constexpr, NOPE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_M rows (a row: one token's one head) normalised as ``_rms_norm_kernel`` does and
+    rounded to y's dtype, then their rope slice rotated as ``_apply_rope_kernel`` does: each
+    channel's pair partner (channel ^ 1) is loaded and normalised alongside, so the two
+    launches' values come out of one."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    rows = rows.to(tl.int64)
+    tokens = rows // num_heads
+    x_rows = x_ptr + tokens * x_token_stride + (rows - tokens * num_heads) * x_head_stride
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / N
+    inv_rms = tl.rsqrt(mean_sq + eps)[:, None]
+    is_rope = (cols >= NOPE) & (cols < N)
+    partner = NOPE + ((cols - NOPE) ^ 1)  # the other channel of a rope pair
+    rope_mask = row_mask[:, None] & is_rope[None, :]
+    xp = tl.load(x_rows[:, None] + partner[None, :], mask=rope_mask, other=0.0).to(tl.float32)
+    y = x * inv_rms
+    yp = xp * inv_rms
+    if HAS_WEIGHT:
+        y = tl.load(weight_ptr + cols, mask=cols < N, other=0.0)[None, :] * y
+        yp = tl.load(weight_ptr + partner, mask=is_rope, other=0.0)[None, :] * yp
+    dtype = y_ptr.dtype.element_ty
+    y = y.to(dtype).to(tl.float32)  # what rms_norm stores and apply_rope reads
+    yp = yp.to(dtype).to(tl.float32)
+    pair = (cols - NOPE) // 2
+    angle = tokens[:, None] * cos_stride + pair[None, :]
+    cos = tl.load(cos_ptr + angle, mask=rope_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tokens[:, None] * sin_stride + pair[None, :], mask=rope_mask, other=0.0)
+    sin = sin.to(tl.float32)
+    even = ((cols - NOPE) % 2 == 0)[None, :]
+    rotated = tl.where(even, y * cos - yp * sin, y * cos + yp * sin)
+    out = tl.where(is_rope[None, :], rotated, y)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], out.to(dtype), mask=mask)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` in one launch, the same values: x
+    [T, ..., D] (the norm over D, the rope on its trailing 2 * cos.shape[-1] channels); cos/sin
+    [T, rope_dim / 2]. Returns a new contiguous tensor of x's shape and dtype."""
+    num_tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    nope = dim - 2 * half
+    assert x.dim() >= 2 and 0 < 2 * half <= dim, (
+        f"rms_norm_rope: x {tuple(x.shape)}, rope_dim {2 * half}"
+    )
+    assert dim <= RMS_NORM_MAX_N, f"rms_norm_rope: row of {dim} > {RMS_NORM_MAX_N} values"
+    assert cos.shape == (num_tokens, half) and sin.shape == (num_tokens, half), (
+        f"rms_norm_rope: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, x {tuple(x.shape)}"
+    )
+    assert weight is None or weight.shape == (dim,), f"rms_norm_rope: weight {weight.shape}"
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_heads = math.prod(x.shape[1:-1])
+    heads = x.reshape(num_tokens, num_heads, dim)
+    if heads.stride(-1) != 1:
+        heads = heads.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return y
+    # rms_norm's tiles, so that the row sums reduce in its order.
+    block_n = triton.next_power_of_2(dim)
+    block_m = min(triton.next_power_of_2(num_rows), max(1, 2048 // block_n))
+    has_weight = weight is not None
+    weight = weight.float().contiguous() if has_weight else heads  # a dummy pointer if None
+    _rms_norm_rope_kernel[(triton.cdiv(num_rows, block_m),)](
+        heads, weight, cos, sin, y, num_rows, num_heads, heads.stride(0), heads.stride(1),
+        cos.stride(0), sin.stride(0), eps, N=dim, NOPE=nope, HAS_WEIGHT=has_weight,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=min(16, max(1, block_m * block_n // 256)),
+    )  # fmt: skip
     return y
 
 
@@ -710,6 +797,7 @@ class TritonNormBackend(Backend):
     that apply_rope's row blocks and hc_pre's and hc_post's splits fill at decode."""
 
     rms_norm = staticmethod(rms_norm)
+    rms_norm_rope = staticmethod(rms_norm_rope)
     gated_pool = staticmethod(gated_pool)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

@@ -211,6 +211,26 @@ def test_apply_rope(
         assert torch.equal(out[..., :nope], x_gpu[..., :nope])
 
 
+@pytest.mark.parametrize("num_tokens", ROPE_NUM_TOKENS)
+@pytest.mark.parametrize("kind", list(ROPE_SHAPES))
+def test_rms_norm_rope_is_the_two_launches_in_one(
+    norm_triton: ModuleType, num_tokens: int, kind: str
+) -> None:
+    """The fused norm and RoPE (V4's q unweighted, kv weighted) on CUDA in bf16: this
+    backend's rms_norm then apply_rope, bit for bit, and the CPU oracle's within RoPE's bf16
+    tolerance."""
+    gen = torch.Generator().manual_seed(700 + num_tokens + len(kind))
+    x, cos, sin = _rope_inputs(num_tokens, ROPE_SHAPES[kind], gen)
+    x_gpu, cos_gpu, sin_gpu = x.to("cuda", torch.bfloat16), cos.cuda(), sin.cuda()
+    for weight in (None, torch.rand(x.shape[-1], generator=gen) + 0.5):
+        w_gpu = None if weight is None else weight.cuda()
+        fused = norm_triton.rms_norm_rope(x_gpu, w_gpu, 1e-6, cos_gpu, sin_gpu)
+        two = norm_triton.apply_rope(norm_triton.rms_norm(x_gpu, w_gpu, 1e-6), cos_gpu, sin_gpu)
+        assert torch.equal(fused, two)
+        ref = torch_ref.rms_norm_rope(x.bfloat16(), weight, 1e-6, cos, sin)
+        assert _rel_err(fused, ref) < ROPE_BF16_TOL
+
+
 def test_apply_rope_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
     """A decode step's q rotation replays from a CUDA graph on new inputs, bit for bit."""
     gen = torch.Generator().manual_seed(600)

@@ -78,8 +78,8 @@ class Attention(nn.Module):
         norm = self.kernels.norm
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
-        q = norm.apply_rope(norm.rms_norm(q, None, self.eps), cos, sin)
-        kv = norm.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        q = norm.rms_norm_rope(q, None, self.eps, cos, sin)
+        kv = norm.rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
