@@ -80,6 +80,16 @@ class NormBackend(Protocol):
         self, kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
 
+    def gated_pool_rope(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor: ...
+
     def rope_inv_freq(self, rope: RopeParams, rope_dim: int) -> torch.Tensor: ...
 
     def rope_cos_sin(

@@ -52,6 +52,7 @@ __all__ = [
     "TritonNormBackend",
     "apply_rope",
     "gated_pool",
+    "gated_pool_rope",
     "hc_post",
     "hc_pre",
     "hc_pre_shifted",
@@ -712,12 +713,19 @@ def _gated_pool_kernel(
     stride_gs,
     dim,
     eps,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    sin_stride,
     NUM_SLOTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
 ):
     """One window: the softmax over its slots per channel, online over chunks of BLOCK_S slots
-    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row."""
+    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row; with
+    ROPE_HALF > 0 the normalised row, rounded as stored, then has its trailing 2 * ROPE_HALF
+    channels rotated as ``_apply_rope_kernel`` does (pairs split from the row in registers)."""
     w = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
@@ -750,22 +758,56 @@ def _gated_pool_kernel(
     pooled = tl.where(d_mask, pooled, 0.0)
     pooled = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
     weight = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + w * dim + offs_d, (weight * pooled).to(out_ptr.dtype.element_ty), d_mask)
+    out = (weight * pooled).to(out_ptr.dtype.element_ty)
+    if ROPE_HALF > 0:
+        even, odd = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_D // 2, 2)))
+        pairs = tl.arange(0, BLOCK_D // 2)
+        first = dim // 2 - ROPE_HALF  # the first rope pair (the nope width is even)
+        is_rope = (pairs >= first) & (pairs < dim // 2)
+        angle = pairs - first
+        cos = tl.load(cos_ptr + w * cos_stride + angle, mask=is_rope, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + w * sin_stride + angle, mask=is_rope, other=0.0).to(tl.float32)
+        rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+        rotated = tl.reshape(rotated, (BLOCK_D,)).to(out_ptr.dtype.element_ty)
+        is_rope_d = (offs_d >= dim - 2 * ROPE_HALF) & d_mask
+        out = tl.where(is_rope_d, rotated, out)
+    tl.store(out_ptr + w * dim + offs_d, out, d_mask)
 
 
 def gated_pool(
     kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``_gated_pool`` without the rotation."""
+    return _gated_pool(kv, gate, weight, eps, None, None)
+
+
+def _gated_pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
 ) -> torch.Tensor:
     """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
 
     kv: [W, S, D]; gate: [W, S, D] logits (-inf = an empty slot); weight: [D]. Returns [W, D]
     in kv's dtype, as torch_ref.gated_pool up to rounding: the softmax is online over chunks of
     slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
-    dtype first); only the pooled row is rounded before the norm, as there.
+    dtype first); only the pooled row is rounded before the norm, as there. With cos and sin
+    [W, rope_dim / 2] the rows then get ``apply_rope``'s rotation in the same launch (bit for
+    bit the two launches': ``gated_pool_rope``).
     """
     num_windows, num_slots, dim = kv.shape
     assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
     assert weight.shape == (dim,), f"gated_pool: weight {tuple(weight.shape)}, D = {dim}"
+    half = 0 if cos is None else cos.shape[-1]
+    if cos is not None:
+        assert sin is not None and cos.shape == sin.shape == (num_windows, half), (
+            f"gated_pool: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, {num_windows} windows"
+        )
+        assert 0 < 2 * half <= dim and dim % 2 == 0, f"gated_pool: rope {2 * half} of {dim}"
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     out = torch.empty((num_windows, dim), dtype=kv.dtype, device=kv.device)
     if num_windows == 0:
         return out
@@ -784,12 +826,30 @@ def gated_pool(
         gate.stride(1),
         dim,
         eps,
+        cos if half else out,  # dummy pointers without rope
+        sin if half else out,
+        cos.stride(0) if half else 0,
+        sin.stride(0) if half else 0,
         NUM_SLOTS=num_slots,
         BLOCK_S=block_s,
         BLOCK_D=block_d,
+        ROPE_HALF=half,
         num_warps=min(8, max(1, block_s * block_d // 512)),
     )
     return out
+
+
+def gated_pool_rope(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` in one launch, the same
+    values (the compressors' entries at their window positions)."""
+    return _gated_pool(kv, gate, weight, eps, cos, sin)
 
 
 class TritonNormBackend(Backend):
@@ -799,6 +859,7 @@ class TritonNormBackend(Backend):
     rms_norm = staticmethod(rms_norm)
     rms_norm_rope = staticmethod(rms_norm_rope)
     gated_pool = staticmethod(gated_pool)
+    gated_pool_rope = staticmethod(gated_pool_rope)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)
 

@@ -315,3 +315,19 @@ def test_gated_pool(
     ref = torch_ref.gated_pool(kv.to(dtype), gate, weight, NORM_EPS).float()
     tol = FP32_TOL if dtype == torch.float32 else POOL_BF16_TOL
     assert _rel_err(out, ref) < tol
+
+
+def test_gated_pool_rope_is_the_two_launches_in_one(norm_triton: ModuleType) -> None:
+    """The compressors' fused pooling and RoPE on CUDA in bf16 at V4's KV (512, rope 64) and
+    indexer (128, rope 64) widths: gated_pool then apply_rope of this backend, bit for bit."""
+    gen = torch.Generator().manual_seed(17)
+    for dim in (512, 128):
+        kv = _bf16(64, 8, dim, gen=gen).to("cuda", torch.bfloat16)
+        gate = (2 * torch.randn(64, 8, dim, generator=gen)).cuda()
+        weight = (0.5 + torch.rand(dim, generator=gen)).cuda()
+        positions = torch.randint(0, 1 << 20, (64,), generator=gen)
+        exponents = torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM
+        cos, sin = (t.cuda() for t in rope_cos_sin(positions, 1.0 / ROPE_THETA**exponents))
+        fused = norm_triton.gated_pool_rope(kv, gate, weight, NORM_EPS, cos, sin)
+        pooled = norm_triton.gated_pool(kv, gate, weight, NORM_EPS)
+        assert torch.equal(fused, norm_triton.apply_rope(pooled, cos, sin)), dim

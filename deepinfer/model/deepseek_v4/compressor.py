@@ -91,8 +91,13 @@ class Compressor(nn.Module):
             win_gate = raw_gate + self.ape
             if self.overlap:
                 win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
-            pooled = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
-            pooled = self.norm_ops.apply_rope(pooled, *rope_cos_sin(plan.window_ids * m, inv_freq))
+            pooled = self.norm_ops.gated_pool_rope(
+                win_kv,
+                win_gate,
+                self.norm.weight,
+                self.norm.eps,
+                *rope_cos_sin(plan.window_ids * m, inv_freq),
+            )  # normalised, at the window's position
             self.attention_ops.store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
         buf_kv[plan.left_dst] = src_kv[plan.left_src]
         buf_gate[plan.left_dst] = src_gate[plan.left_src]
