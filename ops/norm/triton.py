@@ -151,8 +151,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     num_rows = rows.shape[0]
     if num_rows == 0 or n == 0:
         return y
-    block_n = triton.next_power_of_2(n)
-    block_m = min(triton.next_power_of_2(num_rows), max(1, 2048 // block_n))
+    block_m, block_n, num_warps = _rms_tiles(num_rows, n)
     has_weight = weight is not None
     weight = weight.float().contiguous() if has_weight else rows  # a dummy pointer if None
     _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
@@ -166,9 +165,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         HAS_WEIGHT=has_weight,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=min(16, max(1, block_m * block_n // 256)),
+        num_warps=num_warps,
     )
     return y
+
+
+def _rms_tiles(num_rows: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of an RMSNorm over rows of n: rms_norm's and
+    rms_norm_rope's, so that both reduce a row's squares in the same order."""
+    block_n = triton.next_power_of_2(n)
+    block_m = min(triton.next_power_of_2(num_rows), max(1, 2048 // block_n))
+    return block_m, block_n, min(16, max(1, block_m * block_n // 256))
 
 
 @triton.jit
@@ -353,16 +360,13 @@ def rms_norm_rope(
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return y
-    # rms_norm's tiles, so that the row sums reduce in its order.
-    block_n = triton.next_power_of_2(dim)
-    block_m = min(triton.next_power_of_2(num_rows), max(1, 2048 // block_n))
+    block_m, block_n, num_warps = _rms_tiles(num_rows, dim)
     has_weight = weight is not None
     weight = weight.float().contiguous() if has_weight else heads  # a dummy pointer if None
     _rms_norm_rope_kernel[(triton.cdiv(num_rows, block_m),)](
         heads, weight, cos, sin, y, num_rows, num_heads, heads.stride(0), heads.stride(1),
         cos.stride(0), sin.stride(0), eps, N=dim, NOPE=nope, HAS_WEIGHT=has_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=min(16, max(1, block_m * block_n // 256)),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return y
 
