@@ -248,7 +248,7 @@ class Attention(nn.Module):
         norm = self.kernels.norm
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = norm.apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = norm.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        kv = norm.rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
         assert isinstance(meta, StepMetadata), "the model builds the step metadata first"
         ring = cache[self.layer_id, "ring"].flatten(0, 1)  # [slots * ring, hd]
@@ -553,7 +553,8 @@ class DeepseekV41(nn.Module):
         cos, sin = batch.rope["main"]
         for layer in self.mtp:
             attn = layer.attn
-            keys = self.norm_ops.apply_rope(attn.kv_norm(attn.wkv(h)), cos, sin)  # [T', hd]
+            norm = attn.kv_norm
+            keys = self.norm_ops.rms_norm_rope(attn.wkv(h), norm.weight, norm.eps, cos, sin)
             ring = cache[attn.layer_id, "ring"].flatten(0, 1)
             ring[meta.ring_dst] = keys[meta.ring_src].to(ring.dtype)
 
