@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.attention import kv_fp8
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
@@ -401,20 +402,20 @@ def _fp8_rows(
 
 
 def store_rows(target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``kv_fp8.store_rows`` in one launch for a packed part."""
+    """``kv_fp8.store_rows``, a packed part's in one launch."""
     if isinstance(target, Fp8Rows):
         _fp8_rows(values, target.layout, target, index)
     else:
-        target[index] = values.to(target.dtype)
+        kv_fp8.store_rows(target, index, values)
 
 
 def as_stored(target: KVSource, values: torch.Tensor) -> torch.Tensor:
-    """``kv_fp8.as_stored`` in one launch for a packed part."""
-    if isinstance(target, Fp8Rows):
-        out = _fp8_rows(values, target.layout, None, None)
-        assert out is not None
-        return out
-    return values
+    """``kv_fp8.as_stored``, a packed part's round trip in one launch."""
+    if not isinstance(target, Fp8Rows):
+        return kv_fp8.as_stored(target, values)
+    out = _fp8_rows(values, target.layout, None, None)
+    assert out is not None
+    return out
 
 
 @triton.jit

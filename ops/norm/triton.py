@@ -224,6 +224,23 @@ def _apply_rope_kernel(
     tl.store(y_rows[:, None, None] + rope_cols[None, :, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _rope_rows(
+    op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, ..., D] as rows [T, H, D] (a view where the strides allow, else a contiguous copy)
+    and cos, sin [T, rope_dim / 2] with unit column stride, checked for ``op``."""
+    num_tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    assert x.dim() >= 2 and 0 < 2 * half <= dim, f"{op}: x {tuple(x.shape)}, rope_dim {2 * half}"
+    assert cos.shape == (num_tokens, half) and sin.shape == (num_tokens, half), (
+        f"{op}: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, x {tuple(x.shape)}"
+    )
+    heads = x.reshape(num_tokens, math.prod(x.shape[1:-1]), dim)
+    if heads.stride(-1) != 1:
+        heads = heads.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    return heads, cos, sin
+
+
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_sms: int | None = None
 ) -> torch.Tensor:
@@ -242,24 +259,13 @@ def apply_rope(
         x [T, H, D] -> rows [T * H, D]    row r = token r // H, head r % H
         row:  | nope: D - rope_dim, copied | rope: rope_dim, (2i, 2i+1) rotated by angle i |
     """
-    num_tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
-    rope_dim = 2 * half
-    assert x.dim() >= 2 and 0 < rope_dim <= dim, (
-        f"apply_rope: x {tuple(x.shape)}, rope_dim {rope_dim}"
-    )
-    assert cos.shape == (num_tokens, half) and sin.shape == (num_tokens, half), (
-        f"apply_rope: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, x {tuple(x.shape)}"
-    )
+    heads, cos, sin = _rope_rows("apply_rope", x, cos, sin)
+    (num_tokens, num_heads, dim), half = heads.shape, cos.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_heads = math.prod(x.shape[1:-1])
-    heads = x.reshape(num_tokens, num_heads, dim)  # [T, H, D]: a view where the strides allow
-    if heads.stride(-1) != 1:
-        heads = heads.contiguous()
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return y
-    nope = dim - rope_dim
+    nope = dim - 2 * half
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
     row_width = triton.next_power_of_2(dim)
     block_r = min(triton.next_power_of_2(num_rows), max(1, ROPE_TILE // row_width))
@@ -341,22 +347,12 @@ def rms_norm_rope(
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` in one launch, the same values: x
     [T, ..., D] (the norm over D, the rope on its trailing 2 * cos.shape[-1] channels); cos/sin
     [T, rope_dim / 2]. Returns a new contiguous tensor of x's shape and dtype."""
-    num_tokens, dim, half = x.shape[0], x.shape[-1], cos.shape[-1]
-    nope = dim - 2 * half
-    assert x.dim() >= 2 and 0 < 2 * half <= dim, (
-        f"rms_norm_rope: x {tuple(x.shape)}, rope_dim {2 * half}"
-    )
+    heads, cos, sin = _rope_rows("rms_norm_rope", x, cos, sin)
+    num_tokens, num_heads, dim = heads.shape
+    nope = dim - 2 * cos.shape[-1]
     assert dim <= RMS_NORM_MAX_N, f"rms_norm_rope: row of {dim} > {RMS_NORM_MAX_N} values"
-    assert cos.shape == (num_tokens, half) and sin.shape == (num_tokens, half), (
-        f"rms_norm_rope: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, x {tuple(x.shape)}"
-    )
     assert weight is None or weight.shape == (dim,), f"rms_norm_rope: weight {weight.shape}"
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_heads = math.prod(x.shape[1:-1])
-    heads = x.reshape(num_tokens, num_heads, dim)
-    if heads.stride(-1) != 1:
-        heads = heads.contiguous()
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return y
