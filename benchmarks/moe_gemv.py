@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -35,7 +34,15 @@ from flashmla_vs_triton import candidate_us
 from moe_fp4 import decode_batch, mxfp4_experts
 from moe_tiles import DIM, INTER, LIMIT, TOP_K
 from v4_flash import make_setup, parse_ints, release
-from v4_flash_report import copy_bandwidth, device_name, header, markdown, table, write_json
+from v4_flash_report import (
+    copy_bandwidth,
+    device_name,
+    header,
+    load_module,
+    markdown,
+    table,
+    write_json,
+)
 
 SCRIPT = "moe_gemv.py"
 # (block_n, block_k, num_warps)
@@ -47,14 +54,6 @@ BASELINE_TILES = (16, 512, 16, 512, 4)
 
 def _tiles(text: str) -> list[tuple[int, int, int]]:
     return [tuple(parse_ints(t)) for t in text.split(";") if t.strip()]
-
-
-def _load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("baseline_gemv", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -70,7 +69,7 @@ def main() -> None:
     from deepinfer.ops.moe import triton as ours
     from deepinfer.ops.moe import triton_gemv as gemv
 
-    baseline = _load_baseline(ns.baseline) if ns.baseline else None
+    baseline = load_module(ns.baseline, "baseline_gemv") if ns.baseline else None
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy {bandwidth / 1e12:.3f} TB/s")
     gen = torch.Generator(device=setup.device).manual_seed(ns.seed)

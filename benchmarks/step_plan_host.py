@@ -13,7 +13,6 @@ the plans are numpy; their upload is the prefill benchmark's "plans" row.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v4_flash_report import load_module
 
 from deepinfer.model.batch import SeqSpan
 from deepinfer.model.deepseek_v4 import step_plan
@@ -85,12 +87,7 @@ def module_at(rev: str) -> ModuleType:
     ).stdout
     path = Path(tempfile.mkdtemp()) / "step_plan_at_rev.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("step_plan_at_rev", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, "step_plan_at_rev")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import platform
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -304,6 +306,17 @@ def _cell(value: Any) -> str:
             return f"{value:,.0f}"
         return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
     return str(value)
+
+
+def load_module(path: str | Path, name: str) -> ModuleType:
+    """The Python file at ``path`` imported as module ``name`` (a previous version of one of
+    ours, timed beside the current one)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"cannot import {path}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def git_commit() -> str:
