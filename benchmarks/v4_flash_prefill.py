@@ -1,7 +1,8 @@
 """Prefill tokens/s of V4-Flash-shaped layers against the compute bound (MFU), per layer type.
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_prefill.py [--layers csa,hca,swa]
-        [--prompt 1024,8192,32768] [--chunk 8192] [--kv auto|fp8] [--backend auto] [--json PATH]
+        [--prompt 1024,8192,32768] [--chunk 8192] [--kv auto|fp8] [--unpack-min-tokens N]
+        [--backend auto] [--json PATH]
     python benchmarks/v4_flash_prefill.py --tiny          # CPU smoke test, every shape shrunk
 
 Method. The models of v4_flash_decode.py: one per layer type (``--depth`` layers of it, random
@@ -68,9 +69,19 @@ def main() -> None:
     ap.add_argument("--prompt", help="prompt lengths (default 1024,8192,32768; --tiny: 32,64)")
     ap.add_argument("--chunk", type=int, help="tokens per forward (default 8192; --tiny: 16)")
     ap.add_argument("--kv", default="auto", help="cache.kv_dtype: auto (bf16) or fp8 (packed)")
+    ap.add_argument(
+        "--unpack-min-tokens",
+        type=int,
+        help="FP8 cache: chunks from this many tokens unpack the rows first (default: the "
+        "attention op's UNPACK_MIN_TOKENS; a large value reads them in the kernel)",
+    )
     add_common_args(ap, warmup=1, repeats=3)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
+    if ns.unpack_min_tokens is not None:
+        from deepinfer.ops.attention import triton as attention
+
+        attention.UNPACK_MIN_TOKENS = ns.unpack_min_tokens
     kinds = parse_layers(ns.layers)
     prompts = parse_ints(ns.prompt or ("32,64" if ns.tiny else "1024,8192,32768"))
     chunk = ns.chunk or (16 if ns.tiny else 8192)
