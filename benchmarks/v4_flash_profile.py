@@ -1,7 +1,8 @@
 """Where a V4-Flash-shaped layer's time goes: its kernels, grouped, from the CUDA profiler.
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_profile.py [--layers csa,hca,swa]
-        [--decode 1,128] [--context 4096] [--prefill 8192] [--top 12] [--json PATH]
+        [--decode 1,128] [--context 4096] [--prefill 8192] [--top 12]
+        [--experts bf16|fp4|fp4-fp8|fp4-fp8-kv8] [--json PATH]
 
 For each layer type, one model of one layer (v4_flash.each_layer_model, random bf16 weights)
 runs a decode step of each batch size (v4_flash.decode_inputs) and one prefill chunk
@@ -9,7 +10,8 @@ runs a decode step of each batch size (v4_flash.decode_inputs) and one prefill c
 model (embedding, LM head, no layer) is profiled the same way, so what a layer adds is the
 difference. Reported per case: kernels launched, the sum of kernel times (device busy), the
 step's wall time on CUDA events, and the top kernels by total time (name, calls, µs, share of
-the busy time). The step is eager: with decode graphs the same kernels run without the launch
+the busy time). ``--experts`` picks the weights as v4_flash_decode.py does (one variant).
+The step is eager: with decode graphs the same kernels run without the launch
 gaps, so "busy" is what a graph replay approaches.
 """
 
@@ -91,25 +93,31 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens (0: none)")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "fp4", "fp4-fp8", "fp4-fp8-kv8"])
     add_common_args(ap, warmup=3, repeats=5)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
     if not setup.is_cuda:
         sys.exit("v4_flash_profile.py needs CUDA (the profiler's kernel times)")
-    print(f"{device_name(setup)}")
+    print(f"{device_name(setup)}, weights {ns.experts}")
+    kv_dtype = "fp8" if ns.experts.endswith("kv8") else "auto"
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "rows": rows}
 
     def measure(kind: str, args, model) -> None:
         for batch_size in parse_ints(ns.decode):
-            batch, cache = decode_inputs(args, setup, batch_size, ns.context, ns.seed)
+            batch, cache = decode_inputs(
+                args, setup, batch_size, ns.context, ns.seed, kv_dtype=kv_dtype
+            )
             result = profile_step(lambda batch=batch, cache=cache: model(batch, cache), setup)
             rows.append({"layer": kind, "case": f"decode b{batch_size}", **result})
             show(f"{kind} decode batch {batch_size} ctx {ns.context}", result, ns.top)
             del batch, cache
             release()
         if ns.prefill:
-            batches, cache = prefill_inputs(args, setup, ns.prefill, ns.prefill, ns.seed)
+            batches, cache = prefill_inputs(
+                args, setup, ns.prefill, ns.prefill, ns.seed, kv_dtype=kv_dtype
+            )
             (batch,) = batches
             result = profile_step(lambda: model(batch, cache), setup)
             rows.append({"layer": kind, "case": f"prefill {ns.prefill}", **result})
@@ -119,7 +127,14 @@ def main() -> None:
         write_json(ns.json, payload)
 
     payload["kernels"] = each_layer_model(
-        parse_layers(ns.layers), 1, ns.backend, setup, ns.seed, measure
+        parse_layers(ns.layers),
+        1,
+        ns.backend,
+        setup,
+        ns.seed,
+        measure,
+        fp4_experts=ns.experts != "bf16",
+        fp8_linears=ns.experts.startswith("fp4-fp8"),
     )
     write_json(ns.json, payload)
 

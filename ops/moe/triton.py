@@ -83,7 +83,11 @@ class TileConfig:
 
     block_m: pairs per M block (the alignment pads each expert's group to it); block_n, block_k:
     the N (output features) and K (reduction) tiles; group_m: M blocks that sweep the N tiles
-    together, so that weight tiles are reused from L2 across an expert's blocks.
+    together, so that weight tiles are reused from L2 across an expert's blocks. fast_math
+    (MXFP4 weights on the compiled scaled dot): the upcast skips its NaN handling of scale byte
+    255, which no MXFP4 weight carries (quantize_mxfp4 never writes it; a checkpoint's would be
+    NaN in the OCP format). It is most of the upcast's cost: 1.34x at 768 pairs on the H100
+    (benchmarks/RESULTS.md, 2026-12-06); False is the slow path, kept for measuring it.
     """
 
     block_m: int
@@ -92,6 +96,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    fast_math: bool = True
 
 
 # bf16/fp16, keyed by the number of pairs T * k (first row whose bound is >= T * k). Decode is
@@ -120,10 +125,11 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
-# 248.7 µs). H100, same day (moe_fp4.py): at T = 32 (192 pairs) these tiles take 1,206 µs, the
-# grouped kernel 1,685; at T = 48 (288 pairs) 1,776 against 2,089; at T = 64 (384 pairs) 2,341
-# against 2,313: the grouped kernel from there.
-_MXFP4_GEMV_PAIRS = 320
+# 248.7 µs). H100, moe_fp4.py, since the grouped kernel's upcast skips the NaN check (fast_math):
+# at T = 16 (96 pairs) these tiles take 624 µs; at T = 32 (192 pairs) 1,205 against the grouped
+# kernel's 1,255; at T = 40 (240 pairs) 1,488 against 1,393 and at T = 48 1,712 against 1,549:
+# the grouped kernel from 193 pairs.
+_MXFP4_GEMV_PAIRS = 192
 _MXFP4_GEMV = GemvConfig(
     block_n=32, block_k=256, num_warps=4, down_block_n=8, down_block_k=1024, down_num_warps=4
 )
@@ -287,6 +293,7 @@ def _gate_up_kernel(
     W_FP4: tl.constexpr,
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
     """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
 
@@ -326,8 +333,8 @@ def _gate_up_kernel(
             b3 = tl.load(w3_ptr + b_offs, mask=in_j, other=0)
             e1 = tl.load(s1_ptr + s_offs, mask=in_g, other=127)
             e3 = tl.load(s3_ptr + s_offs, mask=in_g, other=127)
-            gate = tl.dot_scaled(a, None, A_FORMAT, b1, e1, "e2m1", acc=gate)
-            up = tl.dot_scaled(a, None, A_FORMAT, b3, e3, "e2m1", acc=up)
+            gate = tl.dot_scaled(a, None, A_FORMAT, b1, e1, "e2m1", acc=gate, fast_math=FAST_MATH)
+            up = tl.dot_scaled(a, None, A_FORMAT, b3, e3, "e2m1", acc=up, fast_math=FAST_MATH)
             a_ptrs += BLOCK_K * stride_xk
             b_offs += BLOCK_K // 2 * stride_wk
             s_offs += BLOCK_K // 32 * stride_sk
@@ -414,6 +421,7 @@ def _down_kernel(
     W_FP4: tl.constexpr,
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
     """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
 
@@ -446,7 +454,7 @@ def _down_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k_start, other=0.0)
             b = tl.load(b_ptrs, mask=offs_jk[:, None] < (K - k_start) // 2, other=0)
             e = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k_start) // 32, other=127)
-            acc = tl.dot_scaled(a, None, A_FORMAT, b, e, "e2m1", acc=acc)
+            acc = tl.dot_scaled(a, None, A_FORMAT, b, e, "e2m1", acc=acc, fast_math=FAST_MATH)
             a_ptrs += BLOCK_K * stride_hk
             b_ptrs += BLOCK_K // 2 * stride_wk
             s_ptrs += BLOCK_K // 32 * stride_sk
@@ -579,6 +587,7 @@ def fused_moe(
         # which has no scaled dot, dequantize one scale group at a time.
         "SCALED_DOT": packed and x.dtype != torch.float32 and x.is_cuda,
         "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
+        "FAST_MATH": bool(config.fast_math),
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
