@@ -302,6 +302,30 @@ def test_indexer_scores_matches_reference(seed: int, num_heads: int) -> None:
     assert (out[visible] - expected[visible]).abs().max().item() < INDEXER_REL_TOL * scale
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("num_entries", "k"), [(150, 8), (150, 64), (5, 8), (1, 1)])
+def test_indexer_topk_picks_the_references_entries(seed: int, num_entries: int, k: int) -> None:
+    """The same set of rows as torch_ref (ties to the lower column, -1 for -inf) at every
+    width, with many exact ties (0, where every head's ReLU is) and negative scores."""
+    gen = torch.Generator().manual_seed(seed)
+    num_q = len(TOKEN_REQ)
+    scores = torch.randn(num_q, num_entries, generator=gen)
+    scores[torch.rand(num_q, num_entries, generator=gen) < 0.4] = 0.0
+    scores[1, : num_entries // 2] = -scores[1, : num_entries // 2].abs()  # all <= 0
+    visible = torch.arange(num_entries) < torch.tensor(NUM_VISIBLE).unsqueeze(1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    entry_rows = torch.randperm(2 * num_entries, generator=gen).view(2, num_entries)
+    token_req = torch.tensor(TOKEN_REQ)
+
+    out = kernels.indexer_topk(scores, entry_rows, token_req, k)
+    expected = ref.indexer_topk(scores, entry_rows, token_req, k)
+    assert out.shape == expected.shape == (num_q, min(k, num_entries))
+    assert out.dtype == entry_rows.dtype
+    assert torch.equal(out.sort(dim=1).values, expected.sort(dim=1).values)
+    real = out >= 0
+    assert torch.equal(real.sum(1), visible.sum(1).clamp(max=min(k, num_entries)))
+
+
 def test_triton_is_preferred_but_needs_cuda() -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
     assert type(BACKENDS.select("auto", torch.device("cpu"))) is ref.TorchRefAttentionBackend

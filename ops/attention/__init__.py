@@ -1,9 +1,9 @@
 """Attention ops: sparse attention with sinks over listed keys, and the Lightning indexer's scores.
 
-A backend object (``AttentionBackend``) provides ``sparse_attention`` and ``indexer_scores``
-with torch_ref's signatures, and the cache writes ``store_rows`` / ``as_stored`` with
-``kv_fp8.py``'s. Backends, fastest first: ``triton`` (CUDA), ``torch_ref`` (the
-oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why). A key
+A backend object (``AttentionBackend``) provides ``sparse_attention``, ``indexer_scores`` and
+``indexer_topk`` with torch_ref's signatures, and the cache writes ``store_rows`` /
+``as_stored`` with ``kv_fp8.py``'s. Backends, fastest first: ``triton`` (CUDA), ``torch_ref``
+(the oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why). A key
 source is dense rows or packed FP8 rows (``kv_fp8.py``, cache.kv_dtype = "fp8").
 """
 
@@ -41,6 +41,10 @@ class AttentionBackend(Protocol):
         entry_rows: torch.Tensor,
         token_req: torch.Tensor,
         num_visible: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def indexer_topk(
+        self, scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
     ) -> torch.Tensor: ...
 
     def store_rows(self, target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None: ...

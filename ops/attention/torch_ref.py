@@ -7,6 +7,7 @@ through index lists, so one call serves the whole batch and a fast kernel has th
   model passes three sources: this step's new keys, the sliding-window ring (earlier positions)
   and the paged compressed entries (HCA: every visible entry; CSA: the indexer's picks).
 - ``indexer_scores``: every query token scores the compressed indexer keys of its request.
+- ``indexer_topk``: the rows of each query token's best-scored entries.
 """
 
 from __future__ import annotations
@@ -87,10 +88,29 @@ def indexer_scores(
     return out
 
 
+def indexer_topk(
+    scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Each query token's k best-scored entries, as rows of the indexer-key pool.
+
+    scores: [T, N] fp32 (indexer_scores', -inf where not visible); entry_rows: [B, N];
+    token_req: [T]. Returns [T, min(k, N)] in entry_rows' dtype: entry_rows[token_req[t], n]
+    for the min(k, N) columns n of the highest scores, ties to the lower column (a score is
+    exactly 0 wherever every head's ReLU is, so ties are common, and which one is chosen must not
+    depend on N or on the batch), -1 where the chosen score is -inf. Attention takes a row's
+    entries as a set; their order is the backend's (here by score, descending).
+    """
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, indices = values[:, :k], indices[:, :k]
+    rows = entry_rows[token_req.unsqueeze(1), indices]
+    return torch.where(values == float("-inf"), -1, rows)
+
+
 class TorchRefAttentionBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
     sparse_attention = staticmethod(sparse_attention)
     indexer_scores = staticmethod(indexer_scores)
+    indexer_topk = staticmethod(indexer_topk)
     store_rows = staticmethod(store_rows)
     as_stored = staticmethod(as_stored)

@@ -23,7 +23,10 @@ a partial (max, sum, acc) in fp32 that a combine kernel merges with the sink::
 With one split the attention kernel applies the sink and writes the output itself.
 
 ``indexer_scores`` runs one program per (token, block of entries); blocks past the token's
-visible entries only write -inf.
+visible entries only write -inf. ``indexer_topk`` runs one program per token that holds its
+scores in registers and finds the k-th largest by a 32-step bit search (no sort), then writes
+the chosen rows in column order: one launch where torch took a sort, a gather and two
+elementwise kernels.
 
 An FP8 KV cache (cache.kv_dtype = "fp8", ``kv_fp8.py``) gives packed sources. The attention
 kernel reads their rows itself (``_load_bytes``: a row as [tiles, 64] channels under one scale
@@ -53,6 +56,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.attention import kv_fp8
+from deepinfer.ops.attention import torch_ref as ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
@@ -847,12 +851,97 @@ def indexer_scores(
     return out
 
 
+# indexer_topk holds a token's scores in one program's registers up to this many entries (a
+# context of 64K tokens at CSA's ratio 4: 32 keys a thread at 16 warps); past it, torch_ref's.
+TOPK_MAX_ENTRIES = 16384
+
+
+@triton.jit
+def _indexer_topk_kernel(
+    scores_ptr,
+    entry_rows_ptr,
+    token_req_ptr,
+    out_ptr,
+    num_entries,
+    k,
+    stride_st,
+    stride_entry_b,
+    stride_entry_n,
+    stride_ot,
+    BLOCK: tl.constexpr,
+):
+    """Grid (T,): one token's k best entries, ties to the lower column, in column order.
+
+    Scores become keys that order as unsigned integers (a negative score's bits all flip, a
+    positive one's sign bit sets; -inf is 0x007FFFFF, columns past N are 0, below every score).
+    The k-th largest key is found bit by bit from the top (32 counts of keys >= a candidate);
+    the entries above it are taken, then the first tied ones up to k, and each is stored at its
+    rank among the taken columns (a prefix sum).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    in_row = n < num_entries
+    scores = tl.load(scores_ptr + t * stride_st + n, mask=in_row, other=float("-inf"))
+    bits = scores.to(tl.uint32, bitcast=True)
+    keys = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    keys = tl.where(in_row, keys, 0)
+    kth = tl.full([], 0, tl.uint32)
+    for bit in tl.static_range(32):
+        candidate = kth | tl.full([], 1 << (31 - bit), tl.uint32)
+        count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        kth = tl.where(count >= k, candidate, kth)
+    above = keys > kth
+    tied = keys == kth
+    need = k - tl.sum(above.to(tl.int32), axis=0)
+    take = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    req = tl.load(token_req_ptr + t).to(tl.int64)
+    rows = tl.load(entry_rows_ptr + req * stride_entry_b + n * stride_entry_n, mask=take, other=0)
+    rows = tl.where(scores == float("-inf"), -1, rows)
+    tl.store(out_ptr + t * stride_ot + slot, rows.to(out_ptr.dtype.element_ty), mask=take)
+
+
+def indexer_topk(
+    scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Each query token's k best-scored entries as rows of the indexer-key pool: torch_ref's
+    contract, one launch for up to TOPK_MAX_ENTRIES entries (a row's entries in column order),
+    torch_ref's sort past it. scores: [T, N] fp32; entry_rows: [B, N]; token_req: [T]."""
+    num_q, num_entries = scores.shape
+    width = min(k, num_entries)
+    if num_entries > TOPK_MAX_ENTRIES:
+        return ref.indexer_topk(scores, entry_rows, token_req, k)
+    out = torch.empty((num_q, width), dtype=entry_rows.dtype, device=scores.device)
+    if num_q == 0 or width == 0:
+        return out
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1, (
+        f"indexer_topk: scores {scores.dtype} strides {scores.stride()}"
+    )
+    block = max(16, triton.next_power_of_2(num_entries))
+    _indexer_topk_kernel[(num_q,)](
+        scores,
+        entry_rows,
+        token_req.contiguous(),
+        out,
+        num_entries,
+        width,
+        scores.stride(0),
+        entry_rows.stride(0),
+        entry_rows.stride(1),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+    )
+    return out
+
+
 class TritonAttentionBackend(Backend):
     """This module's kernels on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
     that sparse_attention's splits fill; ``config``: tiles for every call instead of
     attention_config's (for tuning; None in the engine)."""
 
     indexer_scores = staticmethod(indexer_scores)
+    indexer_topk = staticmethod(indexer_topk)
     store_rows = staticmethod(store_rows)
     as_stored = staticmethod(as_stored)
 

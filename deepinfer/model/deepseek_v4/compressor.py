@@ -168,6 +168,4 @@ class Indexer(nn.Module):
         scores = self.kernels.attention.indexer_scores(
             q, weights, pool, entry_rows, meta.token_req, meta.num_visible[self.ratio]
         )  # [T, N]
-        top = scores.topk(min(self.topk, scores.shape[1]), dim=-1)
-        rows = entry_rows[meta.token_req.unsqueeze(1), top.indices]
-        return torch.where(torch.isinf(top.values), -1, rows)
+        return self.kernels.attention.indexer_topk(scores, entry_rows, meta.token_req, self.topk)

@@ -169,9 +169,7 @@ class Indexer(nn.Module):
         elif self.is_candidate_bound:
             assert cross.candidates is not None, "the candidate source runs first"
             scores = scores.masked_fill(~cross.candidates, float("-inf"))
-        values, indices = top_entries(scores, self.topk)
-        rows = entry_rows[meta.token_req.unsqueeze(1), indices]
-        return torch.where(torch.isinf(values), -1, rows)
+        return self.kernels.attention.indexer_topk(scores, entry_rows, meta.token_req, self.topk)
 
 
 def top_entries(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
