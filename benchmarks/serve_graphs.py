@@ -120,12 +120,16 @@ def main() -> int:
         table += [(weights, *row) for row in rows]
         serving_captures += captures.get("serving", 0)
     print(
-        "| weights | concurrency | completed | failed | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-        "ITL p99 ms | output tok/s |"
+        "| weights | concurrency | completed | failed | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+        "ITL p50 ms | ITL p99 ms | output tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
-        print("| {} | {} | {} | {} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.0f} |".format(*row))
+        print(
+            "| {} | {} | {} | {} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.0f} |".format(
+                *row
+            )
+        )
     return 0 if serving_captures == 0 else 2
 
 
@@ -178,6 +182,7 @@ def _serve(ns: argparse.Namespace, weights: str) -> tuple[list[tuple], dict] | N
                     result["failed"],
                     m["ttft"]["median_ms"],
                     m["ttft"]["percentiles_ms"]["99"],
+                    m["tpot"]["median_ms"],
                     m["itl"]["median_ms"],
                     m["itl"]["percentiles_ms"]["99"],
                     result["output_throughput"],
