@@ -2,6 +2,7 @@
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_prefill.py [--layers csa,hca,swa]
         [--prompt 1024,8192,32768] [--chunk 8192] [--kv auto|fp8] [--unpack-min-tokens N]
+        [--experts bf16|fp4|fp4-fp8]
         [--backend auto] [--json PATH]
     python benchmarks/v4_flash_prefill.py --tiny          # CPU smoke test, every shape shrunk
 
@@ -70,6 +71,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, help="tokens per forward (default 8192; --tiny: 16)")
     ap.add_argument("--kv", default="auto", help="cache.kv_dtype: auto (bf16) or fp8 (packed)")
     ap.add_argument(
+        "--experts",
+        default="bf16",
+        choices=["bf16", "fp4", "fp4-fp8"],
+        help="weights as v4_flash_decode.py's: dense, routed experts packed MXFP4, and the FP8 "
+        "linears kept FP8",
+    )
+    ap.add_argument(
         "--unpack-min-tokens",
         type=int,
         help="FP8 cache: chunks from this many tokens unpack the rows first (default: the "
@@ -122,7 +130,16 @@ def main() -> None:
         derive(rows, rate, ns.depth)
         write_json(ns.json, payload)
 
-    kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure)
+    kernels = each_layer_model(
+        kinds,
+        ns.depth,
+        ns.backend,
+        setup,
+        ns.seed,
+        measure,
+        fp4_experts=ns.experts != "bf16",
+        fp8_linears=ns.experts == "fp4-fp8",
+    )
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, prompts, chunk, setup, kernels, rate, ns)
@@ -188,7 +205,7 @@ def report(rows, kinds, prompts, chunk, setup, kernels, rate, ns) -> None:
                 f"Model: one model per layer type ({', '.join(kinds)}; {ns.depth} layer(s) each) "
                 f"in V4-Flash shapes{' (--tiny)' if setup.tiny else ''}, random weights, and one "
                 f"with no layers (outer). One request, chunks of {chunk} tokens; cache.kv_dtype "
-                f"{ns.kv}. Kernels: "
+                f"{ns.kv}; weights {ns.experts}. Kernels: "
                 f"{kernels}.",
                 f"Per layer = (model − outer) / depth, median of {ns.repeats} after {ns.warmup} "
                 "warm-up. Bound = FLOPs (2 × active parameters + attention + indexer scores) / "
