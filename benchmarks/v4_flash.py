@@ -267,6 +267,17 @@ def build_model(
     return model.eval()
 
 
+# Weight variants of the scripts' --experts: dense bf16; routed experts packed MXFP4; and the
+# linears the checkpoint ships FP8 kept FP8; and the FP8 KV cache (the scripts that take it).
+WEIGHTS = ("bf16", "fp4", "fp4-fp8", "fp4-fp8-kv8")
+
+
+def weight_flags(variant: str) -> dict[str, bool]:
+    """each_layer_model's (and build_model's) weight arguments for a WEIGHTS variant."""
+    assert variant in WEIGHTS, f"weights {variant!r}: expected one of {WEIGHTS}"
+    return {"fp4_experts": variant != "bf16", "fp8_linears": variant.startswith("fp4-fp8")}
+
+
 def each_layer_model(
     kinds: list[str],
     depth: int,

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     OUTER,
     PLANS,
+    WEIGHTS,
     add_common_args,
     decode_inputs,
     each_layer_model,
@@ -57,6 +58,7 @@ from v4_flash import (
     parse_ints,
     parse_layers,
     release,
+    weight_flags,
 )
 from v4_flash_report import (
     copy_bandwidth,
@@ -97,9 +99,8 @@ def main() -> None:
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))
     contexts = parse_ints(ns.context or ("64" if ns.tiny else "4096,32768"))
     variants = [v.strip() for v in ns.experts.split(",") if v.strip()]
-    known = {"bf16", "fp4", "fp4-fp8", "fp4-fp8-kv8"}
-    if not variants or set(variants) - known:
-        raise SystemExit(f"--experts: expected some of {sorted(known)}, got {ns.experts!r}")
+    if not variants or set(variants) - set(WEIGHTS):
+        raise SystemExit(f"--experts: expected some of {WEIGHTS}, got {ns.experts!r}")
 
     bandwidth = copy_bandwidth(setup)
     print(f"{device_name(setup)}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
@@ -163,8 +164,7 @@ def main() -> None:
                         context,
                         hit,
                         setup.dtype,
-                        fp4_experts=variant != "bf16",
-                        fp8_linears=variant.startswith("fp4-fp8"),
+                        **weight_flags(variant),
                         kv_fp8=variant.endswith("kv8"),
                     ),
                 )
@@ -179,16 +179,8 @@ def main() -> None:
         write_json(ns.json, payload)
 
     for variant in variants:  # measure() reads the variant being built
-        kernels = each_layer_model(
-            kinds,
-            ns.depth,
-            ns.backend,
-            setup,
-            ns.seed,
-            measure,
-            fp4_experts=variant != "bf16",
-            fp8_linears=variant.startswith("fp4-fp8"),
-        )
+        flags = weight_flags(variant)
+        kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags)
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, batches, contexts, variants, setup, kernels, bandwidth, ns)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     OUTER,
     PLANS,
+    WEIGHTS,
     add_common_args,
     each_layer_model,
     make_setup,
@@ -46,6 +47,7 @@ from v4_flash import (
     parse_layers,
     prefill_inputs,
     release,
+    weight_flags,
 )
 from v4_flash_report import (
     device_name,
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument(
         "--experts",
         default="bf16",
-        choices=["bf16", "fp4", "fp4-fp8"],
+        choices=WEIGHTS[:3],
         help="weights as v4_flash_decode.py's: dense, routed experts packed MXFP4, and the FP8 "
         "linears kept FP8",
     )
@@ -130,16 +132,8 @@ def main() -> None:
         derive(rows, rate, ns.depth)
         write_json(ns.json, payload)
 
-    kernels = each_layer_model(
-        kinds,
-        ns.depth,
-        ns.backend,
-        setup,
-        ns.seed,
-        measure,
-        fp4_experts=ns.experts != "bf16",
-        fp8_linears=ns.experts == "fp4-fp8",
-    )
+    flags = weight_flags(ns.experts)
+    kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags)
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, prompts, chunk, setup, kernels, rate, ns)

@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
+    WEIGHTS,
     add_common_args,
     decode_inputs,
     each_layer_model,
@@ -36,6 +37,7 @@ from v4_flash import (
     parse_layers,
     prefill_inputs,
     release,
+    weight_flags,
 )
 from v4_flash_report import device_name, header, median_time, write_json
 
@@ -93,7 +95,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens (0: none)")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--experts", default="bf16", choices=["bf16", "fp4", "fp4-fp8", "fp4-fp8-kv8"])
+    ap.add_argument("--experts", default="bf16", choices=WEIGHTS)
     add_common_args(ap, warmup=3, repeats=5)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
@@ -127,14 +129,7 @@ def main() -> None:
         write_json(ns.json, payload)
 
     payload["kernels"] = each_layer_model(
-        parse_layers(ns.layers),
-        1,
-        ns.backend,
-        setup,
-        ns.seed,
-        measure,
-        fp4_experts=ns.experts != "bf16",
-        fp8_linears=ns.experts.startswith("fp4-fp8"),
+        parse_layers(ns.layers), 1, ns.backend, setup, ns.seed, measure, **weight_flags(ns.experts)
     )
     write_json(ns.json, payload)
 
