@@ -37,8 +37,8 @@ from deepinfer.model.deepseek_v41.model import (
 from deepinfer.model.deepseek_v41.step_plan import build_metadata, engram_plan
 from deepinfer.model.deepseek_v41.tiny import TINY_CONFIG, tiny_config
 from deepinfer.model.families import load_family
+from deepinfer.model.layers import step_rope
 from deepinfer.ops import reference_kernels
-from deepinfer.ops.norm.torch_ref import rope_cos_sin
 
 FAMILY = load_family("deepseek_v41")
 CPU = torch.device("cpu")
@@ -202,10 +202,9 @@ def test_shifted_hyper_connections_match_a_reference(model: DeepseekV41, args: M
     cache, batch = _cache(args), _batch()
     batch.metadata = build_metadata(batch, cache, args)
     batch.metadata.derive_entry_lists()
-    batch.rope = {
-        kind: rope_cos_sin(batch.positions, getattr(model, f"{kind}_inv_freq"))
-        for kind in ("main", "compress")
-    }
+    batch.rope = step_rope(
+        batch.positions, {kind: getattr(model, f"{kind}_inv_freq") for kind in ("main", "compress")}
+    )
     rows = model._engram_rows(batch, batch.metadata)
     x = model.embed(batch.input_ids).unsqueeze(1).repeat(1, args.hc_mult, 1)  # [T, hc, D]
     pre = F.one_hot(torch.zeros(x.shape[0], dtype=torch.long), args.hc_mult).float()

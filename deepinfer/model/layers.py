@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.ops.linear import LinearBackend, dequantize_fp8
-from deepinfer.ops.norm import NormBackend
+from deepinfer.ops.norm import NormBackend, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +20,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(x, self.weight, self.eps)
+
+
+def step_rope(
+    positions: torch.Tensor, inv_freqs: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A step's RoPE tables (``ForwardBatch.rope``): kind -> (cos, sin) of ``positions`` for each
+    kind's inverse frequencies, and ``inverse(kind)`` -> (cos, -sin), the rotation back that
+    attention applies to its output: one negation a step instead of one a layer."""
+    rope = {}
+    for kind, inv_freq in inv_freqs.items():
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        rope[kind], rope[inverse(kind)] = (cos, sin), (cos, -sin)
+    return rope
+
+
+def inverse(kind: str) -> str:
+    """The ``step_rope`` key of a RoPE kind's inverse rotation."""
+    return f"{kind}-inverse"
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:

@@ -26,7 +26,7 @@ from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
-from deepinfer.model.layers import RMSNorm, linear
+from deepinfer.model.layers import RMSNorm, inverse, linear, step_rope
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
@@ -37,7 +37,7 @@ from deepinfer.ops.moe import (
     swiglu,
     to_fp8_experts,
 )
-from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
+from deepinfer.ops.norm import rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -99,7 +99,8 @@ class Attention(nn.Module):
             sources.append((pool, entries))
         out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5)
         attention.store_rows(ring, meta.ring_dst, kv[meta.ring_src])
-        out = norm.apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
+        # V carried RoPE: rotate it back at the query position.
+        out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
         low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
@@ -355,10 +356,9 @@ class DeepseekV4(nn.Module):
         if batch.metadata is None:
             batch.metadata = build_metadata(batch, CacheGeometry.of(cache))
         batch.metadata.derive_entry_lists()
-        batch.rope = {
-            "main": rope_cos_sin(batch.positions, self.main_inv_freq),
-            "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),
-        }
+        batch.rope = step_rope(
+            batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+        )
         h = self.embed(batch.input_ids)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
         for layer in self.layers:
@@ -376,7 +376,7 @@ class DeepseekV4(nn.Module):
         token after each position) reading the stack's ``hidden`` [T, hc, D]. Returns (logits
         [N, V] fp32 of ``batch.logits_indices``, the layer's output streams [T, hc, D])."""
         assert batch.metadata is not None, "MTP batches come with their window plans"
-        batch.rope = {"main": rope_cos_sin(batch.positions, self.main_inv_freq)}
+        batch.rope = step_rope(batch.positions, {"main": self.main_inv_freq})
         mtp = self.mtp[layer]
         x = mtp(hidden, self.embed(batch.input_ids), batch, cache, self.compress_inv_freq)
         rows = x[batch.logits_indices]

@@ -34,7 +34,7 @@ from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
 from deepinfer.model.deepseek_v41.vision import ImageEncoder
-from deepinfer.model.layers import RMSNorm, linear
+from deepinfer.model.layers import RMSNorm, inverse, linear, step_rope
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
@@ -257,7 +257,8 @@ class Attention(nn.Module):
             q, sources, self.attn_sink, self.head_dim**-0.5
         )
         ring[meta.ring_dst] = kv[meta.ring_src].to(ring.dtype)
-        out = norm.apply_rope(out, cos, -sin)  # V carried RoPE: rotate back at the query position
+        # V carried RoPE: rotate it back at the query position.
+        out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
         low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
@@ -501,10 +502,9 @@ class DeepseekV41(nn.Module):
         meta = batch.metadata
         assert isinstance(meta, StepMetadata)
         meta.derive_entry_lists()
-        batch.rope = {
-            "main": rope_cos_sin(batch.positions, self.main_inv_freq),
-            "compress": rope_cos_sin(batch.positions, self.compress_inv_freq),
-        }
+        batch.rope = step_rope(
+            batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+        )
         engram_rows = self._engram_rows(batch, meta)
         h = self.embed_tokens(batch)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
@@ -563,7 +563,7 @@ class DeepseekV41(nn.Module):
         """The drafter's layers over a batch of draft blocks (``dspark.py`` plans it): logits
         [T, V] fp32 before the Markov correction, and the collapsed streams [T, D] before the
         last norm (the confidence head reads them)."""
-        batch.rope = {"main": rope_cos_sin(batch.positions, self.main_inv_freq)}
+        batch.rope = step_rope(batch.positions, {"main": self.main_inv_freq})
         x = self.embed(batch.input_ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1)
         x = x.contiguous()  # [T, hc, D]
         pre = torch.zeros(x.shape[0], self.args.hc_mult, dtype=torch.float32, device=x.device)
@@ -591,10 +591,9 @@ class DeepseekV41(nn.Module):
             positions=positions,
             seqs=batch.seqs,
             logits_indices=meta.yoco_logits,
-            rope={
-                "main": rope_cos_sin(positions, self.main_inv_freq),
-                "compress": rope_cos_sin(positions, self.compress_inv_freq),
-            },
+            rope=step_rope(
+                positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+            ),
             metadata=plans,
         )
 
