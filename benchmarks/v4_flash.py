@@ -263,7 +263,7 @@ def build_model(
     del weights
     if getattr(kernels.moe, "fp8_experts", False):  # --backend moe=deepgemm, as the engine does
         convert_experts_to_fp8(model)
-    model.init_rope(setup.device)
+    FAMILY.init_buffers(model, setup.device)  # as the engine's loader: RoPE, fused projections
     return model.eval()
 
 

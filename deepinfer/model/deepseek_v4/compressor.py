@@ -16,7 +16,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
-from deepinfer.model.layers import RMSNorm, linear
+from deepinfer.model.layers import RMSNorm, linear, project
 from deepinfer.ops import Kernels
 from deepinfer.ops.attention.kv_fp8 import KVSource
 from deepinfer.ops.norm import rope_cos_sin
@@ -75,13 +75,14 @@ class Compressor(nn.Module):
         state: CompressorState,
         pool: KVSource,
         inv_freq: torch.Tensor,
+        projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> None:
         """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim], or
-        its packed FP8 rows) and
-        keep the tokens a later step (or a rollback) needs in the buffer ring (compress_plan.py's
-        plan)."""
+        its packed FP8 rows) and keep the tokens a later step (or a rollback) needs in the buffer
+        ring (compress_plan.py's plan). ``projected``: wkv(x) and wgate(x) where a fused GEMM
+        computed them (``FusedLinears.outputs``)."""
         m = self.ratio
-        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        kv, gate = project(self.wkv, x, projected), project(self.wgate, x, projected)  # [T, width]
         buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
         src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, width]
         src_gate = torch.cat([buf_gate[plan.buf_rows], gate.to(buf_gate.dtype)])
@@ -154,16 +155,19 @@ class Indexer(nn.Module):
         cache: KVCache,
         layer_id: int,
         inv_freq: torch.Tensor,
+        projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk."""
+        """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk.
+        ``projected``: the projections of x a fused GEMM computed (``FusedLinears.outputs``)."""
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         pool = cache[layer_id, "index_keys"].flatten(0, 1)  # [blocks * entries per block, Di]
         plan = meta.compress[self.ratio]
-        self.compressor(x, plan, CompressorState.of(cache, layer_id, "idx"), pool, inv_freq)
+        state = CompressorState.of(cache, layer_id, "idx")
+        self.compressor(x, plan, state, pool, inv_freq, projected)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]
+        weights = project(self.weights_proj, x, projected).float() * self.n_heads**-0.5  # [T, Hi]
         entry_rows = meta.entry_rows[self.ratio]
         scores = self.kernels.attention.indexer_scores(
             q, weights, pool, entry_rows, meta.token_req, meta.num_visible[self.ratio]

@@ -49,8 +49,10 @@ class DeepseekV4Family:
         model.placeholder_step()
 
     def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
+        """What the loaded weights imply: the RoPE tables, and the fused input projections."""
         assert isinstance(model, DeepseekV4)
         model.init_rope(device)
+        model.fuse_inputs()
 
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)

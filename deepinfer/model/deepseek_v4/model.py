@@ -26,7 +26,7 @@ from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
-from deepinfer.model.layers import RMSNorm, inverse, linear, step_rope
+from deepinfer.model.layers import FusedLinears, RMSNorm, inverse, linear, project, step_rope
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
@@ -69,6 +69,20 @@ class Attention(nn.Module):
             self.compressor = Compressor(args, self.head_dim, self.ratio, kernels)
         if self.layer_type == CSA:
             self.indexer = Indexer(args, kernels)
+        self.fused = FusedLinears([])
+
+    def fuse_inputs(self) -> int:
+        """Once the weights are loaded: one GEMM for the dense projections of x (wq_a, wkv, the
+        compressor's wkv and wgate, the indexer's weights_proj and its compressor's). Returns
+        how many it joined (0: none; the FP8 ones always run alone)."""
+        modules = [self.wq_a, self.wkv]
+        if self.ratio:
+            modules += [self.compressor.wkv, self.compressor.wgate]
+        if self.layer_type == CSA:
+            indexer = self.indexer
+            modules += [indexer.weights_proj, indexer.compressor.wkv, indexer.compressor.wgate]
+        self.fused = FusedLinears(modules)
+        return len(self.fused.modules)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
@@ -76,10 +90,12 @@ class Attention(nn.Module):
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
         cos, sin = batch.rope[self.rope_kind]
         norm = self.kernels.norm
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        projected = self.fused.outputs(x)
+        qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
         q = norm.rms_norm_rope(q, None, self.eps, cos, sin)
-        kv = norm.rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+        kv = project(self.wkv, x, projected)
+        kv = norm.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
@@ -91,9 +107,9 @@ class Attention(nn.Module):
         if self.ratio:
             pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
             state = CompressorState.of(cache, self.layer_id, "comp")
-            self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq)
+            self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq, projected)
             if self.layer_type == CSA:
-                entries = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq)
+                entries = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq, projected)
             else:
                 entries = meta.visible_idx[self.ratio]
             sources.append((pool, entries))
@@ -340,6 +356,11 @@ class DeepseekV4(nn.Module):
                 MTPLayer(mtp_args, args.num_layers + i, kernels, n) for i in range(args.mtp_served)
             )
         self.init_rope(None)
+
+    def fuse_inputs(self) -> int:
+        """After loading: each attention's dense projections of its input as one GEMM
+        (``Attention.fuse_inputs``). Returns the projections joined, over all layers."""
+        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention))
 
     def init_rope(self, device: torch.device | None) -> None:
         """(Re)compute the RoPE inverse frequencies; needed after building on the meta device."""
