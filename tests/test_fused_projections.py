@@ -65,3 +65,48 @@ def test_the_loader_fuses_every_attentions_input_projections(oracle_hf_dir: Path
         out = attn.fused.outputs(x)
         for module in attn.fused.modules:
             torch.testing.assert_close(out[module], module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_v41_fused_projections_give_the_unfused_logits() -> None:
+    """V4.1 has no oracle: its fused model must give what the same weights give unfused."""
+    from deepinfer.kv_cache.pool import KVCache
+    from deepinfer.model.batch import ForwardBatch, SeqSpan
+    from deepinfer.model.deepseek_v41.args import ModelArgs
+    from deepinfer.model.deepseek_v41.model import Attention as Attention41
+    from deepinfer.model.deepseek_v41.tiny import TINY_CONFIG
+
+    family = load_family("deepseek_v41")
+    args = ModelArgs.from_dict(TINY_CONFIG)
+    cpu = torch.device("cpu")
+    torch.set_num_threads(2)
+    weights = family.random_weights(args, 0, cpu, torch.float32, fp8_block=None)
+    models = []
+    for fuse in (False, True):
+        with torch.device("meta"):
+            built = family.build_model(args, reference_kernels())
+        built.load_state_dict(dict(weights), strict=True, assign=True)
+        if fuse:
+            family.init_buffers(built, cpu)
+        else:
+            built.init_buffers(cpu)
+        models.append(built.eval())
+    attentions = [m for m in models[1].modules() if isinstance(m, Attention41)]
+    assert sum(len(a.fused.modules) for a in attentions) > 2 * len(attentions)
+    for attn in attentions:  # a compressor that reads the YoCo shared state is not fused
+        if hasattr(attn, "compressor"):
+            assert (attn.compressor.wkv in attn.fused.modules) == (not attn.compresses_shared)
+
+    num_tokens = 40
+    ids = torch.randint(3, 120000, (num_tokens,), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for built in models:
+        spec = family.cache_spec(args, block_size=16, ring_margin=2, max_draft=0)
+        cache = KVCache(spec, num_blocks=8, num_slots=2, dtype=torch.float32, device=cpu)
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=torch.arange(num_tokens),
+            seqs=[SeqSpan(0, num_tokens, 0, 0, list(range(-(-num_tokens // 16))))],
+            logits_indices=torch.arange(num_tokens),
+        )
+        logits.append(built(batch, cache))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -68,8 +68,10 @@ class DeepseekV41Family:
         model.placeholder_step()
 
     def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
+        """What the loaded weights imply: RoPE and engram tables, fused input projections."""
         assert isinstance(model, DeepseekV41)
         model.init_buffers(device)
+        model.fuse_inputs()
 
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)  # type: ignore[arg-type]  # reads quantization only

@@ -34,7 +34,7 @@ from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
 from deepinfer.model.deepseek_v41.vision import ImageEncoder
-from deepinfer.model.layers import RMSNorm, inverse, linear, step_rope
+from deepinfer.model.layers import FusedLinears, RMSNorm, inverse, linear, project, step_rope
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
@@ -84,16 +84,19 @@ class Compressor(nn.Module):
         state: CompressorState | None,
         pool: torch.Tensor,
         inv_freq: torch.Tensor,
+        projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Write the entries of the windows this step closes into ``pool`` (flat [rows, hd]);
-        returns them before RoPE [W, hd] (the indexer's keys are projected from those)."""
-        m, kv = self.ratio, self.wkv(x)  # [T, hd]
+        returns them before RoPE [W, hd] (the indexer's keys are projected from those).
+        ``projected``: wkv(x), wgate(x) where a fused GEMM computed them."""
+        m, kv = self.ratio, project(self.wkv, x, projected)  # [T, hd]
         if state is None:  # C1: a window is one token, nothing waits in a buffer
             pre_rope = self.norm(kv[plan.window_rows[:, 0]])
         else:
             buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
             src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, hd]
-            src_gate = torch.cat([buf_gate[plan.buf_rows], self.wgate(x).to(buf_gate.dtype)])
+            gate = project(self.wgate, x, projected)
+            src_gate = torch.cat([buf_gate[plan.buf_rows], gate.to(buf_gate.dtype)])
             win_kv, win_gate = src_kv[plan.window_rows], src_gate[plan.window_rows]  # [W, m, hd]
             pre_rope = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
             buf_kv[plan.left_dst] = src_kv[plan.left_src]
@@ -150,14 +153,17 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         cross: CrossLayer,
+        projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[T, k] entry-pool rows each query attends to (-1 = none), k <= index_topk."""
+        """[T, k] entry-pool rows each query attends to (-1 = none), k <= index_topk.
+        ``projected``: weights_proj(x) where a fused GEMM computed it."""
         meta = batch.metadata
         assert isinstance(meta, StepMetadata), "the model builds the step metadata first"
         pool = cache[self.keys_layer, "index_keys"].flatten(0, 1)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
-        weights = self.weights_proj(x).float()  # [T, Hi] (a common scale would not reorder)
+        # [T, Hi], unscaled: a common scale would not reorder the entries.
+        weights = project(self.weights_proj, x, projected).float()
         entry_rows, num_visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]
         scores = self.kernels.attention.indexer_scores(
             q, weights, pool, entry_rows, meta.token_req, num_visible
@@ -223,6 +229,7 @@ class Attention(nn.Module):
         self.wo_b = linear(self.o_groups * args.o_lora_rank, args.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.is_yoco_boundary = layer_id == args.n_prefill_layer
+        self.fused = FusedLinears([])
         if not ratio:
             return
         self.kv_layer = args.kv_source(layer_id)
@@ -231,6 +238,20 @@ class Attention(nn.Module):
             self.compressor = Compressor(args, ratio, kernels)
         if args.index_source(layer_id) == layer_id:
             self.indexer = Indexer(args, layer_id, kernels)
+
+    def fuse_inputs(self) -> int:
+        """Once the weights are loaded: one GEMM for the dense projections of x (wq_a, wkv, the
+        indexer's weights_proj, and the compressor's wkv and wgate where it reads x, not the
+        YoCo shared hidden state). Returns how many it joined (V4's ``Attention.fuse_inputs``)."""
+        modules = [self.wq_a, self.wkv]
+        if hasattr(self, "indexer"):
+            modules.append(self.indexer.weights_proj)
+        if hasattr(self, "compressor") and not self.compresses_shared:
+            modules.append(self.compressor.wkv)
+            if self.ratio > 1:
+                modules.append(self.compressor.wgate)
+        self.fused = FusedLinears(modules)
+        return len(self.fused.modules)
 
     def forward(
         self,
@@ -244,15 +265,17 @@ class Attention(nn.Module):
         entries and index keys)."""
         cos, sin = batch.rope[self.rope_kind]
         norm = self.kernels.norm
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        projected = self.fused.outputs(x)
+        qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
         q = norm.apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = norm.rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+        kv = project(self.wkv, x, projected)
+        kv = norm.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
         assert isinstance(meta, StepMetadata), "the model builds the step metadata first"
         ring = cache[self.layer_id, "ring"].flatten(0, 1)  # [slots * ring, hd]
         sources = [(kv, meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
-            sources.append(self._compressed(x, qr, batch, cache, cross, inv_freq))
+            sources.append(self._compressed(x, qr, batch, cache, cross, inv_freq, projected))
         out = self.kernels.attention.sparse_attention(
             q, sources, self.attn_sink, self.head_dim**-0.5
         )
@@ -272,9 +295,10 @@ class Attention(nn.Module):
         cache: KVCache,
         cross: CrossLayer,
         inv_freq: torch.Tensor,
+        projected: dict[nn.Module, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the KV source's entry pool, the selected rows of it): sources compute and hand on,
-        consumers read."""
+        consumers read. ``projected``: the fused projections of x (``fuse_inputs``)."""
         meta = batch.metadata
         assert isinstance(meta, StepMetadata)
         plan = (cross.full_plans or meta).compress[self.ratio]  # every row's windows
@@ -285,12 +309,13 @@ class Attention(nn.Module):
                 state = CompressorState.of(cache, self.layer_id, "comp")
             source_x = cross.shared_hidden if self.compresses_shared else x
             assert source_x is not None, "the YoCo boundary layer is a KV source and runs first"
-            cross.pre_rope = self.compressor(source_x, plan, state, pool, inv_freq)
+            fused = None if self.compresses_shared else projected  # they project x only
+            cross.pre_rope = self.compressor(source_x, plan, state, pool, inv_freq, fused)
         if hasattr(self, "indexer"):
             if self.indexer.owns_keys:
                 assert cross.pre_rope is not None, "the KV source runs first"
                 self.indexer.write_keys(cross.pre_rope, plan, cache, inv_freq)
-            cross.topk = self.indexer(x, qr, batch, cache, cross)
+            cross.topk = self.indexer(x, qr, batch, cache, cross, projected)
         assert cross.topk is not None, "the index source runs first"
         return pool, cross.topk
 
@@ -476,6 +501,11 @@ class DeepseekV41(nn.Module):
                 "engram_vocab", torch.zeros(args.vocab_size, dtype=torch.int64), persistent=True
             )
         self.init_buffers(None)
+
+    def fuse_inputs(self) -> int:
+        """After loading: each attention's dense projections of its input as one GEMM
+        (``Attention.fuse_inputs``). Returns the projections joined, over all layers."""
+        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention))
 
     def init_buffers(self, device: torch.device | None) -> None:
         """(Re)compute the RoPE inverse frequencies and the engram hash tables; needed after
