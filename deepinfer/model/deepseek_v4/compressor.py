@@ -19,7 +19,13 @@ from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.layers import RMSNorm, linear, project
 from deepinfer.ops import Kernels
 from deepinfer.ops.attention.kv_fp8 import KVSource
-from deepinfer.ops.norm import rope_cos_sin
+
+
+def windows(ratio: int) -> str:
+    """The ``ForwardBatch.rope`` key of the RoPE tables at the positions of the windows a
+    ratio's plan closes this step (window id * ratio; the model computes them once a step for
+    every compressor of that ratio)."""
+    return f"windows-{ratio}"
 
 
 @dataclass
@@ -74,14 +80,14 @@ class Compressor(nn.Module):
         plan: CompressPlan,
         state: CompressorState,
         pool: KVSource,
-        inv_freq: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> None:
         """Pool every window the step closes into ``pool`` (the flat entry pool [rows, dim], or
         its packed FP8 rows) and keep the tokens a later step (or a rollback) needs in the buffer
-        ring (compress_plan.py's plan). ``projected``: wkv(x) and wgate(x) where a fused GEMM
-        computed them (``FusedLinears.outputs``)."""
-        m = self.ratio
+        ring (compress_plan.py's plan). ``rope``: cos, sin at the plan's windows' positions
+        (``windows``); ``projected``: wkv(x) and wgate(x) where a fused GEMM computed them
+        (``FusedLinears.outputs``)."""
         kv, gate = project(self.wkv, x, projected), project(self.wgate, x, projected)  # [T, width]
         buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
         src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, width]
@@ -97,7 +103,7 @@ class Compressor(nn.Module):
                 win_gate,
                 self.norm.weight,
                 self.norm.eps,
-                *rope_cos_sin(plan.window_ids * m, inv_freq),
+                *rope,
             )  # normalised, at the window's position
             self.attention_ops.store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
         buf_kv[plan.left_dst] = src_kv[plan.left_src]
@@ -154,7 +160,6 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         layer_id: int,
-        inv_freq: torch.Tensor,
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk.
@@ -164,7 +169,7 @@ class Indexer(nn.Module):
         pool = cache[layer_id, "index_keys"].flatten(0, 1)  # [blocks * entries per block, Di]
         plan = meta.compress[self.ratio]
         state = CompressorState.of(cache, layer_id, "idx")
-        self.compressor(x, plan, state, pool, inv_freq, projected)
+        self.compressor(x, plan, state, pool, batch.rope[windows(self.ratio)], projected)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         weights = project(self.weights_proj, x, projected).float() * self.n_heads**-0.5  # [T, Hi]

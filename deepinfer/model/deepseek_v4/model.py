@@ -24,7 +24,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.cache import kv_rows
-from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer
+from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer, windows
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import FusedLinears, RMSNorm, inverse, linear, project, step_rope
 from deepinfer.ops import Kernels, reference_kernels
@@ -37,7 +37,7 @@ from deepinfer.ops.moe import (
     swiglu,
     to_fp8_experts,
 )
-from deepinfer.ops.norm import rope_inv_freq
+from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -84,9 +84,7 @@ class Attention(nn.Module):
         self.fused = FusedLinears(modules)
         return len(self.fused.modules)
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
         cos, sin = batch.rope[self.rope_kind]
         norm = self.kernels.norm
@@ -107,9 +105,10 @@ class Attention(nn.Module):
         if self.ratio:
             pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
             state = CompressorState.of(cache, self.layer_id, "comp")
-            self.compressor(x, meta.compress[self.ratio], state, pool, inv_freq, projected)
+            window_rope = batch.rope[windows(self.ratio)]
+            self.compressor(x, meta.compress[self.ratio], state, pool, window_rope, projected)
             if self.layer_type == CSA:
-                entries = self.indexer(x, qr, batch, cache, self.layer_id, inv_freq, projected)
+                entries = self.indexer(x, qr, batch, cache, self.layer_id, projected)
             else:
                 entries = meta.visible_idx[self.ratio]
             sources.append((pool, entries))
@@ -284,14 +283,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.ffn = MoE(args, layer_id, kernels, num_local)
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: [T, hc, D] -> [T, hc, D]."""
         a, norm = self.args, self.kernels.norm
         hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
         post, comb, h = norm.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
-        x = norm.hc_post(self.attn(self.attn_norm(h), batch, cache, inv_freq), x, post, comb)
+        x = norm.hc_post(self.attn(self.attn_norm(h), batch, cache), x, post, comb)
         post, comb, h = norm.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
         return norm.hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
 
@@ -319,12 +316,11 @@ class MTPLayer(Block):
         embedded: torch.Tensor,
         batch: ForwardBatch,
         cache: KVCache,
-        inv_freq: torch.Tensor,
     ) -> torch.Tensor:
         """hidden [T, hc, D] (the stack's at each position), embedded [T, D] (the next token's)
         -> the layer's output streams [T, hc, D]."""
         x = self.e_proj(self.enorm(embedded)).unsqueeze(1) + self.h_proj(self.hnorm(hidden))
-        return super().forward(x, batch, cache, inv_freq)
+        return super().forward(x, batch, cache)
 
 
 class DeepseekV4(nn.Module):
@@ -380,10 +376,13 @@ class DeepseekV4(nn.Module):
         batch.rope = step_rope(
             batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         )
+        for ratio, plan in batch.metadata.compress.items():  # every compressor of a ratio's
+            positions = plan.window_ids * ratio
+            batch.rope[windows(ratio)] = rope_cos_sin(positions, self.compress_inv_freq)
         h = self.embed(batch.input_ids)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
         for layer in self.layers:
-            x = layer(x, batch, cache, self.compress_inv_freq)
+            x = layer(x, batch, cache)
         if self.args.mtp_served:
             batch.hidden = x  # what the MTP layer reads after the step
         x = x[batch.logits_indices]  # [N, hc, D]
@@ -399,7 +398,7 @@ class DeepseekV4(nn.Module):
         assert batch.metadata is not None, "MTP batches come with their window plans"
         batch.rope = step_rope(batch.positions, {"main": self.main_inv_freq})
         mtp = self.mtp[layer]
-        x = mtp(hidden, self.embed(batch.input_ids), batch, cache, self.compress_inv_freq)
+        x = mtp(hidden, self.embed(batch.input_ids), batch, cache)
         rows = x[batch.logits_indices]
         collapsed = hc_head(rows, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self)
         return self.head(mtp.norm(collapsed)).float(), x
