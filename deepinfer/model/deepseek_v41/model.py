@@ -62,6 +62,19 @@ class CrossLayer:
     # dspark_target_layer_ids, and the batch of those rows (the consumer half's under YoCo).
     features: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     feature_batch: ForwardBatch | None = None
+    # RoPE tables at the positions of a plan's windows, by id(plan): computed by the first
+    # compressor or index-key source that needs them in this forward, read by the rest.
+    window_rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def windows_rope(
+        self, plan: CompressPlan, ratio: int, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``plan``'s windows' positions (window id * ratio), once a forward."""
+        if id(plan) not in self.window_rope:
+            self.window_rope[id(plan)] = rope_cos_sin(plan.window_ids * ratio, inv_freq)
+        return self.window_rope[id(plan)]
 
 
 class Compressor(nn.Module):
@@ -83,13 +96,14 @@ class Compressor(nn.Module):
         plan: CompressPlan,
         state: CompressorState | None,
         pool: torch.Tensor,
-        inv_freq: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Write the entries of the windows this step closes into ``pool`` (flat [rows, hd]);
         returns them before RoPE [W, hd] (the indexer's keys are projected from those).
+        ``rope``: cos, sin at the plan's windows' positions (``CrossLayer.windows_rope``);
         ``projected``: wkv(x), wgate(x) where a fused GEMM computed them."""
-        m, kv = self.ratio, project(self.wkv, x, projected)  # [T, hd]
+        kv = project(self.wkv, x, projected)  # [T, hd]
         if state is None:  # C1: a window is one token, nothing waits in a buffer
             pre_rope = self.norm(kv[plan.window_rows[:, 0]])
         else:
@@ -101,7 +115,7 @@ class Compressor(nn.Module):
             pre_rope = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
             buf_kv[plan.left_dst] = src_kv[plan.left_src]
             buf_gate[plan.left_dst] = src_gate[plan.left_src]
-        entries = self.norm_ops.apply_rope(pre_rope, *rope_cos_sin(plan.window_ids * m, inv_freq))
+        entries = self.norm_ops.apply_rope(pre_rope, *rope)  # at the windows' positions
         pool[plan.entry_dst] = entries[plan.keep_windows].to(pool.dtype)
         return pre_rope
 
@@ -136,14 +150,16 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, kernels.norm)
 
     def write_keys(
-        self, pre_rope: torch.Tensor, plan: CompressPlan, cache: KVCache, inv_freq: torch.Tensor
+        self,
+        pre_rope: torch.Tensor,
+        plan: CompressPlan,
+        cache: KVCache,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """The keys of this step's closed windows into this layer's index-key pool."""
         pool = cache[self.keys_layer, "index_keys"].flatten(0, 1)  # [blocks * per block, Di]
         keys = self.k_norm(self.wk(pre_rope))  # [W, Di]
-        keys = self.kernels.norm.apply_rope(
-            keys, *rope_cos_sin(plan.window_ids * self.ratio, inv_freq)
-        )
+        keys = self.kernels.norm.apply_rope(keys, *rope)  # at the windows' positions
         pool[plan.entry_dst] = keys[plan.keep_windows].to(pool.dtype)
 
     def forward(
@@ -310,11 +326,13 @@ class Attention(nn.Module):
             source_x = cross.shared_hidden if self.compresses_shared else x
             assert source_x is not None, "the YoCo boundary layer is a KV source and runs first"
             fused = None if self.compresses_shared else projected  # they project x only
-            cross.pre_rope = self.compressor(source_x, plan, state, pool, inv_freq, fused)
+            rope = cross.windows_rope(plan, self.ratio, inv_freq)
+            cross.pre_rope = self.compressor(source_x, plan, state, pool, rope, fused)
         if hasattr(self, "indexer"):
             if self.indexer.owns_keys:
                 assert cross.pre_rope is not None, "the KV source runs first"
-                self.indexer.write_keys(cross.pre_rope, plan, cache, inv_freq)
+                rope = cross.windows_rope(plan, self.ratio, inv_freq)
+                self.indexer.write_keys(cross.pre_rope, plan, cache, rope)
             cross.topk = self.indexer(x, qr, batch, cache, cross, projected)
         assert cross.topk is not None, "the index source runs first"
         return pool, cross.topk
