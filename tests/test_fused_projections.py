@@ -1,7 +1,7 @@
 """One GEMM for the dense projections that read the same input (``FusedLinears``): which
 linears join, that their weights become views of one tensor, and that each module's block of the
 fused output is its own output; and that the loader fuses every V4 attention's input projections
-(the oracle tests check the fused model against transformers)."""
+and shared expert's w1 and w3 (the oracle tests check the fused model against transformers)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from deepinfer.config import ModelConfig
 from deepinfer.engine.weights_loading import load_model
 from deepinfer.model.deepseek_v4.args import CSA
-from deepinfer.model.deepseek_v4.model import Attention
+from deepinfer.model.deepseek_v4.model import MLP, Attention
 from deepinfer.model.families import load_family
 from deepinfer.model.layers import FusedLinears, project
 from deepinfer.ops import reference_kernels
@@ -56,6 +56,8 @@ def test_the_loader_fuses_every_attentions_input_projections(oracle_hf_dir: Path
         torch.device("cpu"),
         torch.float32,
     )
+    shared_experts = [m for m in loaded.model.modules() if isinstance(m, MLP)]
+    assert shared_experts and all(m.fused.modules == (m.w1, m.w3) for m in shared_experts)
     attentions = [m for m in loaded.model.modules() if isinstance(m, Attention)]
     assert attentions
     for attn in attentions:

@@ -222,9 +222,17 @@ class MLP(nn.Module):
             linear(inter_dim, dim),
             linear(dim, inter_dim),
         )
+        self.fused = FusedLinears([])
+
+    def fuse_inputs(self) -> int:
+        """Once the weights are loaded: w1 and w3 as one GEMM where both are dense."""
+        self.fused = FusedLinears([self.w1, self.w3])
+        return len(self.fused.modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+        projected = self.fused.outputs(x)
+        gate, up = project(self.w1, x, projected), project(self.w3, x, projected)
+        return self.w2(swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
@@ -355,8 +363,9 @@ class DeepseekV4(nn.Module):
 
     def fuse_inputs(self) -> int:
         """After loading: each attention's dense projections of its input as one GEMM
-        (``Attention.fuse_inputs``). Returns the projections joined, over all layers."""
-        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention))
+        (``Attention.fuse_inputs``), and each shared expert's w1 and w3 (``MLP.fuse_inputs``).
+        Returns the projections joined, over all layers."""
+        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention | MLP))
 
     def init_rope(self, device: torch.device | None) -> None:
         """(Re)compute the RoPE inverse frequencies; needed after building on the meta device."""

@@ -29,7 +29,7 @@ from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.deepseek_v4.compressor import CompressorState
-from deepinfer.model.deepseek_v4.model import MoE, register_hc_parameters
+from deepinfer.model.deepseek_v4.model import MLP, MoE, register_hc_parameters
 from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
@@ -522,8 +522,9 @@ class DeepseekV41(nn.Module):
 
     def fuse_inputs(self) -> int:
         """After loading: each attention's dense projections of its input as one GEMM
-        (``Attention.fuse_inputs``). Returns the projections joined, over all layers."""
-        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention))
+        (``Attention.fuse_inputs``), and each shared expert's w1 and w3 (V4's
+        ``MLP.fuse_inputs``). Returns the projections joined, over all layers."""
+        return sum(m.fuse_inputs() for m in self.modules() if isinstance(m, Attention | MLP))
 
     def init_buffers(self, device: torch.device | None) -> None:
         """(Re)compute the RoPE inverse frequencies and the engram hash tables; needed after
