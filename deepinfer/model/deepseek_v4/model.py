@@ -385,7 +385,7 @@ class DeepseekV4(nn.Module):
         batch.rope = step_rope(
             batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         )
-        for ratio, plan in batch.metadata.compress.items():  # every compressor of a ratio's
+        for ratio, plan in batch.metadata.compress.items():  # once for the ratio's compressors
             positions = plan.window_ids * ratio
             batch.rope[windows(ratio)] = rope_cos_sin(positions, self.compress_inv_freq)
         h = self.embed(batch.input_ids)  # [T, D]
