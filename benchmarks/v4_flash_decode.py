@@ -31,8 +31,11 @@ like the others. Full depth = 21 CSA + 20 HCA + 2 sliding + outer + plans, extra
 the per-layer figures, not measured; at batch 1 its bound is the per-user speed ceiling.
 
 --graph: after the eager timing, capture one step in a CUDA graph (warm-up on a side stream, as
-torch's docs say) and time replays. The eager path may sync with the host (then the capture
-fails): the exception is printed once per model and that model stays eager.
+torch's docs say) and time replays. The graphed step has the plans a decode graph of the engine
+replays (``cuda_graphs.context_bucket``: the entry lists padded to the context bucket, every
+request's candidate windows pooled, whether or not they close), not the eager step's. The eager
+path may sync with the host (then the capture fails): the exception is printed once per model
+and that model stays eager.
 
 Prints a per-layer table, the full-depth table last, then a RESULTS: block for RESULTS.md.
 """
@@ -44,6 +47,9 @@ import itertools
 import statistics
 import sys
 from pathlib import Path
+
+from deepinfer.engine.cuda_graphs import context_bucket
+from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 
 sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
@@ -135,6 +141,8 @@ def main() -> None:
                 eager = median_time(step, setup, max(1, ns.warmup), ns.repeats)
                 graph = None
                 if use_graph:
+                    bucket = context_bucket(context + 1, cache.block_size)
+                    batch.metadata = build_metadata(batch, CacheGeometry.of(cache), bucket)
                     graph, why = graph_time(step, setup, ns.warmup, ns.repeats)
                     if graph is None:
                         print(f"  {kind}: no CUDA graph, eager only: {why}")

@@ -48,6 +48,20 @@ MIN_CONTEXT = 256  # smallest context bucket, tokens
 CONTEXT_GROWTH = 4  # each context bucket is this many times the previous one
 
 
+def context_bucket(num_positions: int, block_size: int, max_positions: int | None = None) -> int:
+    """The context bound of a step whose longest request spans ``num_positions``:
+    MIN_CONTEXT x CONTEXT_GROWTH^k, at least a block (the padded requests sit at the scratch
+    block's last position), and no more than ``max_positions`` rounded up to a block (steps
+    never span more; None: unbounded)."""
+    longest = max(num_positions, block_size)
+    bucket = MIN_CONTEXT
+    while bucket < longest:
+        bucket *= CONTEXT_GROWTH
+    if max_positions is not None:
+        bucket = min(bucket, max(MIN_CONTEXT, -(-max_positions // block_size) * block_size))
+    return max(bucket, longest)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -216,18 +230,8 @@ class DecodeGraphs:
         return GraphStep(graph.logits[:num], rows, hidden)
 
     def context_bucket(self, num_positions: int) -> int:
-        """The context bound of a step whose longest request spans ``num_positions``:
-        MIN_CONTEXT x CONTEXT_GROWTH^k, at least a block (the padded requests sit at the scratch
-        block's last position), and no more than ``max_positions`` rounded up to a block
-        (steps never span more)."""
-        longest = max(num_positions, self.cache.block_size)
-        bucket = MIN_CONTEXT
-        while bucket < longest:
-            bucket *= CONTEXT_GROWTH
-        if self.max_positions is not None:
-            block = self.cache.block_size
-            bucket = min(bucket, max(MIN_CONTEXT, -(-self.max_positions // block) * block))
-        return max(bucket, longest)
+        """``context_bucket`` of this cache and model (module function)."""
+        return context_bucket(num_positions, self.cache.block_size, self.max_positions)
 
     @property
     def context_buckets(self) -> list[int]:

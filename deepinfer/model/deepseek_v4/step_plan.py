@@ -78,10 +78,13 @@ class StepMetadata:
                 self.visible_idx[m] = torch.where(visible, rows[self.token_req], -1)
 
 
-def build_metadata(batch: ForwardBatch, geometry: CacheGeometry) -> StepMetadata:
+def build_metadata(
+    batch: ForwardBatch, geometry: CacheGeometry, decode_context: int | None = None
+) -> StepMetadata:
     """The plans of a batch built without them (a plain copy to input_ids' device); the
-    executor builds its batches with ``step_arrays`` and ``batch_views`` instead."""
-    host = plan_step(batch.seqs, geometry)
+    executor builds its batches with ``step_arrays`` and ``batch_views`` instead.
+    ``decode_context``: a decode graph's plans (``plan_step``), as the engine replays them."""
+    host = plan_step(batch.seqs, geometry, decode_context)
     flat = torch.from_numpy(flatten(host)).to(batch.input_ids.device)
     return metadata_views(split_flat(flat, host), geometry)
 
