@@ -32,6 +32,7 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
+from compress_cases import CASES, compress_step  # noqa: E402
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
 from deepinfer.ops.norm import BACKENDS, NormBackend, rope_cos_sin, torch_ref  # noqa: E402
@@ -385,7 +386,7 @@ def test_gated_pool(
 ) -> None:
     """Softmax over the slots online in chunks of block_s (one chunk, several, a masked tail),
     D not a power of two, and empty slots: the reference's values in fp32."""
-    monkeypatch.setattr(norm_triton, "POOL_BLOCK_S", block_s)
+    monkeypatch.setattr(sys.modules["deepinfer.ops.norm.triton_pool"], "POOL_BLOCK_S", block_s)
     gen = torch.Generator().manual_seed(windows * 100 + slots)
     kv, gate, weight = _pool_inputs(windows, slots, dim, gen)
     out = norm_triton.gated_pool(kv, gate, weight, EPS)
@@ -412,3 +413,44 @@ def test_gated_pool_rope_is_the_two_launches_in_one(
     assert fused.dtype == dtype and torch.equal(fused, two)
     ref = torch_ref.gated_pool_rope(kv, gate, weight, EPS, cos, sin)
     assert _rel_err(fused, ref) < (FP32_TOL if dtype == torch.float32 else ROPE_BF16_TOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bias_rope", [True, False], ids=["ape_rope", "plain"])
+def test_compress_windows(
+    norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, case: str, bias_rope: bool
+) -> None:
+    """compress_windows (a compressor's step from the planners' real plans) in two or three
+    launches, the ring copy only where the compressor overlaps: the entries and both rings bit
+    for bit torch_ref's gathers + this backend's gated_pool and apply_rope (the same values in
+    the same order), and within FP32_TOL of torch_ref's entries. ``plain``: no gate bias and no
+    rotation (DeepSeek-V4.1's compressor)."""
+    step = compress_step(case, 16 if "csa" in case else 24, bias_rope, len(case) + bias_rope)
+    args = (step.ape, step.weight, EPS, step.cos, step.sin)
+    states = {name: step.fresh_state() for name in ("ref", "ours", "fast")}
+    ref = torch_ref.compress_windows(step.kv, step.gate, step.rows(states["ref"]), *args)
+    pool_module = sys.modules["deepinfer.ops.norm.triton_pool"]
+    kernels = ("_compress_pool_kernel", "_compress_keep_kernel")
+    launches = {name: Launches(getattr(pool_module, name)) for name in kernels}
+    for name, launch in launches.items():
+        monkeypatch.setattr(pool_module, name, launch)
+    fast = norm_triton.compress_windows(step.kv, step.gate, step.rows(states["fast"]), *args)
+    monkeypatch.setattr(torch_ref, "gated_pool", norm_triton.gated_pool)
+    monkeypatch.setattr(torch_ref, "apply_rope", norm_triton.apply_rope)
+    ours = torch_ref.compress_windows(step.kv, step.gate, step.rows(states["ours"]), *args)
+
+    num_windows, plan = step.num_windows, step.plan
+    assert fast.shape == (num_windows, step.weight.shape[0]) and torch.equal(fast, ours)
+    if num_windows:
+        assert _rel_err(fast, ref) < FP32_TOL
+    scratch = -1  # the scratch slot: several discarded rows land there, in no set order
+    for key, before in step.state.items():
+        kept = states["fast"][key][:scratch]
+        assert torch.equal(kept, states["ours"][key][:scratch]), key
+        assert not torch.equal(kept, before[:scratch]) or not plan["last_window"].size, key
+    expected = [("_compress_pool_kernel", (num_windows,))] if num_windows else []
+    if "prev_kv" in step.state and plan["last_window"].size:
+        expected.append(("_compress_keep_kernel", (plan["last_window"].size * step.ratio,)))
+    expected.append(("_compress_keep_kernel", (plan["left_src"].size,)))
+    seen = [(name, grid) for name, launch in launches.items() for grid in launch.grids]
+    assert sorted(seen) == sorted(expected)

@@ -24,7 +24,10 @@ def _reload(name: str) -> ModuleType:
 
 
 # Backend modules whose kernels live partly in other modules, which must be reloaded first.
-KERNEL_MODULES = {"deepinfer.ops.moe.triton": ("deepinfer.ops.moe.triton_gemv",)}
+KERNEL_MODULES = {
+    "deepinfer.ops.moe.triton": ("deepinfer.ops.moe.triton_gemv",),
+    "deepinfer.ops.norm.triton": ("deepinfer.ops.norm.triton_pool",),
+}
 
 
 def interpreted(name: str, interpret_before: str | None) -> Iterator[ModuleType]:

@@ -15,8 +15,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from deepinfer.ops.norm.torch_ref import (
+    CompressRows,
     RopeParams,
     apply_rope,
+    compress_windows,
     gated_pool,
     hc_post,
     hc_pre,
@@ -90,6 +92,18 @@ class NormBackend(Protocol):
         sin: torch.Tensor,
     ) -> torch.Tensor: ...
 
+    def compress_windows(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        rows: CompressRows,
+        ape: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
     def rope_inv_freq(self, rope: RopeParams, rope_dim: int) -> torch.Tensor: ...
 
     def rope_cos_sin(
@@ -103,8 +117,10 @@ BACKENDS.register("torch_ref", "deepinfer.ops.norm.torch_ref:TorchRefNormBackend
 
 __all__ = [
     "BACKENDS",
+    "CompressRows",
     "NormBackend",
     "apply_rope",
+    "compress_windows",
     "gated_pool",
     "hc_post",
     "hc_pre",

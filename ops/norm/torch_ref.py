@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -56,6 +57,116 @@ def gated_pool(
     """
     weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     return rms_norm((kv * weights).sum(dim=1), weight, eps)
+
+
+@dataclass(frozen=True)
+class CompressRows:
+    """Where one compressor's step reads and writes its rows: its state tensors and the step
+    plan's indices (deepseek_v4/compress_plan.py's CompressPlan says what each index holds).
+    Producer: the model's compressors; consumer: ``compress_windows``; device tensors.
+
+    The step's rows are ``src = cat(buf_kv[buf_rows], kv)`` [nbuf + T, w] (gate alike)::
+
+        window w, slot j (< m)     src[window_rows[w, j]]           [W, m]
+        overlapping (CSA, w = 2d): slots [previous window's Ca | this window's Cb], the
+        previous one from this step (prev_src >= R') or the ring (ring rows prev_slots)
+        kept for later steps      src[left_src] -> buf[left_dst]     the buffer ring
+                                  Ca of windows last_window -> ring rows prev_dst
+
+    buf_kv / buf_gate: [R, w] the buffer ring (flat); ring_kv / ring_gate: [S * K, m, d] the
+    overlap ring, raw (without the gate's bias), None when the compressor does not overlap
+    (then prev_slots .. prev_dst are None too).
+    """
+
+    buf_kv: torch.Tensor
+    buf_gate: torch.Tensor
+    buf_rows: torch.Tensor
+    window_rows: torch.Tensor
+    left_src: torch.Tensor
+    left_dst: torch.Tensor
+    ring_kv: torch.Tensor | None = None
+    ring_gate: torch.Tensor | None = None
+    prev_slots: torch.Tensor | None = None
+    prev_src: torch.Tensor | None = None
+    has_prev: torch.Tensor | None = None
+    last_window: torch.Tensor | None = None
+    prev_dst: torch.Tensor | None = None
+
+    @property
+    def num_windows(self) -> int:
+        return self.window_rows.shape[0]
+
+
+def compress_windows(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rows: CompressRows,
+    ape: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A compressor's step: the entries of the windows it closes, and its rings kept.
+
+    kv, gate: [T, w] this step's projections (any row stride); ape: [m, w] fp32, the gate's
+    position bias (None: none); weight: [d] the entries' norm. Each window's slots are softmax
+    pooled per channel (``gated_pool``), normalised, and with ``cos``, ``sin`` [W, rope / 2]
+    rotated to the window's position. Returns [W, d] in the buffer ring's dtype. Then the
+    overlap ring keeps the last windows' Ca halves and the buffer ring its tokens (``rows``).
+    """
+    buf_kv, buf_gate = rows.buf_kv, rows.buf_gate
+    src_kv = torch.cat([buf_kv[rows.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, w]
+    src_gate = torch.cat([buf_gate[rows.buf_rows], gate.to(buf_gate.dtype)])
+    pooled = src_kv.new_empty(0, weight.shape[0])
+    if rows.num_windows:
+        win_kv = src_kv[rows.window_rows]  # [W, m, w]
+        raw_gate = src_gate[rows.window_rows]
+        win_gate = raw_gate if ape is None else raw_gate + ape
+        if rows.ring_kv is not None:
+            win_kv, win_gate = _overlap(win_kv, raw_gate, win_gate, ape, rows)
+        pooled = gated_pool(win_kv, win_gate, weight, eps)  # [W, d]
+        if cos is not None:
+            assert sin is not None, "compress_windows: cos without sin"
+            pooled = apply_rope(pooled, cos, sin)
+    buf_kv[rows.left_dst] = src_kv[rows.left_src]
+    buf_gate[rows.left_dst] = src_gate[rows.left_src]
+    return pooled
+
+
+def _overlap(
+    win_kv: torch.Tensor,
+    raw_gate: torch.Tensor,
+    win_gate: torch.Tensor,
+    ape: torch.Tensor | None,
+    rows: CompressRows,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, m, 2d] -> [W, 2m, d]: slots [previous window's Ca | this window's Cb].
+
+    The previous window is the one before in this step, or the slot's overlap ring for a
+    request's first window of the step; a request's window 0 has none (zero kv, -inf gate).
+    The last windows' Ca halves go to the ring; gates are kept without the bias, which is
+    added again (bit-identically) when they are used.
+    """
+    assert rows.ring_kv is not None and rows.ring_gate is not None
+    assert rows.prev_slots is not None and rows.prev_src is not None
+    assert rows.has_prev is not None and rows.last_window is not None
+    assert rows.prev_dst is not None
+    dim = rows.ring_kv.shape[-1]
+    ring_kv, ring_gate = rows.ring_kv, rows.ring_gate  # [S * K, m, d]: row slot * K + w % K
+    ring_gate_biased = ring_gate[rows.prev_slots]
+    if ape is not None:
+        ring_gate_biased = ring_gate_biased + ape[:, :dim]
+    cand_kv = torch.cat([ring_kv[rows.prev_slots], win_kv[..., :dim]])  # [R' + W, m, d]
+    cand_gate = torch.cat([ring_gate_biased, win_gate[..., :dim]])
+    has_prev = rows.has_prev.view(-1, 1, 1).bool()
+    prev_kv = torch.where(has_prev, cand_kv[rows.prev_src], 0)
+    prev_gate = torch.where(has_prev, cand_gate[rows.prev_src], float("-inf"))
+    ring_kv[rows.prev_dst] = win_kv[rows.last_window, :, :dim].to(ring_kv.dtype)
+    ring_gate[rows.prev_dst] = raw_gate[rows.last_window, :, :dim].to(ring_gate.dtype)
+    new_kv = torch.cat([prev_kv.to(win_kv.dtype), win_kv[..., dim:]], dim=1)  # [W, 2m, d]
+    new_gate = torch.cat([prev_gate.to(win_gate.dtype), win_gate[..., dim:]], dim=1)
+    return new_kv, new_gate
 
 
 def rope_inv_freq(rope: RopeParams, rope_dim: int) -> torch.Tensor:
@@ -225,5 +336,6 @@ class TorchRefNormBackend(Backend):
     hc_post = staticmethod(hc_post)
     gated_pool = staticmethod(gated_pool)
     gated_pool_rope = staticmethod(gated_pool_rope)
+    compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

@@ -45,12 +45,15 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
+from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool, gated_pool_rope
+from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 __all__ = [
     "TritonNormBackend",
     "apply_rope",
+    "compress_windows",
     "gated_pool",
     "gated_pool_rope",
     "hc_post",
@@ -81,8 +84,6 @@ HC_MAX_SPLIT_K = 64
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
 ROPE_BLOCK_D = 1024
 ROPE_TILE = 4096
-# gated_pool: slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
-POOL_BLOCK_S = 8
 
 
 # The interpreter (CPU) gets a small stand-in for the SMs to fill.
@@ -99,13 +100,6 @@ def _split_d(num_tokens: int, dim: int, num_sms: int) -> tuple[int, int, int]:
     per_token = max(1, min(num_blocks, 2 * num_sms // num_tokens))
     d_per_program = triton.cdiv(num_blocks, per_token) * block_d
     return block_d, d_per_program, triton.cdiv(dim, d_per_program)
-
-
-@triton.jit
-def _div_rn(num, den):
-    """IEEE division with broadcasting (Triton's ``/`` on fp32 is approximate on CUDA)."""
-    num, den = tl.broadcast(num, den)
-    return tl.math.div_rn(num, den)
 
 
 @triton.jit
@@ -701,157 +695,6 @@ def hc_post(
     return new
 
 
-@triton.jit
-def _gated_pool_kernel(
-    kv_ptr,
-    gate_ptr,
-    weight_ptr,
-    out_ptr,
-    stride_kw,
-    stride_ks,
-    stride_gw,
-    stride_gs,
-    dim,
-    eps,
-    cos_ptr,
-    sin_ptr,
-    cos_stride,
-    sin_stride,
-    NUM_SLOTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROPE_HALF: tl.constexpr,
-):
-    """One window: the softmax over its slots per channel, online over chunks of BLOCK_S slots
-    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row; with
-    ROPE_HALF > 0 the normalised row, rounded as stored, then has its trailing 2 * ROPE_HALF
-    channels rotated as ``_apply_rope_kernel`` does (pairs split from the row in registers)."""
-    w = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < dim
-    m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, NUM_SLOTS, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask = (offs_s < NUM_SLOTS)[:, None] & d_mask[None, :]
-        g = tl.load(
-            gate_ptr + w * stride_gw + offs_s[:, None] * stride_gs + offs_d[None, :],
-            mask=mask,
-            other=float("-inf"),
-        ).to(tl.float32)
-        kv = tl.load(
-            kv_ptr + w * stride_kw + offs_s[:, None] * stride_ks + offs_d[None, :],
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(g, axis=0))
-        # A channel whose slots so far are all empty keeps m = -inf: rescale by 1, add 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        e = tl.exp(g - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e * kv, axis=0)
-        m_i = m_new
-    pooled = _div_rn(acc, l_i)
-    pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference's rounding
-    pooled = tl.where(d_mask, pooled, 0.0)
-    pooled = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
-    weight = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0)
-    out = (weight * pooled).to(out_ptr.dtype.element_ty)
-    if ROPE_HALF > 0:
-        even, odd = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_D // 2, 2)))
-        pairs = tl.arange(0, BLOCK_D // 2)
-        first = dim // 2 - ROPE_HALF  # the first rope pair (the nope width is even)
-        is_rope = (pairs >= first) & (pairs < dim // 2)
-        angle = pairs - first
-        cos = tl.load(cos_ptr + w * cos_stride + angle, mask=is_rope, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + w * sin_stride + angle, mask=is_rope, other=0.0).to(tl.float32)
-        rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
-        rotated = tl.reshape(rotated, (BLOCK_D,)).to(out_ptr.dtype.element_ty)
-        is_rope_d = (offs_d >= dim - 2 * ROPE_HALF) & d_mask
-        out = tl.where(is_rope_d, rotated, out)
-    tl.store(out_ptr + w * dim + offs_d, out, d_mask)
-
-
-def gated_pool(
-    kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """``_gated_pool`` without the rotation."""
-    return _gated_pool(kv, gate, weight, eps, None, None)
-
-
-def _gated_pool(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-) -> torch.Tensor:
-    """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
-
-    kv: [W, S, D]; gate: [W, S, D] logits (-inf = an empty slot); weight: [D]. Returns [W, D]
-    in kv's dtype, as torch_ref.gated_pool up to rounding: the softmax is online over chunks of
-    slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
-    dtype first); only the pooled row is rounded before the norm, as there. With cos and sin
-    [W, rope_dim / 2] the rows then get ``apply_rope``'s rotation in the same launch (bit for
-    bit the two launches': ``gated_pool_rope``).
-    """
-    num_windows, num_slots, dim = kv.shape
-    assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
-    assert weight.shape == (dim,), f"gated_pool: weight {tuple(weight.shape)}, D = {dim}"
-    half = 0 if cos is None else cos.shape[-1]
-    if cos is not None:
-        assert sin is not None and cos.shape == sin.shape == (num_windows, half), (
-            f"gated_pool: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, {num_windows} windows"
-        )
-        assert 0 < 2 * half <= dim and dim % 2 == 0, f"gated_pool: rope {2 * half} of {dim}"
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    out = torch.empty((num_windows, dim), dtype=kv.dtype, device=kv.device)
-    if num_windows == 0:
-        return out
-    kv = kv if kv.stride(2) == 1 else kv.contiguous()
-    gate = gate if gate.stride(2) == 1 else gate.contiguous()
-    block_d = triton.next_power_of_2(dim)
-    block_s = min(POOL_BLOCK_S, triton.next_power_of_2(num_slots))
-    _gated_pool_kernel[(num_windows,)](
-        kv,
-        gate,
-        weight.float().contiguous(),
-        out,
-        kv.stride(0),
-        kv.stride(1),
-        gate.stride(0),
-        gate.stride(1),
-        dim,
-        eps,
-        cos if half else out,  # dummy pointers without rope
-        sin if half else out,
-        cos.stride(0) if half else 0,
-        sin.stride(0) if half else 0,
-        NUM_SLOTS=num_slots,
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
-        ROPE_HALF=half,
-        num_warps=min(8, max(1, block_s * block_d // 512)),
-    )
-    return out
-
-
-def gated_pool_rope(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` in one launch, the same
-    values (the compressors' entries at their window positions)."""
-    return _gated_pool(kv, gate, weight, eps, cos, sin)
-
-
 class TritonNormBackend(Backend):
     """This module's kernels on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
     that apply_rope's row blocks and hc_pre's and hc_post's splits fill at decode."""
@@ -860,6 +703,7 @@ class TritonNormBackend(Backend):
     rms_norm_rope = staticmethod(rms_norm_rope)
     gated_pool = staticmethod(gated_pool)
     gated_pool_rope = staticmethod(gated_pool_rope)
+    compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)
 

@@ -331,3 +331,54 @@ def test_gated_pool_rope_is_the_two_launches_in_one(norm_triton: ModuleType) -> 
         fused = norm_triton.gated_pool_rope(kv, gate, weight, NORM_EPS, cos, sin)
         pooled = norm_triton.gated_pool(kv, gate, weight, NORM_EPS)
         assert torch.equal(fused, norm_triton.apply_rope(pooled, cos, sin)), dim
+
+
+# compress_windows at V4-Flash widths: CSA's entries (512, from 1,024-wide rows), the indexer's
+# (128), HCA's 128-slot windows of 512; a graphed verify step of 3 requests and of 129.
+COMPRESS_CASES = [
+    ("csa_chunks", 512, None, 1),
+    ("csa_graphed", 512, None, 43),
+    ("csa_graphed", 128, None, 1),
+    ("hca_graphed", 512, 128, 16),
+    ("hca_chunks", 512, None, 1),
+]
+
+
+@pytest.mark.parametrize(("case", "dim", "ratio", "repeat"), COMPRESS_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_windows(
+    norm_triton: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    dim: int,
+    ratio: int | None,
+    repeat: int,
+    dtype: torch.dtype,
+) -> None:
+    """The three launches on CUDA: entries and rings bit for bit torch_ref's gathers followed
+    by this backend's pooling and rotation (bf16 rings included: the same conversions in the
+    same order); prints both paths' times."""
+    from compress_cases import compress_step
+
+    step = compress_step(case, dim, True, dim + repeat, "cuda", dtype, ratio, repeat)
+    args = (step.ape, step.weight, NORM_EPS, step.cos, step.sin)
+    fast_state, ours_state = step.fresh_state(), step.fresh_state()
+    fast_rows, ours_rows = step.rows(fast_state), step.rows(ours_state)
+    fast = norm_triton.compress_windows(step.kv, step.gate, fast_rows, *args)
+    monkeypatch.setattr(torch_ref, "gated_pool", norm_triton.gated_pool)
+    monkeypatch.setattr(torch_ref, "apply_rope", norm_triton.apply_rope)
+    ours = torch_ref.compress_windows(step.kv, step.gate, ours_rows, *args)
+    assert fast.dtype == dtype and fast.shape == (step.num_windows, dim)
+    assert torch.equal(fast, ours)
+    for key in step.state:  # the scratch slot (last) takes discarded rows in no set order
+        assert torch.equal(fast_state[key][:-1], ours_state[key][:-1]), key
+    fused = _cuda_time_us(
+        lambda: norm_triton.compress_windows(step.kv, step.gate, fast_rows, *args)
+    )
+    gathers = _cuda_time_us(
+        lambda: torch_ref.compress_windows(step.kv, step.gate, ours_rows, *args)
+    )
+    print(
+        f"compress_windows {case} d={dim} m={step.ratio} {step.num_windows} windows "
+        f"{dtype}: triton {fused:.1f} us, torch gathers + triton pool {gathers:.1f} us"
+    )

@@ -7,6 +7,7 @@ Indexer: per query, the top-k compressed entries a CSA layer attends to.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.layers import RMSNorm, linear, project
 from deepinfer.ops import Kernels
 from deepinfer.ops.attention.kv_fp8 import KVSource
+from deepinfer.ops.norm import CompressRows
 
 
 def windows(ratio: int) -> str:
@@ -89,56 +91,37 @@ class Compressor(nn.Module):
         (``windows``); ``projected``: wkv(x) and wgate(x) where a fused GEMM computed them
         (``FusedLinears.outputs``)."""
         kv, gate = project(self.wkv, x, projected), project(self.wgate, x, projected)  # [T, width]
-        buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
-        src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, width]
-        src_gate = torch.cat([buf_gate[plan.buf_rows], gate.to(buf_gate.dtype)])
+        pooled = self.norm_ops.compress_windows(
+            kv, gate, compress_rows(plan, state), self.ape, self.norm.weight, self.norm.eps, *rope
+        )  # [W, dim]: normalised, at the windows' positions
         if plan.num_windows:
-            win_kv = src_kv[plan.window_rows]  # [W, m, width]
-            raw_gate = src_gate[plan.window_rows]
-            win_gate = raw_gate + self.ape
-            if self.overlap:
-                win_kv, win_gate = self._overlap(win_kv, raw_gate, win_gate, plan, state)
-            pooled = self.norm_ops.gated_pool_rope(
-                win_kv,
-                win_gate,
-                self.norm.weight,
-                self.norm.eps,
-                *rope,
-            )  # normalised, at the window's position
             self.attention_ops.store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
-        buf_kv[plan.left_dst] = src_kv[plan.left_src]
-        buf_gate[plan.left_dst] = src_gate[plan.left_src]
 
-    def _overlap(
-        self,
-        win_kv: torch.Tensor,
-        raw_gate: torch.Tensor,
-        win_gate: torch.Tensor,
-        plan: CompressPlan,
-        state: CompressorState,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[W, m, 2dim] -> [W, 2m, dim]: slots [previous window's Ca | this window's Cb].
 
-        The previous window is the one before in this step, or the slot's overlap ring for a
-        request's first window of the step; a request's window 0 has none (zero kv, -inf gate).
-        The last windows' Ca halves go to the ring; gates are kept without the bias, which is
-        added again (bit-identically) when they are used.
-        """
-        assert state.prev_kv is not None and state.prev_gate is not None
-        dim, m = self.dim, self.ratio
-        ring_kv = state.prev_kv.view(-1, m, dim)  # [slots * K, m, dim]: row slot * K + w % K
-        ring_gate = state.prev_gate.view(-1, m, dim)
-        ape_a = self.ape[:, :dim]
-        cand_kv = torch.cat([ring_kv[plan.prev_slots], win_kv[..., :dim]])  # [R' + W, m, dim]
-        cand_gate = torch.cat([ring_gate[plan.prev_slots] + ape_a, win_gate[..., :dim]])
-        has_prev = plan.has_prev.view(-1, 1, 1).bool()
-        prev_kv = torch.where(has_prev, cand_kv[plan.prev_src], 0)
-        prev_gate = torch.where(has_prev, cand_gate[plan.prev_src], float("-inf"))
-        ring_kv[plan.prev_dst] = win_kv[plan.last_window, :, :dim].to(ring_kv.dtype)
-        ring_gate[plan.prev_dst] = raw_gate[plan.last_window, :, :dim].to(ring_gate.dtype)
-        new_kv = torch.cat([prev_kv.to(win_kv.dtype), win_kv[..., dim:]], dim=1)  # [W, 2m, dim]
-        new_gate = torch.cat([prev_gate.to(win_gate.dtype), win_gate[..., dim:]], dim=1)
-        return new_kv, new_gate
+def compress_rows(plan: CompressPlan, state: CompressorState) -> CompressRows:
+    """What ``compress_windows`` reads and writes: ``state``'s rings (flat) and ``plan``'s
+    indices (the overlap ring's only where the compressor has one)."""
+    rows = CompressRows(
+        state.buf_kv.flatten(0, 1),
+        state.buf_gate.flatten(0, 1),
+        plan.buf_rows,
+        plan.window_rows,
+        plan.left_src,
+        plan.left_dst,
+    )
+    if state.prev_kv is None or state.prev_gate is None:
+        return rows
+    m = plan.window_rows.shape[1]
+    return dataclasses.replace(
+        rows,
+        ring_kv=state.prev_kv.view(-1, m, state.prev_kv.shape[-1]),  # [slots * K, m, dim]
+        ring_gate=state.prev_gate.view(-1, m, state.prev_gate.shape[-1]),
+        prev_slots=plan.prev_slots,
+        prev_src=plan.prev_src,
+        has_prev=plan.has_prev,
+        last_window=plan.last_window,
+        prev_dst=plan.prev_dst,
+    )
 
 
 class Indexer(nn.Module):

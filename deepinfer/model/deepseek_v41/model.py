@@ -28,7 +28,7 @@ from torch import nn
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
-from deepinfer.model.deepseek_v4.compressor import CompressorState
+from deepinfer.model.deepseek_v4.compressor import CompressorState, compress_rows
 from deepinfer.model.deepseek_v4.model import MLP, MoE, register_hc_parameters
 from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
@@ -107,14 +107,10 @@ class Compressor(nn.Module):
         if state is None:  # C1: a window is one token, nothing waits in a buffer
             pre_rope = self.norm(kv[plan.window_rows[:, 0]])
         else:
-            buf_kv, buf_gate = state.buf_kv.flatten(0, 1), state.buf_gate.flatten(0, 1)
-            src_kv = torch.cat([buf_kv[plan.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, hd]
             gate = project(self.wgate, x, projected)
-            src_gate = torch.cat([buf_gate[plan.buf_rows], gate.to(buf_gate.dtype)])
-            win_kv, win_gate = src_kv[plan.window_rows], src_gate[plan.window_rows]  # [W, m, hd]
-            pre_rope = self.norm_ops.gated_pool(win_kv, win_gate, self.norm.weight, self.norm.eps)
-            buf_kv[plan.left_dst] = src_kv[plan.left_src]
-            buf_gate[plan.left_dst] = src_gate[plan.left_src]
+            pre_rope = self.norm_ops.compress_windows(
+                kv, gate, compress_rows(plan, state), None, self.norm.weight, self.norm.eps
+            )  # [W, hd], and the buffer ring kept
         entries = self.norm_ops.apply_rope(pre_rope, *rope)  # at the windows' positions
         pool[plan.entry_dst] = entries[plan.keep_windows].to(pool.dtype)
         return pre_rope

@@ -1,0 +1,538 @@
+"""The compressors' pooling as Triton kernels: ``gated_pool(_rope)`` over windows already
+gathered, and ``compress_windows``, a compressor's whole step in three launches.
+
+``compress_windows`` reads each window's slots where they are (torch_ref gathers and
+concatenates them first: ~30 small kernels for an overlapping compressor, every graphed decode
+step, since a graph pools every request's candidate window)::
+
+    slot source (CompressRows)            kernel reads
+    buffer ring  src row r < nbuf         buf[buf_rows[r]]
+    this step    src row r >= nbuf        kv / gate row r - nbuf (any row stride)
+    overlap ring previous window's Ca     ring[prev_slots[prev_src[w]]] (CSA, first window)
+    empty        window 0's previous      kv 0, gate -inf
+
+    _compress_pool_kernel   one program a window: the slots as above, then _gated_pool_kernel's
+                            math (the same jit helpers): [W, d] in the buffer ring's dtype
+    _compress_keep_kernel   the last windows' Ca halves -> the overlap ring (CSA)
+    _compress_keep_kernel   the tokens a later step needs -> the buffer ring
+
+Three launches, in that order, because each reads what a later one overwrites: the pool reads
+ring rows the ring copy replaces (a request that closes K windows rewrites the row its first
+window's previous half comes from), and a prefill chunk's ring copy can read buffer rows that
+the buffer copy then fills with the chunk's open window. Within the buffer copy no row is read
+by one program and written by another: a kept buffered token goes back to its own row.
+
+The values are torch_ref's conversions in its order (step rows to the ring's dtype, gates to
+fp32 before the bias), so the result is bit for bit torch_ref's gathers followed by
+``gated_pool_rope``'s kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.norm.torch_ref import CompressRows
+
+# Slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
+POOL_BLOCK_S = 8
+
+
+@triton.jit
+def div_rn(num, den):
+    """IEEE division with broadcasting (Triton's ``/`` on fp32 is approximate on CUDA)."""
+    num, den = tl.broadcast(num, den)
+    return tl.math.div_rn(num, den)
+
+
+@triton.jit
+def _pool_step(m_i, l_i, acc, g, kv):
+    """One chunk of slots [BLOCK_S, BLOCK_D] (fp32) into the online softmax: running max,
+    sum and weighted sum per channel."""
+    m_new = tl.maximum(m_i, tl.max(g, axis=0))
+    # A channel whose slots so far are all empty keeps m = -inf: rescale by 1, add 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    e = tl.exp(g - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(e, axis=0)
+    acc = acc * alpha + tl.sum(e * kv, axis=0)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _pool_store(
+    acc,
+    l_i,
+    w,
+    offs_d,
+    d_mask,
+    weight_ptr,
+    out_ptr,
+    dim,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    sin_stride,
+    BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+):
+    """Window w's pooled row: rounded to the output dtype, RMS-normalised, and with
+    ROPE_HALF > 0 its trailing 2 * ROPE_HALF channels rotated as ``_apply_rope_kernel`` does
+    (pairs split from the row in registers)."""
+    pooled = div_rn(acc, l_i)
+    pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference's rounding
+    pooled = tl.where(d_mask, pooled, 0.0)
+    pooled = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
+    weight = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0)
+    out = (weight * pooled).to(out_ptr.dtype.element_ty)
+    if ROPE_HALF > 0:
+        even, odd = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_D // 2, 2)))
+        pairs = tl.arange(0, BLOCK_D // 2)
+        first = dim // 2 - ROPE_HALF  # the first rope pair (the nope width is even)
+        is_rope = (pairs >= first) & (pairs < dim // 2)
+        angle = pairs - first
+        cos = tl.load(cos_ptr + w * cos_stride + angle, mask=is_rope, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + w * sin_stride + angle, mask=is_rope, other=0.0).to(tl.float32)
+        rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+        rotated = tl.reshape(rotated, (BLOCK_D,)).to(out_ptr.dtype.element_ty)
+        is_rope_d = (offs_d >= dim - 2 * ROPE_HALF) & d_mask
+        out = tl.where(is_rope_d, rotated, out)
+    tl.store(out_ptr + w * dim + offs_d, out, d_mask)
+
+
+@triton.jit
+def _gated_pool_kernel(
+    kv_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_kw,
+    stride_ks,
+    stride_gw,
+    stride_gs,
+    dim,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    sin_stride,
+    NUM_SLOTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+):
+    """One window: the softmax over its slots per channel, online over chunks of BLOCK_S slots
+    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row, then
+    with ROPE_HALF > 0 the rotation (``_pool_store``)."""
+    w = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, NUM_SLOTS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask = (offs_s < NUM_SLOTS)[:, None] & d_mask[None, :]
+        g = tl.load(
+            gate_ptr + w * stride_gw + offs_s[:, None] * stride_gs + offs_d[None, :],
+            mask=mask,
+            other=float("-inf"),
+        ).to(tl.float32)
+        kv = tl.load(
+            kv_ptr + w * stride_kw + offs_s[:, None] * stride_ks + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        m_i, l_i, acc = _pool_step(m_i, l_i, acc, g, kv)
+    _pool_store(
+        acc,
+        l_i,
+        w,
+        offs_d,
+        d_mask,
+        weight_ptr,
+        out_ptr,
+        dim,
+        eps,
+        cos_ptr,
+        sin_ptr,
+        cos_stride,
+        sin_stride,
+        BLOCK_D,
+        ROPE_HALF,
+    )
+
+
+def gated_pool(
+    kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``_gated_pool`` without the rotation."""
+    return _gated_pool(kv, gate, weight, eps, None, None)
+
+
+def _pool_tiles(num_slots: int, dim: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_D, warps) of a pooling program."""
+    block_d = triton.next_power_of_2(dim)
+    block_s = min(POOL_BLOCK_S, triton.next_power_of_2(num_slots))
+    return block_s, block_d, min(8, max(1, block_s * block_d // 512))
+
+
+def _rope_tables(
+    cos: torch.Tensor | None, sin: torch.Tensor | None, num_windows: int, dim: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(rope pairs, cos, sin) with unit-stride rows, checked against the windows; (0, None,
+    None) without rope."""
+    if cos is None:
+        return 0, None, None
+    half = cos.shape[-1]
+    assert sin is not None and cos.shape == sin.shape == (num_windows, half), (
+        f"gated_pool: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, {num_windows} windows"
+    )
+    assert 0 < 2 * half <= dim and dim % 2 == 0, f"gated_pool: rope {2 * half} of {dim}"
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    return half, cos, sin
+
+
+def _gated_pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+) -> torch.Tensor:
+    """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
+
+    kv: [W, S, D]; gate: [W, S, D] logits (-inf = an empty slot); weight: [D]. Returns [W, D]
+    in kv's dtype, as torch_ref.gated_pool up to rounding: the softmax is online over chunks of
+    slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
+    dtype first); only the pooled row is rounded before the norm, as there. With cos and sin
+    [W, rope_dim / 2] the rows then get ``apply_rope``'s rotation in the same launch (bit for
+    bit the two launches': ``gated_pool_rope``).
+    """
+    num_windows, num_slots, dim = kv.shape
+    assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
+    assert weight.shape == (dim,), f"gated_pool: weight {tuple(weight.shape)}, D = {dim}"
+    half, cos, sin = _rope_tables(cos, sin, num_windows, dim)
+    out = torch.empty((num_windows, dim), dtype=kv.dtype, device=kv.device)
+    if num_windows == 0:
+        return out
+    kv = kv if kv.stride(2) == 1 else kv.contiguous()
+    gate = gate if gate.stride(2) == 1 else gate.contiguous()
+    block_s, block_d, num_warps = _pool_tiles(num_slots, dim)
+    _gated_pool_kernel[(num_windows,)](
+        kv,
+        gate,
+        weight.float().contiguous(),
+        out,
+        kv.stride(0),
+        kv.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        dim,
+        eps,
+        cos if half else out,  # dummy pointers without rope
+        sin if half else out,
+        cos.stride(0) if half else 0,
+        sin.stride(0) if half else 0,
+        NUM_SLOTS=num_slots,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        ROPE_HALF=half,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def gated_pool_rope(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` in one launch, the same
+    values (the compressors' entries at their window positions)."""
+    return _gated_pool(kv, gate, weight, eps, cos, sin)
+
+
+@triton.jit
+def _src_rows(r, num_buf, buf_rows_ptr, is_src):
+    """Rows of src = cat(buf[buf_rows], step rows): (in the buffer ring, its buffer row, in
+    the step, its step row), each where ``is_src``."""
+    in_buf = is_src & (r < num_buf)
+    buf_row = tl.load(buf_rows_ptr + r, mask=in_buf, other=0)
+    return in_buf, buf_row, is_src & (r >= num_buf), r - num_buf
+
+
+@triton.jit
+def _compress_pool_kernel(
+    kv_ptr,
+    gate_ptr,
+    stride_kv,
+    stride_gate,
+    buf_kv_ptr,
+    buf_gate_ptr,
+    buf_width,
+    buf_rows_ptr,
+    num_buf,
+    window_rows_ptr,
+    ring_kv_ptr,
+    ring_gate_ptr,
+    prev_slots_ptr,
+    num_ring_reads,
+    prev_src_ptr,
+    has_prev_ptr,
+    ape_ptr,
+    weight_ptr,
+    out_ptr,
+    dim,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    sin_stride,
+    M: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    HAS_APE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+):
+    """One window w: its M slots (2M overlapping: the previous window's Ca, then its own Cb)
+    read where they are (module docstring), then ``_gated_pool_kernel``'s math."""
+    NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
+    w = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    buf_dtype = buf_kv_ptr.dtype.element_ty
+    if OVERLAP:
+        has_prev = tl.load(has_prev_ptr + w) != 0
+        prev = tl.load(prev_src_ptr + w)  # < R': a ring read; else window prev - R' of this step
+        from_ring = has_prev & (prev < num_ring_reads)
+        ring_row = tl.load(prev_slots_ptr + prev, mask=from_ring, other=0)
+        prev_window = prev - num_ring_reads
+    for s0 in range(0, NUM_SLOTS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        is_slot = offs_s < NUM_SLOTS
+        if OVERLAP:
+            is_prev = offs_s < M
+            j = tl.where(is_prev, offs_s, offs_s - M)  # the slot's token in its window
+            col = tl.where(is_prev, 0, dim)  # Ca or Cb columns
+            window = tl.where(is_prev, prev_window, w)
+            is_src = is_slot & (~is_prev | (has_prev & ~from_ring))
+            is_ring = is_slot & is_prev & from_ring
+        else:
+            j = offs_s
+            col = tl.zeros([BLOCK_S], dtype=tl.int64)
+            window = w + tl.zeros([BLOCK_S], dtype=tl.int64)
+            is_src = is_slot
+            is_ring = is_slot & False
+        r = tl.load(window_rows_ptr + window * M + j, mask=is_src, other=0)
+        in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, is_src)
+        cols = col[:, None] + offs_d[None, :]
+        buf_mask = in_buf[:, None] & d_mask[None, :]
+        step_mask = in_step[:, None] & d_mask[None, :]
+        buf_off = buf_row[:, None] * buf_width + cols
+        kv = tl.where(
+            buf_mask,
+            tl.load(buf_kv_ptr + buf_off, mask=buf_mask, other=0.0),
+            tl.load(kv_ptr + step_row[:, None] * stride_kv + cols, mask=step_mask, other=0.0).to(
+                buf_dtype
+            ),
+        ).to(tl.float32)
+        g = tl.where(
+            buf_mask,
+            tl.load(buf_gate_ptr + buf_off, mask=buf_mask, other=0.0),
+            tl.load(
+                gate_ptr + step_row[:, None] * stride_gate + cols, mask=step_mask, other=0.0
+            ).to(buf_gate_ptr.dtype.element_ty),
+        ).to(tl.float32)
+        if OVERLAP:
+            ring_mask = is_ring[:, None] & d_mask[None, :]
+            ring_off = (ring_row * M + j)[:, None] * dim + offs_d[None, :]
+            ring_kv = tl.load(ring_kv_ptr + ring_off, mask=ring_mask, other=0.0)
+            kv = tl.where(ring_mask, ring_kv.to(buf_dtype).to(tl.float32), kv)
+            ring_g = tl.load(ring_gate_ptr + ring_off, mask=ring_mask, other=0.0)
+            g = tl.where(ring_mask, ring_g.to(tl.float32), g)
+        if HAS_APE:
+            ape_mask = is_slot[:, None] & d_mask[None, :]
+            g = g + tl.load(ape_ptr + j[:, None] * buf_width + cols, mask=ape_mask, other=0.0)
+        valid = (is_src | is_ring)[:, None] & d_mask[None, :]
+        g = tl.where(valid, g, float("-inf"))
+        kv = tl.where(valid, kv, 0.0)
+        m_i, l_i, acc = _pool_step(m_i, l_i, acc, g, kv)
+    _pool_store(
+        acc,
+        l_i,
+        w,
+        offs_d,
+        d_mask,
+        weight_ptr,
+        out_ptr,
+        dim,
+        eps,
+        cos_ptr,
+        sin_ptr,
+        cos_stride,
+        sin_stride,
+        BLOCK_D,
+        ROPE_HALF,
+    )
+
+
+@triton.jit
+def _compress_keep_kernel(
+    kv_ptr,
+    gate_ptr,
+    stride_kv,
+    stride_gate,
+    buf_kv_ptr,
+    buf_gate_ptr,
+    buf_width,
+    buf_rows_ptr,
+    num_buf,
+    src_ptr,
+    dst_ptr,
+    window_rows_ptr,
+    dst_kv_ptr,
+    dst_gate_ptr,
+    dst_width,
+    M: tl.constexpr,
+    RING: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One kept row: the buffer ring's (RING False: src row src[i] -> buffer row dst[i], all
+    columns) or the overlap ring's (RING: token i % M of window src[i // M] -> ring row
+    dst[i // M] * M + i % M, its first dst_width columns, the Ca half)."""
+    i = tl.program_id(0)
+    if RING:
+        window = tl.load(src_ptr + i // M)
+        r = tl.load(window_rows_ptr + window * M + i % M)
+        dst_row = tl.load(dst_ptr + i // M) * M + i % M
+    else:
+        r = tl.load(src_ptr + i)
+        dst_row = tl.load(dst_ptr + i)
+    in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, True)
+    cols = tl.arange(0, BLOCK_W)
+    mask = cols < dst_width
+    buf_dtype = buf_kv_ptr.dtype.element_ty
+    kv = tl.where(
+        in_buf,
+        tl.load(buf_kv_ptr + buf_row * buf_width + cols, mask=mask & in_buf, other=0.0),
+        tl.load(kv_ptr + step_row * stride_kv + cols, mask=mask & in_step, other=0.0).to(buf_dtype),
+    )
+    gate = tl.where(
+        in_buf,
+        tl.load(buf_gate_ptr + buf_row * buf_width + cols, mask=mask & in_buf, other=0.0),
+        tl.load(gate_ptr + step_row * stride_gate + cols, mask=mask & in_step, other=0.0).to(
+            buf_gate_ptr.dtype.element_ty
+        ),
+    )
+    dst = dst_row.to(tl.int64) * dst_width + cols
+    tl.store(dst_kv_ptr + dst, kv.to(dst_kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_gate_ptr + dst, gate.to(dst_gate_ptr.dtype.element_ty), mask=mask)
+
+
+def compress_windows(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rows: CompressRows,
+    ape: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch_ref.compress_windows in three launches (module docstring): the windows' entries
+    [W, d] in the buffer ring's dtype, then the overlap ring's and the buffer ring's rows."""
+    num_windows, m = rows.window_rows.shape
+    width, dim = rows.buf_kv.shape[1], weight.shape[0]
+    overlap = rows.ring_kv is not None
+    assert kv.shape == gate.shape == (kv.shape[0], width), (
+        f"compress_windows: kv {tuple(kv.shape)}, gate {tuple(gate.shape)}, width {width}"
+    )
+    assert width == (2 * dim if overlap else dim), f"compress_windows: width {width}, d {dim}"
+    assert kv.stride(1) == gate.stride(1) == 1, "compress_windows: kv, gate columns strided"
+    assert rows.buf_kv.is_contiguous() and rows.buf_gate.is_contiguous()
+    assert ape is None or ape.shape == (m, width), f"compress_windows: ape {ape.shape}"
+    half, cos, sin = _rope_tables(cos, sin, num_windows, dim)
+    num_buf = rows.buf_rows.shape[0]
+    common = (kv, gate, kv.stride(0), gate.stride(0), rows.buf_kv, rows.buf_gate, width)
+    out = torch.empty((num_windows, dim), dtype=rows.buf_kv.dtype, device=kv.device)
+    if num_windows:
+        ring = rows.buf_kv  # dummy pointers without a ring, never read
+        ring_kv, ring_gate = (rows.ring_kv, rows.ring_gate) if overlap else (ring, ring)
+        assert ring_kv is not None and ring_gate is not None
+        index = rows.window_rows  # dummy index pointers without a ring, never read
+        prev_slots, prev_src, has_prev = (
+            (rows.prev_slots, rows.prev_src, rows.has_prev) if overlap else (index,) * 3
+        )
+        assert prev_slots is not None and prev_src is not None and has_prev is not None
+        block_s, block_d, num_warps = _pool_tiles(2 * m if overlap else m, dim)
+        _compress_pool_kernel[(num_windows,)](
+            *common,
+            rows.buf_rows,
+            num_buf,
+            rows.window_rows,
+            ring_kv,
+            ring_gate,
+            prev_slots,
+            prev_slots.shape[0],
+            prev_src,
+            has_prev,
+            out if ape is None else ape.float().contiguous(),  # dummy pointer without a bias
+            weight.float().contiguous(),
+            out,
+            dim,
+            eps,
+            cos if half else out,  # dummy pointers without rope
+            sin if half else out,
+            cos.stride(0) if half else 0,
+            sin.stride(0) if half else 0,
+            M=m,
+            OVERLAP=overlap,
+            HAS_APE=ape is not None,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+            ROPE_HALF=half,
+            num_warps=num_warps,
+        )
+    if overlap and rows.last_window is not None and rows.last_window.shape[0]:
+        assert rows.prev_dst is not None and rows.ring_kv is not None
+        _compress_keep_kernel[(rows.last_window.shape[0] * m,)](
+            *common,
+            rows.buf_rows,
+            num_buf,
+            rows.last_window,
+            rows.prev_dst,
+            rows.window_rows,
+            rows.ring_kv,
+            rows.ring_gate,
+            dim,
+            M=m,
+            RING=True,
+            BLOCK_W=triton.next_power_of_2(dim),
+        )
+    if rows.left_src.shape[0]:
+        _compress_keep_kernel[(rows.left_src.shape[0],)](
+            *common,
+            rows.buf_rows,
+            num_buf,
+            rows.left_src,
+            rows.left_dst,
+            rows.window_rows,
+            rows.buf_kv,
+            rows.buf_gate,
+            width,
+            M=m,
+            RING=False,
+            BLOCK_W=triton.next_power_of_2(width),
+        )
+    return out
