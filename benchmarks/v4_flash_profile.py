@@ -2,7 +2,7 @@
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_profile.py [--layers csa,hca,swa]
         [--decode 1,128] [--context 4096] [--prefill 8192] [--top 12]
-        [--experts bf16|fp4|fp4-fp8|fp4-fp8-kv8] [--json PATH]
+        [--experts bf16|fp4|fp4-fp8|fp4-fp8-kv8] [--graphed] [--json PATH]
 
 For each layer type, one model of one layer (v4_flash.each_layer_model, random bf16 weights)
 runs a decode step of each batch size (v4_flash.decode_inputs) and one prefill chunk
@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from deepinfer.engine.cuda_graphs import context_bucket
+from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 
 sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
@@ -96,6 +99,12 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens (0: none)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--experts", default="bf16", choices=WEIGHTS)
+    ap.add_argument(
+        "--graphed",
+        action="store_true",
+        help="decode steps with the plans a decode graph of the engine replays (context bucket, "
+        "candidate windows pooled), run eagerly",
+    )
     add_common_args(ap, warmup=3, repeats=5)
     ns = ap.parse_args()
     setup = make_setup(ns.tiny)
@@ -111,6 +120,9 @@ def main() -> None:
             batch, cache = decode_inputs(
                 args, setup, batch_size, ns.context, ns.seed, kv_dtype=kv_dtype
             )
+            if ns.graphed:
+                bucket = context_bucket(ns.context + 1, cache.block_size)
+                batch.metadata = build_metadata(batch, CacheGeometry.of(cache), bucket)
             result = profile_step(lambda batch=batch, cache=cache: model(batch, cache), setup)
             rows.append({"layer": kind, "case": f"decode b{batch_size}", **result})
             show(f"{kind} decode batch {batch_size} ctx {ns.context}", result, ns.top)

@@ -448,9 +448,40 @@ def test_compress_windows(
         kept = states["fast"][key][:scratch]
         assert torch.equal(kept, states["ours"][key][:scratch]), key
         assert not torch.equal(kept, before[:scratch]) or not plan["last_window"].size, key
-    expected = [("_compress_pool_kernel", (num_windows,))] if num_windows else []
+    expected = [("_compress_pool_kernel", (num_windows, 1))] if num_windows else []
     if "prev_kv" in step.state and plan["last_window"].size:
         expected.append(("_compress_keep_kernel", (plan["last_window"].size * step.ratio,)))
     expected.append(("_compress_keep_kernel", (plan["left_src"].size,)))
     seen = [(name, grid) for name, launch in launches.items() for grid in launch.grids]
     assert sorted(seen) == sorted(expected)
+
+
+@pytest.mark.parametrize("case", ["hca_chunks", "hca_graphed"])
+def test_compress_windows_split(
+    norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Windows of many slots (HCA's 128; here 8, the split lowered to them): channels in
+    programs of 8 (24 = 3 programs, none masked; and 16 + a masked tail), slots in chunks of
+    4, then one launch normalising and rotating each row. Within FP32_TOL of torch_ref and of
+    the one-program pool (the slots summed in other chunks); the rings bit for bit."""
+    pool_module = sys.modules["deepinfer.ops.norm.triton_pool"]
+    monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 8)
+    monkeypatch.setattr(pool_module, "POOL_SPLIT_BLOCK_S", 4)
+    finish = Launches(pool_module._pool_finish_kernel)
+    monkeypatch.setattr(pool_module, "_pool_finish_kernel", finish)
+    for split_d, dim in ((8, 24), (16, 24)):
+        monkeypatch.setattr(pool_module, "POOL_SPLIT_D", split_d)
+        step = compress_step(case, dim, True, split_d)
+        args = (step.ape, step.weight, EPS, step.cos, step.sin)
+        fast_state, ref_state = step.fresh_state(), step.fresh_state()
+        fast = norm_triton.compress_windows(step.kv, step.gate, step.rows(fast_state), *args)
+        ref = torch_ref.compress_windows(step.kv, step.gate, step.rows(ref_state), *args)
+        assert _rel_err(fast, ref) < FP32_TOL
+        for key in step.state:
+            assert torch.equal(fast_state[key][:-1], ref_state[key][:-1]), key
+        monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 1 << 20)
+        whole_rows = step.rows(step.fresh_state())
+        whole = norm_triton.compress_windows(step.kv, step.gate, whole_rows, *args)
+        monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 8)
+        assert _rel_err(fast, whole) < FP32_TOL
+    assert finish.grids == [(step.num_windows,)] * 2

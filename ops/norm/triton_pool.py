@@ -12,11 +12,13 @@ step, since a graph pools every request's candidate window)::
     empty        window 0's previous      kv 0, gate -inf
 
     _compress_pool_kernel   one program a window: the slots as above, then _gated_pool_kernel's
-                            math (the same jit helpers): [W, d] in the buffer ring's dtype
+                            math (the same jit helpers): [W, d] in the buffer ring's dtype; over
+                            many slots (HCA's 128) a window's channels split over programs,
+                            then _pool_finish_kernel normalises and rotates each row
     _compress_keep_kernel   the last windows' Ca halves -> the overlap ring (CSA)
     _compress_keep_kernel   the tokens a later step needs -> the buffer ring
 
-Three launches, in that order, because each reads what a later one overwrites: the pool reads
+The launches run in this order because each reads what a later one overwrites: the pool reads
 ring rows the ring copy replaces (a request that closes K windows rewrites the row its first
 window's previous half comes from), and a prefill chunk's ring copy can read buffer rows that
 the buffer copy then fills with the chunk's open window. Within the buffer copy no row is read
@@ -24,7 +26,7 @@ by one program and written by another: a kept buffered token goes back to its ow
 
 The values are torch_ref's conversions in its order (step rows to the ring's dtype, gates to
 fp32 before the bias), so the result is bit for bit torch_ref's gathers followed by
-``gated_pool_rope``'s kernel.
+``gated_pool_rope``'s kernel; a split pool sums its slots in other chunks, within rounding.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from deepinfer.ops.norm.torch_ref import CompressRows
 
 # Slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
 POOL_BLOCK_S = 8
+# compress_windows over many slots (HCA's 128): a window's channels split over programs of
+# POOL_SPLIT_D, chunks of POOL_SPLIT_BLOCK_S slots, then a launch that normalises each row. One
+# program a window walked 128 slots in 16 dependent chunks: 125 us for a decode step's window on
+# the H100. Decided by the slot count alone, so a window's entry is the same in any batch.
+POOL_SPLIT_MIN_SLOTS = 32
+POOL_SPLIT_D = 64
+POOL_SPLIT_BLOCK_S = 32
+POOL_SPLIT_WARPS = 4
 
 
 @triton.jit
@@ -298,15 +308,17 @@ def _compress_pool_kernel(
     M: tl.constexpr,
     OVERLAP: tl.constexpr,
     HAS_APE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
 ):
-    """One window w: its M slots (2M overlapping: the previous window's Ca, then its own Cb)
-    read where they are (module docstring), then ``_gated_pool_kernel``'s math."""
+    """Window w (program_id 1: its BLOCK_D channels from that block on): its M slots (2M
+    overlapping: the previous window's Ca, then its own Cb) read where they are (module
+    docstring), then ``_gated_pool_kernel``'s math; SPLIT, the pooled channels only."""
     NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
     w = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
     m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -368,9 +380,52 @@ def _compress_pool_kernel(
         g = tl.where(valid, g, float("-inf"))
         kv = tl.where(valid, kv, 0.0)
         m_i, l_i, acc = _pool_step(m_i, l_i, acc, g, kv)
+    if SPLIT:  # the pooled channels, rounded as stored; _pool_finish_kernel normalises the row
+        pooled = div_rn(acc, l_i).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + w * dim + offs_d, pooled, d_mask)
+    else:
+        _pool_store(
+            acc,
+            l_i,
+            w,
+            offs_d,
+            d_mask,
+            weight_ptr,
+            out_ptr,
+            dim,
+            eps,
+            cos_ptr,
+            sin_ptr,
+            cos_stride,
+            sin_stride,
+            BLOCK_D,
+            ROPE_HALF,
+        )
+
+
+@triton.jit
+def _pool_finish_kernel(
+    out_ptr,
+    weight_ptr,
+    dim,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    sin_stride,
+    BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+):
+    """Window w's pooled row (a split pool's, rounded as stored), in place: ``_pool_store``'s
+    norm and rotation of it (the division by a unit sum is exact)."""
+    w = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    pooled = tl.load(out_ptr + w * dim + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    one = tl.full([BLOCK_D], 1.0, dtype=tl.float32)
     _pool_store(
-        acc,
-        l_i,
+        pooled,
+        one,
         w,
         offs_d,
         d_mask,
@@ -475,8 +530,22 @@ def compress_windows(
             (rows.prev_slots, rows.prev_src, rows.has_prev) if overlap else (index,) * 3
         )
         assert prev_slots is not None and prev_src is not None and has_prev is not None
-        block_s, block_d, num_warps = _pool_tiles(2 * m if overlap else m, dim)
-        _compress_pool_kernel[(num_windows,)](
+        num_slots = 2 * m if overlap else m
+        split = num_slots >= POOL_SPLIT_MIN_SLOTS
+        if split:
+            block_d = min(POOL_SPLIT_D, triton.next_power_of_2(dim))
+            block_s = min(POOL_SPLIT_BLOCK_S, triton.next_power_of_2(num_slots))
+            num_warps = POOL_SPLIT_WARPS
+        else:
+            block_s, block_d, num_warps = _pool_tiles(num_slots, dim)
+        rope = (
+            cos if half else out,  # dummy pointers without rope
+            sin if half else out,
+            cos.stride(0) if half else 0,
+            sin.stride(0) if half else 0,
+        )
+        weight = weight.float().contiguous()
+        _compress_pool_kernel[(num_windows, triton.cdiv(dim, block_d))](
             *common,
             rows.buf_rows,
             num_buf,
@@ -488,22 +557,32 @@ def compress_windows(
             prev_src,
             has_prev,
             out if ape is None else ape.float().contiguous(),  # dummy pointer without a bias
-            weight.float().contiguous(),
+            weight,
             out,
             dim,
             eps,
-            cos if half else out,  # dummy pointers without rope
-            sin if half else out,
-            cos.stride(0) if half else 0,
-            sin.stride(0) if half else 0,
+            *rope,
             M=m,
             OVERLAP=overlap,
             HAS_APE=ape is not None,
+            SPLIT=split,
             BLOCK_S=block_s,
             BLOCK_D=block_d,
             ROPE_HALF=half,
             num_warps=num_warps,
         )
+        if split:
+            block_d = triton.next_power_of_2(dim)
+            _pool_finish_kernel[(num_windows,)](
+                out,
+                weight,
+                dim,
+                eps,
+                *rope,
+                BLOCK_D=block_d,
+                ROPE_HALF=half,
+                num_warps=min(8, max(1, block_d // 256)),
+            )
     if overlap and rows.last_window is not None and rows.last_window.shape[0]:
         assert rows.prev_dst is not None and rows.ring_kv is not None
         _compress_keep_kernel[(rows.last_window.shape[0] * m,)](
