@@ -278,7 +278,7 @@ def _src_rows(r, num_buf, buf_rows_ptr, is_src):
     return in_buf, buf_row, is_src & (r >= num_buf), r - num_buf
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_buf", "num_ring_reads"])  # they change step to step
 def _compress_pool_kernel(
     kv_ptr,
     gate_ptr,
@@ -442,7 +442,7 @@ def _pool_finish_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_buf"])
 def _compress_keep_kernel(
     kv_ptr,
     gate_ptr,
