@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from deepinfer.model.batch import ForwardBatch, SeqSpan
+from deepinfer.model.batch import ForwardBatch, SeqSpan, flatten, split_flat
 from deepinfer.model.deepseek_v4.step_plan import (
     CacheGeometry,
     StepMetadata,
@@ -122,3 +122,21 @@ def test_graphed_decode_plans_have_one_layout() -> None:
     long = layout(SeqSpan(0, 1, 200, 0, list(range(20))), SeqSpan(1, 1, 47, 3, [7, 8, 9]))
     assert short == long
     assert dict(short)["block_table"] == (2, 256 // 16)
+
+
+def test_flat_copy_starts_every_array_16_bytes_apart() -> None:
+    """flatten / split_flat: each array comes back as it went (shape and values), its view
+    16-byte aligned whatever the sizes before it (Triton compiles a kernel per alignment)."""
+    host = {
+        "a": np.arange(3),
+        "b": np.array([[True, False, True], [False, True, True]]),
+        "c": np.array([7]),
+        "d": np.zeros((0,), dtype=np.int64),
+        "e": np.arange(5) - 9,
+    }
+    flat = torch.from_numpy(flatten(host))
+    views = split_flat(flat, host)
+    assert flat.shape == (4 + 6 + 2 + 0 + 6,)
+    for name, array in host.items():
+        assert np.array_equal(views[name].numpy(), array.astype(np.int64)), name
+        assert (views[name].data_ptr() - flat.data_ptr()) % 16 == 0, name

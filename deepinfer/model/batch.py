@@ -119,9 +119,25 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
+# Each array of the flat copy starts 16 bytes in (two int64s): Triton specialises a kernel on
+# whether each pointer it gets is 16-byte aligned, and a plan's arrays at odd offsets would
+# compile another variant for every new pattern of sizes (seconds, while a step waits).
+_ALIGN = 2
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
 def flatten(host: dict[str, np.ndarray]) -> np.ndarray:
-    """A step's host arrays as one int64 array, in the dict's order (one copy to the device)."""
-    return np.concatenate([a.ravel() for a in host.values()], dtype=np.int64)
+    """A step's host arrays as one int64 array, in the dict's order, each starting at a
+    multiple of 16 bytes (zeros in between; one copy to the device)."""
+    flat = np.zeros(sum(_padded(a.size) for a in host.values()), dtype=np.int64)
+    at = 0
+    for array in host.values():
+        flat[at : at + array.size] = array.ravel()
+        at += _padded(array.size)
+    return flat
 
 
 def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -129,5 +145,5 @@ def split_flat(flat: torch.Tensor, host: dict[str, np.ndarray]) -> dict[str, tor
     out, at = {}, 0
     for name, array in host.items():
         out[name] = flat[at : at + array.size].view(array.shape)
-        at += array.size
+        at += _padded(array.size)
     return out
