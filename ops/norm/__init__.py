@@ -1,11 +1,13 @@
 """Norm ops: RMSNorm, RoPE, the hyper-connection mixing and the compressors' gated pooling.
 
 A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``hc_pre``,
-``hc_post`` and ``gated_pool`` with torch_ref's signatures; the RoPE tables (``rope_inv_freq``,
-``rope_cos_sin``: built once per step, not per layer) stay torch, so every backend re-exports
-them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch
-each, hc_pre two launches with Sinkhorn in registers, hc_post one, gated_pool one: the softmax,
-weighted sum and norm of a window per program), ``torch_ref`` (the oracle).
+``hc_post``, ``gated_pool`` and ``compress_windows`` (a compressor's step: its windows' entries
+and its rings kept, from ``CompressRows``) with torch_ref's signatures; the RoPE tables
+(``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per layer) stay torch, so every
+backend re-exports them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm and
+RoPE one launch each, hc_pre two launches with Sinkhorn in registers, hc_post one, gated_pool
+one: the softmax, weighted sum and norm of a window per program; compress_windows three,
+``triton_pool.py``), ``torch_ref`` (the oracle).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime boun
 and they take few values (a dozen variants over T = 1 .. 16K; apply_rope's D is 512 or 128 in V4;
 4 x 2 or 128 slots), each compiled once.
 
-One file of ~680 lines: a backend is one module per op family (``ops/registry.py``); the
-family's five ops share the fp32 rules and the interpreter constraints above.
+A backend is one module per op family (``ops/registry.py``); the family's ops share the fp32
+rules and the interpreter constraints above. The compressors' pooling (``gated_pool``,
+``compress_windows``) lives in ``triton_pool.py``, and this module's backend re-exports it.
 ``TritonNormBackend`` at the end is the backend object: it keeps the device's SM count, which
 sizes the decode launches, and calls the launchers with it.
 """
