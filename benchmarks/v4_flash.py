@@ -26,11 +26,13 @@ from typing import Any
 import torch
 
 from deepinfer.config import CacheConfig, KernelConfig, ModelConfig
+from deepinfer.engine.cuda_graphs import context_bucket
 from deepinfer.engine.weights_loading import convert_experts_to_fp8
 from deepinfer.kv_cache.pool import KVCache
 from deepinfer.model.batch import ForwardBatch, SeqSpan
 from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.cache import kv_rows
+from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.deepseek_v4.tiny import QUANTIZED_CONFIG
 from deepinfer.model.families import load_family
 from deepinfer.model.layers import (
@@ -375,6 +377,14 @@ def decode_inputs(
     buffer row. Request i owns slot i and its own blocks.
     """
     return verify_inputs(args, setup, batch_size, context, 1, seed, family, kv_dtype)
+
+
+def graph_plans(batch: ForwardBatch, cache: KVCache) -> None:
+    """Give a decode step (``decode_inputs``) the plans a decode graph of the engine replays:
+    the entry lists padded to the context bucket of its longest request, and every request's
+    candidate windows pooled whether or not they close (``graphed_compress_plan``)."""
+    bucket = context_bucket(max(s.end_pos for s in batch.seqs), cache.block_size)
+    batch.metadata = build_metadata(batch, CacheGeometry.of(cache), bucket)
 
 
 def verify_inputs(

@@ -48,9 +48,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from deepinfer.engine.cuda_graphs import context_bucket
-from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
-
 sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     OUTER,
@@ -60,6 +57,7 @@ from v4_flash import (
     decode_inputs,
     each_layer_model,
     experts_hit,
+    graph_plans,
     make_setup,
     parse_ints,
     parse_layers,
@@ -141,8 +139,7 @@ def main() -> None:
                 eager = median_time(step, setup, max(1, ns.warmup), ns.repeats)
                 graph = None
                 if use_graph:
-                    bucket = context_bucket(context + 1, cache.block_size)
-                    batch.metadata = build_metadata(batch, CacheGeometry.of(cache), bucket)
+                    graph_plans(batch, cache)
                     graph, why = graph_time(step, setup, ns.warmup, ns.repeats)
                     if graph is None:
                         print(f"  {kind}: no CUDA graph, eager only: {why}")

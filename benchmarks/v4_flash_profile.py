@@ -26,15 +26,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deepinfer.engine.cuda_graphs import context_bucket
-from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
-
 sys.path.insert(0, str(Path(__file__).parent))
 from v4_flash import (
     WEIGHTS,
     add_common_args,
     decode_inputs,
     each_layer_model,
+    graph_plans,
     make_setup,
     parse_ints,
     parse_layers,
@@ -121,8 +119,7 @@ def main() -> None:
                 args, setup, batch_size, ns.context, ns.seed, kv_dtype=kv_dtype
             )
             if ns.graphed:
-                bucket = context_bucket(ns.context + 1, cache.block_size)
-                batch.metadata = build_metadata(batch, CacheGeometry.of(cache), bucket)
+                graph_plans(batch, cache)
             result = profile_step(lambda batch=batch, cache=cache: model(batch, cache), setup)
             rows.append({"layer": kind, "case": f"decode b{batch_size}", **result})
             show(f"{kind} decode batch {batch_size} ctx {ns.context}", result, ns.top)
