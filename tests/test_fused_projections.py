@@ -1,7 +1,9 @@
-"""One GEMM for the dense projections that read the same input (``FusedLinears``): which
-linears join, that their weights become views of one tensor, and that each module's block of the
-fused output is its own output; and that the loader fuses every V4 attention's input projections
-and shared expert's w1 and w3 (the oracle tests check the fused model against transformers)."""
+"""One GEMM per kind for the projections that read the same input (``FusedLinears``): which
+linears join (dense ones of one dtype, FP8 ones of one block size), that their weights (and
+scales) become views of one tensor, and that each module's block of the fused output is its own
+output; and that the loader fuses every V4 attention's input projections, its wq_b with the
+indexer's, and each shared expert's w1 and w3 (the oracle tests check the fused model against
+transformers)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from deepinfer.engine.weights_loading import load_model
 from deepinfer.model.deepseek_v4.args import CSA
 from deepinfer.model.deepseek_v4.model import MLP, Attention
 from deepinfer.model.families import load_family
-from deepinfer.model.layers import FusedLinears, project
+from deepinfer.model.layers import Fp8Linear, FusedLinears, project
 from deepinfer.ops import reference_kernels
+from deepinfer.ops.linear import torch_ref as linear_ref
 
 
 def test_the_dense_linears_of_one_dtype_join_as_views() -> None:
@@ -30,8 +33,8 @@ def test_the_dense_linears_of_one_dtype_join_as_views() -> None:
     params_before = sum(p.numel() for m in (a, b, c) for p in m.parameters())
 
     fused = FusedLinears([a, other_dtype, b, biased, c])
-    assert fused.modules == (a, b, c) and fused.weight is not None
-    storage = fused.weight.untyped_storage().data_ptr()
+    assert fused.modules == (a, b, c) and len(fused.groups) == 1
+    storage = fused.groups[0].weight.untyped_storage().data_ptr()
     assert all(m.weight.untyped_storage().data_ptr() == storage for m in (a, b, c))
     assert sum(p.numel() for m in (a, b, c) for p in m.parameters()) == params_before
     out = fused.outputs(x)
@@ -42,6 +45,45 @@ def test_the_dense_linears_of_one_dtype_join_as_views() -> None:
         assert project(m, x, out) is out[m]
     assert torch.equal(project(biased, x, out), biased(x))  # not fused: runs alone
     assert FusedLinears([a]).outputs(x) == {}  # one linear: nothing to join
+
+
+def test_fp8_linears_of_one_block_size_join_as_one_fp8_gemm() -> None:
+    """FP8 linears (whole block rows) join apart from the dense ones: their weights and block
+    scales become views of one tensor each, the input is quantized once, and each block of the
+    output is the module's own (the same scales and codes: equal up to summation order). One
+    whose rows end inside a block, or of another block size, runs alone."""
+    torch.manual_seed(1)
+    block = (16, 16)
+    backend = reference_kernels().linear
+
+    def fp8(out_features: int, in_features: int = 32, blk: tuple[int, int] = block) -> Fp8Linear:
+        module = Fp8Linear(in_features, out_features, blk, backend)
+        weight, scale = linear_ref.quantize_fp8(torch.randn(out_features, in_features), blk)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        module.scale = nn.Parameter(scale, requires_grad=False)
+        return module
+
+    a, b, partial, other_block = fp8(48), fp8(32), fp8(24), fp8(32, blk=(32, 32))
+    dense = [nn.Linear(32, n, bias=False) for n in (8, 4)]
+    x = torch.randn(5, 32)
+    expected = {m: m(x) for m in (a, b, partial, other_block, *dense)}
+
+    fused = FusedLinears([a, dense[0], b, partial, other_block, dense[1]])
+    assert fused.modules == (a, b, *dense)  # kinds in the order they first appear
+    assert len(fused.groups) == 2
+    [group] = [g for g in fused.groups if g.scale is not None]
+    assert group.modules == (a, b) and group.weight.shape == (80, 32)
+    assert group.scale is not None and group.scale.shape == (5, 2)
+    for m in (a, b):
+        assert m.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+        assert m.scale.untyped_storage().data_ptr() == group.scale.untyped_storage().data_ptr()
+    out = fused.outputs(x)
+    assert set(out) == {a, b, *dense}
+    for m in (a, b, *dense):
+        torch.testing.assert_close(out[m], expected[m], rtol=1e-5, atol=1e-5)
+        assert torch.equal(m(x), expected[m])  # the views hold the same codes and scales
+    for alone in (partial, other_block):
+        assert alone not in out and torch.equal(project(alone, x, out), expected[alone])
 
 
 def test_the_loader_fuses_every_attentions_input_projections(oracle_hf_dir: Path) -> None:
@@ -67,6 +109,11 @@ def test_the_loader_fuses_every_attentions_input_projections(oracle_hf_dir: Path
         out = attn.fused.outputs(x)
         for module in attn.fused.modules:
             torch.testing.assert_close(out[module], module(x), rtol=1e-5, atol=1e-5)
+        q_joined = (attn.wq_b, attn.indexer.wq_b) if attn.layer_type == CSA else ()
+        assert attn.fused_q.modules == q_joined, attn.layer_id
+        qr = torch.randn(3, args.q_lora_rank)
+        for module, y in attn.fused_q.outputs(qr).items():
+            torch.testing.assert_close(y, module(qr), rtol=1e-5, atol=1e-5)
 
 
 def test_v41_fused_projections_give_the_unfused_logits() -> None:

@@ -46,43 +46,71 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 class FusedLinears:
-    """The dense linears among ``modules`` that read one input, as one GEMM.
+    """The linears among ``modules`` that read one input, one GEMM per kind.
 
-    Their weights become row blocks of one tensor: each module's weight is then a view of it, so
-    no memory is added, and ``outputs(x)`` maps each module to its column block of x @ W^T.
-    At decode a step's small projections are each a GEMM (plus cuBLAS's split-K reduction) of
-    a few µs, far from the bytes they read; one GEMM over all of them reads the same bytes once.
-    Modules of another kind (FP8) or dtype, or with a bias, stay out and run alone (``project``).
+    Plain linears (no bias) of one dtype join as one GEMM; ``Fp8Linear``s of one block size and
+    backend, each a whole number of block rows, as one FP8 GEMM (the input quantized once).
+    Their weights (and block scales) become row blocks of one tensor: each module's are then
+    views of it, so no memory is added, and ``outputs(x)`` maps each module to its column block
+    of the GEMM's output. At decode a step's small projections are each a GEMM (plus a split-K
+    reduction, or an activation quantization) of a few µs, far from the bytes they read; one
+    GEMM over all of them reads the same bytes once. The rest run alone (``project``).
     """
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        dense = [m for m in modules if type(m) is nn.Linear and m.bias is None]
-        if dense:
-            first = dense[0].weight
-            dense = [
-                m
-                for m in dense
-                if m.weight.dtype == first.dtype
-                and m.weight.device == first.device
-                and m.in_features == dense[0].in_features
-            ]
-        self.modules: tuple[nn.Linear, ...] = tuple(dense) if len(dense) > 1 else ()
-        self.sizes = [m.out_features for m in self.modules]
-        self.weight: torch.Tensor | None = None
-        if not self.modules:
-            return
-        self.weight = torch.cat([m.weight.detach() for m in self.modules])
-        rows = 0
-        for m, size in zip(self.modules, self.sizes, strict=True):
-            m.weight = nn.Parameter(self.weight[rows : rows + size], requires_grad=False)
-            rows += size
+        kinds: dict[tuple[object, ...], list[nn.Module]] = {}
+        for module in modules:
+            kind = _join_kind(module)
+            if kind is not None:
+                kinds.setdefault(kind, []).append(module)
+        self.groups = [_Joined(group) for group in kinds.values() if len(group) > 1]
+        self.modules: tuple[nn.Module, ...] = tuple(m for g in self.groups for m in g.modules)
 
     def outputs(self, x: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
-        """Each fused module's output for ``x`` (views of one GEMM's output); {} if none."""
-        if self.weight is None:
-            return {}
-        blocks = F.linear(x, self.weight).split(self.sizes, dim=-1)
-        return dict(zip(self.modules, blocks, strict=True))
+        """Each fused module's output for ``x`` (views of its GEMM's output); {} if none."""
+        return {module: y for group in self.groups for module, y in group.outputs(x).items()}
+
+
+def _join_kind(module: nn.Module) -> tuple[object, ...] | None:
+    """What a linear must share with others to join their GEMM; None: it runs alone."""
+    if type(module) is nn.Linear and module.bias is None:
+        weight = module.weight
+        return ("dense", weight.dtype, weight.device, module.in_features)
+    if isinstance(module, Fp8Linear) and module.out_features % module.block[0] == 0:
+        weight = module.weight
+        return ("fp8", module.block, module._fp8_linear, weight.device, module.in_features)
+    return None
+
+
+class _Joined:
+    """One group of ``FusedLinears``: its modules' weights (and FP8 block scales) as row
+    blocks of one tensor, the modules' parameters views of it."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = tuple(modules)
+        self.sizes = [m.out_features for m in self.modules]
+        self.weight = self._join("weight")
+        self.scale = self._join("scale") if isinstance(self.modules[0], Fp8Linear) else None
+
+    def _join(self, name: str) -> torch.Tensor:
+        joined = torch.cat([getattr(m, name).detach() for m in self.modules])
+        rows = 0
+        for module in self.modules:
+            size = getattr(module, name).shape[0]
+            setattr(module, name, nn.Parameter(joined[rows : rows + size], requires_grad=False))
+            rows += size
+        return joined
+
+    def outputs(self, x: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
+        if self.scale is None:
+            y = F.linear(x, self.weight)
+        else:
+            first = self.modules[0]
+            assert isinstance(first, Fp8Linear)
+            rows = x.reshape(-1, first.in_features)
+            y = first._fp8_linear(rows, self.weight, self.scale, first.block)
+            y = y.view(*x.shape[:-1], self.weight.shape[0])
+        return dict(zip(self.modules, y.split(self.sizes, dim=-1), strict=True))
 
 
 def project(

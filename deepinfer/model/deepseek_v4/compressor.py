@@ -146,14 +146,15 @@ class Indexer(nn.Module):
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk.
-        ``projected``: the projections of x a fused GEMM computed (``FusedLinears.outputs``)."""
+        ``projected``: the projections of x (and wq_b's of qr) a fused GEMM computed
+        (``FusedLinears.outputs``)."""
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         pool = cache[layer_id, "index_keys"].flatten(0, 1)  # [blocks * entries per block, Di]
         plan = meta.compress[self.ratio]
         state = CompressorState.of(cache, layer_id, "idx")
         self.compressor(x, plan, state, pool, batch.rope[windows(self.ratio)], projected)
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
+        q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         weights = project(self.weights_proj, x, projected).float() * self.n_heads**-0.5  # [T, Hi]
         entry_rows = meta.entry_rows[self.ratio]

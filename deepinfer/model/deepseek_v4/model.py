@@ -70,19 +70,22 @@ class Attention(nn.Module):
         if self.layer_type == CSA:
             self.indexer = Indexer(args, kernels)
         self.fused = FusedLinears([])
+        self.fused_q = FusedLinears([])
 
     def fuse_inputs(self) -> int:
-        """Once the weights are loaded: one GEMM for the dense projections of x (wq_a, wkv, the
-        compressor's wkv and wgate, the indexer's weights_proj and its compressor's). Returns
-        how many it joined (0: none; the FP8 ones always run alone)."""
+        """Once the weights are loaded: one GEMM for the projections of x (wq_a, wkv, the
+        compressor's wkv and wgate, the indexer's weights_proj and its compressor's), and on
+        CSA layers one for those of qr (wq_b and the indexer's), each of one kind
+        (``FusedLinears``). Returns how many it joined (0: none)."""
         modules = [self.wq_a, self.wkv]
         if self.ratio:
             modules += [self.compressor.wkv, self.compressor.wgate]
         if self.layer_type == CSA:
             indexer = self.indexer
             modules += [indexer.weights_proj, indexer.compressor.wkv, indexer.compressor.wgate]
+            self.fused_q = FusedLinears([self.wq_b, indexer.wq_b])
         self.fused = FusedLinears(modules)
-        return len(self.fused.modules)
+        return len(self.fused.modules) + len(self.fused_q.modules)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
@@ -90,7 +93,8 @@ class Attention(nn.Module):
         norm = self.kernels.norm
         projected = self.fused.outputs(x)
         qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
+        projected |= self.fused_q.outputs(qr)  # the modules are distinct: one map for both
+        q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
         q = norm.rms_norm_rope(q, None, self.eps, cos, sin)
         kv = project(self.wkv, x, projected)
         kv = norm.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)

@@ -168,11 +168,11 @@ class Indexer(nn.Module):
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[T, k] entry-pool rows each query attends to (-1 = none), k <= index_topk.
-        ``projected``: weights_proj(x) where a fused GEMM computed it."""
+        ``projected``: weights_proj(x) and wq_b(qr) where fused GEMMs computed them."""
         meta = batch.metadata
         assert isinstance(meta, StepMetadata), "the model builds the step metadata first"
         pool = cache[self.keys_layer, "index_keys"].flatten(0, 1)
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
+        q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         # [T, Hi], unscaled: a common scale would not reorder the entries.
         weights = project(self.weights_proj, x, projected).float()
@@ -242,6 +242,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.is_yoco_boundary = layer_id == args.n_prefill_layer
         self.fused = FusedLinears([])
+        self.fused_q = FusedLinears([])
         if not ratio:
             return
         self.kv_layer = args.kv_source(layer_id)
@@ -252,18 +253,20 @@ class Attention(nn.Module):
             self.indexer = Indexer(args, layer_id, kernels)
 
     def fuse_inputs(self) -> int:
-        """Once the weights are loaded: one GEMM for the dense projections of x (wq_a, wkv, the
+        """Once the weights are loaded: one GEMM for the projections of x (wq_a, wkv, the
         indexer's weights_proj, and the compressor's wkv and wgate where it reads x, not the
-        YoCo shared hidden state). Returns how many it joined (V4's ``Attention.fuse_inputs``)."""
+        YoCo shared hidden state), and on an index source one for those of qr (wq_b and the
+        indexer's). Returns how many it joined (V4's ``Attention.fuse_inputs``)."""
         modules = [self.wq_a, self.wkv]
         if hasattr(self, "indexer"):
             modules.append(self.indexer.weights_proj)
+            self.fused_q = FusedLinears([self.wq_b, self.indexer.wq_b])
         if hasattr(self, "compressor") and not self.compresses_shared:
             modules.append(self.compressor.wkv)
             if self.ratio > 1:
                 modules.append(self.compressor.wgate)
         self.fused = FusedLinears(modules)
-        return len(self.fused.modules)
+        return len(self.fused.modules) + len(self.fused_q.modules)
 
     def forward(
         self,
@@ -279,7 +282,9 @@ class Attention(nn.Module):
         norm = self.kernels.norm
         projected = self.fused.outputs(x)
         qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
-        q = norm.apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos, sin)
+        projected |= self.fused_q.outputs(qr)  # the modules are distinct: one map for both
+        q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)
+        q = norm.apply_rope(q, cos, sin)
         kv = project(self.wkv, x, projected)
         kv = norm.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
