@@ -14,7 +14,12 @@ import numpy as np
 import torch
 
 from deepinfer.model.batch import SeqSpan
-from deepinfer.model.deepseek_v4.compress_plan import compress_plan, graphed_compress_plan
+from deepinfer.model.deepseek_v4.compress_plan import (
+    CompressPlan,
+    compress_plan,
+    graphed_compress_plan,
+)
+from deepinfer.model.deepseek_v4.compressor import CompressorState, compress_rows
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry, Requests
 from deepinfer.ops.norm import CompressRows, rope_cos_sin
 
@@ -54,26 +59,16 @@ class CompressStep:
         return {key: value.clone() for key, value in self.state.items()}
 
     def rows(self, state: dict[str, torch.Tensor]) -> CompressRows:
-        """CompressRows over ``state`` (as deepseek_v4.compressor.compress_rows builds them)."""
+        """CompressRows over ``state``, as the model's compressors build them."""
         device = self.kv.device
-        index = {k: torch.from_numpy(np.asarray(v)).to(device) for k, v in self.plan.items()}
-        ring = {}
-        if "prev_kv" in state:
-            dim = state["prev_kv"].shape[-1]
-            ring = {
-                "ring_kv": state["prev_kv"].view(-1, self.ratio, dim),
-                "ring_gate": state["prev_gate"].view(-1, self.ratio, dim),
-                **{f: index[f] for f in ("prev_slots", "prev_src", "has_prev")},
-                **{f: index[f] for f in ("last_window", "prev_dst")},
-            }
-        return CompressRows(
-            state["buf_kv"].flatten(0, 1),
-            state["buf_gate"].flatten(0, 1),
-            index["buf_rows"],
-            index["window_rows"].reshape(-1, self.ratio),
-            index["left_src"],
-            index["left_dst"],
-            **ring,
+        plan = CompressPlan(
+            **{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in self.plan.items()}
+        )
+        return compress_rows(
+            plan,
+            CompressorState(
+                state["buf_kv"], state["buf_gate"], state.get("prev_kv"), state.get("prev_gate")
+            ),
         )
 
 

@@ -435,6 +435,7 @@ def test_compress_windows(
     for name, launch in launches.items():
         monkeypatch.setattr(pool_module, name, launch)
     fast = norm_triton.compress_windows(step.kv, step.gate, step.rows(states["fast"]), *args)
+    seen = [(name, grid) for name, launch in launches.items() for grid in launch.grids]
     monkeypatch.setattr(torch_ref, "gated_pool", norm_triton.gated_pool)
     monkeypatch.setattr(torch_ref, "apply_rope", norm_triton.apply_rope)
     ours = torch_ref.compress_windows(step.kv, step.gate, step.rows(states["ours"]), *args)
@@ -452,7 +453,6 @@ def test_compress_windows(
     if "prev_kv" in step.state and plan["last_window"].size:
         expected.append(("_compress_keep_kernel", (plan["last_window"].size * step.ratio,)))
     expected.append(("_compress_keep_kernel", (plan["left_src"].size,)))
-    seen = [(name, grid) for name, launch in launches.items() for grid in launch.grids]
     assert sorted(seen) == sorted(expected)
 
 
@@ -462,8 +462,9 @@ def test_compress_windows_split(
 ) -> None:
     """Windows of many slots (HCA's 128; here 8, the split lowered to them): channels in
     programs of 8 (24 = 3 programs, none masked; and 16 + a masked tail), slots in chunks of
-    4, then one launch normalising and rotating each row. Within FP32_TOL of torch_ref and of
-    the one-program pool (the slots summed in other chunks); the rings bit for bit."""
+    4, then one launch normalising and rotating each row. Bit for bit torch_ref's gathers +
+    this backend's pooling (the same split), within FP32_TOL of torch_ref and of the
+    one-program pool (the slots summed in other chunks); the rings bit for bit."""
     pool_module = sys.modules["deepinfer.ops.norm.triton_pool"]
     monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 8)
     monkeypatch.setattr(pool_module, "POOL_SPLIT_BLOCK_S", 4)
@@ -479,9 +480,15 @@ def test_compress_windows_split(
         assert _rel_err(fast, ref) < FP32_TOL
         for key in step.state:
             assert torch.equal(fast_state[key][:-1], ref_state[key][:-1]), key
+        with monkeypatch.context() as patch:  # torch_ref's gathers, this backend's pooling
+            patch.setattr(torch_ref, "gated_pool", norm_triton.gated_pool)
+            patch.setattr(torch_ref, "apply_rope", norm_triton.apply_rope)
+            ours_rows = step.rows(step.fresh_state())
+            ours = torch_ref.compress_windows(step.kv, step.gate, ours_rows, *args)
+        assert torch.equal(fast, ours)
         monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 1 << 20)
         whole_rows = step.rows(step.fresh_state())
         whole = norm_triton.compress_windows(step.kv, step.gate, whole_rows, *args)
         monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 8)
         assert _rel_err(fast, whole) < FP32_TOL
-    assert finish.grids == [(step.num_windows,)] * 2
+    assert finish.grids == [(step.num_windows,)] * 4  # fast and ours, at both splits

@@ -1,5 +1,5 @@
-"""The compressors' pooling as Triton kernels: ``gated_pool(_rope)`` over windows already
-gathered, and ``compress_windows``, a compressor's whole step in three launches.
+"""The compressors' pooling as Triton kernels: ``compress_windows``, a compressor's whole step
+in three launches, and ``gated_pool(_rope)``, the same pooling over windows already gathered.
 
 ``compress_windows`` reads each window's slots where they are (torch_ref gathers and
 concatenates them first: ~30 small kernels for an overlapping compressor, every graphed decode
@@ -11,8 +11,9 @@ step, since a graph pools every request's candidate window)::
     overlap ring previous window's Ca     ring[prev_slots[prev_src[w]]] (CSA, first window)
     empty        window 0's previous      kv 0, gate -inf
 
-    _compress_pool_kernel   one program a window: the slots as above, then _gated_pool_kernel's
-                            math (the same jit helpers): [W, d] in the buffer ring's dtype; over
+    _compress_pool_kernel   one program a window: the slots as above, softmax-pooled online
+                            over chunks of slots, normalised, roped: [W, d] in the buffer
+                            ring's dtype; over
                             many slots (HCA's 128) a window's channels split over programs,
                             then _pool_finish_kernel normalises and rotates each row
     _compress_keep_kernel   the last windows' Ca halves -> the overlap ring (CSA)
@@ -26,7 +27,7 @@ by one program and written by another: a kept buffered token goes back to its ow
 
 The values are torch_ref's conversions in its order (step rows to the ring's dtype, gates to
 fp32 before the bias), so the result is bit for bit torch_ref's gathers followed by
-``gated_pool_rope``'s kernel; a split pool sums its slots in other chunks, within rounding.
+``gated_pool_rope`` (this kernel over the gathered windows).
 """
 
 from __future__ import annotations
@@ -112,69 +113,6 @@ def _pool_store(
     tl.store(out_ptr + w * dim + offs_d, out, d_mask)
 
 
-@triton.jit
-def _gated_pool_kernel(
-    kv_ptr,
-    gate_ptr,
-    weight_ptr,
-    out_ptr,
-    stride_kw,
-    stride_ks,
-    stride_gw,
-    stride_gs,
-    dim,
-    eps,
-    cos_ptr,
-    sin_ptr,
-    cos_stride,
-    sin_stride,
-    NUM_SLOTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROPE_HALF: tl.constexpr,
-):
-    """One window: the softmax over its slots per channel, online over chunks of BLOCK_S slots
-    (running max, sum and weighted sum in fp32), then the RMSNorm of the pooled row, then
-    with ROPE_HALF > 0 the rotation (``_pool_store``)."""
-    w = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < dim
-    m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, NUM_SLOTS, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask = (offs_s < NUM_SLOTS)[:, None] & d_mask[None, :]
-        g = tl.load(
-            gate_ptr + w * stride_gw + offs_s[:, None] * stride_gs + offs_d[None, :],
-            mask=mask,
-            other=float("-inf"),
-        ).to(tl.float32)
-        kv = tl.load(
-            kv_ptr + w * stride_kw + offs_s[:, None] * stride_ks + offs_d[None, :],
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        m_i, l_i, acc = _pool_step(m_i, l_i, acc, g, kv)
-    _pool_store(
-        acc,
-        l_i,
-        w,
-        offs_d,
-        d_mask,
-        weight_ptr,
-        out_ptr,
-        dim,
-        eps,
-        cos_ptr,
-        sin_ptr,
-        cos_stride,
-        sin_stride,
-        BLOCK_D,
-        ROPE_HALF,
-    )
-
-
 def gated_pool(
     kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -198,9 +136,9 @@ def _rope_tables(
         return 0, None, None
     half = cos.shape[-1]
     assert sin is not None and cos.shape == sin.shape == (num_windows, half), (
-        f"gated_pool: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, {num_windows} windows"
+        f"compress_windows: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, {num_windows} windows"
     )
-    assert 0 < 2 * half <= dim and dim % 2 == 0, f"gated_pool: rope {2 * half} of {dim}"
+    assert 0 < 2 * half <= dim and dim % 2 == 0, f"compress_windows: rope {2 * half} of {dim}"
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     return half, cos, sin
 
@@ -220,40 +158,17 @@ def _gated_pool(
     slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
     dtype first); only the pooled row is rounded before the norm, as there. With cos and sin
     [W, rope_dim / 2] the rows then get ``apply_rope``'s rotation in the same launch (bit for
-    bit the two launches': ``gated_pool_rope``).
+    bit the two ops': ``gated_pool_rope``). It is ``compress_windows`` over windows already
+    gathered: every slot a row of the buffer ring, nothing kept.
     """
     num_windows, num_slots, dim = kv.shape
     assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
     assert weight.shape == (dim,), f"gated_pool: weight {tuple(weight.shape)}, D = {dim}"
-    half, cos, sin = _rope_tables(cos, sin, num_windows, dim)
-    out = torch.empty((num_windows, dim), dtype=kv.dtype, device=kv.device)
-    if num_windows == 0:
-        return out
-    kv = kv if kv.stride(2) == 1 else kv.contiguous()
-    gate = gate if gate.stride(2) == 1 else gate.contiguous()
-    block_s, block_d, num_warps = _pool_tiles(num_slots, dim)
-    _gated_pool_kernel[(num_windows,)](
-        kv,
-        gate,
-        weight.float().contiguous(),
-        out,
-        kv.stride(0),
-        kv.stride(1),
-        gate.stride(0),
-        gate.stride(1),
-        dim,
-        eps,
-        cos if half else out,  # dummy pointers without rope
-        sin if half else out,
-        cos.stride(0) if half else 0,
-        sin.stride(0) if half else 0,
-        NUM_SLOTS=num_slots,
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
-        ROPE_HALF=half,
-        num_warps=num_warps,
-    )
-    return out
+    slots = torch.arange(num_windows * num_slots, device=kv.device)
+    none = slots[:0]
+    buf_kv, buf_gate = kv.reshape(-1, dim).contiguous(), gate.reshape(-1, dim).contiguous()
+    rows = CompressRows(buf_kv, buf_gate, slots, slots.view(num_windows, num_slots), none, none)
+    return compress_windows(buf_kv[:0], buf_gate[:0], rows, None, weight, eps, cos, sin)
 
 
 def gated_pool_rope(
@@ -264,8 +179,8 @@ def gated_pool_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` in one launch, the same
-    values (the compressors' entries at their window positions)."""
+    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` with the rotation in the
+    pooling's launch, the same values (the compressors' entries at their window positions)."""
     return _gated_pool(kv, gate, weight, eps, cos, sin)
 
 
@@ -315,7 +230,9 @@ def _compress_pool_kernel(
 ):
     """Window w (program_id 1: its BLOCK_D channels from that block on): its M slots (2M
     overlapping: the previous window's Ca, then its own Cb) read where they are (module
-    docstring), then ``_gated_pool_kernel``'s math; SPLIT, the pooled channels only."""
+    docstring), softmax-pooled online over chunks of BLOCK_S slots (running max, sum and
+    weighted sum in fp32), then normalised and roped (``_pool_store``); SPLIT: the pooled
+    channels only."""
     NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
     w = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

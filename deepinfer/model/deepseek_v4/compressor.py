@@ -7,7 +7,6 @@ Indexer: per query, the top-k compressed entries a CSA layer attends to.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +65,9 @@ class Compressor(nn.Module):
 
     def __init__(self, args: ModelArgs, dim: int, ratio: int, kernels: Kernels) -> None:
         super().__init__()
-        self.dim, self.ratio = dim, ratio
         self.norm_ops, self.attention_ops = kernels.norm, kernels.attention
         # Upstream decides the overlapping layout by the ratio alone (CSA's 4).
-        self.overlap = ratio == 4
-        width = 2 * dim if self.overlap else dim
+        width = 2 * dim if ratio == 4 else dim
         self.wkv = linear(args.hidden_size, width)
         self.wgate = linear(args.hidden_size, width)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
@@ -101,26 +98,26 @@ class Compressor(nn.Module):
 def compress_rows(plan: CompressPlan, state: CompressorState) -> CompressRows:
     """What ``compress_windows`` reads and writes: ``state``'s rings (flat) and ``plan``'s
     indices (the overlap ring's only where the compressor has one)."""
-    rows = CompressRows(
+    ring = {}
+    if state.prev_kv is not None and state.prev_gate is not None:
+        m = plan.window_rows.shape[1]
+        ring = {
+            "ring_kv": state.prev_kv.view(-1, m, state.prev_kv.shape[-1]),  # [slots * K, m, dim]
+            "ring_gate": state.prev_gate.view(-1, m, state.prev_gate.shape[-1]),
+            "prev_slots": plan.prev_slots,
+            "prev_src": plan.prev_src,
+            "has_prev": plan.has_prev,
+            "last_window": plan.last_window,
+            "prev_dst": plan.prev_dst,
+        }
+    return CompressRows(
         state.buf_kv.flatten(0, 1),
         state.buf_gate.flatten(0, 1),
         plan.buf_rows,
         plan.window_rows,
         plan.left_src,
         plan.left_dst,
-    )
-    if state.prev_kv is None or state.prev_gate is None:
-        return rows
-    m = plan.window_rows.shape[1]
-    return dataclasses.replace(
-        rows,
-        ring_kv=state.prev_kv.view(-1, m, state.prev_kv.shape[-1]),  # [slots * K, m, dim]
-        ring_gate=state.prev_gate.view(-1, m, state.prev_gate.shape[-1]),
-        prev_slots=plan.prev_slots,
-        prev_src=plan.prev_src,
-        has_prev=plan.has_prev,
-        last_window=plan.last_window,
-        prev_dst=plan.prev_dst,
+        **ring,
     )
 
 
