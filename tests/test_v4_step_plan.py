@@ -4,6 +4,8 @@ rows through block tables, and the compressors' windows, overlap sources and lef
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -142,21 +144,23 @@ def test_flat_copy_starts_every_array_16_bytes_apart() -> None:
         assert (views[name].data_ptr() - flat.data_ptr()) % 16 == 0, name
 
 
-def test_kernels_get_their_step_arrays_16_byte_aligned(tmp_path) -> None:
+def test_kernels_get_their_step_arrays_16_byte_aligned(tmp_path: Path) -> None:
     """Through the engine (prefill chunks, mixed and decode steps of many sizes): every tensor a
     kernel op receives that is not a parameter starts at a multiple of 16 bytes. On CUDA,
     Triton compiles a kernel once per pattern of aligned pointers: before the step's plan arrays
-    were aligned, compress_windows alone saw 38 patterns here (a compilation each, seconds,
-    while a step waits)."""
+    were aligned, compress_windows alone came with 34 sets of misaligned arguments over 24
+    such requests (a compilation each, seconds, while a step waits; benchmarks/RESULTS.md).
+    The recorder is benchmarks/triton_variants.py's."""
     import random
-    from collections.abc import Callable
-
-    from torch import nn
 
     from deepinfer import LLM, SamplingParams
     from deepinfer.model.tiny import make_tiny_model
-    from deepinfer.ops.norm import CompressRows
 
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_variants.py"
+    spec = importlib.util.spec_from_file_location("triton_variants", path)
+    assert spec is not None and spec.loader is not None
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
     llm = LLM(
         model=make_tiny_model(tmp_path / "tiny", seed=1),
         device="cpu",
@@ -164,42 +168,13 @@ def test_kernels_get_their_step_arrays_16_byte_aligned(tmp_path) -> None:
         block_size=16,
         max_num_batched_tokens=96,
     )
-    misaligned: dict[str, set[str]] = {}
-    calls: dict[str, int] = {}
-
-    def arrays(value: object, where: str) -> list[tuple[str, torch.Tensor]]:
-        if isinstance(value, CompressRows):
-            fields = dataclasses.fields(value)
-            return [p for f in fields for p in arrays(getattr(value, f.name), f"{where}.{f.name}")]
-        if isinstance(value, list | tuple):
-            return [p for i, v in enumerate(value) for p in arrays(v, f"{where}[{i}]")]
-        is_array = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-        return [(where, value)] if is_array else []
-
-    def watched(name: str, op: Callable[..., object]) -> Callable[..., object]:
-        def call(*args: object, **kwargs: object) -> object:
-            calls[name] = calls.get(name, 0) + 1
-            for where, tensor in arrays([*args, *kwargs.values()], ""):
-                if tensor.numel() and tensor.data_ptr() % 16:
-                    misaligned.setdefault(name, set()).add(where)
-            return op(*args, **kwargs)
-
-        return call
-
-    kernels = llm.engine.executor.kernels
-    watched_ops = {
-        "norm": ("compress_windows", "rms_norm_rope"),
-        "attention": ("sparse_attention", "indexer_scores", "indexer_topk", "store_rows"),
-    }
-    for family, names in watched_ops.items():
-        backend = getattr(kernels, family)
-        for name in names:
-            setattr(backend, name, watched(name, getattr(backend, name)))
+    patterns = variants.record_alignment(llm.engine.executor.kernels)
     rng = random.Random(0)
-    prompts = [
-        [0] + [rng.randrange(3, 128000) for _ in range(rng.randrange(4, 200))] for _ in range(10)
-    ]
+    lengths = [rng.randrange(4, 200) for _ in range(10)]
+    prompts = [[0] + [rng.randrange(3, 128000) for _ in range(n)] for n in lengths]
     params = [SamplingParams(max_tokens=rng.randrange(2, 20), ignore_eos=True) for _ in prompts]
     llm.generate(prompts, params, use_tqdm=False)
-    assert calls.keys() == {n for names in watched_ops.values() for n in names}
-    assert misaligned == {}
+    watched = {"compress_windows", "sparse_attention", "indexer_scores", "indexer_topk"}
+    assert watched <= patterns.keys()
+    assert variants.misaligned(patterns) == {}
+    assert all(found == {frozenset()} for found in patterns.values())
