@@ -58,6 +58,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tokens", default="1,128,8192")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--iters",
+        default="",
+        help="also time the current tiles at these Sinkhorn iteration counts, with IEEE and "
+        "approximate division (what they cost)",
+    )
     ap.add_argument("--json", help="write every figure here")
     ns = ap.parse_args()
     setup = make_setup(tiny=False)  # exits without CUDA
@@ -88,6 +94,23 @@ def main() -> None:
             print(f"  T={num_tokens:5} {name}: {row['us'][name]}")
         for attr, value in zip(attrs, current, strict=True):
             setattr(ours, attr, value)
+        precise = ours.HC_SINKHORN_PRECISE_DIV
+        for iters in parse_ints(ns.iters) if ns.iters else []:
+            other = functools.partial(ours.hc_pre, x, fn, scale, base, iters, EPS, 1e-6)
+            for division in (True, False):  # IEEE, approximate
+                ours.HC_SINKHORN_PRECISE_DIV = division
+                us = candidate_us(other, [t.float() for t in other()], 1e-6)
+                name = f"{iters} iterations, {'IEEE' if division else 'approximate'} division"
+                row.setdefault("us_by_iterations", {})[name] = us
+                print(f"  T={num_tokens:5} current, {name}: {us}")
+            ours.HC_SINKHORN_PRECISE_DIV = True
+            exact = other()[1]
+            ours.HC_SINKHORN_PRECISE_DIV = False
+            approximate = other()[1]
+            error = ((approximate - exact).abs().max() / exact.abs().max()).item()
+            row.setdefault("comb_error_approximate", {})[iters] = error
+            print(f"  T={num_tokens:5} {iters} iterations: comb approximate vs IEEE {error:.2e}")
+        ours.HC_SINKHORN_PRECISE_DIV = precise
         timed = {n: v for n, v in row["us"].items() if isinstance(v, float)}
         row["best"] = min(timed, key=timed.get)
         rows.append(row)
