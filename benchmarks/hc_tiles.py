@@ -5,7 +5,7 @@
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
 kernel's tokens and K a program (HC_BLOCK_T, HC_BLOCK_K) and the Sinkhorn/collapse kernel's
-warps (HC_SINKHORN_WARPS and HC_SPLIT_SINKHORN_WARPS both), and for the module's own attributes
+warps (HC_SINKHORN_WARPS), and for the module's own attributes
 ("current"). Every candidate's output is checked against the current attributes'
 (the same arithmetic up to summation order); timing as flashmla_vs_triton.py (CUDA-graph
 replays, L2 cleared before each, median). Bound = bytes (x read, the collapsed output written,
@@ -75,9 +75,9 @@ def main() -> None:
     fn = torch.randn((mix, HC * DIM), generator=gen, device=setup.device) * 0.01
     scale = torch.rand(3, generator=gen, device=setup.device)
     base = torch.randn(mix, generator=gen, device=setup.device) * 0.1
-    attrs = ("HC_BLOCK_T", "HC_BLOCK_K", "HC_SINKHORN_WARPS", "HC_SPLIT_SINKHORN_WARPS")
+    attrs = ("HC_BLOCK_T", "HC_BLOCK_K", "HC_SINKHORN_WARPS")
     current = tuple(getattr(ours, a) for a in attrs)
-    tile_sets = [(t, k, w, w) for t, k, w in CANDIDATES] + [current]
+    tile_sets = [*CANDIDATES, current]
     names = ["t{} k{} w{}".format(*c) for c in CANDIDATES] + ["current"]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}

@@ -70,21 +70,22 @@ RMS_NORM_MAX_N = 65536  # a row is held in registers: one read of x
 # Tiles of the hc kernels; module attributes so that the CPU tests can shrink them to reach the
 # split and loop paths at tiny shapes.
 # The mix: tokens and K a program (8 warps from 64 tokens up, else 4); no register spills on
-# sm_90 up to 128 x 64 or 64 x 128. The Sinkhorn/collapse kernel: one warp when a program takes
-# a whole token (prefill), so that the 4 x 4 reductions of its 20 iterations stay in-warp
-# shuffles; four when decode splits a token's D over programs, which then collapse faster.
+# sm_90 up to 128 x 64 or 64 x 128. The Sinkhorn/collapse kernel: one warp, so that the 4 x 4
+# reductions of its 20 iterations stay in-warp shuffles.
 # benchmarks/hc_tiles.py on the H200 (RESULTS.md 2026-11-30): hc_pre at T = 8192 in 405 µs
-# instead of 818 (64 x 32, four warps); within 4% of the fastest at T = 1 and 128.
+# instead of 818 (64 x 32, four warps). On the H100 with approximate division (2026-12-06), one
+# warp where decode splits a token's D over programs too: 14.3 µs instead of 16.8 at T = 1,
+# 24.2 instead of 31.3 at T = 128.
 HC_BLOCK_T = 128
 HC_BLOCK_K = 64
 HC_BLOCK_D = 512
 HC_SINKHORN_WARPS = 1
-HC_SPLIT_SINKHORN_WARPS = 4
 HC_MAX_SPLIT_K = 64
 # Sinkhorn's divisions: IEEE (div_rn) or CUDA's approximate fp32 division (<= 2 ulp). Each IEEE
 # division compiles to a fast path, a check and a branch to a slow path, and ptxas runs them one
 # after another: the 20 iterations' 8 divisions a thread took ~0.55 µs an iteration on the H100
-# (hc_tiles.py --iters 1,20: 14.3 vs 25.1 µs at T = 1).
+# (hc_tiles.py --iters 1,20: 24.8 µs at T = 1 with IEEE division, 16.6 approximate, 14.2 with
+# one iteration; the mixes within 2e-7 of each other).
 HC_SINKHORN_PRECISE_DIV = False
 # apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
@@ -630,7 +631,7 @@ def _hc_pre(
         PRECISE_DIV=HC_SINKHORN_PRECISE_DIV,
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=HC_SINKHORN_WARPS if num_d_programs == 1 else HC_SPLIT_SINKHORN_WARPS,
+        num_warps=HC_SINKHORN_WARPS,
     )
     return post, comb, collapsed, pre_out
 
