@@ -158,10 +158,10 @@ def test_backend_object_launches_with_its_tiles(
     moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """TritonMoEBackend keeps its tile override and launches by it, bitwise as the module's
-    launcher given the same tiles; swiglu is torch_ref's."""
+    launcher given the same tiles; swiglu is the module's."""
     tile = moe_triton.TileConfig(32, 16, 16, 2, 4, 2)
     backend = moe_triton.TritonMoEBackend(torch.device("cpu"), config=tile)
-    assert backend.config is tile and backend.swiglu is torch_ref.swiglu
+    assert backend.config is tile and backend.swiglu is moe_triton.swiglu
     assert contract_mismatches(backend, MoEBackend) == []
     monkeypatch.setattr(
         moe_triton, "pick_tile_config", lambda *args: pytest.fail("the tile override was ignored")
@@ -175,6 +175,26 @@ def test_backend_object_launches_with_its_tiles(
     same = moe_triton.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT, config=tile)
     ref = torch_ref.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, LIMIT)
     assert torch.equal(out, same) and _rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+def test_swiglu_is_the_reference_on_one_gemms_column_blocks(
+    moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, num_tokens: int
+) -> None:
+    """The shared expert's activation: gate and up as the column blocks of one [T, 2I] GEMM
+    output (row stride 2I), values on both sides of the clamps, I = 48 over blocks of 32 (a
+    partial last block); fp32 within 1e-6 of torch_ref."""
+    monkeypatch.setattr(moe_triton, "SWIGLU_BLOCK", 32)
+    gen = torch.Generator().manual_seed(11 + num_tokens)
+    inter = 48
+    projected = 8 * torch.randn(num_tokens, 2 * inter, generator=gen)  # |v| > LIMIT often
+    gate, up = projected.split(inter, dim=1)
+    out = moe_triton.swiglu(gate, up, LIMIT)
+    ref = torch_ref.swiglu(gate, up, LIMIT)
+    assert out.shape == ref.shape == (num_tokens, inter) and out.dtype == ref.dtype
+    if num_tokens:
+        assert (gate > LIMIT).any() and (up.abs() > LIMIT).any()  # the clamps are exercised
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_token_output_does_not_depend_on_the_batch(moe_triton: ModuleType) -> None:

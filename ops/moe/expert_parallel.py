@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.ops.moe import MoEBackend
-from deepinfer.ops.moe.torch_ref import swiglu
 from deepinfer.ops.registry import Backend, ParallelContext
 
 __all__ = ["ExpertParallelMoEBackend", "combine", "pack_pairs", "route_pairs", "unpack_pairs"]
@@ -122,7 +121,9 @@ class ExpertParallelMoEBackend(Backend):
         counts = self._expert_tokens.tolist()
         return {self._first_expert + i: n for i, n in enumerate(counts)}
 
-    swiglu = staticmethod(swiglu)
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """The inner backend's (the shared expert runs on every rank's own tokens)."""
+        return self.inner.swiglu(gate, up, limit)
 
     def route(
         self,

@@ -41,7 +41,10 @@ the even and the odd activations, and the group's scale, a power of two, multipl
 partial sum). Either way the values are those of ``dequantize_mxfp4``; only the summation order
 differs from the dense kernel's. benchmarks/moe_fp4.py measures them against bf16.
 
-One file of ~590 lines: a backend is one module per op family (``ops/registry.py``); the
+``swiglu`` is the shared expert's activation (between its GEMMs, outside the routed path) as
+one elementwise launch.
+
+One file of ~720 lines: a backend is one module per op family (``ops/registry.py``); the
 alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_tiles.py``).
 ``TritonMoEBackend`` at the end is the backend object: it keeps any tile override.
 """
@@ -59,7 +62,6 @@ from deepinfer.ops.moe.torch_ref import (
     ExpertWeight,
     Fp8ExpertWeight,
     Mxfp4Weight,
-    swiglu,
 )
 from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
 from deepinfer.ops.moe.triton_router import route
@@ -133,6 +135,8 @@ _MXFP4_GEMV_PAIRS = 192
 _MXFP4_GEMV = GemvConfig(
     block_n=32, block_k=256, num_warps=4, down_block_n=8, down_block_k=1024, down_num_warps=4
 )
+# swiglu: columns a program (the shared expert's I = 2,048 in two programs a token).
+SWIGLU_BLOCK = 1024
 
 
 def pick_tile_config(
@@ -656,6 +660,41 @@ def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         return w.packed, w.scale
     assert w.dtype == dtype, f"weight dtype {w.dtype}, activations {dtype}"
     return w, None
+
+
+@triton.jit
+def _swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, num_cols, stride_g, stride_u, stride_o, limit, BLOCK: tl.constexpr
+):
+    """out[row, block] = silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """torch_ref.swiglu (the shared expert's clamped SwiGLU) in one launch instead of four.
+
+    gate, up: [T, I] with unit column stride (the two column blocks of one GEMM's output do);
+    returns [T, I] in their dtype. The math is the grouped kernels' (fp32, one rounding at the
+    end; torch_ref rounds SiLU's output to the dtype first)."""
+    assert gate.shape == up.shape and gate.dim() == 2, f"swiglu: {gate.shape} vs {up.shape}"
+    assert gate.stride(1) == 1 and up.stride(1) == 1, "swiglu: columns must be contiguous"
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    if rows == 0:
+        return out
+    block = min(SWIGLU_BLOCK, triton.next_power_of_2(cols))
+    _swiglu_kernel[(rows, triton.cdiv(cols, block))](
+        gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), float(limit), BLOCK=block
+    )
+    return out
 
 
 class TritonMoEBackend(Backend):

@@ -260,6 +260,25 @@ def test_mxfp4_decode_gemv_token_output_does_not_depend_on_the_batch(
 
 
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_is_the_reference(
+    moe_triton: ModuleType, num_tokens: int, dtype: torch.dtype
+) -> None:
+    """The shared expert's activation at V4-Flash's I on the column blocks of one GEMM output.
+    fp32: within 1e-6 of torch_ref. bf16: within 2^-7 relative, since torch_ref rounds SiLU's
+    output to bf16 before the product (<= 2^-9 each for that rounding, the product's and the
+    kernel's one)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    projected = (8 * torch.randn(num_tokens, 2 * INTER, generator=gen)).to("cuda", dtype)
+    gate, up = projected.split(INTER, dim=1)
+    out = moe_triton.swiglu(gate, up, LIMIT)
+    ref = torch_ref.swiglu(gate, up, LIMIT)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 def test_router_on_cuda_picks_the_reference_experts(num_tokens: int) -> None:
     """The one-launch router at V4-Flash's 256 experts, top 6, bf16 logits: the experts of
     torch_ref.route on CUDA (as sets; a token may differ only where the reference's 6th and

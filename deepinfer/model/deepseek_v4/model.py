@@ -34,7 +34,6 @@ from deepinfer.ops.moe import (
     Fp8ExpertWeight,
     MoEBackend,
     Mxfp4Weight,
-    swiglu,
     to_fp8_experts,
 )
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
@@ -216,11 +215,11 @@ class Experts(nn.Module):
 
 
 class MLP(nn.Module):
-    """The shared expert: clamped SwiGLU."""
+    """The shared expert: clamped SwiGLU (the activation through ``moe_ops.swiglu``)."""
 
-    def __init__(self, dim: int, inter_dim: int, limit: float) -> None:
+    def __init__(self, dim: int, inter_dim: int, limit: float, moe_ops: MoEBackend) -> None:
         super().__init__()
-        self.limit = limit
+        self.limit, self.moe_ops = limit, moe_ops
         self.w1, self.w2, self.w3 = (
             linear(dim, inter_dim),
             linear(inter_dim, dim),
@@ -236,7 +235,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projected = self.fused.outputs(x)
         gate, up = project(self.w1, x, projected), project(self.w3, x, projected)
-        return self.w2(swiglu(gate, up, self.limit))
+        return self.w2(self.moe_ops.swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
@@ -259,7 +258,9 @@ class MoE(nn.Module):
         self.gate = gate if gate is not None else Gate(args, layer_id, kernels.moe)
         self.topk = self.gate.topk
         self.experts = Experts(args, num_local)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, self.limit)
+        self.shared_experts = MLP(
+            args.hidden_size, args.moe_intermediate_size, self.limit, kernels.moe
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
