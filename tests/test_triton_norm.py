@@ -396,10 +396,10 @@ def test_gated_pool(
 
 @pytest.mark.parametrize(("dim", "rope_dim"), [(32, 16), (48, 16), (64, 64), (64, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_pool_rope_is_the_two_launches_in_one(
+def test_gated_pool_with_rope_is_the_two_launches_in_one(
     norm_triton: ModuleType, dim: int, rope_dim: int, dtype: torch.dtype
 ) -> None:
-    """gated_pool_rope gives apply_rope(gated_pool(...)) of this backend bit for bit (the
+    """gated_pool with cos and sin gives apply_rope(gated_pool(...)) bit for bit (the
     normalised row rounded as stored, then the same rotation), D not a power of two and a rope
     over the whole row included, and torch_ref's within tolerance."""
     gen = torch.Generator().manual_seed(dim + rope_dim)
@@ -408,10 +408,10 @@ def test_gated_pool_rope_is_the_two_launches_in_one(
     positions = torch.randint(0, 100_000, (5,), generator=gen)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
     cos, sin = rope_cos_sin(positions, inv_freq)
-    fused = norm_triton.gated_pool_rope(kv, gate, weight, EPS, cos, sin)
+    fused = norm_triton.gated_pool(kv, gate, weight, EPS, cos, sin)
     two = norm_triton.apply_rope(norm_triton.gated_pool(kv, gate, weight, EPS), cos, sin)
     assert fused.dtype == dtype and torch.equal(fused, two)
-    ref = torch_ref.gated_pool_rope(kv, gate, weight, EPS, cos, sin)
+    ref = torch_ref.apply_rope(torch_ref.gated_pool(kv, gate, weight, EPS), cos, sin)
     assert _rel_err(fused, ref) < (FP32_TOL if dtype == torch.float32 else ROPE_BF16_TOL)
 
 

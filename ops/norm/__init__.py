@@ -1,13 +1,13 @@
 """Norm ops: RMSNorm, RoPE, the hyper-connection mixing and the compressors' gated pooling.
 
 A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``hc_pre``,
-``hc_post``, ``gated_pool`` and ``compress_windows`` (a compressor's step: its windows' entries
-and its rings kept, from ``CompressRows``) with torch_ref's signatures; the RoPE tables
-(``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per layer) stay torch, so every
-backend re-exports them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm and
-RoPE one launch each, hc_pre two launches with Sinkhorn in registers, hc_post one, gated_pool
-one: the softmax, weighted sum and norm of a window per program; compress_windows three,
-``triton_pool.py``), ``torch_ref`` (the oracle).
+``hc_post`` and ``compress_windows`` (a compressor's step: its windows' entries, pooled as
+torch_ref's ``gated_pool`` says, and its rings kept, from ``CompressRows``) with torch_ref's
+signatures; the RoPE tables (``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per
+layer) stay torch, so every backend re-exports them from torch_ref. Backends, fastest first:
+``triton`` (CUDA: RMSNorm and RoPE one launch each, hc_pre two launches with Sinkhorn in
+registers, hc_post one, compress_windows three: the softmax, weighted sum and norm of a window
+per program, then the rings, ``triton_pool.py``), ``torch_ref`` (the oracle).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from deepinfer.ops.norm.torch_ref import (
     RopeParams,
     apply_rope,
     compress_windows,
-    gated_pool,
     hc_post,
     hc_pre,
     hc_pre_shifted,
@@ -80,20 +79,6 @@ class NormBackend(Protocol):
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor: ...
 
-    def gated_pool(
-        self, kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor: ...
-
-    def gated_pool_rope(
-        self,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor: ...
-
     def compress_windows(
         self,
         kv: torch.Tensor,
@@ -123,7 +108,6 @@ __all__ = [
     "NormBackend",
     "apply_rope",
     "compress_windows",
-    "gated_pool",
     "hc_post",
     "hc_pre",
     "hc_pre_shifted",

@@ -231,19 +231,6 @@ def rms_norm_rope(
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def gated_pool_rope(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)``: the compressors' entries,
-    pooled, normalised and rotated to their window positions (one launch on Triton)."""
-    return apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)
-
-
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -334,8 +321,6 @@ class TorchRefNormBackend(Backend):
     hc_pre = staticmethod(hc_pre)
     hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)
-    gated_pool = staticmethod(gated_pool)
-    gated_pool_rope = staticmethod(gated_pool_rope)
     compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

@@ -30,8 +30,9 @@ and they take few values (a dozen variants over T = 1 .. 16K; apply_rope's D is 
 4 x 2 or 128 slots), each compiled once.
 
 A backend is one module per op family (``ops/registry.py``); the family's ops share the fp32
-rules and the interpreter constraints above. The compressors' pooling (``gated_pool``,
-``compress_windows``) lives in ``triton_pool.py``, and this module's backend re-exports it.
+rules and the interpreter constraints above. The compressors' pooling lives in ``triton_pool.py``:
+this module's backend re-exports ``compress_windows``, and the module ``gated_pool`` (the same
+kernel over gathered windows, which the tests pool torch_ref's gathers with).
 ``TritonNormBackend`` at the end is the backend object: it keeps the device's SM count, which
 sizes the decode launches, and calls the launchers with it.
 """
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
-from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool, gated_pool_rope
+from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool
 from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_utils import dot_precision, num_sms
@@ -56,7 +57,6 @@ __all__ = [
     "apply_rope",
     "compress_windows",
     "gated_pool",
-    "gated_pool_rope",
     "hc_post",
     "hc_pre",
     "hc_pre_shifted",
@@ -720,8 +720,6 @@ class TritonNormBackend(Backend):
 
     rms_norm = staticmethod(rms_norm)
     rms_norm_rope = staticmethod(rms_norm_rope)
-    gated_pool = staticmethod(gated_pool)
-    gated_pool_rope = staticmethod(gated_pool_rope)
     compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

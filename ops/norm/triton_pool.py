@@ -1,5 +1,5 @@
 """The compressors' pooling as Triton kernels: ``compress_windows``, a compressor's whole step
-in three launches, and ``gated_pool(_rope)``, the same pooling over windows already gathered.
+in three launches, and ``gated_pool``, the same pooling over windows already gathered.
 
 ``compress_windows`` reads each window's slots where they are (torch_ref gathers and
 concatenates them first: ~30 small kernels for an overlapping compressor, every graphed decode
@@ -27,7 +27,7 @@ by one program and written by another: a kept buffered token goes back to its ow
 
 The values are torch_ref's conversions in its order (step rows to the ring's dtype, gates to
 fp32 before the bias), so the result is bit for bit torch_ref's gathers followed by
-``gated_pool_rope`` (this kernel over the gathered windows).
+``gated_pool`` with the rotation (this kernel over the gathered windows).
 """
 
 from __future__ import annotations
@@ -113,13 +113,6 @@ def _pool_store(
     tl.store(out_ptr + w * dim + offs_d, out, d_mask)
 
 
-def gated_pool(
-    kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """``_gated_pool`` without the rotation."""
-    return _gated_pool(kv, gate, weight, eps, None, None)
-
-
 def _pool_tiles(num_slots: int, dim: int) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_D, warps) of a pooling program."""
     block_d = triton.next_power_of_2(dim)
@@ -143,13 +136,13 @@ def _rope_tables(
     return half, cos, sin
 
 
-def _gated_pool(
+def gated_pool(
     kv: torch.Tensor,
     gate: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compressors' pooling: rms_norm(sum over slots of softmax(gate) * kv) per window.
 
@@ -158,8 +151,9 @@ def _gated_pool(
     slots and the weighted sum stays fp32 (the reference rounds the weights and products to kv's
     dtype first); only the pooled row is rounded before the norm, as there. With cos and sin
     [W, rope_dim / 2] the rows then get ``apply_rope``'s rotation in the same launch (bit for
-    bit the two ops': ``gated_pool_rope``). It is ``compress_windows`` over windows already
-    gathered: every slot a row of the buffer ring, nothing kept.
+    bit the two ops'). It is ``compress_windows`` over windows already gathered: every slot a
+    row of the buffer ring, nothing kept. Not a backend op (the engine calls compress_windows):
+    the tests' pooling of torch_ref's gathers.
     """
     num_windows, num_slots, dim = kv.shape
     assert gate.shape == kv.shape, f"gated_pool: gate {tuple(gate.shape)}, kv {tuple(kv.shape)}"
@@ -169,19 +163,6 @@ def _gated_pool(
     buf_kv, buf_gate = kv.reshape(-1, dim).contiguous(), gate.reshape(-1, dim).contiguous()
     rows = CompressRows(buf_kv, buf_gate, slots, slots.view(num_windows, num_slots), none, none)
     return compress_windows(buf_kv[:0], buf_gate[:0], rows, None, weight, eps, cos, sin)
-
-
-def gated_pool_rope(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """``apply_rope(gated_pool(kv, gate, weight, eps), cos, sin)`` with the rotation in the
-    pooling's launch, the same values (the compressors' entries at their window positions)."""
-    return _gated_pool(kv, gate, weight, eps, cos, sin)
 
 
 @triton.jit

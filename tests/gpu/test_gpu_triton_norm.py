@@ -317,7 +317,7 @@ def test_gated_pool(
     assert _rel_err(out, ref) < tol
 
 
-def test_gated_pool_rope_is_the_two_launches_in_one(norm_triton: ModuleType) -> None:
+def test_gated_pool_with_rope_is_the_two_launches_in_one(norm_triton: ModuleType) -> None:
     """The compressors' fused pooling and RoPE on CUDA in bf16 at V4's KV (512, rope 64) and
     indexer (128, rope 64) widths: gated_pool then apply_rope of this backend, bit for bit."""
     gen = torch.Generator().manual_seed(17)
@@ -328,7 +328,7 @@ def test_gated_pool_rope_is_the_two_launches_in_one(norm_triton: ModuleType) -> 
         positions = torch.randint(0, 1 << 20, (64,), generator=gen)
         exponents = torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM
         cos, sin = (t.cuda() for t in rope_cos_sin(positions, 1.0 / ROPE_THETA**exponents))
-        fused = norm_triton.gated_pool_rope(kv, gate, weight, NORM_EPS, cos, sin)
+        fused = norm_triton.gated_pool(kv, gate, weight, NORM_EPS, cos, sin)
         pooled = norm_triton.gated_pool(kv, gate, weight, NORM_EPS)
         assert torch.equal(fused, norm_triton.apply_rope(pooled, cos, sin)), dim
 
