@@ -36,7 +36,7 @@ from deepinfer.model.deepseek_v4.checkpoint import load_checkpoint  # noqa: E402
 from deepinfer.model.deepseek_v4.model import DeepseekV4  # noqa: E402
 from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG, random_weights  # noqa: E402
 from deepinfer.model.deepseek_v4.weights import fp8_scale_name, is_fp8_linear  # noqa: E402
-from deepinfer.model.layers import Fp8Linear, use_fp8_linears  # noqa: E402
+from deepinfer.model.layers import Fp8Linear, grouped_linear, use_fp8_linears  # noqa: E402
 from deepinfer.ops import reference_kernels  # noqa: E402
 from deepinfer.ops.linear import BACKENDS, LinearBackend, torch_ref  # noqa: E402
 
@@ -214,6 +214,64 @@ def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
 
 
+@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
+def test_grouped_linear_is_each_group_alone(linear_triton: ModuleType, path: str) -> None:
+    """wo_a's form: 3 groups of 128 weight rows (whole block rows) on a strided x [M, G, K],
+    one launch: bitwise fp8_linear on each group's rows and slice with the same tiles and split
+    (a grid wide enough that both split K alike), and within W8A8_TOL of torch_ref's einsum."""
+    groups, n, k = 3, 128, 256
+    weight, scale = _weight(groups * n, k, seed=11)
+    wide = torch.randn(2, groups, k + 32, generator=torch.Generator().manual_seed(2))
+    x = wide[..., :k]  # a row stride of groups * (k + 32)
+    config = _config(linear_triton, path)
+    out = linear_triton.fp8_grouped_linear(x, weight, scale, config=config, num_sms=1000)
+    assert out.shape == (2, groups, n) and out.is_contiguous()
+    for g in range(groups):
+        rows = slice(g * n, (g + 1) * n)
+        alone = linear_triton.fp8_linear(
+            x[:, g], weight[rows], scale[g : g + 1], config=config, num_sms=1000
+        )
+        assert torch.equal(out[:, g], alone), g
+    assert _rel_err(out, torch_ref.fp8_grouped_linear(x, weight, scale)) < W8A8_TOL
+
+
+@pytest.mark.parametrize("quantize_in_gemm", [True, False])
+def test_grouped_linear_groups_off_the_scale_blocks(
+    linear_triton: ModuleType, quantize_in_gemm: bool
+) -> None:
+    """Groups off the block rows (the tiny models' wo_a has 16-row groups): 4 groups of 48 rows
+    over two 128-row scale blocks of differing magnitude, the third group straddling them; a
+    column takes the scale of the whole weight's row g * 48 + n."""
+    groups, n, k = 4, 48, 200
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(groups * n, k, generator=gen)
+    w *= torch.exp2(torch.arange(groups * n).float() // 128 * 3)[:, None]
+    w *= torch.exp2(torch.arange(k).float() // 128)
+    weight, scale = torch_ref.quantize_fp8(w)
+    assert scale.shape == (2, 2)
+    x = torch.randn(5, groups, k, generator=gen)
+    config = linear_triton.TileConfig(16, 64, 1, 4, 2, quantize_in_gemm, 2)
+    out = linear_triton.fp8_grouped_linear(x, weight, scale, config=config)
+    q, x_scale = torch_ref.quantize_activations(x.reshape(-1, k))
+    x_hat = (q.float() * x_scale.repeat_interleave(128, 1)[:, :k]).view(5, groups, k)
+    assert _rel_err(out, torch_ref.fp8_grouped_linear(x_hat, weight, scale)) < EMULATED_TOL
+
+
+def test_grouped_linear_per_group_from_the_split_rows(linear_triton: ModuleType) -> None:
+    """From GROUPED_SPLIT_ROWS rows a grouped linear runs a GEMM a group (cuBLAS's or
+    DeepGEMM's) where groups are whole block rows; ``fp8_linear_per_group`` is that loop."""
+    split_rows = linear_triton.GROUPED_SPLIT_ROWS
+    assert linear_triton.split_groups(split_rows, 1024, (128, 128))
+    assert not linear_triton.split_groups(split_rows - 1, 1024, (128, 128))
+    assert not linear_triton.split_groups(split_rows, 16, (128, 128))  # tiny wo_a: never
+    weight, scale = _weight(2 * 128, 128, seed=4)
+    x = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4))
+    per_group = linear_triton.fp8_linear_per_group(
+        torch_ref.fp8_linear, x, weight, scale, (128, 128)
+    )
+    assert _rel_err(per_group, torch_ref.fp8_grouped_linear(x, weight, scale)) < 1e-6
+
+
 def test_backend_object_launches_with_its_sm_count_and_tiles(
     linear_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,7 +294,7 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
         backend.num_sms = num_sms
         out = backend.fp8_linear(x, weight, scale, (128, 128))
         assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
-    assert launches.grids == [(2, 2), (2, 4), (2, 1)]
+    assert launches.grids == [(2, 2, 1), (2, 4, 1), (2, 1, 1)]
 
 
 def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
@@ -301,13 +359,13 @@ SMALL = {**TINY_CONFIG, "vocab_size": 512}
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A checkpoint in our names whose linears (wo_a too) are FP8 with ``.scale`` tensors, one
-    of them ue8m0 as upstream ships them; returns the folder and the tensors written."""
+    """A checkpoint in our names whose linears are FP8 with ``.scale`` tensors, one of them
+    ue8m0 as upstream ships them; returns the folder and the tensors written."""
     folder = tmp_path_factory.mktemp("fp8")
     args = ModelArgs.from_dict(SMALL)
     tensors = random_weights(args, seed=0, device=torch.device("cpu"), dtype=torch.float32)
     for name in list(tensors):
-        if is_fp8_linear(name) or name.endswith("attn.wo_a.weight"):
+        if is_fp8_linear(name):
             tensors[name], tensors[fp8_scale_name(name)] = torch_ref.quantize_fp8(tensors[name])
     e8m0 = fp8_scale_name("layers.1.attn.wq_b.weight")
     tensors[e8m0] = tensors[e8m0].to(torch.float8_e8m0fnu)
@@ -322,15 +380,15 @@ def test_loader_keeps_fp8_linears(fp8_checkpoint: tuple[Path, dict]) -> None:
     plain = load_checkpoint(folder, args, show_progress=False)
     kept = load_checkpoint(folder, args, show_progress=False, keep_fp8=True)
     fp8_names = [n for n in plain if is_fp8_linear(n)]
-    # 7 per layer (wq_a, wq_b, wkv, wo_b, shared w1..w3), 6 more per CSA layer (two compressors'
-    # wkv and wgate, the indexer's wq_b and weights_proj), 2 more per HCA layer.
-    assert len(fp8_names) == 6 * 7 + 2 * 6 + 2 * 2
+    # 8 per layer (wq_a, wq_b, wkv, wo_a, wo_b, shared w1..w3), 6 more per CSA layer (two
+    # compressors' wkv and wgate, the indexer's wq_b and weights_proj), 2 more per HCA layer.
+    assert len(fp8_names) == 6 * 8 + 2 * 6 + 2 * 2
     expected_order = []
     for name in plain:
         expected_order += [name, fp8_scale_name(name)] if is_fp8_linear(name) else [name]
     assert list(kept) == expected_order
     for name in plain:
-        if not is_fp8_linear(name):  # wo_a among them: dequantized either way
+        if not is_fp8_linear(name):
             assert kept[name].dtype == plain[name].dtype and torch.equal(kept[name], plain[name])
             continue
         scale = kept[fp8_scale_name(name)]
@@ -355,9 +413,16 @@ def test_model_runs_fp8_linears(fp8_checkpoint: tuple[Path, dict]) -> None:
     model.load_state_dict(kept, strict=True, assign=True)
     attn = model.layers[1].attn
     assert isinstance(attn.wq_b, Fp8Linear) and isinstance(attn.indexer.compressor.wgate, Fp8Linear)
-    assert type(attn.wo_a) is nn.Linear and type(model.head) is nn.Linear
+    assert isinstance(attn.wo_a, Fp8Linear) and type(model.head) is nn.Linear
     x = torch.randn(2, 3, args.q_lora_rank, generator=torch.Generator().manual_seed(5))
     out = attn.wq_b(x)
     assert out.shape == (2, 3, args.num_heads * args.head_dim)
     ref = F.linear(x, plain["layers.1.attn.wq_b.weight"])
     assert _rel_err(out, ref) < 1e-6
+    # wo_a, block-diagonal: group g's rows on x's g-th slice, as the bf16 model's einsum.
+    groups = torch.randn(3, args.o_groups, args.num_heads * args.head_dim // args.o_groups)
+    out = grouped_linear(attn.wo_a, groups)
+    assert out.shape == (3, args.o_groups, args.o_lora_rank)
+    dense = nn.Linear(groups.shape[2], args.o_groups * args.o_lora_rank, bias=False)
+    dense.weight.data = plain["layers.1.attn.wo_a.weight"]
+    assert _rel_err(out, grouped_linear(dense, groups)) < 1e-6

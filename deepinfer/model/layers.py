@@ -144,10 +144,25 @@ class Fp8Linear(nn.Module):
             requires_grad=False,
         )
         self._fp8_linear = linear.fp8_linear
+        self._fp8_grouped_linear = linear.fp8_grouped_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.block)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight as G stacked row blocks, block g on x's g-th slice: x [T, G, in] ->
+        [T, G, out / G] (the backend's ``fp8_grouped_linear``)."""
+        return self._fp8_grouped_linear(x, self.weight, self.scale, self.block)
+
+
+def grouped_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block-diagonal linear: x [T, G, in] through ``module`` (weight [G * out, in], group g's
+    rows g * out..) -> [T, G, out]. V4's grouped output projection (wo_a)."""
+    if isinstance(module, Fp8Linear):
+        return module.grouped(x)
+    w = module.weight.view(x.shape[1], -1, x.shape[2])  # [G, out, in]
+    return torch.einsum("tgi,goi->tgo", x, w)
 
 
 def use_fp8_linears(

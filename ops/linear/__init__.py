@@ -1,6 +1,7 @@
 """Linear layers with block-scaled FP8 weights. A backend object (``LinearBackend``) provides
 ``fp8_linear(x, weight, weight_scale, block)`` with torch_ref's signature: x [M, K] bf16/fp32,
-weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype.
+weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype;
+and ``fp8_grouped_linear``, its block-diagonal form (x [M, G, K], weight [G*N, K] -> [M, G, N]).
 
 Backends, fastest first: ``deepgemm`` (DeepSeek's DeepGEMM, SM90+; chosen by auto only when it
 is installed and a probe GEMM runs right in a child process: ``deepgemm.py``), ``triton`` (CUDA:
@@ -19,6 +20,7 @@ from deepinfer.ops.linear.deepgemm import is_available as deepgemm_available
 from deepinfer.ops.linear.torch_ref import (
     FP8_BLOCK,
     dequantize_fp8,
+    fp8_grouped_linear,
     fp8_linear,
     quantize_activations,
     quantize_fp8,
@@ -30,9 +32,17 @@ from deepinfer.ops.registry import OpRegistry, triton_available
 class LinearBackend(Protocol):
     """The FP8 linear of one backend object. Producer: ``BACKENDS.select`` (or
     ``ops.reference_kernels``). Consumer: ``model.layers.Fp8Linear``, through
-    ``Kernels.linear``. Semantics: torch_ref.fp8_linear."""
+    ``Kernels.linear``. Semantics: torch_ref.fp8_linear and torch_ref.fp8_grouped_linear."""
 
     def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        block: tuple[int, int] = FP8_BLOCK,
+    ) -> torch.Tensor: ...
+
+    def fp8_grouped_linear(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -53,6 +63,7 @@ __all__ = [
     "FP8_BLOCK",
     "LinearBackend",
     "dequantize_fp8",
+    "fp8_grouped_linear",
     "fp8_linear",
     "quantize_activations",
     "quantize_fp8",

@@ -132,7 +132,24 @@ def fp8_linear(
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> torch.Tensor:
+    """As torch_ref.fp8_grouped_linear: from ``triton.GROUPED_SPLIT_ROWS`` rows DeepGEMM's GEMM a
+    group, below them the Triton kernel's one launch for all groups."""
+    from deepinfer.ops.linear import triton
+
+    m, groups, _ = x.shape
+    if triton.split_groups(m, weight.shape[0] // groups, block):
+        return triton.fp8_linear_per_group(fp8_linear, x, weight, weight_scale, block)
+    return triton.fp8_grouped_linear(x, weight, weight_scale, block)
+
+
 class DeepGEMMLinearBackend(Backend):
     """DeepGEMM's FP8 GEMM on one CUDA device; it keeps nothing (DeepGEMM caches its kernels)."""
 
     fp8_linear = staticmethod(fp8_linear)
+    fp8_grouped_linear = staticmethod(fp8_grouped_linear)

@@ -43,6 +43,23 @@ def fp8_linear(
     return (x.float() @ w.T).to(x.dtype)
 
 
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> torch.Tensor:
+    """A block-diagonal linear (V4's grouped output projection ``wo_a``): x [M, G, K] ->
+    y [M, G, N], y[:, g] = x[:, g] @ W[g*N:(g+1)*N]^T in fp32, cast to x's dtype.
+
+    weight: [G*N, K] float8_e4m3fn, the groups' row blocks stacked, with weight_scale
+    [ceil(G*N/bn), ceil(K/bk)] over the whole of it (a group need not start on a block row).
+    """
+    _, groups, k = x.shape
+    w = dequantize_fp8(weight, weight_scale, block).view(groups, -1, k)  # [G, N, K] fp32
+    return torch.einsum("mgk,gnk->mgn", x.float(), w).to(x.dtype)
+
+
 def dequantize_fp8(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
 ) -> torch.Tensor:
@@ -130,3 +147,4 @@ class TorchRefLinearBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
     fp8_linear = staticmethod(fp8_linear)
+    fp8_grouped_linear = staticmethod(fp8_grouped_linear)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,12 @@ __all__ = [
     "TileConfig",
     "TritonLinearBackend",
     "cublas_fp8_linear",
+    "fp8_grouped_linear",
     "fp8_linear",
+    "fp8_linear_per_group",
     "pick_tile_config",
     "quantize_activations",
+    "split_groups",
     "use_cublas",
 ]
 
@@ -199,6 +203,9 @@ def _gemm_kernel(
     stride_cs,
     stride_cm,
     stride_cn,
+    stride_ag,
+    stride_asg,
+    stride_cg,
     K: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr,
@@ -208,6 +215,7 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
     QUANTIZE_A: tl.constexpr,
     ONE_ROW: tl.constexpr,
+    ONE_SCALE: tl.constexpr,
 ):
     """c[split, M tile, N tile] = sum over this split's K blocks of
     (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]).
@@ -217,7 +225,11 @@ def _gemm_kernel(
 
     a: x itself (QUANTIZE_A: quantized here, a_s unused) or its e4m3 q with scales a_s [M, Kb];
     b: the weight [N, K] e4m3, read as its transpose [BLOCK_K, BLOCK_N]; b_s: [Nb, Kb] fp32.
-    Program (tile, split): tiles in grouped order (GROUP_M M tiles sweep the N tiles together).
+    Program (tile, split, group): tiles in grouped order (GROUP_M M tiles sweep the N tiles
+    together). Weight groups (``fp8_grouped_linear``): group g reads a's g-th K slice
+    (stride_ag, stride_asg), the weight's rows g*N.. (and their scale rows, counted from the
+    whole weight's row g*N + n) and writes c's g-th block (stride_cg); one group: all zero.
+    ONE_SCALE: every stored column of a tile is in one weight scale block (one scale a K block).
     ONE_ROW (QUANTIZE_A, M = 1): x's one row is loaded and quantized once and repeated down the
     tile; a 16-row tile quantized 16 copies of it, and their divisions, not the weight's bytes,
     were the cost of a batch-1 decode linear. (Quantizing 2-8 rows and repeating them compiles
@@ -225,6 +237,11 @@ def _gemm_kernel(
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    group = tl.program_id(2).to(tl.int64)
+    a_ptr += group * stride_ag
+    a_s_ptr += group * stride_asg
+    b_ptr += group * N * stride_bn
+    c_ptr += group * stride_cg
     num_tiles_m = tl.cdiv(M, BLOCK_M)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
     num_pids_in_group = GROUP_M * num_tiles_n
@@ -246,10 +263,10 @@ def _gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
-    if SCALE_BLOCK_N % BLOCK_N == 0:  # the tile's columns share one scale block: one scale
-        b_s_ptrs = b_s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK_N) * stride_bsn
+    if ONE_SCALE:
+        b_s_ptrs = b_s_ptr + ((group * N + pid_n * BLOCK_N) // SCALE_BLOCK_N) * stride_bsn
     else:
-        b_s_ptrs = b_s_ptr + (cols // SCALE_BLOCK_N)[None, :] * stride_bsn
+        b_s_ptrs = b_s_ptr + ((group * N + cols) // SCALE_BLOCK_N)[None, :] * stride_bsn
     b_s_ptrs += first_block * stride_bsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -354,34 +371,81 @@ def fp8_linear(
     ``num_sms``: the SMs split K fills (default: x's device's; the backend object passes its own).
     """
     m, k = x.shape
+    _check_weight(weight, weight_scale, k, block)
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    if m:
+        _gemm(x.unsqueeze(1), weight, weight_scale, block, out.unsqueeze(1), config, num_sms)
+    return out
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    *,
+    config: TileConfig | None = None,
+    num_sms: int | None = None,
+) -> torch.Tensor:
+    """torch_ref.fp8_grouped_linear in one launch: x [M, G, K] (any strides), weight [G*N, K]
+    e4m3 whose rows g*N.. are group g's (its scale rows counted over the whole weight, so a
+    group need not start on a block row) -> [M, G, N] in x's dtype; as ``fp8_linear`` per
+    group, bitwise, for one tile shape and split."""
+    m, groups, k = x.shape
+    assert weight.shape[0] % groups == 0, f"weight {tuple(weight.shape)} in {groups} groups"
+    _check_weight(weight, weight_scale, k, block)
+    out = torch.empty((m, groups, weight.shape[0] // groups), dtype=x.dtype, device=x.device)
+    if m:
+        _gemm(x, weight, weight_scale, block, out, config, num_sms)
+    return out
+
+
+def _check_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, k: int, block: tuple[int, int]
+) -> None:
     n = weight.shape[0]
     bn, bk = block
-    num_k_blocks = triton.cdiv(k, bk)
-    assert weight.shape == (n, k), f"weight {tuple(weight.shape)}, x {tuple(x.shape)}"
+    assert weight.shape == (n, k), f"weight {tuple(weight.shape)}, x's K {k}"
     assert weight.dtype == torch.float8_e4m3fn, f"weight dtype {weight.dtype}"
-    assert weight_scale.shape == (triton.cdiv(n, bn), num_k_blocks), (
+    assert weight_scale.shape == (triton.cdiv(n, bn), triton.cdiv(k, bk)), (
         f"weight_scale {tuple(weight_scale.shape)} for weight {(n, k)} in {bn}x{bk} blocks"
     )
     assert weight_scale.dtype == torch.float32, f"weight_scale dtype {weight_scale.dtype}"
     assert bk >= 16 and bk & (bk - 1) == 0, f"bk = {bk} must be a power of two >= 16"
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
 
+
+def _gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor,
+    config: TileConfig | None,
+    num_sms: int | None,
+) -> None:
+    """out [M, G, N] (contiguous) = each group's x [M, G, K] slice times its weight rows; M > 0."""
+    m, groups, k = x.shape
+    n = out.shape[2]
+    bn, bk = block
+    num_k_blocks = triton.cdiv(k, bk)
     config = config or pick_tile_config(m)
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    split_k = _split_k(num_tiles, num_k_blocks, config.max_split_k, num_sms)
+    split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_sms)
     if config.quantize_in_gemm:
-        a, a_scale, a_scale_strides = x, x, (0, 0)  # a_scale is not read
+        a, a_scale = x, x  # a_scale is not read
+        a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
+        a_scale_strides = (0, 0, 0)
     else:
-        a, a_scale = quantize_activations(x, bk)
-        a_scale_strides = a_scale.stride()
+        # Row m * G + g of q is x[m, g]; its scales have the strides (1, M * G).
+        a, a_scale = quantize_activations(x.reshape(m * groups, k), bk)
+        a_strides = (groups * k, 1, k)
+        a_scale_strides = (groups, a_scale.stride(1), 1)
     if split_k == 1:
-        c = out.unsqueeze(0)  # [1, M, N]
+        c = out.unsqueeze(0)  # [1, M, G, N]
     else:
-        c = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    _gemm_kernel[(num_tiles, split_k)](
+        c = torch.empty((split_k, m, groups, n), dtype=torch.float32, device=x.device)
+    _gemm_kernel[(num_tiles, split_k, groups)](
         a,
         a_scale,
         weight,
@@ -389,11 +453,16 @@ def fp8_linear(
         c,
         m,
         n,
-        *a.stride(),
-        *a_scale_strides,
+        *a_strides[:2],
+        *a_scale_strides[:2],
         *weight.stride(),
         *weight_scale.stride(),
-        *c.stride(),
+        c.stride(0),
+        c.stride(1),
+        c.stride(3),
+        a_strides[2],
+        a_scale_strides[2],
+        c.stride(2),
         K=k,
         BLOCKS_PER_SPLIT=num_k_blocks // split_k,
         SCALE_BLOCK_N=bn,
@@ -403,15 +472,16 @@ def fp8_linear(
         GROUP_M=config.group_m,
         QUANTIZE_A=config.quantize_in_gemm,
         ONE_ROW=config.quantize_in_gemm and m == 1,
+        ONE_SCALE=bn % config.block_n == 0 and (groups == 1 or n % config.block_n == 0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        block = 1024
-        _reduce_kernel[(triton.cdiv(m * n, block),)](
-            c, out, m * n, c.stride(0), SPLIT_K=split_k, BLOCK=block
+        size = 1024
+        numel = m * groups * n
+        _reduce_kernel[(triton.cdiv(numel, size),)](
+            c, out, numel, c.stride(0), SPLIT_K=split_k, BLOCK=size
         )
-    return out
 
 
 def use_cublas(m: int, n: int, k: int) -> bool:
@@ -480,3 +550,51 @@ class TritonLinearBackend(Backend):
                 self.cublas = False
                 logger.warning("linear: cuBLAS blockwise FP8 refused (%s); Triton only", error)
         return fp8_linear(x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms)
+
+    def fp8_grouped_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        block: tuple[int, int] = FP8_BLOCK,
+    ) -> torch.Tensor:
+        m, groups, _ = x.shape
+        if (
+            self.cublas
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and split_groups(m, weight.shape[0] // groups, block)
+        ):
+            return fp8_linear_per_group(self.fp8_linear, x, weight, weight_scale, block)
+        return fp8_grouped_linear(
+            x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms
+        )
+
+
+# From this many rows a grouped linear runs as one GEMM a group (cuBLAS's or DeepGEMM's, whose
+# large tiles beat ours there; the linear rule's 1,024 rows); below it, one launch for all.
+GROUPED_SPLIT_ROWS = 1024
+
+
+def split_groups(m: int, rows_per_group: int, block: tuple[int, int]) -> bool:
+    """Whether a grouped linear of ``m`` rows runs a GEMM a group (``fp8_linear_per_group``):
+    enough rows, and each group a whole number of weight block rows."""
+    return m >= GROUPED_SPLIT_ROWS and rows_per_group % block[0] == 0
+
+
+def fp8_linear_per_group(
+    linear: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """fp8_grouped_linear as ``linear(x_g, weight_g, scale_g, block)`` for each group g (its
+    rows a whole number of block rows)."""
+    m, groups, _ = x.shape
+    n = weight.shape[0] // groups
+    nb = n // block[0]
+    out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
+    for g in range(groups):
+        w, s = weight[g * n : (g + 1) * n], weight_scale[g * nb : (g + 1) * nb]
+        out[:, g] = linear(x[:, g], w, s, block)
+    return out

@@ -162,6 +162,36 @@ def test_backend_takes_cublas_where_faster(
     assert err_emulated < EMULATED_TOL and err_ref < W8A8_TOL
 
 
+@pytest.mark.parametrize("num_tokens", [1, 32, 128, 4096])
+def test_grouped_wo_a_matches_reference_and_times(
+    linear_triton: ModuleType,
+    ieee_fp32: None,
+    record_figure: Callable[[str], None],
+    num_tokens: int,
+) -> None:
+    """V4-Flash's wo_a (8 groups of 1,024 rows over 4,096 inputs) through the backend object:
+    one launch below GROUPED_SPLIT_ROWS, cuBLAS a group from there; against the W8A8
+    arithmetic and torch_ref, timed against the bf16 model's einsum."""
+    groups, n, k = 8, 1024, 4096
+    weight, scale = _weight(groups * n, k, seed=7)
+    x = _x(num_tokens, groups * k, seed=num_tokens).view(num_tokens, groups, k)
+    backend = linear_triton.TritonLinearBackend(torch.device("cuda"))
+    out = backend.fp8_grouped_linear(x, weight, scale)
+    assert out.shape == (num_tokens, groups, n) and out.dtype == torch.bfloat16
+    err_emulated = _rel_err(out[:, 0], _emulated(x[:, 0], weight[:n], scale[: n // 128]))
+    ref = torch_ref.fp8_grouped_linear(x.float(), weight, scale)
+    err_ref = _rel_err(out, ref)
+    w_bf16 = torch_ref.dequantize_fp8(weight, scale).to(torch.bfloat16).view(groups, n, k)
+    fp8_s = _graph_seconds(lambda: backend.fp8_grouped_linear(x, weight, scale))
+    bf16_s = _graph_seconds(lambda: torch.einsum("tgi,goi->tgo", x, w_bf16))
+    record_figure(
+        f"fp8_grouped_linear wo_a M={num_tokens}: rel err {err_ref:.2e} vs torch_ref, "
+        f"{err_emulated:.2e} vs W8A8 in fp32 (group 0); {fp8_s * 1e6:.1f} us vs bf16 einsum "
+        f"{bf16_s * 1e6:.1f} us ({bf16_s / fp8_s:.2f}x)"
+    )
+    assert err_emulated < EMULATED_TOL and err_ref < W8A8_TOL
+
+
 def test_quantizer_matches_reference_bitwise(linear_triton: ModuleType) -> None:
     """div_rn and the explicit rounding: the compiled quantizer is torch_ref's, bit for bit,
     including an outlier group whose other values fall into e4m3's subnormals."""
@@ -261,6 +291,7 @@ def test_engine_on_fp8_weights(fp8_dir: Path, record_figure: Callable[[str], Non
     )
     attn = runner.model.layers[1].attn
     assert isinstance(attn.wq_a, Fp8Linear) and attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(attn.wo_a, Fp8Linear)  # the grouped output projection
     assert not isinstance(runner.model.head, Fp8Linear)
     fp8_out = fp8.generate(prompts, params, use_tqdm=False)
     del fp8, runner, attn

@@ -26,7 +26,15 @@ from deepinfer.model.deepseek_v4.args import CSA, HASH_MOE, SLIDING, ModelArgs
 from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer, windows
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
-from deepinfer.model.layers import FusedLinears, RMSNorm, inverse, linear, project, step_rope
+from deepinfer.model.layers import (
+    FusedLinears,
+    RMSNorm,
+    grouped_linear,
+    inverse,
+    linear,
+    project,
+    step_rope,
+)
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
@@ -120,8 +128,7 @@ class Attention(nn.Module):
         # V carried RoPE: rotate it back at the query position.
         out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
-        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
-        low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
+        low_rank = grouped_linear(self.wo_a, groups).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)
 
 

@@ -141,11 +141,11 @@ def find_scales(names: Iterable[str]) -> dict[str, str]:
     return pairs
 
 
-# Linears the model calls as modules (``self.wq_a(x)``): the ones whose FP8 checkpoint weight may
-# stay FP8 (model.fp8_weights). Not wo_a (a grouped einsum reads its weight as [G, o_lora, in/G]),
-# the router, the embedding, the LM head or the stacked routed experts.
+# Linears the model calls as modules (``self.wq_a(x)``, wo_a through ``grouped_linear``): the ones
+# whose FP8 checkpoint weight may stay FP8 (model.fp8_weights). Not the router, the embedding, the
+# LM head or the stacked routed experts.
 _FP8_LINEAR_RE = re.compile(
-    r"\.(attn\.(wq_a|wq_b|wkv|wo_b)|compressor\.(wkv|wgate)|indexer\.(wq_b|weights_proj)"
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|compressor\.(wkv|wgate)|indexer\.(wq_b|weights_proj)"
     r"|shared_experts\.w[123]|e_proj|h_proj)\.weight$"
 )
 

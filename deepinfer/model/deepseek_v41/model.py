@@ -34,7 +34,15 @@ from deepinfer.model.deepseek_v41.args import ModelArgs
 from deepinfer.model.deepseek_v41.engram import Engram, EngramTables, hash_params, ngram_hashes
 from deepinfer.model.deepseek_v41.step_plan import StepMetadata, build_metadata
 from deepinfer.model.deepseek_v41.vision import ImageEncoder
-from deepinfer.model.layers import FusedLinears, RMSNorm, inverse, linear, project, step_rope
+from deepinfer.model.layers import (
+    FusedLinears,
+    RMSNorm,
+    grouped_linear,
+    inverse,
+    linear,
+    project,
+    step_rope,
+)
 from deepinfer.ops import Kernels, reference_kernels
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
 
@@ -300,8 +308,7 @@ class Attention(nn.Module):
         # V carried RoPE: rotate it back at the query position.
         out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
-        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H/G*hd]
-        low_rank = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)  # [T, G*o_lora]
+        low_rank = grouped_linear(self.wo_a, groups).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)
 
     def _compressed(

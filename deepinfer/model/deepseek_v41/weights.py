@@ -22,11 +22,11 @@ _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _TIED_RE = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 _STACKED_RE = re.compile(r"\.ffn\.experts\.w[123]$")
 # Linears the model calls as modules whose FP8 weights may stay FP8 (``Fp8Linear``): the
-# attention's, the indexer's query projection, the shared experts and the drafter's feature
-# projection. The compressors, the indexer's key and weight projections, the router and the
-# heads are bf16 in the release; wo_a is read as a grouped einsum.
+# attention's (wo_a through ``grouped_linear``), the indexer's query projection, the shared
+# experts and the drafter's feature projection. The compressors, the indexer's key and weight
+# projections, the router and the heads are bf16 in the release.
 _FP8_LINEAR_RE = re.compile(
-    r"\.(attn\.(wq_a|wq_b|wkv|wo_b)|indexer\.wq_b|shared_experts\.w[123]|main_proj)\.weight$"
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|main_proj)\.weight$"
 )
 _FP32_SUFFIXES = (
     "norm.weight",
