@@ -76,6 +76,11 @@ def main() -> None:
         help="TileConfig candidates timed besides the engine's pick: block_m,block_n,group_m,"
         "warps,stages,quantize_in_gemm(0/1),max_split_k;... (a second table: the best per row)",
     )
+    ap.add_argument(
+        "--programs-per-sm",
+        help="split-K targets timed besides the engine's (ops.linear.triton."
+        "SPLIT_K_PROGRAMS_PER_SM), e.g. 2,4,8: a table of the kernel at each",
+    )
     ns = ap.parse_args()
     names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
     unknown = [s for s in names if s not in SHAPES]
@@ -106,6 +111,7 @@ def main() -> None:
             ours = fp8_triton.fp8_linear(x, weight, scale)
             row |= _measure(x, weight, scale, w_dense, ours, fp8_triton, setup, ns)
             row["tiles_s"] = _sweep(x, weight, scale, ours, fp8_triton, candidates, setup, ns)
+            row["per_sm_s"] = _per_sm_sweep(x, weight, scale, ours, fp8_triton, setup, ns)
             rows.append(row)
             write_json(ns.json, payload)
             print(
@@ -118,6 +124,9 @@ def main() -> None:
     if candidates:
         print()
         print(_sweep_table(rows, fp8_triton))
+    if ns.programs_per_sm:
+        print()
+        print(_per_sm_table(rows, fp8_triton))
 
 
 def _measure(
@@ -196,6 +205,48 @@ def _sweep(
             lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config), setup, ns
         )
     return times
+
+
+def _per_sm_sweep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    ours: torch.Tensor,
+    fp8_triton: Any,
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> dict[int, float]:
+    """Seconds per call of the kernel with each --programs-per-sm split-K target (checked
+    against the engine's output ``ours``); the module's own value restored after."""
+    engine_value = fp8_triton.SPLIT_K_PROGRAMS_PER_SM
+    times = {}
+    try:
+        for per_sm in parse_ints(ns.programs_per_sm or ""):
+            fp8_triton.SPLIT_K_PROGRAMS_PER_SM = per_sm
+            out = fp8_triton.fp8_linear(x, weight, scale).float()
+            diff = ((out - ours.float()).norm() / ours.float().norm()).item()
+            assert diff < 1e-2, f"{per_sm} programs an SM: rel diff {diff:.1e} to the engine's"
+            times[per_sm] = _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns)
+    finally:
+        fp8_triton.SPLIT_K_PROGRAMS_PER_SM = engine_value
+    return times
+
+
+def _per_sm_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
+    values = sorted({v for r in rows for v in r["per_sm_s"]})
+    engine = fp8_triton.SPLIT_K_PROGRAMS_PER_SM
+    headers = ["linear", "M", f"engine ({engine} an SM) µs"] + [f"{v} an SM µs" for v in values]
+    headers += ["best / engine", "bf16 µs"]
+    out = []
+    for r in rows:
+        times = r["per_sm_s"]
+        best = min(times.values(), default=r["fp8_s"])
+        out.append(
+            [r["shape"], r["m"], _us(r["fp8_s"])]
+            + [_us(times[v]) if v in times else "—" for v in values]
+            + [ratio(best, r["fp8_s"]), _us(r["bf16_s"])]
+        )
+    return markdown(headers, out)
 
 
 def _sweep_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:

@@ -117,11 +117,16 @@ def pick_tile_config(num_rows: int) -> TileConfig:
 _num_sms = functools.partial(num_sms, cpu_stand_in=4)
 
 
+# Split K aims at this many programs an SM (the tile table's max_split_k caps it): at one row a
+# program streams its weight tile, and the SM's loads in flight are its programs' pipelines.
+SPLIT_K_PROGRAMS_PER_SM = 1
+
+
 def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_sms: int) -> int:
-    """Programs per output tile: about enough to give every SM work, and a divisor of the K
-    block count, so that every split runs the same whole number of K blocks (V4's K / 128 are
-    powers of two)."""
-    wanted = max(1, min(max_split_k, num_sms // num_tiles))
+    """Programs per output tile: about enough to give every SM SPLIT_K_PROGRAMS_PER_SM of them,
+    and a divisor of the K block count, so that every split runs the same whole number of K
+    blocks (V4's K / 128 are powers of two)."""
+    wanted = max(1, min(max_split_k, SPLIT_K_PROGRAMS_PER_SM * num_sms // num_tiles))
     return max(d for d in range(1, wanted + 1) if num_k_blocks % d == 0)
 
 
