@@ -214,6 +214,25 @@ def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
 
 
+def test_split_k_sums_in_the_tiles_last_program(linear_triton: ModuleType) -> None:
+    """Split K in one launch: the tile's last split adds the partial sums in split order, then
+    resets its counter, so a second call (a graph replay) sums again and bitwise alike. A
+    counter left over breaks that tile's next sum: the ticket decides which program adds."""
+    weight, scale = _weight(64, 512, seed=9)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
+    config = _config(linear_triton, "split_k")
+    first = linear_triton.fp8_linear(x, weight, scale, config=config)
+    counters = linear_triton._counters(x.device)
+    assert not counters.any(), "a tile's counter was not reset"
+    assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=config), first)
+    assert _rel_err(first, _emulated(x, weight, scale)) < EMULATED_TOL
+    counters[0] = 1  # tile 0's first split takes the last ticket, before the other's sums
+    stale = linear_triton.fp8_linear(x, weight, scale, config=config)
+    counters.zero_()
+    assert not torch.equal(stale[:, :32], first[:, :32])
+    assert torch.equal(stale[:, 32:], first[:, 32:])
+
+
 @pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
 def test_grouped_linear_is_each_group_alone(linear_triton: ModuleType, path: str) -> None:
     """wo_a's form: 3 groups of 128 weight rows (whole block rows) on a strided x [M, G, K],

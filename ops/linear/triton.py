@@ -15,14 +15,17 @@ shapes only (no host synchronisation, so it captures in a CUDA graph):
     of x on the fly (a few rows: recomputing them per N tile costs nothing next to the weight)
       x, w [N, K] e4m3, w_scale [Nb, Kb] --_gemm_kernel--> y [M, N] in x's dtype
 
-    split K (split_k > 1, either path): the GEMM writes fp32 partial sums instead of y
-      ... --_gemm_kernel--> partial [split_k, M, N] fp32 --_reduce_kernel--> y
+    split K (split_k > 1, either path): still one launch; each program writes its fp32
+    partial sums, takes a ticket from its tile's counter, and the tile's last program adds them
+      ... --_gemm_kernel--> partial [split_k, M, N] fp32 --(the tile's last split)--> y
 
 At small M the N tiles alone are too few programs to stream the weight at full bandwidth (wkv:
 N = 512 is 8 tiles of 64), so the K blocks are divided among split_k programs per tile, whose
-partial sums the second kernel adds in split order (deterministic, no atomics). Quantizing in
-the GEMM or in a separate pass runs the same helper (``_quantize_tile``): y is bitwise the same
-either way for one tile shape and split.
+partial sums the tile's last program adds in split order (deterministic: the atomic counter
+decides only which program adds, never the order; no second launch for the sum). Grouped
+linears (wo_a) add a grid axis: group g's weight rows and x's g-th slice
+(``fp8_grouped_linear``). Quantizing in the GEMM or in a separate pass runs the same helper
+(``_quantize_tile``): y is bitwise the same either way for one tile shape and split.
 
 The quantizer rounds to e4m3 explicitly (``_round_to_e4m3``) and divides with IEEE division, so
 q and x_scale are bitwise torch_ref.quantize_activations on the GPU and under Triton's
@@ -38,8 +41,8 @@ any tile override, and calls ``fp8_linear`` with them, or cuBLAS's blockwise FP8
 that is faster (``use_cublas``; ``cublas_fp8_linear``: torch._scaled_mm on this module's
 quantized x).
 
-One file of ~410 lines: a backend is one module per op family (``ops/registry.py``); the
-quantizer, the GEMM and the split-K sum share their tile and split choices.
+One file of ~600 lines: a backend is one module per op family (``ops/registry.py``); the
+quantizer and the GEMM share their tile and split choices.
 """
 
 from __future__ import annotations
@@ -195,6 +198,8 @@ def _gemm_kernel(
     b_ptr,
     b_s_ptr,
     c_ptr,
+    out_ptr,
+    counters_ptr,
     M,
     N,
     stride_am,
@@ -221,6 +226,7 @@ def _gemm_kernel(
     QUANTIZE_A: tl.constexpr,
     ONE_ROW: tl.constexpr,
     ONE_SCALE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """c[split, M tile, N tile] = sum over this split's K blocks of
     (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]).
@@ -247,6 +253,7 @@ def _gemm_kernel(
     a_s_ptr += group * stride_asg
     b_ptr += group * N * stride_bn
     c_ptr += group * stride_cg
+    out_ptr += group * stride_cg
     num_tiles_m = tl.cdiv(M, BLOCK_M)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
     num_pids_in_group = GROUP_M * num_tiles_n
@@ -297,35 +304,27 @@ def _gemm_kernel(
         a_s_ptrs += stride_ask
         b_s_ptrs += stride_bsk
 
-    c_ptrs = (
-        c_ptr
-        + split.to(tl.int64) * stride_cs
-        + offs_m[:, None].to(tl.int64) * stride_cm
-        + offs_n[None, :] * stride_cn
-    )
-    tl.store(
-        c_ptrs,
-        acc.to(c_ptr.dtype.element_ty),
-        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-    )
-
-
-@triton.jit
-def _reduce_kernel(
-    partial_ptr,
-    out_ptr,
-    numel,
-    stride_ps,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out.flat[i] = sum over splits 0..SPLIT_K-1, in that order, of partial[split].flat[i]."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(partial_ptr + split * stride_ps + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    offs_c = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    in_c = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_c, acc.to(out_ptr.dtype.element_ty), mask=in_c)
+    else:
+        # Split K: this split's fp32 partial sums, then a ticket; the tile's last split adds
+        # the partials in split order (deterministic) and resets the counter for the next
+        # launch. The barrier orders every thread's stores before the ticket (taken by one
+        # thread with release and acquire semantics at GPU scope); the partials are read
+        # from L2 (.cg), where the other SMs' stores are.
+        tl.store(c_ptr + split.to(tl.int64) * stride_cs + offs_c, acc, mask=in_c)
+        tl.debug_barrier()
+        counter = counters_ptr + group * tl.num_programs(0) + pid
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                part_ptrs = c_ptr + s * stride_cs + offs_c
+                total += tl.load(part_ptrs, mask=in_c, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_c, total.to(out_ptr.dtype.element_ty), mask=in_c)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def quantize_activations(
@@ -448,14 +447,17 @@ def _gemm(
         a_scale_strides = (groups, a_scale.stride(1), 1)
     if split_k == 1:
         c = out.unsqueeze(0)  # [1, M, G, N]
-    else:
+    else:  # laid out as out a split, so that one set of offsets serves both
         c = torch.empty((split_k, m, groups, n), dtype=torch.float32, device=x.device)
+        assert num_tiles * groups <= _MAX_SPLIT_TILES, f"{num_tiles} x {groups} split tiles"
     _gemm_kernel[(num_tiles, split_k, groups)](
         a,
         a_scale,
         weight,
         weight_scale,
         c,
+        out,
+        _counters(x.device),
         m,
         n,
         *a_strides[:2],
@@ -478,15 +480,20 @@ def _gemm(
         QUANTIZE_A=config.quantize_in_gemm,
         ONE_ROW=config.quantize_in_gemm and m == 1,
         ONE_SCALE=bn % config.block_n == 0 and (groups == 1 or n % config.block_n == 0),
+        SPLIT_K=split_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split_k > 1:
-        size = 1024
-        numel = m * groups * n
-        _reduce_kernel[(triton.cdiv(numel, size),)](
-            c, out, numel, c.stride(0), SPLIT_K=split_k, BLOCK=size
-        )
+
+
+# Split K's tickets: an int32 counter a tile, zero between launches (a tile's last split resets
+# its own). Split K runs only where the tiles are fewer than SPLIT_K_PROGRAMS_PER_SM x the SMs.
+_MAX_SPLIT_TILES = 1 << 14
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def use_cublas(m: int, n: int, k: int) -> bool:
