@@ -296,7 +296,8 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
 ) -> None:
     """TritonLinearBackend keeps the SM count of the device it was made for (the interpreter's
     stand-in, 4) and its tile override, and launches by them, never asking the module again.
-    K = 512 (4 blocks) over 2 tiles: 4 SMs split K in 2, 8 SMs in 4, one SM not at all."""
+    K = 512 (4 blocks) over 2 tiles, SPLIT_K_PROGRAMS_PER_SM programs an SM wanted: 4 SMs and 8
+    split K in 4 (all its blocks), one SM in 2."""
     split = _config(linear_triton, "split_k")
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"), config=split)
     assert backend.num_sms == 4 and backend.config is split
@@ -309,11 +310,12 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     monkeypatch.setattr(linear_triton, "_gemm_kernel", launches)
     weight, scale = _weight(64, 512, seed=3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    assert linear_triton.SPLIT_K_PROGRAMS_PER_SM == 4
     for num_sms in (4, 8, 1):
         backend.num_sms = num_sms
         out = backend.fp8_linear(x, weight, scale, (128, 128))
         assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
-    assert launches.grids == [(2, 2, 1), (2, 4, 1), (2, 1, 1)]
+    assert launches.grids == [(2, 4, 1), (2, 4, 1), (2, 2, 1)]
 
 
 def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
@@ -324,7 +326,7 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     with our kernel, and keeps to ours from then on."""
     use = linear_triton.use_cublas
     assert not use(1, 32768, 1024) and use(2, 32768, 1024)  # wq_b: ours at one row only
-    assert use(1, 4096, 8192)  # wo_b: cuBLAS even at one row (K = 8192)
+    assert not use(1, 4096, 8192) and use(2, 4096, 8192)  # wo_b alike
     assert not use(16, 512, 4096) and use(17, 512, 4096) and use(64, 512, 4096)  # wkv
     assert not use(512, 512, 4096) and use(1024, 512, 4096)  # a small weight at mid M: ours
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))

@@ -98,14 +98,16 @@ class TileConfig:
 
 
 # Keyed by M (first row whose bound is >= M), H200 (SM90, 132 SMs, 4.8 TB/s). Decode is bound by
-# streaming the weight: narrow N tiles and split K give every SM a share of it, and a deep
-# pipeline keeps its loads in flight. Prefill is bound by the FP8 tensor cores: 128 x 128 tiles,
+# streaming the weight: narrow N tiles and split K give every SM a share of it (four programs an
+# SM, SPLIT_K_PROGRAMS_PER_SM), and a deep pipeline keeps its loads in flight; from 17 to 64 rows
+# 16-row tiles, 128 wide, on 8 warps (H100, fp8_linear.py --tiles: wo_b at 32 rows 31.6 µs
+# against 75 with 64 x 64 tiles). Prefill is bound by the FP8 tensor cores: 128 x 128 tiles,
 # 8 warps. Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16 tile
 # when quantizing in the GEMM).
 _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     # max M      block_m, block_n, group_m, num_warps, num_stages, quantize_in_gemm, max_split_k
     (16, TileConfig(16, 64, 1, 4, 4, True, 16)),
-    (64, TileConfig(64, 64, 1, 4, 4, True, 8)),
+    (64, TileConfig(16, 128, 1, 8, 4, True, 16)),
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
@@ -120,16 +122,18 @@ def pick_tile_config(num_rows: int) -> TileConfig:
 _num_sms = functools.partial(num_sms, cpu_stand_in=4)
 
 
-# Split K aims at this many programs an SM (the tile table's max_split_k caps it): at one row a
-# program streams its weight tile, and the SM's loads in flight are its programs' pipelines.
-SPLIT_K_PROGRAMS_PER_SM = 1
+# Split K aims at this many programs an SM on the one-launch decode rows (the tile table's
+# max_split_k caps it): a program streams its weight tile, and an SM's loads in flight are its
+# programs' pipelines. H100, fp8_linear.py --programs-per-sm: at one row 1 -> 4 took wo_b from
+# 30.3 to 14.3 µs, shared_w2 9.2 -> 7.2, wq_a 6.4 -> 6.2 (8 an SM no better).
+SPLIT_K_PROGRAMS_PER_SM = 4
 
 
-def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_sms: int) -> int:
-    """Programs per output tile: about enough to give every SM SPLIT_K_PROGRAMS_PER_SM of them,
-    and a divisor of the K block count, so that every split runs the same whole number of K
-    blocks (V4's K / 128 are powers of two)."""
-    wanted = max(1, min(max_split_k, SPLIT_K_PROGRAMS_PER_SM * num_sms // num_tiles))
+def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_programs: int) -> int:
+    """Programs per output tile: about ``num_programs`` in all, and a divisor of the K block
+    count, so that every split runs the same whole number of K blocks (V4's K / 128 are powers
+    of two)."""
+    wanted = max(1, min(max_split_k, num_programs // num_tiles))
     return max(d for d in range(1, wanted + 1) if num_k_blocks % d == 0)
 
 
@@ -435,7 +439,9 @@ def _gemm(
     config = config or pick_tile_config(m)
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_sms)
+    # The SM target for the one-launch decode rows; more rows split by the SMs alone.
+    per_sm = SPLIT_K_PROGRAMS_PER_SM if config.quantize_in_gemm else 1
+    split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, per_sm * num_sms)
     if config.quantize_in_gemm:
         a, a_scale = x, x  # a_scale is not read
         a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
@@ -499,12 +505,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 def use_cublas(m: int, n: int, k: int) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]
     (H100 and H200, benchmarks/RESULTS.md 2026-12-06). On the large weights (N K >= 2^24: wq_b,
-    wo_b) from 2 rows, and at one row where K is long (wo_b: x padded to 16 rows, ~18 µs against
-    our 27); on the small ones only from 17 to 64 rows (our 64-row tiles are slow there) and
-    from 1,024 rows up: elsewhere cuBLAS's ~15 µs floor loses to our kernel."""
+    wo_b) from 2 rows (at one row ours splits K four programs an SM: wo_b 14.5 µs against
+    cuBLAS's 18 on the H100); on the small ones only from 17 to 64 rows and from 1,024 rows up:
+    elsewhere cuBLAS's ~15 µs floor loses to our kernel."""
     if n * k < 1 << 24:
         return 16 < m <= 64 or m >= 1024
-    return m > 1 or k >= 8192
+    return m > 1
 
 
 def cublas_fp8_linear(
