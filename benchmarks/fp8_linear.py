@@ -198,13 +198,21 @@ def _sweep(
     output ``ours``: the same quantized x, so only the accumulation order differs)."""
     times = {}
     for config in candidates:
-        out = fp8_triton.fp8_linear(x, weight, scale, config=config).float()
-        diff = ((out - ours.float()).norm() / ours.float().norm()).item()
-        assert diff < 1e-2, f"{_tile_name(config)}: rel diff {diff:.1e} to the engine's tiles"
-        times[_tile_name(config)] = _time(
-            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config), setup, ns
-        )
+        times[_tile_name(config)] = _checked_time(
+            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config),
+            ours, _tile_name(config), setup, ns,
+        )  # fmt: skip
     return times
+
+
+def _checked_time(
+    run: Any, ours: torch.Tensor, label: str, setup: Setup, ns: argparse.Namespace
+) -> float:
+    """Seconds per call of ``run`` once its output is within 1e-2 of the engine's ``ours``
+    (the same quantized x: only the accumulation order may differ)."""
+    diff = ((run().float() - ours.float()).norm() / ours.float().norm()).item()
+    assert diff < 1e-2, f"{label}: rel diff {diff:.1e} to the engine's output"
+    return _time(run, setup, ns)
 
 
 def _per_sm_sweep(
@@ -223,10 +231,9 @@ def _per_sm_sweep(
     try:
         for per_sm in parse_ints(ns.programs_per_sm or ""):
             fp8_triton.SPLIT_K_PROGRAMS_PER_SM = per_sm
-            out = fp8_triton.fp8_linear(x, weight, scale).float()
-            diff = ((out - ours.float()).norm() / ours.float().norm()).item()
-            assert diff < 1e-2, f"{per_sm} programs an SM: rel diff {diff:.1e} to the engine's"
-            times[per_sm] = _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns)
+            times[per_sm] = _checked_time(
+                lambda: fp8_triton.fp8_linear(x, weight, scale), ours, f"{per_sm} an SM", setup, ns
+            )
     finally:
         fp8_triton.SPLIT_K_PROGRAMS_PER_SM = engine_value
     return times
