@@ -232,8 +232,9 @@ def _gemm_kernel(
     ONE_SCALE: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    """c[split, M tile, N tile] = sum over this split's K blocks of
-    (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]).
+    """out[M tile, N tile] = sum over the K blocks of
+    (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]); split K (SPLIT_K
+    > 1): each split's sum goes to c[split] first, and the tile's last split adds them.
 
     The two scales are multiplied first, so a K block costs one FMA an output (a tile inside
     one scale block, BLOCK_N dividing SCALE_BLOCK_N, loads its weight scale as one number).
@@ -252,12 +253,12 @@ def _gemm_kernel(
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    group = tl.program_id(2).to(tl.int64)
-    a_ptr += group * stride_ag
-    a_s_ptr += group * stride_asg
-    b_ptr += group * N * stride_bn
-    c_ptr += group * stride_cg
-    out_ptr += group * stride_cg
+    w_group = tl.program_id(2).to(tl.int64)  # the weight's group (one: 0)
+    a_ptr += w_group * stride_ag
+    a_s_ptr += w_group * stride_asg
+    b_ptr += w_group * N * stride_bn
+    c_ptr += w_group * stride_cg
+    out_ptr += w_group * stride_cg
     num_tiles_m = tl.cdiv(M, BLOCK_M)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
     num_pids_in_group = GROUP_M * num_tiles_n
@@ -280,9 +281,9 @@ def _gemm_kernel(
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
     if ONE_SCALE:
-        b_s_ptrs = b_s_ptr + ((group * N + pid_n * BLOCK_N) // SCALE_BLOCK_N) * stride_bsn
+        b_s_ptrs = b_s_ptr + ((w_group * N + pid_n * BLOCK_N) // SCALE_BLOCK_N) * stride_bsn
     else:
-        b_s_ptrs = b_s_ptr + ((group * N + cols) // SCALE_BLOCK_N)[None, :] * stride_bsn
+        b_s_ptrs = b_s_ptr + ((w_group * N + cols) // SCALE_BLOCK_N)[None, :] * stride_bsn
     b_s_ptrs += first_block * stride_bsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -320,7 +321,7 @@ def _gemm_kernel(
         # from L2 (.cg), where the other SMs' stores are.
         tl.store(c_ptr + split.to(tl.int64) * stride_cs + offs_c, acc, mask=in_c)
         tl.debug_barrier()
-        counter = counters_ptr + group * tl.num_programs(0) + pid
+        counter = counters_ptr + w_group * tl.num_programs(0) + pid
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
