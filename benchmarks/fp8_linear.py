@@ -33,6 +33,7 @@ Prints a markdown table; --json writes every figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -74,12 +75,13 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         help="TileConfig candidates timed besides the engine's pick: block_m,block_n,group_m,"
-        "warps,stages,quantize_in_gemm(0/1),max_split_k;... (a second table: the best per row)",
+        "warps,stages,quantize_in_gemm(0/1),max_split_k[,programs_per_sm];... (a second table: "
+        "the best per row)",
     )
     ap.add_argument(
         "--programs-per-sm",
-        help="split-K targets timed besides the engine's (ops.linear.triton."
-        "SPLIT_K_PROGRAMS_PER_SM), e.g. 2,4,8: a table of the kernel at each",
+        help="split-K targets (TileConfig.programs_per_sm) timed on the engine's tiles besides "
+        "its own, e.g. 2,4,8: a table of the kernel at each",
     )
     ns = ap.parse_args()
     names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
@@ -92,7 +94,7 @@ def main() -> None:
     from deepinfer.ops.linear import triton as fp8_triton
 
     fields = [parse_ints(t) for t in (ns.tiles or "").split(";") if t.strip()]
-    candidates = [fp8_triton.TileConfig(*f[:5], bool(f[5]), f[6]) for f in fields]
+    candidates = [fp8_triton.TileConfig(*f[:5], bool(f[5]), *f[6:8]) for f in fields]
     setup = make_setup(ns.tiny)
     rows: list[dict[str, Any]] = []
     payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
@@ -180,7 +182,7 @@ def _tile_name(c: Any) -> str:
     quantize = "q-in" if c.quantize_in_gemm else "q-pass"
     return (
         f"{c.block_m}x{c.block_n} g{c.group_m} w{c.num_warps} s{c.num_stages} {quantize}"
-        f" sk{c.max_split_k}"
+        f" sk{c.max_split_k} sm{c.programs_per_sm}"
     )
 
 
@@ -224,32 +226,30 @@ def _per_sm_sweep(
     setup: Setup,
     ns: argparse.Namespace,
 ) -> dict[int, float]:
-    """Seconds per call of the kernel with each --programs-per-sm split-K target (checked
-    against the engine's output ``ours``); the module's own value restored after."""
-    engine_value = fp8_triton.SPLIT_K_PROGRAMS_PER_SM
+    """Seconds per call of the engine's tiles with each --programs-per-sm split-K target
+    (``TileConfig.programs_per_sm``), each checked against the engine's output ``ours``."""
+    engine = fp8_triton.pick_tile_config(x.shape[0])
     times = {}
-    try:
-        for per_sm in parse_ints(ns.programs_per_sm or ""):
-            fp8_triton.SPLIT_K_PROGRAMS_PER_SM = per_sm
-            times[per_sm] = _checked_time(
-                lambda: fp8_triton.fp8_linear(x, weight, scale), ours, f"{per_sm} an SM", setup, ns
-            )
-    finally:
-        fp8_triton.SPLIT_K_PROGRAMS_PER_SM = engine_value
+    for per_sm in parse_ints(ns.programs_per_sm or ""):
+        config = dataclasses.replace(engine, programs_per_sm=per_sm)
+        times[per_sm] = _checked_time(
+            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config),
+            ours, f"{per_sm} an SM", setup, ns,
+        )  # fmt: skip
     return times
 
 
 def _per_sm_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
     values = sorted({v for r in rows for v in r["per_sm_s"]})
-    engine = fp8_triton.SPLIT_K_PROGRAMS_PER_SM
-    headers = ["linear", "M", f"engine ({engine} an SM) µs"] + [f"{v} an SM µs" for v in values]
+    headers = ["linear", "M", "engine an SM", "engine µs"] + [f"{v} an SM µs" for v in values]
     headers += ["best / engine", "bf16 µs"]
     out = []
     for r in rows:
         times = r["per_sm_s"]
         best = min(times.values(), default=r["fp8_s"])
         out.append(
-            [r["shape"], r["m"], _us(r["fp8_s"])]
+            [r["shape"], r["m"], fp8_triton.pick_tile_config(r["m"]).programs_per_sm]
+            + [_us(r["fp8_s"])]
             + [_us(times[v]) if v in times else "—" for v in values]
             + [ratio(best, r["fp8_s"]), _us(r["bf16_s"])]
         )

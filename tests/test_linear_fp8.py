@@ -10,6 +10,7 @@ tests/gpu/test_gpu_linear_fp8.py covers the compiled kernels at DeepSeek-V4-Flas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -296,8 +297,8 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
 ) -> None:
     """TritonLinearBackend keeps the SM count of the device it was made for (the interpreter's
     stand-in, 4) and its tile override, and launches by them, never asking the module again.
-    K = 512 (4 blocks) over 2 tiles, SPLIT_K_PROGRAMS_PER_SM programs an SM wanted: 4 SMs and 8
-    split K in 4 (all its blocks), one SM in 2."""
+    K = 512 (4 blocks) over 2 tiles: 4 SMs split K in 2, 8 SMs in 4, one SM not at all; with four
+    programs an SM wanted (``programs_per_sm``), one SM splits it in 2."""
     split = _config(linear_triton, "split_k")
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"), config=split)
     assert backend.num_sms == 4 and backend.config is split
@@ -310,12 +311,14 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     monkeypatch.setattr(linear_triton, "_gemm_kernel", launches)
     weight, scale = _weight(64, 512, seed=3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
-    assert linear_triton.SPLIT_K_PROGRAMS_PER_SM == 4
     for num_sms in (4, 8, 1):
         backend.num_sms = num_sms
         out = backend.fp8_linear(x, weight, scale, (128, 128))
         assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
-    assert launches.grids == [(2, 4, 1), (2, 4, 1), (2, 2, 1)]
+    backend.config = dataclasses.replace(split, programs_per_sm=4)
+    out = backend.fp8_linear(x, weight, scale, (128, 128))
+    assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
+    assert launches.grids == [(2, 2, 1), (2, 4, 1), (2, 1, 1), (2, 2, 1)]
 
 
 def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(

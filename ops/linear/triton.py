@@ -85,7 +85,9 @@ class TileConfig:
 
     block_m, block_n: the output tile; group_m: M tiles that sweep the N tiles together (L2 reuse
     of weight tiles at large M); quantize_in_gemm: quantize x inside the GEMM (decode) instead of
-    a separate pass; max_split_k: at most this many programs share one tile's K blocks.
+    a separate pass; max_split_k: at most this many programs share one tile's K blocks;
+    programs_per_sm: split K aims at this many programs an SM (max_split_k caps it). At one row a
+    program streams its weight tile, and an SM's loads in flight are its programs' pipelines.
     """
 
     block_m: int
@@ -95,19 +97,21 @@ class TileConfig:
     num_stages: int
     quantize_in_gemm: bool
     max_split_k: int
+    programs_per_sm: int = 1
 
 
 # Keyed by M (first row whose bound is >= M), H200 (SM90, 132 SMs, 4.8 TB/s). Decode is bound by
-# streaming the weight: narrow N tiles and split K give every SM a share of it (four programs an
-# SM, SPLIT_K_PROGRAMS_PER_SM), and a deep pipeline keeps its loads in flight; from 17 to 64 rows
-# 16-row tiles, 128 wide, on 8 warps (H100, fp8_linear.py --tiles: wo_b at 32 rows 31.6 µs
-# against 75 with 64 x 64 tiles). Prefill is bound by the FP8 tensor cores: 128 x 128 tiles,
-# 8 warps. Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16 tile
-# when quantizing in the GEMM).
+# streaming the weight: narrow N tiles and split K give every SM a share of it, and a deep
+# pipeline keeps its loads in flight. Four programs an SM (H100, fp8_linear.py
+# --programs-per-sm: at one row 1 -> 4 took wo_b from 30.3 to 14.3 µs, shared_w2 9.2 -> 7.2,
+# wq_a 6.4 -> 6.2; 8 no better); from 17 to 64 rows 16-row tiles, 128 wide, on 8 warps
+# (fp8_linear.py --tiles: wo_b at 32 rows 31.6 µs against 75 with 64 x 64 tiles). Prefill is
+# bound by the FP8 tensor cores: 128 x 128 tiles, 8 warps. Shared memory per stage: (block_m +
+# block_n) * 128 bytes of e4m3 (+ x's bf16 tile when quantizing in the GEMM).
 _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
-    # max M      block_m, block_n, group_m, num_warps, num_stages, quantize_in_gemm, max_split_k
-    (16, TileConfig(16, 64, 1, 4, 4, True, 16)),
-    (64, TileConfig(16, 128, 1, 8, 4, True, 16)),
+    # max M  block_m, block_n, group_m, warps, stages, quantize_in_gemm, max_split_k, per SM
+    (16, TileConfig(16, 64, 1, 4, 4, True, 16, 4)),
+    (64, TileConfig(16, 128, 1, 8, 4, True, 16, 4)),
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
@@ -120,13 +124,6 @@ def pick_tile_config(num_rows: int) -> TileConfig:
 
 # The interpreter (CPU) gets a small stand-in for the SMs to fill.
 _num_sms = functools.partial(num_sms, cpu_stand_in=4)
-
-
-# Split K aims at this many programs an SM on the one-launch decode rows (the tile table's
-# max_split_k caps it): a program streams its weight tile, and an SM's loads in flight are its
-# programs' pipelines. H100, fp8_linear.py --programs-per-sm: at one row 1 -> 4 took wo_b from
-# 30.3 to 14.3 µs, shared_w2 9.2 -> 7.2, wq_a 6.4 -> 6.2 (8 an SM no better).
-SPLIT_K_PROGRAMS_PER_SM = 4
 
 
 def _split_k(num_tiles: int, num_k_blocks: int, max_split_k: int, num_programs: int) -> int:
@@ -440,9 +437,8 @@ def _gemm(
     config = config or pick_tile_config(m)
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    # The SM target for the one-launch decode rows; more rows split by the SMs alone.
-    per_sm = SPLIT_K_PROGRAMS_PER_SM if config.quantize_in_gemm else 1
-    split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, per_sm * num_sms)
+    num_programs = config.programs_per_sm * num_sms
+    split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_programs)
     if config.quantize_in_gemm:
         a, a_scale = x, x  # a_scale is not read
         a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
@@ -494,7 +490,8 @@ def _gemm(
 
 
 # Split K's tickets: an int32 counter a tile, zero between launches (a tile's last split resets
-# its own). Split K runs only where the tiles are fewer than SPLIT_K_PROGRAMS_PER_SM x the SMs.
+# its own), shared by the device's launches: they must run on one stream at a time (the engine
+# computes on one). Split K runs only where the tiles are fewer than programs_per_sm x the SMs.
 _MAX_SPLIT_TILES = 1 << 14
 
 
