@@ -1,14 +1,16 @@
 """Packed MXFP4 experts at decode, a program a pair: each of the two kernels on its own, by tiles.
 
     bash scripts/gpu_bench.sh benchmarks/moe_gemv.py [--tokens 1,2,4,8,16,32]
-        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS;..."] [--baseline PATH] [--json PATH]
+        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS[,SPLIT];..."] [--baseline PATH]
+        [--json PATH]
 
 V4-Flash routed experts as moe_fp4.py (256 experts, top-6, hidden 4096, intermediate 2048,
 uniform random routing, bf16 weights quantized to MXFP4). For each token count:
 
 - ``gate_up`` (x -> h) and ``down`` (h -> out) of ``triton_gemv.py``, timed apart for each
-  candidate tile (block_n, block_k, num_warps), each checked against the engine's tiles' output
-  (1e-3: the same values, another summation order);
+  candidate tile (block_n, block_k, num_warps; for down also SPLIT, the most tokens whose slots
+  take a program each, default 0), each checked against the engine's tiles' output (1e-3: the
+  same values, another summation order);
 - the whole call: the engine's pick, the best gate/up + best down candidates, our bf16 fused MoE
   on the dequantized weights (the same function), and with ``--baseline`` a previous version of
   ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
@@ -47,20 +49,27 @@ from v4_flash_report import (
 SCRIPT = "moe_gemv.py"
 # (block_n, block_k, num_warps)
 GATE_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;32,512,8;8,256,2;4,1024,4"
-DOWN_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;8,2048,8;4,1024,4;8,256,2"
+DOWN_CANDIDATES = (
+    "8,1024,4;8,2048,8;4,1024,4;8,1024,4,32;8,2048,4,32;16,1024,4,32;16,2048,8,32;8,512,2,32"
+)
 # The engine's tiles of the version before this kernel (RESULTS.md 2026-12-05).
 BASELINE_TILES = (16, 512, 16, 512, 4)
 
 
-def _tiles(text: str) -> list[tuple[int, int, int]]:
+def _tiles(text: str) -> list[tuple[int, ...]]:
     return [tuple(parse_ints(t)) for t in text.split(";") if t.strip()]
+
+
+def _name(tiles: tuple[int, ...]) -> str:
+    bn, bk, warps, *split = tiles
+    return f"{bn}x{bk} w{warps}" + (f" split{split[0]}" if split and split[0] else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--gate", default=GATE_CANDIDATES, help="BN,BK,WARPS;... for gate/up")
-    ap.add_argument("--down", default=DOWN_CANDIDATES, help="BN,BK,WARPS;... for down")
+    ap.add_argument("--down", default=DOWN_CANDIDATES, help="BN,BK,WARPS[,SPLIT];... for down")
     ap.add_argument("--baseline", help="a previous triton_gemv.py to time beside this one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure here")
@@ -96,16 +105,17 @@ def main() -> None:
             "down": packed_bytes / bandwidth * 1e6,
             "whole": 3 * packed_bytes / bandwidth * 1e6,
         }
-        gate_tiles = {f"{bn}x{bk} w{warps}": (bn, bk, warps) for bn, bk, warps in _tiles(ns.gate)}
-        down_tiles = {f"{bn}x{bk} w{warps}": (bn, bk, warps) for bn, bk, warps in _tiles(ns.down)}
+        gate_tiles = {_name(t): t for t in _tiles(ns.gate)}
+        down_tiles = {_name(t): (*t, 0)[:4] for t in _tiles(ns.down)}
         for name, (bn, bk, warps) in gate_tiles.items():
             config = dataclasses.replace(engine, block_n=bn, block_k=bk, num_warps=warps)
             run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
             row["gate"][name] = candidate_us(run, [h], 1e-3)
-        for name, (bn, bk, warps) in down_tiles.items():
+        for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
-                engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps
-            )
+                engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
+                down_split_tokens=split,
+            )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
             row["down"][name] = candidate_us(run, [out], 1e-3)
         for part in ("gate", "down"):

@@ -8,6 +8,7 @@ the production shapes on CUDA.
 
 from __future__ import annotations
 
+import functools
 import os
 
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
@@ -323,6 +324,47 @@ def test_decode_gemv_is_the_reference_on_packed_and_dense_experts(
     dense = [w.dequantize() for w in packed]
     out = moe_triton.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT, config=gemv)
     assert _rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
+def test_decode_gemv_down_split_over_slots_is_the_loop_bitwise(
+    moe_triton: ModuleType, packed: bool
+) -> None:
+    """Up to down_split_tokens tokens the down kernel takes a program per (token, slot) and the
+    tile's last adds the rounded products in slot order: bitwise the one-program loop's sums,
+    with partial N tiles. Each tile's counter is reset, so a second call (a graph replay) sums
+    again alike. A counter left over moves which program adds: the slot-1 program sums (before
+    slot 2's product is in) and resets, slot 2's ticket is left behind; the other tiles hold."""
+    from deepinfer.ops.triton_utils import ticket_counters
+
+    gen = torch.Generator().manual_seed(31)
+    num_tokens, top_k = 2, 3
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    weights = [
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+    ]
+    if not packed:
+        weights = [w.dequantize() for w in weights]
+    topk_ids = _routing("repeated_expert", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    loop = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2)
+    split = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2, down_split_tokens=num_tokens)
+    run = functools.partial(moe_triton.fused_moe, x, *weights, topk_ids, topk_weights, LIMIT)
+    first = run(config=split)
+    assert torch.equal(first, run(config=loop))
+    counters = ticket_counters(x.device)
+    assert not counters.any(), "a tile's counter was not reset"
+    assert torch.equal(run(config=split), first)
+    ref = torch_ref.fused_moe(x, *weights, topk_ids, topk_weights, LIMIT)
+    assert _rel_err(first, ref) < FP32_TOL
+    counters[0] = 1  # token 0's first D tile: its slot-1 program takes the last ticket
+    stale = run(config=split)
+    left = counters.clone()
+    counters.zero_()
+    assert left[0] == 1 and not left[1:].any()
+    assert torch.equal(stale[0, 64:], first[0, 64:]) and torch.equal(stale[1], first[1])
 
 
 def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
 from deepinfer.ops.registry import Backend, ParallelContext
-from deepinfer.ops.triton_utils import num_sms
+from deepinfer.ops.triton_utils import MAX_TICKET_TILES, num_sms, ticket_counters
 
 logger = logging.getLogger(__name__)
 
@@ -452,7 +452,7 @@ def _gemm(
         c = out.unsqueeze(0)  # [1, M, G, N]
     else:  # laid out as out a split, so that one set of offsets serves both
         c = torch.empty((split_k, m, groups, n), dtype=torch.float32, device=x.device)
-        assert num_tiles * groups <= _MAX_SPLIT_TILES, f"{num_tiles} x {groups} split tiles"
+        assert num_tiles * groups <= MAX_TICKET_TILES, f"{num_tiles} x {groups} split tiles"
     _gemm_kernel[(num_tiles, split_k, groups)](
         a,
         a_scale,
@@ -460,7 +460,7 @@ def _gemm(
         weight_scale,
         c,
         out,
-        _counters(x.device),
+        ticket_counters(x.device),
         m,
         n,
         *a_strides[:2],
@@ -487,17 +487,6 @@ def _gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-
-
-# Split K's tickets: an int32 counter a tile, zero between launches (a tile's last split resets
-# its own), shared by the device's launches: they must run on one stream at a time (the engine
-# computes on one). Split K runs only where the tiles are fewer than programs_per_sm x the SMs.
-_MAX_SPLIT_TILES = 1 << 14
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def use_cublas(m: int, n: int, k: int) -> bool:

@@ -11,11 +11,15 @@ captures it):
     x [T, D], topk_ids [T, k], w1, w3 [E, I, D]    --_gate_up_kernel-->  h [T * k, I] fp32
     h, topk_ids, topk_weights [T, k], w2 [E, D, I] --_down_kernel----->  out [T, D]
 
-    grid: gate/up (pair, I tile), down (token, D tile)
+    grid: gate/up (pair, I tile), down (token, D tile) or, up to down_split_tokens tokens,
+    (token, D tile, slot)
 
 The down kernel adds a token's k pairs in slot order in fp32, each pair's weighted output rounded
 to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair rows and no combine
-launch. A token's output depends only on its own routing and the tile sizes: it is bitwise the
+launch. At one token a program per (token, D tile) would loop over all k experts' rows, each
+step waiting on its loads; split over the slots, each program reads one expert's rows, and the
+tile's last program (a ticket, as the FP8 GEMM's split K) adds the k rounded products in slot
+order: the same fp32 sums as the loop, bitwise. A token's output depends only on its own routing and the tile sizes: it is bitwise the
 same alone or in any batch that runs the same ``GemvConfig``. Each kernel loads the next step's
 weights before it computes on the current ones, so a step's loads are in flight while the last
 step's arithmetic runs.
@@ -54,6 +58,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
+from deepinfer.ops.triton_utils import MAX_TICKET_TILES, ticket_counters
 
 __all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "pick_block_k"]
 
@@ -63,7 +68,8 @@ _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tiles of the decode MoE: block_n output rows a program and block_k inputs a step, with
-    num_warps, for the gate/up kernel and (down_*) the down kernel."""
+    num_warps, for the gate/up kernel and (down_*) the down kernel; up to down_split_tokens
+    tokens, the down kernel takes a program per (token, slot) instead of per token."""
 
     block_n: int
     block_k: int
@@ -71,6 +77,7 @@ class GemvConfig:
     down_block_n: int
     down_block_k: int
     down_num_warps: int
+    down_split_tokens: int = 0
 
 
 def pick_block_k(block_k: int, k: int) -> int:
@@ -211,6 +218,8 @@ def _down_kernel(
     w2_ptr,
     s2_ptr,
     out_ptr,
+    part_ptr,
+    counters_ptr,
     topk_ids_ptr,
     topk_weights_ptr,
     stride_hm,
@@ -225,25 +234,31 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
+    SPLIT_SLOTS: tl.constexpr,
 ):
     """out[token, N tile] = sum over slots j = 0..k-1, in that order, in fp32, of
     round(topk_weight[pair] * h[pair] @ w2[e]^T), pair = token * k + j; N = D, K = I. The loop
-    runs over (slot, K step) so that the next slot's first weights load during the last step."""
+    runs over (slot, K step) so that the next slot's first weights load during the last step.
+    SPLIT_SLOTS: a program per slot (grid axis 2) stores its rounded product in part [T * k, N]
+    fp32 and takes a ticket; the tile's last program adds the k of them in slot order, as the
+    loop would (0 + p_0 + p_1 + ...: the same fp32 sums, bitwise), and resets the counter."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % N).to(tl.int64)
     out_dtype = out_ptr.dtype.element_ty
     STEPS: tl.constexpr = K // BLOCK_K
+    SLOTS: tl.constexpr = 1 if SPLIT_SLOTS else TOP_K
+    first = token * TOP_K + tl.program_id(2)  # the first pair this program takes
 
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
-    expert = tl.load(topk_ids_ptr + token * TOP_K).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + first).to(tl.int64)
     w = _load_weights(w2_ptr, expert * stride_we + rows * stride_wn, 0, BLOCK_K, W_FP4)
-    for step in range(TOP_K * STEPS):
-        pair = token * TOP_K + step // STEPS
+    for step in range(SLOTS * STEPS):
+        pair = first + step // STEPS
         k_start = (step % STEPS) * BLOCK_K
-        following = (step + 1) % (TOP_K * STEPS)  # the last step loads the first again: unused
-        next_expert = tl.load(topk_ids_ptr + token * TOP_K + following // STEPS).to(tl.int64)
+        following = (step + 1) % (SLOTS * STEPS)  # the last step loads the first again: unused
+        next_expert = tl.load(topk_ids_ptr + first + following // STEPS).to(tl.int64)
         w_next = _load_weights(
             w2_ptr, next_expert * stride_we + rows * stride_wn, (following % STEPS) * BLOCK_K,
             BLOCK_K, W_FP4,
@@ -258,7 +273,23 @@ def _down_kernel(
             part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         w = w_next
         expert = next_expert
-    tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), offs_n < N)
+    in_n = offs_n < N
+    if SPLIT_SLOTS:
+        # As the FP8 GEMM's split K (ops/linear/triton.py): the barrier orders every thread's
+        # stores before the ticket; the partials are read from L2 (.cg).
+        tl.store(part_ptr + first * N + offs_n, acc, mask=in_n)
+        tl.debug_barrier()
+        counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == TOP_K - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for slot in range(TOP_K):
+                parts = part_ptr + (token * TOP_K + slot) * N + offs_n
+                acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
 
 
 def decode_moe(
@@ -340,11 +371,20 @@ def down(
     num_tokens, top_k = topk_ids.shape
     dim, inter = w2.shape[1], h.shape[1]
     out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
-    _down_kernel[(num_tokens, triton.cdiv(dim, config.down_block_n))](
+    num_tiles = triton.cdiv(dim, config.down_block_n)
+    split = num_tokens <= config.down_split_tokens
+    if split:  # a program per slot; their rounded products meet in part
+        part = torch.empty((num_tokens * top_k, dim), dtype=torch.float32, device=h.device)
+        assert num_tokens * num_tiles <= MAX_TICKET_TILES, f"{num_tokens} x {num_tiles} tiles"
+    else:
+        part = out  # not read
+    _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
         h,
         w2,
         s2,
         out,
+        part,
+        ticket_counters(h.device),
         topk_ids.reshape(-1).contiguous(),
         topk_weights.reshape(-1).contiguous(),
         h.stride(0),
@@ -357,6 +397,7 @@ def down(
         BLOCK_N=config.down_block_n,
         BLOCK_K=pick_block_k(config.down_block_k, inter),
         W_FP4=packed,
+        SPLIT_SLOTS=split,
         num_warps=config.down_num_warps,
     )
     return out
