@@ -10,7 +10,8 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
 - ``gate_up`` (x -> h) and ``down`` (h -> out) of ``triton_gemv.py``, timed apart for each
   candidate tile (block_n, block_k, num_warps; for down also SPLIT, the most tokens whose slots
   take a program each, default 0), each checked against the engine's tiles' output (1e-3: the
-  same values, another summation order);
+  same values, another summation order); each gate/up tile also on x in h's nibble-major order
+  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads);
 - the whole call: the engine's pick, the best gate/up + best down candidates, our bf16 fused MoE
   on the dequantized weights (the same function), and with ``--baseline`` a previous version of
   ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
@@ -107,10 +108,15 @@ def main() -> None:
         }
         gate_tiles = {_name(t): t for t in _tiles(ns.gate)}
         down_tiles = {_name(t): (*t, 0)[:4] for t in _tiles(ns.down)}
+        x_nibble_major = gemv.nibble_major(x)
         for name, (bn, bk, warps) in gate_tiles.items():
             config = dataclasses.replace(engine, block_n=bn, block_k=bk, num_warps=warps)
             run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
             row["gate"][name] = candidate_us(run, [h], 1e-3)
+            run = functools.partial(
+                gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
+            )
+            row["gate"][f"{name} x nibble-major"] = candidate_us(run, [h], 1e-3)
         for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
                 engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
@@ -124,7 +130,8 @@ def main() -> None:
             print(f"  T={num_tokens:3} {part}: " + ", ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                 for n, v in row[part].items()))  # fmt: skip
-        best = gemv.GemvConfig(*gate_tiles[row["best_gate"]], *down_tiles[row["best_down"]])
+        best_gate = row["best_gate"].removesuffix(" x nibble-major")  # the input-order tile
+        best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down"]])
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),

@@ -367,6 +367,26 @@ def test_decode_gemv_down_split_over_slots_is_the_loop_bitwise(
     assert torch.equal(stale[0, 64:], first[0, 64:]) and torch.equal(stale[1], first[1])
 
 
+def test_decode_gemv_gate_up_reads_x_in_nibble_major_order_alike(moe_triton: ModuleType) -> None:
+    """gate_up on x laid out as h (nibble_major: input 32g + 8w + j at 32g + 4j + w) gives
+    bitwise the h of x in input order: the same products, summed alike."""
+    from deepinfer.ops.moe import triton_gemv
+
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(2, FP4_DIM, generator=gen)
+    w1, w3 = (_random_mxfp4(gen, FP4_INTER, FP4_DIM) for _ in range(2))
+    operands = ((w1.packed, w1.scale), (w3.packed, w3.scale))
+    topk_ids = _routing("random", 2, 3, gen)
+    config = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2)
+    h = triton_gemv.gate_up(x, *operands, topk_ids, LIMIT, config)
+    reordered = triton_gemv.nibble_major(x)
+    assert torch.equal(reordered[:, 32 + 4 * 5 + 2], x[:, 32 + 8 * 2 + 5])  # g 1, w 2, j 5
+    h_reordered = triton_gemv.gate_up(
+        reordered, *operands, topk_ids, LIMIT, config, x_nibble_major=True
+    )
+    assert torch.equal(h_reordered, h)
+
+
 def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
     moe_triton: ModuleType,
 ) -> None:

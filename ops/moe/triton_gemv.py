@@ -19,10 +19,11 @@ to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair ro
 launch. At one token a program per (token, D tile) would loop over all k experts' rows, each
 step waiting on its loads; split over the slots, each program reads one expert's rows, and the
 tile's last program (a ticket, as the FP8 GEMM's split K) adds the k rounded products in slot
-order: the same fp32 sums as the loop, bitwise. A token's output depends only on its own routing and the tile sizes: it is bitwise the
-same alone or in any batch that runs the same ``GemvConfig``. Each kernel loads the next step's
-weights before it computes on the current ones, so a step's loads are in flight while the last
-step's arithmetic runs.
+order: the same fp32 sums as the loop, bitwise. A token's output depends only on its own routing
+and the tile sizes: it is bitwise the same alone or in any batch that runs the same
+``GemvConfig`` (the slot split included). Each kernel loads the next step's weights before it
+computes on the current ones, so a step's loads are in flight while the last step's arithmetic
+runs.
 
 Packed weights (``Mxfp4Weight``) are read as 32-bit words, 8 inputs a word, 4 words a scale
 group, each thread taking whole groups (16-byte loads):
@@ -60,7 +61,7 @@ import triton.language as tl
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
 from deepinfer.ops.triton_utils import MAX_TICKET_TILES, ticket_counters
 
-__all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "pick_block_k"]
+__all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "nibble_major", "pick_block_k"]
 
 _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up to here
 
@@ -175,9 +176,11 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
+    X_NIBBLE_MAJOR: tl.constexpr,
 ):
     """h[pair, N tile] = swiglu(x[token] @ w1[e]^T, x[token] @ w3[e]^T), N = I, K = D; inputs
-    contiguous along K (w strides in w_ptr's elements: int32 words when packed)."""
+    contiguous along K (w strides in w_ptr's elements: int32 words when packed); x in h's
+    order (X_NIBBLE_MAJOR, packed only) or the inputs'."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
@@ -194,11 +197,11 @@ def _gate_up_kernel(
         k_next = (k_start + BLOCK_K) % K  # the last step loads the first again: unused
         w1_next = _load_weights(w1_ptr, w_rows, k_next, BLOCK_K, W_FP4)
         w3_next = _load_weights(w3_ptr, w_rows, k_next, BLOCK_K, W_FP4)
-        gate += _group_sums(w1, x_row, k_start, BLOCK_K, W_FP4, False) * _group_scales(
-            s1_ptr, s_rows, k_start, BLOCK_K, W_FP4
+        gate += _group_sums(w1, x_row, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * (
+            _group_scales(s1_ptr, s_rows, k_start, BLOCK_K, W_FP4)
         )
-        up += _group_sums(w3, x_row, k_start, BLOCK_K, W_FP4, False) * _group_scales(
-            s3_ptr, s_rows, k_start, BLOCK_K, W_FP4
+        up += _group_sums(w3, x_row, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * (
+            _group_scales(s3_ptr, s_rows, k_start, BLOCK_K, W_FP4)
         )
         w1 = w1_next
         w3 = w3_next
@@ -309,6 +312,14 @@ def decode_moe(
     return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config)
 
 
+def nibble_major(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with each group of 32 in h's order (module docstring): input 32g + 8w + j
+    at 32g + 4j + w."""
+    groups = x.shape[-1] // MXFP4_BLOCK
+    grouped = x.reshape(*x.shape[:-1], groups, 4, 8)
+    return grouped.transpose(-1, -2).reshape(x.shape).contiguous()
+
+
 def _operand(w: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weight as the kernels read it, its scales): packed bytes as int32 words (8 inputs a
     word); a dense weight stands in for the scales it does not have (never read)."""
@@ -323,10 +334,14 @@ def gate_up(
     topk_ids: torch.Tensor,
     limit: float,
     config: GemvConfig,
+    *,
+    x_nibble_major: bool = False,
 ) -> torch.Tensor:
     """h [T * k, I] fp32 (nibble-major in each group of 32 when packed; module docstring) of
-    x [T, D] and each pair's expert (w1, w3: (weight, scales) as in ``decode_moe``)."""
+    x [T, D] and each pair's expert (w1, w3: (weight, scales) as in ``decode_moe``).
+    ``x_nibble_major``: x's D is in that order too (``nibble_major(x)``; packed experts)."""
     packed = w1[1] is not None
+    assert packed or not x_nibble_major, "x in nibble-major order needs packed experts"
     (w1, s1), (w3, s3) = _operand(*w1), _operand(*w3)
     assert x.stride(1) == 1, f"x must be contiguous along D, strides {x.stride()}"
     num_pairs = topk_ids.numel()
@@ -351,6 +366,7 @@ def gate_up(
         BLOCK_N=config.block_n,
         BLOCK_K=pick_block_k(config.block_k, dim),
         W_FP4=packed,
+        X_NIBBLE_MAJOR=x_nibble_major,
         num_warps=config.num_warps,
     )
     return h
