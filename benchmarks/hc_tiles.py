@@ -5,8 +5,9 @@
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
 kernel's tokens and K a program (HC_BLOCK_T, HC_BLOCK_K), the most programs it splits K over
-(HC_MAX_SPLIT_K: decode's) and the Sinkhorn/collapse kernel's warps (HC_SINKHORN_WARPS), and for
-the module's own attributes
+(HC_MAX_SPLIT_K: decode's), one token's K a step on the CUDA cores (HC_ONE_TOKEN_BLOCK_K, 0:
+tl.dot) and the Sinkhorn/collapse kernel's warps (HC_SINKHORN_WARPS), and for the module's own
+attributes
 ("current"). Every candidate's output is checked against the current attributes'
 (the same arithmetic up to summation order); timing as flashmla_vs_triton.py (CUDA-graph
 replays, L2 cleared before each, median). Bound = bytes (x read, the collapsed output written,
@@ -41,21 +42,24 @@ DIM = V4_FLASH["hidden_size"]
 ITERS = V4_FLASH["hc_sinkhorn_iters"]
 EPS = V4_FLASH["hc_eps"]
 
-# (HC_BLOCK_T, HC_BLOCK_K, HC_SINKHORN_WARPS, HC_MAX_SPLIT_K); all compile without register
-# spills on sm_90a. The split cap matters where tokens alone do not fill the SMs (decode).
+# (HC_BLOCK_T, HC_BLOCK_K, HC_SINKHORN_WARPS, HC_MAX_SPLIT_K, HC_ONE_TOKEN_BLOCK_K); all
+# compile without register spills on sm_90a. The split cap matters where tokens alone do not
+# fill the SMs (decode); the last field only at one token (0: the tl.dot path there too).
 CANDIDATES = [
-    (64, 32, 4, 64),
-    (64, 32, 1, 64),
-    (64, 64, 4, 64),
-    (64, 128, 4, 64),
-    (128, 32, 4, 64),
-    (128, 64, 4, 64),
-    (128, 64, 1, 16),
-    (128, 64, 1, 32),
-    (128, 64, 1, 128),
-    (128, 64, 1, 256),
-    (128, 32, 1, 256),
-    (128, 128, 1, 128),
+    (64, 32, 4, 64, 128),
+    (64, 64, 4, 64, 128),
+    (128, 32, 4, 64, 128),
+    (128, 64, 4, 64, 128),
+    (128, 64, 1, 64, 0),
+    (128, 64, 1, 128, 0),
+    (128, 64, 1, 256, 0),
+    (128, 64, 1, 32, 128),
+    (128, 64, 1, 64, 128),
+    (128, 64, 1, 128, 128),
+    (128, 64, 1, 64, 256),
+    (128, 64, 1, 128, 64),
+    (128, 64, 1, 256, 64),
+    (128, 64, 1, 32, 512),
 ]
 
 
@@ -80,10 +84,11 @@ def main() -> None:
     fn = torch.randn((mix, HC * DIM), generator=gen, device=setup.device) * 0.01
     scale = torch.rand(3, generator=gen, device=setup.device)
     base = torch.randn(mix, generator=gen, device=setup.device) * 0.1
-    attrs = ("HC_BLOCK_T", "HC_BLOCK_K", "HC_SINKHORN_WARPS", "HC_MAX_SPLIT_K")
+    attrs = ("HC_BLOCK_T", "HC_BLOCK_K", "HC_SINKHORN_WARPS", "HC_MAX_SPLIT_K",
+             "HC_ONE_TOKEN_BLOCK_K")  # fmt: skip
     current = tuple(getattr(ours, a) for a in attrs)
     tile_sets = [*CANDIDATES, current]
-    names = ["t{} k{} w{} s{}".format(*c) for c in CANDIDATES] + ["current"]
+    names = ["t{} k{} w{} s{} one{}".format(*c) for c in CANDIDATES] + ["current"]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     for num_tokens in parse_ints(ns.tokens):
@@ -147,7 +152,7 @@ def main() -> None:
             [
                 f"{device_name(setup)}; x [T, {HC}, {DIM}] bf16, fn [{mix}, {HC * DIM}] fp32, "
                 f"{ITERS} Sinkhorn iterations. Tiles: mix tokens (t) and K (k) a program, "
-                f"Sinkhorn/collapse warps (w), most K splits (s). "
+                f"Sinkhorn/collapse warps (w), most K splits (s), one token's K step (one). "
                 f"Copy bandwidth {bandwidth / 1e12:.3f} TB/s.",
             ],
             [markdown(headers, body)],

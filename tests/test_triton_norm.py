@@ -67,6 +67,7 @@ def norm_triton() -> Iterator[ModuleType]:
 @pytest.fixture
 def small_tiles(norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(norm_triton, "HC_BLOCK_K", 16)
+    monkeypatch.setattr(norm_triton, "HC_ONE_TOKEN_BLOCK_K", 16)
     monkeypatch.setattr(norm_triton, "HC_BLOCK_D", 16)
 
 

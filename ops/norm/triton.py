@@ -20,9 +20,10 @@ One row of partials (M = (2 + hc) * hc mix columns, padded to a power of two):
 
     | pre_w: hc | post_w: hc | comb_w: hc * hc, row i then column j | pad to M_PAD |
 
-Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB of fn, and splits
-D over several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few
-hundred flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
+Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB of fn, each
+multiplying on the CUDA cores (a tl.dot tile would be 16 tokens with one used), and splits D over
+several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few hundred
+flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
 
 Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's nope width,
 gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime bound under numpy 2,
@@ -81,6 +82,9 @@ HC_BLOCK_K = 64
 HC_BLOCK_D = 512
 HC_SINKHORN_WARPS = 1
 HC_MAX_SPLIT_K = 64
+# One token (decode, deterministic steps): the mix's K a program step on the CUDA cores (0: the
+# tl.dot path, a 16-token tile with one row used).
+HC_ONE_TOKEN_BLOCK_K = 128
 # Sinkhorn's divisions: IEEE (div_rn) or CUDA's approximate fp32 division (<= 2 ulp). Each IEEE
 # division compiles to a fast path, a check and a branch to a slow path, and ptxas runs them one
 # after another: the 20 iterations' 8 divisions a thread took ~0.55 µs an iteration on the H100
@@ -383,8 +387,27 @@ def _hc_mix_kernel(
     K_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """partials[s, t, m] = sum over split s of x_flat[t, :] * fn[m, :]; sumsq[s, t] likewise."""
+    """partials[s, t, m] = sum over split s of x_flat[t, :] * fn[m, :]; sumsq[s, t] likewise.
+    BLOCK_T 1 (one token): fp32 products on the CUDA cores, summed once after the loop."""
     split = tl.program_id(1)
+    if BLOCK_T == 1:
+        cols = tl.arange(0, M_PAD)
+        prods = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K):
+            ks = split * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < k
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            fn = tl.load(
+                fn_ptr + cols[:, None] * k + ks[None, :],
+                mask=(cols < MIX_SIZE)[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [M_PAD, BLOCK_K]
+            prods += fn * x[None, :]
+            squares += x * x
+        tl.store(partials_ptr + split * M_PAD + cols, tl.sum(prods, axis=1))
+        tl.store(sumsq_ptr + split, tl.sum(squares, axis=0))
+        return
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
     cols = tl.arange(0, M_PAD)
@@ -580,8 +603,11 @@ def _hc_pre(
         prev_pre = prev_pre.float().contiguous()
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
 
-    block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
-    block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
+    if num_tokens == 1 and HC_ONE_TOKEN_BLOCK_K:  # the CUDA cores' path
+        block_t, block_k = 1, min(HC_ONE_TOKEN_BLOCK_K, triton.next_power_of_2(k))
+    else:
+        block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
+        block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
     num_t_blocks, num_k_blocks = triton.cdiv(num_tokens, block_t), triton.cdiv(k, block_k)
     split_k = 1
     while num_t_blocks * split_k < num_sms and 2 * split_k <= min(HC_MAX_SPLIT_K, num_k_blocks):
