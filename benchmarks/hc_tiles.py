@@ -7,8 +7,7 @@ Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attribut
 kernel's tokens and K a program (HC_BLOCK_T, HC_BLOCK_K), the most programs it splits K over
 (HC_MAX_SPLIT_K: decode's), one token's K a step on the CUDA cores (HC_ONE_TOKEN_BLOCK_K, 0:
 tl.dot) and the Sinkhorn/collapse kernel's warps (HC_SINKHORN_WARPS), and for the module's own
-attributes
-("current"). Every candidate's output is checked against the current attributes'
+attributes ("current"). Every candidate's output is checked against the current attributes'
 (the same arithmetic up to summation order); timing as flashmla_vs_triton.py (CUDA-graph
 replays, L2 cleared before each, median). Bound = bytes (x read, the collapsed output written,
 fn read once) / copy bandwidth measured in the run.
