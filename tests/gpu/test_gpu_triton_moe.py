@@ -9,6 +9,7 @@ fp32 reference computed from the same bf16 values, 32 experts' weights upcast at
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -257,6 +258,40 @@ def test_mxfp4_decode_gemv_token_output_does_not_depend_on_the_batch(
     one = slice(9, 10)
     alone = moe_triton.fused_moe(x[one], *packed, topk_ids[one], topk_weights[one], LIMIT)
     assert torch.equal(alone[0], batched[9])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_mxfp4_decode_down_split_over_slots_is_the_loop_bitwise(
+    moe_triton: ModuleType,
+    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
+    num_tokens: int,
+) -> None:
+    """bf16, V4-Flash shapes: the down kernel a program per (token, slot), its tiles' last
+    program adding the products through the ticket, against one program looping over the slots:
+    bitwise alike, over 50 graph replays (the tickets' ordering on real SMs); x in nibble-major
+    order through gate_up gives the same h."""
+    from deepinfer.ops.moe import triton_gemv
+
+    packed, _ = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=40 + num_tokens)
+    engine = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, packed=True)
+    loop = dataclasses.replace(engine, down_split_tokens=0)
+    split = dataclasses.replace(engine, down_split_tokens=num_tokens)
+    expected = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=loop)
+    graph = torch.cuda.CUDAGraph()
+    moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=split)  # compile
+    with torch.cuda.graph(graph):
+        out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=split)
+    for _ in range(50):
+        graph.replay()
+        assert torch.equal(out, expected)
+    operands = ((packed[0].packed, packed[0].scale), (packed[2].packed, packed[2].scale))
+    h = triton_gemv.gate_up(x, *operands, topk_ids, LIMIT, engine)
+    reordered = triton_gemv.nibble_major(x)
+    h_reordered = triton_gemv.gate_up(
+        reordered, *operands, topk_ids, LIMIT, engine, x_nibble_major=True
+    )
+    assert torch.equal(h_reordered, h)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
