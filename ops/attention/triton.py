@@ -59,6 +59,7 @@ from deepinfer.ops.attention import kv_fp8
 from deepinfer.ops.attention import torch_ref as ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -341,11 +342,13 @@ def _fp8_rows_kernel(
     rows_per_group, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr,
     GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program m: row m of values [M, D] packed as ``Fp8Layout.pack`` does (rounded to bf16;
     each NoPE tile's scale 2^ceil(log2(max(amax / 448, 1e-4))), its channels e4m3 under it).
     STORE: into packed row index[m] of the part at part_ptr (``_load_bytes``'s addressing);
     else the row as unpacked (``Fp8Layout.roundtrip``) into out row m."""
+    enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     WIDTH: tl.constexpr = D // GROUPS
     offs_g = tl.arange(0, GROUPS)
@@ -400,7 +403,7 @@ def _fp8_rows(
         stride_group, out.stride(0) if out is not None else 0, rows_per_group, D=dim,
         NOPE=layout.nope_dim, TILE=layout.tile, GROUPS=_scale_groups(layout, dim),
         DATA_BYTES=layout.data_bytes, SCALE_BYTES=layout.scale_bytes, STORE=target is not None,
-        num_warps=4 if dim >= 256 else 1,
+        num_warps=4 if dim >= 256 else 1, **pdl(values.device),
     )  # fmt: skip
     return out
 
@@ -464,6 +467,7 @@ def _sparse_attention_kernel(
     GROUPS: tl.constexpr,
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(H, BLOCK_H), S): token, head block, split of the token's key list.
 
@@ -479,6 +483,7 @@ def _sparse_attention_kernel(
     the epilogue; for narrower tiles straddling wastes no tile on short sources (decode's step
     has one key of its own).
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -547,12 +552,14 @@ def _combine_splits_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, H, D // BLOCK_D): merge the S partials of one (token, head) with the sink.
 
     out[t, h] = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink - m)), w_s = exp2(m_s - m), where
     m = max(max_s m_s, sink), all in log2 units.
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -716,6 +723,7 @@ def sparse_attention(
         SCALE_BYTES=layout.scale_bytes if layout else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl(q.device),
     )
     if is_split:
         block_d = min(dim, 128)
@@ -731,6 +739,7 @@ def sparse_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl(part_m.device),
         )
     return out
 
@@ -758,12 +767,14 @@ def _indexer_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(N, BLOCK_N)): the scores of one token over one block of its entries.
 
     out [T, N] fp32 contiguous. Entries at or past num_visible[t] are neither looked up in
     entry_rows nor loaded from keys (their rows may be garbage): they score -inf.
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * BLOCK_N
     n = first + tl.arange(0, BLOCK_N)
@@ -847,6 +858,7 @@ def indexer_scores(
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps,
+        **pdl(q.device),
     )
     return out
 
@@ -869,6 +881,7 @@ def _indexer_topk_kernel(
     stride_entry_n,
     stride_ot,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T,): one token's k best entries, ties to the lower column, in column order.
 
@@ -878,6 +891,7 @@ def _indexer_topk_kernel(
     the entries above it are taken, then the first tied ones up to k, and each is stored at its
     rank among the taken columns (a prefix sum).
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK)
     in_row = n < num_entries
@@ -931,6 +945,7 @@ def indexer_topk(
         out.stride(0),
         BLOCK=block,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        **pdl(scores.device),
     )
     return out
 

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import MAX_TICKET_TILES, num_sms, ticket_counters
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,10 @@ def _quantize_kernel(
     K: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """q[m, groups], s[m, groups] for GROUPS_PER_PROGRAM consecutive groups of row m."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
@@ -228,6 +231,7 @@ def _gemm_kernel(
     ONE_ROW: tl.constexpr,
     ONE_SCALE: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[M tile, N tile] = sum over the K blocks of
     (a_q @ b^T)[block] * (a_s[:, block] * b_s[n // SCALE_BLOCK_N, block]); split K (SPLIT_K
@@ -248,6 +252,7 @@ def _gemm_kernel(
     were the cost of a batch-1 decode linear. (Quantizing 2-8 rows and repeating them compiles
     to more instructions than the 16 copies, so M > 1 keeps the whole tile.)
     """
+    enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     w_group = tl.program_id(2).to(tl.int64)  # the weight's group (one: 0)
@@ -356,6 +361,7 @@ def quantize_activations(
         K=k,
         GROUP=group,
         GROUPS_PER_PROGRAM=groups_per_program,
+        **pdl(x.device),
     )
     return q, scale
 
@@ -486,6 +492,7 @@ def _gemm(
         SPLIT_K=split_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl(a.device),
     )
 
 

@@ -66,6 +66,7 @@ from deepinfer.ops.moe.torch_ref import (
 from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import dot_precision
 
 __all__ = [
@@ -298,6 +299,7 @@ def _gate_up_kernel(
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
 
@@ -305,6 +307,7 @@ def _gate_up_kernel(
     every row of a used block is written and the down kernel reads h without a row mask.
     W_FP4: w1, w3 are packed bytes with scales s1, s3 (strides stride_s*); else s1, s3 unused.
     """
+    enter(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -426,11 +429,13 @@ def _down_kernel(
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
 
     N = D, K = I. Each pair is stored to its own row, exactly once.
     """
+    enter(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -519,8 +524,10 @@ def _combine_kernel(
     D: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, D tile] = sum over slots j = 0..k-1, in that order, of pair_out[t, j] in fp32."""
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = offs_d < D
@@ -618,6 +625,7 @@ def fused_moe(
         K=dim,
         TOP_K=top_k,
         **launch,
+        **pdl(x.device),
     )
 
     pair_out = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)  # [T * k, D]
@@ -640,12 +648,20 @@ def fused_moe(
         N=dim,
         K=inter,
         **launch,
+        **pdl(h.device),
     )
 
     pair_out = pair_out.view(num_tokens, top_k, dim)  # [T, k, D]
     block_d = min(triton.next_power_of_2(dim), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
-        pair_out, out, *pair_out.stride(), *out.stride(), D=dim, TOP_K=top_k, BLOCK_D=block_d
+        pair_out,
+        out,
+        *pair_out.stride(),
+        *out.stride(),
+        D=dim,
+        TOP_K=top_k,
+        BLOCK_D=block_d,
+        **pdl(out.device),
     )
     return out
 
@@ -664,9 +680,19 @@ def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 @triton.jit
 def _swiglu_kernel(
-    gate_ptr, up_ptr, out_ptr, num_cols, stride_g, stride_u, stride_o, limit, BLOCK: tl.constexpr
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    num_cols,
+    stride_g,
+    stride_u,
+    stride_o,
+    limit,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[row, block] = silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -692,7 +718,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         return out
     block = min(SWIGLU_BLOCK, triton.next_power_of_2(cols))
     _swiglu_kernel[(rows, triton.cdiv(cols, block))](
-        gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), float(limit), BLOCK=block
+        gate,
+        up,
+        out,
+        cols,
+        gate.stride(0),
+        up.stride(0),
+        out.stride(0),
+        float(limit),
+        BLOCK=block,
+        **pdl(out.device),
     )
     return out
 

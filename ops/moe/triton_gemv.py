@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
+from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import MAX_TICKET_TILES, ticket_counters
 
 __all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "nibble_major", "pick_block_k"]
@@ -177,10 +178,12 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
     X_NIBBLE_MAJOR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[pair, N tile] = swiglu(x[token] @ w1[e]^T, x[token] @ w3[e]^T), N = I, K = D; inputs
     contiguous along K (w strides in w_ptr's elements: int32 words when packed); x in h's
     order (X_NIBBLE_MAJOR, packed only) or the inputs'."""
+    enter(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
@@ -238,6 +241,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
     SPLIT_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[token, N tile] = sum over slots j = 0..k-1, in that order, in fp32, of
     round(topk_weight[pair] * h[pair] @ w2[e]^T), pair = token * k + j; N = D, K = I. The loop
@@ -245,6 +249,7 @@ def _down_kernel(
     SPLIT_SLOTS: a program per slot (grid axis 2) stores its rounded product in part [T * k, N]
     fp32 and takes a ticket; the tile's last program adds the k of them in slot order, as the
     loop would (0 + p_0 + p_1 + ...: the same fp32 sums, bitwise), and resets the counter."""
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % N).to(tl.int64)
@@ -368,6 +373,7 @@ def gate_up(
         W_FP4=packed,
         X_NIBBLE_MAJOR=x_nibble_major,
         num_warps=config.num_warps,
+        **pdl(x.device),
     )
     return h
 
@@ -415,5 +421,6 @@ def down(
         W_FP4=packed,
         SPLIT_SLOTS=split,
         num_warps=config.down_num_warps,
+        **pdl(h.device),
     )
     return out

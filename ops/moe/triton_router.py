@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.triton_pdl import enter, pdl
+
 MAX_EXPERTS = 4096  # a program's block of scores
 
 
@@ -41,8 +43,10 @@ def _route_kernel(
     logits_ptr, bias_ptr, hash_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
     stride_hash, scale, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HASHED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program t: token t's weights [TOP_K] fp32 and ids [TOP_K] int64 (module docstring)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     real = experts < num_experts
@@ -101,5 +105,6 @@ def route(
         num_experts, logits.stride(0), hash_ids.stride(0) if hashed else 0, scale,
         TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), HASHED=hashed,
         num_warps=4 if block_e >= 512 else 2,
+        **pdl(logits.device),
     )  # fmt: skip
     return weights, ids

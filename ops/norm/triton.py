@@ -51,6 +51,7 @@ from deepinfer.ops.norm.torch_ref import rope_cos_sin, rope_inv_freq
 from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool
 from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 __all__ = [
@@ -125,7 +126,9 @@ def _rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n)[None, :]
@@ -171,6 +174,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **pdl(rows.device),
     )
     return y
 
@@ -201,9 +205,11 @@ def _apply_rope_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_R rows (a row: one token's one head) of x: the nope columns copied in tiles of
     BLOCK_D, the rope slice loaded as [BLOCK_R, BLOCK_HALF, 2] (pair i: even, odd) and rotated."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < num_rows
     rows = rows.to(tl.int64)
@@ -295,6 +301,7 @@ def apply_rope(
         BLOCK_D=min(ROPE_BLOCK_D, triton.next_power_of_2(max(1, nope))),
         BLOCK_HALF=triton.next_power_of_2(max(1, half)),
         num_warps=min(8, max(1, block_r * row_width // 512)),
+        **pdl(heads.device),
     )
     return y
 
@@ -304,11 +311,13 @@ def _rms_norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, num_rows, num_heads, x_token_stride,
     x_head_stride, cos_stride, sin_stride, eps, N: tl.constexpr, NOPE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M rows (a row: one token's one head) normalised as ``_rms_norm_kernel`` does and
     rounded to y's dtype, then their rope slice rotated as ``_apply_rope_kernel`` does: each
     channel's pair partner (channel ^ 1) is loaded and normalised alongside, so the two
     launches' values come out of one."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -367,7 +376,7 @@ def rms_norm_rope(
     _rms_norm_rope_kernel[(triton.cdiv(num_rows, block_m),)](
         heads, weight, cos, sin, y, num_rows, num_heads, heads.stride(0), heads.stride(1),
         cos.stride(0), sin.stride(0), eps, N=dim, NOPE=nope, HAS_WEIGHT=has_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl(heads.device),
     )  # fmt: skip
     return y
 
@@ -386,9 +395,11 @@ def _hc_mix_kernel(
     BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """partials[s, t, m] = sum over split s of x_flat[t, :] * fn[m, :]; sumsq[s, t] likewise.
     BLOCK_T 1 (one token): fp32 products on the CUDA cores, summed once after the loop."""
+    enter(PDL)
     split = tl.program_id(1)
     if BLOCK_T == 1:
         cols = tl.arange(0, M_PAD)
@@ -467,11 +478,13 @@ def _hc_sinkhorn_collapse_kernel(
     PRECISE_DIV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
     collapse of the slice. The program holding the first slice writes post and comb.
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
     token's own pre goes to pre_out [T, hc]."""
+    enter(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, HC_PAD)  # stream, and comb's row
     j = tl.arange(0, HC_PAD)  # comb's column
@@ -629,6 +642,7 @@ def _hc_pre(
         K_PER_SPLIT=triton.cdiv(num_k_blocks, split_k) * block_k,
         PRECISION=_dot_precision(x.dtype),
         num_warps=8 if block_t >= 64 else 4,
+        **pdl(x.device),
     )
 
     block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
@@ -658,6 +672,7 @@ def _hc_pre(
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
         num_warps=HC_SINKHORN_WARPS,
+        **pdl(x.device),
     )
     return post, comb, collapsed, pre_out
 
@@ -674,8 +689,10 @@ def _hc_post_kernel(
     HC_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * x[t, j, d], in fp32."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     streams = tl.arange(0, HC_PAD)  # k
     is_stream = streams < HC
@@ -736,6 +753,7 @@ def hc_post(
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
         num_warps=4,
+        **pdl(out.device),
     )
     return new
 

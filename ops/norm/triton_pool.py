@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import CompressRows
+from deepinfer.ops.triton_pdl import enter, pdl
 
 # Slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
 POOL_BLOCK_S = 8
@@ -208,12 +209,14 @@ def _compress_pool_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Window w (program_id 1: its BLOCK_D channels from that block on): its M slots (2M
     overlapping: the previous window's Ca, then its own Cb) read where they are (module
     docstring), softmax-pooled online over chunks of BLOCK_S slots (running max, sum and
     weighted sum in fp32), then normalised and roped (``_pool_store``); SPLIT: the pooled
     channels only."""
+    enter(PDL)
     NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
     w = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -313,9 +316,11 @@ def _pool_finish_kernel(
     sin_stride,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Window w's pooled row (a split pool's, rounded as stored), in place: ``_pool_store``'s
     norm and rotation of it (the division by a unit sum is exact)."""
+    enter(PDL)
     w = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
@@ -360,10 +365,12 @@ def _compress_keep_kernel(
     M: tl.constexpr,
     RING: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One kept row: the buffer ring's (RING False: src row src[i] -> buffer row dst[i], all
     columns) or the overlap ring's (RING: token i % M of window src[i // M] -> ring row
     dst[i // M] * M + i % M, its first dst_width columns, the Ca half)."""
+    enter(PDL)
     i = tl.program_id(0)
     if RING:
         window = tl.load(src_ptr + i // M)
@@ -468,6 +475,7 @@ def compress_windows(
             BLOCK_D=block_d,
             ROPE_HALF=half,
             num_warps=num_warps,
+            **pdl(out.device),
         )
         if split:
             block_d = triton.next_power_of_2(dim)
@@ -480,6 +488,7 @@ def compress_windows(
                 BLOCK_D=block_d,
                 ROPE_HALF=half,
                 num_warps=min(8, max(1, block_d // 256)),
+                **pdl(out.device),
             )
     if overlap and rows.last_window is not None and rows.last_window.shape[0]:
         assert rows.prev_dst is not None and rows.ring_kv is not None
@@ -496,6 +505,7 @@ def compress_windows(
             M=m,
             RING=True,
             BLOCK_W=triton.next_power_of_2(dim),
+            **pdl(out.device),
         )
     if rows.left_src.shape[0]:
         _compress_keep_kernel[(rows.left_src.shape[0],)](
@@ -511,5 +521,6 @@ def compress_windows(
             M=m,
             RING=False,
             BLOCK_W=triton.next_power_of_2(width),
+            **pdl(out.device),
         )
     return out
