@@ -18,6 +18,7 @@ Hopper) the keywords turn it off, and ``enter`` compiles to nothing.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -26,8 +27,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["ENABLED", "enter", "pdl"]
 
-# Benchmarks switch it off to measure what it gives (kernels compile a variant for each).
-ENABLED = True
+# DEEPINFER_PDL=0 turns it off (benchmarks measure what it gives; kernels compile a variant
+# for each setting).
+ENABLED = os.environ.get("DEEPINFER_PDL", "1") != "0"
 
 
 @functools.cache

@@ -134,7 +134,13 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # the grouped kernel from 193 pairs.
 _MXFP4_GEMV_PAIRS = 192
 _MXFP4_GEMV = GemvConfig(
-    block_n=32, block_k=256, num_warps=4, down_block_n=8, down_block_k=1024, down_num_warps=4
+    block_n=32,
+    block_k=256,
+    num_warps=4,
+    down_block_n=8,
+    down_block_k=1024,
+    down_num_warps=4,
+    down_split_tokens=4,
 )
 # swiglu: columns a program (the shared expert's I = 2,048 in two programs a token).
 SWIGLU_BLOCK = 1024
