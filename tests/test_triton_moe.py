@@ -381,6 +381,7 @@ def test_decode_gemv_gate_up_reads_x_in_nibble_major_order_alike(moe_triton: Mod
     h = triton_gemv.gate_up(x, *operands, topk_ids, LIMIT, config)
     reordered = triton_gemv.nibble_major(x)
     assert torch.equal(reordered[:, 32 + 4 * 5 + 2], x[:, 32 + 8 * 2 + 5])  # g 1, w 2, j 5
+    assert torch.equal(triton_gemv.reorder_nibble_major(x), reordered)  # the engine's launch
     h_reordered = triton_gemv.gate_up(
         reordered, *operands, topk_ids, LIMIT, config, x_nibble_major=True
     )

@@ -131,16 +131,20 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # 248.7 µs). H100, moe_fp4.py, since the grouped kernel's upcast skips the NaN check (fast_math):
 # at T = 16 (96 pairs) these tiles take 624 µs; at T = 32 (192 pairs) 1,205 against the grouped
 # kernel's 1,255; at T = 40 (240 pairs) 1,488 against 1,393 and at T = 48 1,712 against 1,549:
-# the grouped kernel from 193 pairs.
+# the grouped kernel from 193 pairs. H100, moe_gemv.py (RESULTS.md 2026-12-06, the slot split):
+# down 16 x 2048 on 8 warps, a program per (token, slot): 28.4 / 73.6 / 475 µs at T = 1 / 4 / 32
+# against 40.4 / 82.4 / 473 for 8 x 1024 a token; gate/up on x in nibble-major order 107 / 650
+# µs at T = 4 / 32 against 119 / 739 (T = 1: 39.2 against 40.8, less than the reorder's launch).
 _MXFP4_GEMV_PAIRS = 192
 _MXFP4_GEMV = GemvConfig(
     block_n=32,
     block_k=256,
     num_warps=4,
-    down_block_n=8,
-    down_block_k=1024,
-    down_num_warps=4,
-    down_split_tokens=4,
+    down_block_n=16,
+    down_block_k=2048,
+    down_num_warps=8,
+    down_split_tokens=32,
+    reorder_x_tokens=2,
 )
 # swiglu: columns a program (the shared expert's I = 2,048 in two programs a token).
 SWIGLU_BLOCK = 1024

@@ -62,7 +62,15 @@ from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_utils import MAX_TICKET_TILES, ticket_counters
 
-__all__ = ["GemvConfig", "decode_moe", "down", "gate_up", "nibble_major", "pick_block_k"]
+__all__ = [
+    "GemvConfig",
+    "decode_moe",
+    "down",
+    "gate_up",
+    "nibble_major",
+    "pick_block_k",
+    "reorder_nibble_major",
+]
 
 _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up to here
 
@@ -71,7 +79,9 @@ _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up 
 class GemvConfig:
     """Tiles of the decode MoE: block_n output rows a program and block_k inputs a step, with
     num_warps, for the gate/up kernel and (down_*) the down kernel; up to down_split_tokens
-    tokens, the down kernel takes a program per (token, slot) instead of per token."""
+    tokens, the down kernel takes a program per (token, slot) instead of per token; from
+    reorder_x_tokens tokens (0: never), packed gate/up reads x copied into h's nibble-major
+    order (8-byte x loads for 2-byte gathers, for one more launch)."""
 
     block_n: int
     block_k: int
@@ -80,6 +90,7 @@ class GemvConfig:
     down_block_k: int
     down_num_warps: int
     down_split_tokens: int = 0
+    reorder_x_tokens: int = 0
 
 
 def pick_block_k(block_k: int, k: int) -> int:
@@ -313,8 +324,35 @@ def decode_moe(
     and its scale bytes (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32. Returns
     [T, D] in x's dtype."""
     (w1, s1), (w2, s2), (w3, s3) = weights
-    h = gate_up(x, (w1, s1), (w3, s3), topk_ids, limit, config)
+    reorder = s1 is not None and 0 < config.reorder_x_tokens <= x.shape[0]
+    x_in = reorder_nibble_major(x) if reorder else x
+    h = gate_up(x_in, (w1, s1), (w3, s3), topk_ids, limit, config, x_nibble_major=reorder)
     return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config)
+
+
+@triton.jit
+def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):  # fmt: skip
+    """Row t of x to row t of out in h's nibble-major order (``nibble_major``)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    in_d = d < D
+    dst = (d // 32) * 32 + (d % 8) * 4 + (d % 32) // 8
+    tl.store(out_ptr + t * D + dst, tl.load(x_ptr + t * stride_x + d, mask=in_d), mask=in_d)
+
+
+def reorder_nibble_major(x: torch.Tensor) -> torch.Tensor:
+    """``nibble_major(x)`` for x [T, D] in one launch (the decode step's graph keeps it in the
+    programmatic-launch chain)."""
+    assert x.stride(1) == 1 and x.shape[1] % MXFP4_BLOCK == 0, f"x {tuple(x.shape)}"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _reorder_kernel[(x.shape[0],)](
+            x, out, x.stride(0), D=x.shape[1], BLOCK=block, num_warps=4, **pdl(x.device)
+        )
+    return out
 
 
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
@@ -394,10 +432,9 @@ def down(
     dim, inter = w2.shape[1], h.shape[1]
     out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
     num_tiles = triton.cdiv(dim, config.down_block_n)
-    split = num_tokens <= config.down_split_tokens
+    split = num_tokens <= config.down_split_tokens and num_tokens * num_tiles <= MAX_TICKET_TILES
     if split:  # a program per slot; their rounded products meet in part
         part = torch.empty((num_tokens * top_k, dim), dtype=torch.float32, device=h.device)
-        assert num_tokens * num_tiles <= MAX_TICKET_TILES, f"{num_tokens} x {num_tiles} tiles"
     else:
         part = out  # not read
     _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
