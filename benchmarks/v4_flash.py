@@ -160,6 +160,12 @@ def add_common_args(
     if ours:
         ap.add_argument("--backend", default="auto", help="auto | torch_ref | attention=X,moe=Y")
         ap.add_argument("--depth", type=int, default=1, help="layers per model (all of one type)")
+        ap.add_argument(
+            "--no-launch-pdl",
+            dest="launch_pdl",
+            action="store_false",
+            help="kernel.launch_pdl = false: no programmatic dependent launch",
+        )
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--seed", type=int, default=0)
@@ -216,17 +222,17 @@ def release() -> None:
 # ---- model and inputs ------------------------------------------------------------------------
 
 
-def kernel_config(backend: str) -> KernelConfig:
+def kernel_config(backend: str, launch_pdl: bool = True) -> KernelConfig:
     """--backend: one name for every op family ("auto", "torch_ref", ...) or per family,
-    "attention=NAME,moe=NAME" (families left out stay "auto")."""
+    "attention=NAME,moe=NAME" (families left out stay "auto"); --no-launch-pdl."""
     families = [f.name for f in dataclasses.fields(KernelConfig) if f.default == "auto"]
     if "=" not in backend:
-        return KernelConfig(**dict.fromkeys(families, backend))
+        return KernelConfig(**dict.fromkeys(families, backend), launch_pdl=launch_pdl)
     chosen = dict(pair.split("=", 1) for pair in backend.split(","))
     bad = sorted(set(chosen) - set(families))
     if bad:
         raise SystemExit(f"--backend: unknown op families {bad}; known: {families}")
-    return KernelConfig(**chosen)
+    return KernelConfig(**chosen, launch_pdl=launch_pdl)
 
 
 def describe_kernels(kernels: Kernels) -> str:
@@ -289,12 +295,13 @@ def each_layer_model(
     measure: Callable[[str, ModelArgs, torch.nn.Module], None],
     fp4_experts: bool = False,
     fp8_linears: bool = False,
+    launch_pdl: bool = True,
 ) -> str:
     """Build one model per layer type (``outer`` first: no layers), call ``measure(kind,
     cache_args, model)``, free the model before the next. ``cache_args`` shapes the inputs and
     the cache: the model's own, except for ``outer``, whose cache has one layer of every type
     (so that its step plans are a full model's). Returns the chosen kernels, described."""
-    kernels = select_kernels(kernel_config(backend), setup.device)
+    kernels = select_kernels(kernel_config(backend, launch_pdl), setup.device)
     every_type = ModelArgs.from_dict(config_dict(list(LAYER_TYPES.values()), setup.tiny))
     for kind in [OUTER, *kinds]:
         args = model_args(kind, depth, setup.tiny)

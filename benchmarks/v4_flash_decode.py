@@ -185,7 +185,9 @@ def main() -> None:
 
     for variant in variants:  # measure() reads the variant being built
         flags = weight_flags(variant)
-        kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags)
+        kernels = each_layer_model(
+            kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags, launch_pdl=ns.launch_pdl
+        )
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, batches, contexts, variants, setup, kernels, bandwidth, ns)

@@ -133,7 +133,9 @@ def main() -> None:
         write_json(ns.json, payload)
 
     flags = weight_flags(ns.experts)
-    kernels = each_layer_model(kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags)
+    kernels = each_layer_model(
+        kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags, launch_pdl=ns.launch_pdl
+    )
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, prompts, chunk, setup, kernels, rate, ns)

@@ -138,8 +138,9 @@ def main() -> None:
         write_json(ns.json, payload)
 
     payload["kernels"] = each_layer_model(
-        parse_layers(ns.layers), 1, ns.backend, setup, ns.seed, measure, **weight_flags(ns.experts)
-    )
+        parse_layers(ns.layers), 1, ns.backend, setup, ns.seed, measure,
+        **weight_flags(ns.experts), launch_pdl=ns.launch_pdl,
+    )  # fmt: skip
     write_json(ns.json, payload)
 
 

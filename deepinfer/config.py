@@ -266,6 +266,9 @@ class KernelConfig:
     # Batch-invariant results: each forward runs one token of one request (slow; see
     # engine/deterministic.py (forward_split) and benchmarks/RESULTS.md for the cost).
     deterministic: bool = False
+    # CUDA sm_90+: Triton kernels launch with programmatic dependent launch, each overlapping
+    # its predecessor's tail (ops/triton_pdl.py). Process-wide: the last selection sets it.
+    launch_pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:

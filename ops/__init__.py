@@ -39,9 +39,11 @@ def select_kernels(
 ) -> Kernels:
     """One backend per family for ``device``. ``experts``: the expert-parallel ranks (None:
     none); the MoE backend then exchanges tokens over them (``moe/expert_parallel.py``) around
-    the device's own. Attention, linears, norms and sampling run on each rank alone."""
-    from deepinfer.ops import attention, linear, moe, norm, sampling
+    the device's own. Attention, linears, norms and sampling run on each rank alone.
+    ``config.launch_pdl`` sets the process's Triton launches (``triton_utils.LAUNCH_PDL``)."""
+    from deepinfer.ops import attention, linear, moe, norm, sampling, triton_utils
 
+    triton_utils.LAUNCH_PDL = config.launch_pdl
     routed = moe.BACKENDS.select(config.moe, device)
     if experts is not None:
         from deepinfer.ops.moe.expert_parallel import ExpertParallelMoEBackend

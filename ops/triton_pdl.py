@@ -18,18 +18,15 @@ Hopper) the keywords turn it off, and ``enter`` compiles to nothing.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["ENABLED", "enter", "pdl"]
+from deepinfer.ops import triton_utils
 
-# DEEPINFER_PDL=0 turns it off (benchmarks measure what it gives; kernels compile a variant
-# for each setting).
-ENABLED = os.environ.get("DEEPINFER_PDL", "1") != "0"
+__all__ = ["enter", "pdl"]
 
 
 @functools.cache
@@ -39,8 +36,9 @@ def _supported(device: torch.device) -> bool:
 
 def pdl(device: torch.device) -> dict[str, bool]:
     """The launch keywords of a kernel that begins with ``enter``: its ``PDL`` constexpr and
-    Triton's ``launch_pdl``, on where ``device`` supports it."""
-    on = ENABLED and _supported(device)
+    Triton's ``launch_pdl``, on where ``device`` supports it and kernel.launch_pdl is true
+    (``triton_utils.LAUNCH_PDL``; kernels compile a variant for each setting)."""
+    on = triton_utils.LAUNCH_PDL and _supported(device)
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -37,3 +37,8 @@ MAX_TICKET_TILES = 1 << 14
 def ticket_counters(device: torch.device) -> torch.Tensor:
     """The device's ticket counters (``MAX_TICKET_TILES`` int32 zeros)."""
     return torch.zeros(MAX_TICKET_TILES, dtype=torch.int32, device=device)
+
+
+# kernel.launch_pdl for the process (ops.select_kernels sets it): whether the Triton kernels
+# launch with programmatic dependent launch where the device supports it (triton_pdl.py).
+LAUNCH_PDL = True

@@ -94,6 +94,24 @@ def test_default_selection_is_the_reference_on_cpu() -> None:
     assert type(kernels.sampling).__module__ == "deepinfer.ops.sampling.torch_ref"
 
 
+def test_kernel_launch_pdl_sets_the_process_launches() -> None:
+    """kernel.launch_pdl reaches the Triton launches through select_kernels; on the CPU (the
+    interpreter) the launch keywords are off either way."""
+    from deepinfer.ops import triton_utils
+
+    try:
+        select_kernels(KernelConfig(launch_pdl=False), CPU)
+        assert triton_utils.LAUNCH_PDL is False
+        select_kernels(KernelConfig(), CPU)
+        assert triton_utils.LAUNCH_PDL is True
+        pytest.importorskip("triton")
+        from deepinfer.ops.triton_pdl import pdl
+
+        assert pdl(CPU) == {"PDL": False, "launch_pdl": False}
+    finally:
+        triton_utils.LAUNCH_PDL = True
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: select_kernels(KernelConfig(), CPU), reference_kernels],
