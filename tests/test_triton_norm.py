@@ -217,6 +217,41 @@ def test_hc_pre_shifted(
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
+@pytest.mark.parametrize("shifted", [False, True], ids=["hc_pre", "hc_pre_shifted"])
+def test_hc_pre_normalises_the_block_input_in_the_same_launch(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+    shifted: bool,
+) -> None:
+    """block_norm: the block input through rms_norm with the sub-layer's weight and eps, as
+    torch_ref composes them. The cases take each path: a token's D over 3 programs (the last
+    by ticket normalises the row) and over 2, and one program a token looping over D. Every
+    token's counter is reset; the mixes are those without the norm."""
+    from deepinfer.ops.triton_utils import ticket_counters
+
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + 11)
+    x, fn, scale, base = _hc_inputs(num_tokens, dim, gen)
+    block_norm = (1 + 0.5 * torch.randn(dim, generator=gen), 1e-5)
+    prev = (torch.rand(num_tokens, HC, generator=gen),) if shifted else ()
+    name = "hc_pre_shifted" if shifted else "hc_pre"
+    args = (x, *prev, fn, scale, base, 20, 1e-6, EPS)
+    ref = getattr(torch_ref, name)(*args, block_norm=block_norm)
+    out = getattr(norm_triton, name)(*args, block_norm=block_norm)
+    assert not ticket_counters(x.device).any(), "a token's counter was not reset"
+    assert _rel_err(out[-1], ref[-1]) < FP32_TOL
+    plain = getattr(norm_triton, name)(*args)
+    for o, p in zip(out[:-1], plain[:-1], strict=True):
+        assert torch.equal(o, p)
+    unnormed = getattr(torch_ref, name)(*args)[-1]
+    assert torch.equal(ref[-1], torch_ref.rms_norm(unnormed, *block_norm))
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
 def test_hc_post(
     norm_triton: ModuleType,
     small_tiles: None,

@@ -22,6 +22,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(x, self.weight, self.eps)
 
+    @property
+    def params(self) -> tuple[torch.Tensor, float]:
+        """(weight, eps): for an op that applies this norm itself (``hc_pre``'s block_norm)."""
+        return self.weight, self.eps
+
 
 def step_rope(
     positions: torch.Tensor, inv_freqs: dict[str, torch.Tensor]

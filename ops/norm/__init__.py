@@ -61,6 +61,8 @@ class NormBackend(Protocol):
         sinkhorn_iters: int,
         hc_eps: float,
         norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def hc_pre_shifted(
@@ -73,6 +75,8 @@ class NormBackend(Protocol):
         sinkhorn_iters: int,
         hc_eps: float,
         norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def hc_post(

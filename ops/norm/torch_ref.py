@@ -239,15 +239,25 @@ def hc_pre(
     sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Manifold-constrained hyper-connection, entry side.
 
     x: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; scale: [3]; base: [(2+hc)*hc]. Returns (post [T, hc],
     comb [T, hc, hc] doubly stochastic by Sinkhorn, block input [T, D] = sum_i pre[i] * x[i]
-    in x's dtype). All mixing math in fp32.
+    in x's dtype). All mixing math in fp32. ``block_norm`` (weight [D], eps): the block input
+    through ``rms_norm`` with them, the sub-layer's own norm (one launch with the collapse on
+    Triton).
     """
     pre, post, comb = hc_mixes(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)
-    return post, comb, hc_collapse(x, pre)
+    return post, comb, _block_input(hc_collapse(x, pre), block_norm)
+
+
+def _block_input(
+    collapsed: torch.Tensor, block_norm: tuple[torch.Tensor, float] | None
+) -> torch.Tensor:
+    return collapsed if block_norm is None else rms_norm(collapsed, *block_norm)
 
 
 def hc_pre_shifted(
@@ -259,13 +269,15 @@ def hc_pre_shifted(
     sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shifted hyper-connection (DeepSeek-V4.1), entry side: the block input collapses x with
     the *previous* sub-layer's pre (``prev_pre`` [T, hc] fp32), and this sub-layer's pre, from
     the same mixes as ``hc_pre``, is returned for the next one. Returns (pre [T, hc], post,
-    comb, block input [T, D])."""
+    comb, block input [T, D]); ``block_norm`` as ``hc_pre``'s."""
     pre, post, comb = hc_mixes(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)
-    return pre, post, comb, hc_collapse(x, prev_pre)
+    return pre, post, comb, _block_input(hc_collapse(x, prev_pre), block_norm)
 
 
 def hc_mixes(

@@ -52,7 +52,7 @@ from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool
 from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
-from deepinfer.ops.triton_utils import dot_precision, num_sms
+from deepinfer.ops.triton_utils import MAX_TICKET_TILES, dot_precision, num_sms, ticket_counters
 
 __all__ = [
     "TritonNormBackend",
@@ -464,12 +464,20 @@ def _hc_sinkhorn_collapse_kernel(
     collapsed_ptr,
     prev_pre_ptr,
     pre_out_ptr,
+    norm_w_ptr,
+    row_sumsq_ptr,
+    counters_ptr,
     num_tokens,
     dim,
     k,
     hc_eps,
     norm_eps,
+    block_eps,
     SHIFTED: tl.constexpr,
+    NORM: tl.constexpr,
+    D_PROGRAMS: tl.constexpr,
+    D_PROGRAMS_PAD: tl.constexpr,
+    D_ROW: tl.constexpr,
     HC: tl.constexpr,
     HC_PAD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -483,7 +491,12 @@ def _hc_sinkhorn_collapse_kernel(
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
     collapse of the slice. The program holding the first slice writes post and comb.
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
-    token's own pre goes to pre_out [T, hc]."""
+    token's own pre goes to pre_out [T, hc].
+    NORM: the block input RMS-normalised in place (weight norm_w, eps block_eps) over the
+    rounded values, as torch_ref's rms_norm of the collapse: each program adds its slice's
+    squares; with one program a token it normalises its row after a barrier, else the token's
+    last program (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order and
+    normalises the whole row, read back from L2."""
     enter(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, HC_PAD)  # stream, and comb's row
@@ -527,6 +540,7 @@ def _hc_sinkhorn_collapse_kernel(
 
     t = t.to(tl.int64)
     d_begin = tl.program_id(1) * D_PER_PROGRAM
+    squares = tl.zeros([BLOCK_D], dtype=tl.float32)
     for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
         d = d_begin + d0 + tl.arange(0, BLOCK_D)
         d_mask = d < dim
@@ -536,7 +550,46 @@ def _hc_sinkhorn_collapse_kernel(
             other=0.0,
         )  # [HC_PAD, BLOCK_D]
         y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
-        tl.store(collapsed_ptr + t * dim + d, y.to(collapsed_ptr.dtype.element_ty), mask=d_mask)
+        y = y.to(collapsed_ptr.dtype.element_ty)
+        tl.store(collapsed_ptr + t * dim + d, y, mask=d_mask)
+        if NORM:
+            squares += tl.where(d_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
+    if NORM:
+        row_sum = tl.sum(squares, axis=0)
+        if D_PROGRAMS == 1:
+            tl.debug_barrier()  # the row's stores, by every thread, before they are read back
+            _norm_row(collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
+        else:
+            tl.store(row_sumsq_ptr + t * D_PROGRAMS + tl.program_id(1), row_sum)
+            tl.debug_barrier()
+            counter = counters_ptr + t
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == D_PROGRAMS - 1:
+                programs = tl.arange(0, D_PROGRAMS_PAD)
+                sums = tl.load(
+                    row_sumsq_ptr + t * D_PROGRAMS + programs,
+                    mask=programs < D_PROGRAMS,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                row_sum = tl.sum(sums, axis=0)
+                _norm_row(
+                    collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW
+                )
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _norm_row(row_ptr, w_ptr, sum_sq, dim, eps, BLOCK_D: tl.constexpr, D_ROW: tl.constexpr):
+    """row[:dim] = w * (row * rsqrt(sum_sq / dim + eps)), in place, read through L2 (.cg): the
+    rms_norm of torch_ref on a row whose squares sum to sum_sq."""
+    inv_rms = tl.rsqrt(sum_sq / dim + eps)
+    for d0 in tl.range(0, D_ROW, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        h = tl.load(row_ptr + d, mask=d_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d_mask, other=0.0)
+        tl.store(row_ptr + d, (w * (h * inv_rms)).to(row_ptr.dtype.element_ty), mask=d_mask)
 
 
 def hc_pre(
@@ -548,17 +601,19 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
     num_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Manifold-constrained hyper-connection, entry side.
 
     x: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; scale: [3]; base: [(2+hc)*hc]. Returns (post [T, hc]
     fp32, comb [T, hc, hc] fp32 doubly stochastic by Sinkhorn, block input [T, D] =
-    sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32. ``num_sms``: the SMs the K and
-    D splits fill (default: x's device's).
+    sum_i pre[i] * x[i] in x's dtype). All mixing math in fp32. ``block_norm`` (weight [D],
+    eps): the block input RMS-normalised with them in the same launch (torch_ref's). ``num_sms``:
+    the SMs the K and D splits fill (default: x's device's).
     """
     post, comb, collapsed, _ = _hc_pre(
-        x, None, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms
+        x, None, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms, block_norm
     )
     return post, comb, collapsed
 
@@ -573,12 +628,14 @@ def hc_pre_shifted(
     hc_eps: float,
     norm_eps: float,
     *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
     num_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shifted variant (torch_ref.hc_pre_shifted): the block input collapses x with
-    ``prev_pre`` [T, hc] fp32; returns (pre, post, comb, block input), pre this sub-layer's."""
+    ``prev_pre`` [T, hc] fp32; returns (pre, post, comb, block input), pre this sub-layer's;
+    ``block_norm`` as hc_pre's."""
     post, comb, collapsed, pre = _hc_pre(
-        x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms
+        x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms, block_norm
     )
     assert pre is not None
     return pre, post, comb, collapsed
@@ -594,6 +651,7 @@ def _hc_pre(
     hc_eps: float,
     norm_eps: float,
     num_sms: int | None,
+    block_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Both entry sides: (post, comb, block input, this sub-layer's pre when shifted)."""
     num_tokens, hc, dim = x.shape
@@ -646,6 +704,14 @@ def _hc_pre(
     )
 
     block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+    if block_norm is not None:
+        norm_weight, block_eps = block_norm[0].float().contiguous(), float(block_norm[1])
+        assert norm_weight.shape == (dim,), f"hc_pre: norm weight {tuple(norm_weight.shape)}"
+        if num_d_programs > 1:  # each program's sum of squares, then the token's last adds them
+            assert num_tokens <= MAX_TICKET_TILES, f"hc_pre: {num_tokens} tokens to normalise"
+        row_sumsq = torch.empty(num_tokens, num_d_programs, dtype=torch.float32, device=x.device)
+    else:
+        norm_weight, block_eps, row_sumsq = post, 0.0, post  # not read
     _hc_sinkhorn_collapse_kernel[(num_tokens, num_d_programs)](
         x,
         partials,
@@ -657,12 +723,20 @@ def _hc_pre(
         collapsed,
         prev_pre if shifted else post,
         pre_out if shifted else post,
+        norm_weight,
+        row_sumsq,
+        ticket_counters(x.device),
         num_tokens,
         dim,
         k,
         hc_eps,
         norm_eps,
+        block_eps,
         SHIFTED=shifted,
+        NORM=block_norm is not None,
+        D_PROGRAMS=num_d_programs,
+        D_PROGRAMS_PAD=triton.next_power_of_2(num_d_programs),
+        D_ROW=triton.cdiv(dim, block_d) * block_d,
         HC=hc,
         HC_PAD=triton.next_power_of_2(hc),
         M_PAD=m_pad,
@@ -784,8 +858,13 @@ class TritonNormBackend(Backend):
         sinkhorn_iters: int,
         hc_eps: float,
         norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc_pre(x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms=self.num_sms)
+        return hc_pre(
+            x, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+            block_norm=block_norm, num_sms=self.num_sms,
+        )  # fmt: skip
 
     def hc_pre_shifted(
         self,
@@ -797,10 +876,13 @@ class TritonNormBackend(Backend):
         sinkhorn_iters: int,
         hc_eps: float,
         norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return hc_pre_shifted(
-            x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms=self.num_sms
-        )
+            x, prev_pre, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+            block_norm=block_norm, num_sms=self.num_sms,
+        )  # fmt: skip
 
     def hc_post(
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor

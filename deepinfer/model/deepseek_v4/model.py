@@ -8,6 +8,8 @@ H = attention heads, hd = head dim, hc = hyper-connection streams.
 Per layer:  x [T, hc, D] --hc_pre--> attn_norm -> Attention --hc_post--> x
                          --hc_pre--> ffn_norm  -> MoE       --hc_post--> x
 
+(each norm applied by its hc_pre call: ``block_norm``, one launch with the collapse on Triton)
+
 MTP layer (``mtp.{i}``, built when served): position p reads the stack's last hidden streams at
 p and the embedding of token p + 1, and predicts token p + 2 (``mtp.py`` drives it)::
 
@@ -307,10 +309,16 @@ class Block(nn.Module):
         """x: [T, hc, D] -> [T, hc, D]."""
         a, norm = self.args, self.kernels.norm
         hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
-        post, comb, h = norm.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc)
-        x = norm.hc_post(self.attn(self.attn_norm(h), batch, cache), x, post, comb)
-        post, comb, h = norm.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
-        return norm.hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
+        post, comb, h = norm.hc_pre(
+            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc,
+            block_norm=self.attn_norm.params,
+        )  # fmt: skip
+        x = norm.hc_post(self.attn(h, batch, cache), x, post, comb)
+        post, comb, h = norm.hc_pre(
+            x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc,
+            block_norm=self.ffn_norm.params,
+        )  # fmt: skip
+        return norm.hc_post(self.ffn(h, batch.input_ids), x, post, comb)
 
 
 class MTPLayer(Block):

@@ -432,9 +432,9 @@ class Block(nn.Module):
                 else gated.index_copy(0, batch.image_rows, x[batch.image_rows])
             )
         pre_attn, post, comb, h = norm.hc_pre_shifted(
-            x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc
-        )
-        h = self.attn_norm(h)
+            x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc,
+            block_norm=self.attn_norm.params,
+        )  # fmt: skip
         if self.attn.is_yoco_boundary:
             cross.shared_hidden = h
         if consumer is not None:
@@ -452,9 +452,10 @@ class Block(nn.Module):
         out = self.attn(h, batch, cache, cross, inv_freq)
         x = norm.hc_post(out, x, post, comb)
         pre_ffn, post, comb, h = norm.hc_pre_shifted(
-            x, pre_attn, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc
-        )
-        return norm.hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb), pre_ffn
+            x, pre_attn, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc,
+            block_norm=self.ffn_norm.params,
+        )  # fmt: skip
+        return norm.hc_post(self.ffn(h, batch.input_ids), x, post, comb), pre_ffn
 
 
 class MTPLayer(Block):
