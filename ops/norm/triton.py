@@ -13,6 +13,7 @@ hc_pre is two launches and never reads a value back to the host, so it captures 
                                      sumsq    [SPLIT_K, T]         sum of x_flat^2 over that split
     partials, sumsq, x --_hc_sinkhorn_collapse_kernel--> post [T, hc], comb [T, hc, hc],
                                                           collapsed [T, D]
+                                                          (RMS-normalised in place: block_norm)
 
 The RMS norm of a token's flattened streams (K = hc * D values) is one scalar, so
 ``mix = (x_flat @ fn^T) * rsqrt(sum(x_flat^2) / K + eps)``: one pass over x yields both factors.
