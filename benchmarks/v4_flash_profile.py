@@ -9,10 +9,11 @@ runs a decode step of each batch size (v4_flash.decode_inputs) and one prefill c
 (v4_flash.prefill_inputs), after warm-up, under torch.profiler with CUDA activity. The outer
 model (embedding, LM head, no layer) is profiled the same way, so what a layer adds is the
 difference. Reported per case: kernels launched, the sum of kernel times (device busy), the
-step's wall time on CUDA events, and the top kernels by total time (name, calls, µs, share of
-the busy time). ``--experts`` picks the weights as v4_flash_decode.py does (one variant).
-The step is eager: with decode graphs the same kernels run without the launch
-gaps, so "busy" is what a graph replay approaches.
+step's wall time on CUDA events, the top kernels by total time (name, calls, µs, share of
+the busy time), and the launches that are not ours (cuBLAS, torch: outside the programmatic
+launch chain of our Triton kernels). ``--experts`` picks the weights as v4_flash_decode.py
+does (one variant). The step is eager: with decode graphs the same kernels run without the
+launch gaps, so "busy" is what a graph replay approaches.
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ def show(title: str, result: dict, top: int) -> None:
     for k in result["kernels"][:top]:
         share = 100 * k["us"] / result["busy_us"]
         print(f"  {k['us']:9.1f} µs {share:5.1f}%  x{k['calls']:<4} {k['name']}")
+    others = [k for k in result["kernels"] if not is_ours(k["name"])]
+    print(
+        f"  ours (Triton, chained by programmatic launch): "
+        f"{result['launches'] - sum(k['calls'] for k in others)} launches; others (cuBLAS, "
+        f"torch, copies: each starts after its predecessor ends): "
+        f"{sum(k['calls'] for k in others)} launches, {sum(k['us'] for k in others):.0f} µs"
+    )
+    for k in others[:8]:
+        print(f"    x{k['calls']:<4} {k['us']:9.1f} µs  {k['name']}")
+
+
+def is_ours(name: str) -> bool:
+    """Whether a kernel is one of our Triton kernels (``_*_kernel``, ops/triton_pdl.py)."""
+    return re.fullmatch(r"_[a-z0-9_]+_kernel", name) is not None
 
 
 def main() -> None:
