@@ -22,9 +22,24 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.ops import triton_utils
+
+try:  # Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # an older Triton: launches as before
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
 
 __all__ = ["enter", "pdl"]
 
@@ -38,6 +53,8 @@ def pdl(device: torch.device) -> dict[str, bool]:
     """The launch keywords of a kernel that begins with ``enter``: its ``PDL`` constexpr and
     Triton's ``launch_pdl``, on where ``device`` supports it and kernel.launch_pdl is true
     (``triton_utils.LAUNCH_PDL``; kernels compile a variant for each setting)."""
+    if not _HAS_GDC:  # nor does this Triton know launch_pdl
+        return {"PDL": False}
     on = triton_utils.LAUNCH_PDL and _supported(device)
     return {"PDL": on, "launch_pdl": on}
 
