@@ -129,6 +129,35 @@ def test_hc_pre(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_with_the_block_norm(
+    norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype
+) -> None:
+    """block_norm (attn_norm's weight and eps) in the collapse launch: the torch_ref composition
+    within the stream tolerance, and within an RMSNorm's rounding of hc_pre then rms_norm as two
+    launches. At T = 1 and 64 a token's D is split over programs (the ticket path): 20 graph
+    replays give the eager result bitwise."""
+    gen = torch.Generator().manual_seed(170 + num_tokens)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    weight = 1 + 0.1 * torch.randn(DIM, generator=gen)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+    ref = torch_ref.hc_pre(x, fn, scale, base, *hc, block_norm=(weight, NORM_EPS))
+    inputs = (x.to("cuda", dtype), *_cuda(torch.float32, fn, scale, base))
+    block_norm = (weight.cuda(), NORM_EPS)
+    fused = norm_triton.hc_pre(*inputs, *hc, block_norm=block_norm)
+    stream_tol = FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL
+    assert _rel_err(fused[2], ref[2]) < stream_tol
+    two_launches = norm_triton.rms_norm(norm_triton.hc_pre(*inputs, *hc)[2], *block_norm)
+    assert _rel_err(fused[2], two_launches) < (FP32_TOL if dtype == torch.float32 else 2**-8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = norm_triton.hc_pre(*inputs, *hc, block_norm=block_norm)
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(replayed[2], fused[2])
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_pre_shifted(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
     """DeepSeek-V4.1's variant: the collapse takes the previous sub-layer's pre."""
     gen = torch.Generator().manual_seed(150 + num_tokens)
