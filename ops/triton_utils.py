@@ -26,19 +26,6 @@ def dot_precision(dtype: torch.dtype, *, for_16bit: str) -> str:
     return "ieee" if dtype == torch.float32 else for_16bit
 
 
-# Tickets of the kernels whose programs split one output tile's sum (the FP8 GEMM's split K, the
-# decode MoE's slots): an int32 counter a tile, zero between launches (a tile's last program
-# resets its own). One buffer a device, shared by those launches: they must run on one stream at
-# a time (the engine computes on one).
-MAX_TICKET_TILES = 1 << 14
-
-
-@functools.cache
-def ticket_counters(device: torch.device) -> torch.Tensor:
-    """The device's ticket counters (``MAX_TICKET_TILES`` int32 zeros)."""
-    return torch.zeros(MAX_TICKET_TILES, dtype=torch.int32, device=device)
-
-
 # kernel.launch_pdl for the process (ops.select_kernels sets it): whether the Triton kernels
 # launch with programmatic dependent launch where the device supports it (triton_pdl.py).
 LAUNCH_PDL = True

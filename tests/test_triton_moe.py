@@ -335,7 +335,7 @@ def test_decode_gemv_down_split_over_slots_is_the_loop_bitwise(
     with partial N tiles. Each tile's counter is reset, so a second call (a graph replay) sums
     again alike. A counter left over moves which program adds: the slot-1 program sums (before
     slot 2's product is in) and resets, slot 2's ticket is left behind; the other tiles hold."""
-    from deepinfer.ops.triton_utils import ticket_counters
+    from deepinfer.ops.triton_tickets import ticket_counters
 
     gen = torch.Generator().manual_seed(31)
     num_tokens, top_k = 2, 3

@@ -231,7 +231,7 @@ def test_hc_pre_normalises_the_block_input_in_the_same_launch(
     torch_ref composes them. The cases take each path: a token's D over 3 programs (the last
     by ticket normalises the row) and over 2, and one program a token looping over D. Every
     token's counter is reset; the mixes are those without the norm."""
-    from deepinfer.ops.triton_utils import ticket_counters
+    from deepinfer.ops.triton_tickets import ticket_counters
 
     monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
     gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + 11)

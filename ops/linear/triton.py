@@ -59,7 +59,8 @@ import triton.language as tl
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
-from deepinfer.ops.triton_utils import MAX_TICKET_TILES, num_sms, ticket_counters
+from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
+from deepinfer.ops.triton_utils import num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -316,22 +317,17 @@ def _gemm_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr + offs_c, acc.to(out_ptr.dtype.element_ty), mask=in_c)
     else:
-        # Split K: this split's fp32 partial sums, then a ticket; the tile's last split adds
-        # the partials in split order (deterministic) and resets the counter for the next
-        # launch. The barrier orders every thread's stores before the ticket (taken by one
-        # thread with release and acquire semantics at GPU scope); the partials are read
-        # from L2 (.cg), where the other SMs' stores are.
+        # Split K: this split's fp32 partial sums, then a ticket (ops/triton_tickets.py); the
+        # tile's last split adds the partials in split order.
         tl.store(c_ptr + split.to(tl.int64) * stride_cs + offs_c, acc, mask=in_c)
-        tl.debug_barrier()
         counter = counters_ptr + w_group * tl.num_programs(0) + pid
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
+        if arrive(counter, SPLIT_K):
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):
                 part_ptrs = c_ptr + s * stride_cs + offs_c
                 total += tl.load(part_ptrs, mask=in_c, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs_c, total.to(out_ptr.dtype.element_ty), mask=in_c)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            depart(counter)
 
 
 def quantize_activations(

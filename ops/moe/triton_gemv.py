@@ -18,7 +18,7 @@ The down kernel adds a token's k pairs in slot order in fp32, each pair's weight
 to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair rows and no combine
 launch. At one token a program per (token, D tile) would loop over all k experts' rows, each
 step waiting on its loads; split over the slots, each program reads one expert's rows, and the
-tile's last program (a ticket, as the FP8 GEMM's split K) adds the k rounded products in slot
+tile's last program (a ticket, ops/triton_tickets.py) adds the k rounded products in slot
 order: the same fp32 sums as the loop, bitwise. A token's output depends only on its own routing
 and the tile sizes: it is bitwise the same alone or in any batch that runs the same
 ``GemvConfig`` (the slot split included). Each kernel loads the next step's weights before it
@@ -60,7 +60,7 @@ import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
 from deepinfer.ops.triton_pdl import enter, pdl
-from deepinfer.ops.triton_utils import MAX_TICKET_TILES, ticket_counters
+from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
 
 __all__ = [
     "GemvConfig",
@@ -99,6 +99,12 @@ def pick_block_k(block_k: int, k: int) -> int:
         block_k //= 2
     assert k % block_k == 0, f"{k} inputs are not whole {block_k}-input steps"
     return block_k
+
+
+@triton.jit
+def _nibble_major_index(i):
+    """Where input i (32g + 8w + j) sits in h's nibble-major order: 32g + 4j + w."""
+    return (i // 32) * 32 + (i % 8) * 4 + (i % 32) // 8
 
 
 @triton.jit
@@ -148,7 +154,7 @@ def _group_sums(w, x_ptr, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr,
     else:
         k = k_start + tl.arange(0, BLOCK_K)
         if X_NIBBLE_MAJOR:
-            k = (k // 32) * 32 + (k % 8) * 4 + (k % 32) // 8
+            k = _nibble_major_index(k)
         prod = w.to(tl.float32) * tl.load(x_ptr + k).to(tl.float32)[None, :]
         return tl.sum(prod.reshape(prod.shape[0], G, 32), axis=2)
 
@@ -224,8 +230,7 @@ def _gate_up_kernel(
     up = tl.sum(up, axis=1)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    nibble_major = (offs_n // 32) * 32 + (offs_n % 8) * 4 + (offs_n % 32) // 8
-    offs_h = nibble_major if W_FP4 else offs_n
+    offs_h = _nibble_major_index(offs_n) if W_FP4 else offs_n
     tl.store(h_ptr + pair * stride_hm + offs_h, h, mask=offs_n < N)
 
 
@@ -293,20 +298,16 @@ def _down_kernel(
         w = w_next
         expert = next_expert
     in_n = offs_n < N
-    if SPLIT_SLOTS:
-        # As the FP8 GEMM's split K (ops/linear/triton.py): the barrier orders every thread's
-        # stores before the ticket; the partials are read from L2 (.cg).
+    if SPLIT_SLOTS:  # a ticket (ops/triton_tickets.py): the tile's last slot adds them all
         tl.store(part_ptr + first * N + offs_n, acc, mask=in_n)
-        tl.debug_barrier()
         counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == TOP_K - 1:
+        if arrive(counter, TOP_K):
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for slot in range(TOP_K):
                 parts = part_ptr + (token * TOP_K + slot) * N + offs_n
                 acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            depart(counter)
     else:
         tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
 
@@ -338,8 +339,8 @@ def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constex
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     in_d = d < D
-    dst = (d // 32) * 32 + (d % 8) * 4 + (d % 32) // 8
-    tl.store(out_ptr + t * D + dst, tl.load(x_ptr + t * stride_x + d, mask=in_d), mask=in_d)
+    row = tl.load(x_ptr + t * stride_x + d, mask=in_d)
+    tl.store(out_ptr + t * D + _nibble_major_index(d), row, mask=in_d)
 
 
 def reorder_nibble_major(x: torch.Tensor) -> torch.Tensor:

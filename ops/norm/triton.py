@@ -53,7 +53,8 @@ from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool
 from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
-from deepinfer.ops.triton_utils import MAX_TICKET_TILES, dot_precision, num_sms, ticket_counters
+from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
+from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 __all__ = [
     "TritonNormBackend",
@@ -497,7 +498,7 @@ def _hc_sinkhorn_collapse_kernel(
     rounded values, as torch_ref's rms_norm of the collapse: each program adds its slice's
     squares; with one program a token it normalises its row after a barrier, else the token's
     last program (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order and
-    normalises the whole row, read back from L2."""
+    normalises the whole row, read back from L2 (ops/triton_tickets.py)."""
     enter(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, HC_PAD)  # stream, and comb's row
@@ -562,10 +563,7 @@ def _hc_sinkhorn_collapse_kernel(
             _norm_row(collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
         else:
             tl.store(row_sumsq_ptr + t * D_PROGRAMS + tl.program_id(1), row_sum)
-            tl.debug_barrier()
-            counter = counters_ptr + t
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == D_PROGRAMS - 1:
+            if arrive(counters_ptr + t, D_PROGRAMS):
                 programs = tl.arange(0, D_PROGRAMS_PAD)
                 sums = tl.load(
                     row_sumsq_ptr + t * D_PROGRAMS + programs,
@@ -577,7 +575,7 @@ def _hc_sinkhorn_collapse_kernel(
                 _norm_row(
                     collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW
                 )
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                depart(counters_ptr + t)
 
 
 @triton.jit
@@ -708,9 +706,10 @@ def _hc_pre(
     if block_norm is not None:
         norm_weight, block_eps = block_norm[0].float().contiguous(), float(block_norm[1])
         assert norm_weight.shape == (dim,), f"hc_pre: norm weight {tuple(norm_weight.shape)}"
+        row_sumsq = post  # not read with one program a token
         if num_d_programs > 1:  # each program's sum of squares, then the token's last adds them
             assert num_tokens <= MAX_TICKET_TILES, f"hc_pre: {num_tokens} tokens to normalise"
-        row_sumsq = torch.empty(num_tokens, num_d_programs, dtype=torch.float32, device=x.device)
+            row_sumsq = post.new_empty(num_tokens, num_d_programs)
     else:
         norm_weight, block_eps, row_sumsq = post, 0.0, post  # not read
     _hc_sinkhorn_collapse_kernel[(num_tokens, num_d_programs)](
