@@ -11,8 +11,12 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   candidate tile (block_n, block_k, num_warps; for down also SPLIT, the most tokens whose slots
   take a program each, default 0), each checked against the engine's tiles' output (1e-3: the
   same values, another summation order); each gate/up tile also on x in h's nibble-major order
-  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads);
-- the whole call: the engine's pick, the best gate/up + best down candidates, our bf16 fused MoE
+  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads); each
+  tile also "expert": a program per (expert, tile) over the expert's pairs (gate/up on x in
+  nibble-major order);
+- the whole call: the engine's pick, the best gate/up + best down candidates (a program a pair,
+  and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's program-a-pair
+  tiles expert-major, as the engine would run them past expert_tokens), our bf16 fused MoE
   on the dequantized weights (the same function), and with ``--baseline`` a previous version of
   ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
 - the bound: packed bytes of the experts the routing hits (17/32 of a byte a value) over the
@@ -117,6 +121,11 @@ def main() -> None:
                 gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
             )
             row["gate"][f"{name} x nibble-major"] = candidate_us(run, [h], 1e-3)
+            run = functools.partial(
+                gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT,
+                dataclasses.replace(config, expert_tokens=1), x_nibble_major=True,
+            )  # fmt: skip
+            row["gate"][f"{name} expert"] = candidate_us(run, [h], 1e-3)
         for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
                 engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
@@ -124,21 +133,39 @@ def main() -> None:
             )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
             row["down"][name] = candidate_us(run, [out], 1e-3)
+            config = dataclasses.replace(config, expert_tokens=1)
+            run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
+            row["down"][f"{name} expert"] = candidate_us(run, [out], 1e-3)
         for part in ("gate", "down"):
             timed = {n: v for n, v in row[part].items() if isinstance(v, float)}
             row[f"best_{part}"] = min(timed, key=timed.get)
+            expert = {n: v for n, v in timed.items() if n.endswith(" expert")}
+            row[f"best_{part}_expert"] = min(expert, key=expert.get) if expert else None
+            pair = {n: v for n, v in timed.items() if not n.endswith(" expert")}
+            row[f"best_{part}_pair"] = min(pair, key=pair.get) if pair else None
             print(f"  T={num_tokens:3} {part}: " + ", ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                 for n, v in row[part].items()))  # fmt: skip
-        best_gate = row["best_gate"].removesuffix(" x nibble-major")  # the input-order tile
-        best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down"]])
+        best_gate = row["best_gate_pair"].removesuffix(" x nibble-major")  # input-order tile
+        best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down_pair"]])
+        engine_gemv = ours.pick_tile_config(TOP_K, x.dtype, packed=True)
+        fused = functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
             "fp4 best": functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=best
             ),
+            "fp4 expert": functools.partial(
+                fused, config=dataclasses.replace(engine_gemv, expert_tokens=1)
+            ),
         }
+        if row["best_gate_expert"] and row["best_down_expert"]:
+            tiles = (gate_tiles[row["best_gate_expert"].removesuffix(" expert")],
+                     down_tiles[row["best_down_expert"].removesuffix(" expert")])  # fmt: skip
+            expert_best = gemv.GemvConfig(*tiles[0], *tiles[1][:3], expert_tokens=1,
+                                          reorder_x_tokens=1)  # fmt: skip
+            runs["fp4 expert best"] = functools.partial(fused, config=expert_best)
         if baseline is not None:
             weights = ((p1.packed, p1.scale), (p2.packed, p2.scale), (p3.packed, p3.scale))
             runs["baseline"] = functools.partial(
@@ -154,8 +181,9 @@ def main() -> None:
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
-               "fp4 best µs", "bound µs", "bf16 / fp4", "previous / fp4", "fp4 / bound",
-               "best gate/up (µs, / bound)", "best down (µs, / bound)"]  # fmt: skip
+               "fp4 best µs", "fp4 expert µs", "fp4 expert best µs", "bound µs", "bf16 / fp4",
+               "previous / fp4", "fp4 / bound", "best gate/up (µs, / bound)",
+               "best down (µs, / bound)"]  # fmt: skip
     body = []
     for r in rows:
         us = r["us"]
@@ -167,7 +195,7 @@ def main() -> None:
         gate, down = r["gate"][r["best_gate"]], r["down"][r["best_down"]]
         body.append([
             r["tokens"], r["experts_hit"], num("bf16"), num("baseline") or "—", fp4,
-            num("fp4 best"), bound["whole"],
+            num("fp4 best"), num("fp4 expert"), num("fp4 expert best"), bound["whole"],
             num("bf16") / fp4 if fp4 and num("bf16") else None,
             num("baseline") / fp4 if fp4 and num("baseline") else None,
             fp4 / bound["whole"] if fp4 else None,

@@ -388,6 +388,38 @@ def test_decode_gemv_gate_up_reads_x_in_nibble_major_order_alike(moe_triton: Mod
     assert torch.equal(h_reordered, h)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
+def test_decode_gemv_expert_major_is_a_program_a_pair_bitwise(
+    moe_triton: ModuleType, packed: bool
+) -> None:
+    """From expert_tokens tokens a program takes one expert's pairs (passes of 4, 3, 2 and 1)
+    per tile: the same sums as a program a pair, op for op, so bitwise its output; with every
+    token on expert 5 (9 pairs: 4 + 4 + 1), experts of 0 to 9 pairs, partial N tiles, K steps.
+    The tickets' counters are left at zero."""
+    from deepinfer.ops.triton_tickets import ticket_counters
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, top_k = (9, 3) if packed else (5, 2)
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    weights = [
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+    ]
+    if not packed:
+        weights = [w.dequantize() for w in weights]
+    topk_ids = _routing("one_expert_every_token", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    pair = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2, down_split_tokens=num_tokens)
+    expert = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2, expert_tokens=num_tokens)
+    run = functools.partial(moe_triton.fused_moe, x, *weights, topk_ids, topk_weights, LIMIT)
+    out = run(config=expert)
+    assert torch.equal(out, run(config=pair))
+    assert not ticket_counters(x.device).any()
+    ref = torch_ref.fused_moe(x, *weights, topk_ids, topk_weights, LIMIT)
+    assert _rel_err(out, ref) < FP32_TOL
+
+
 def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
     moe_triton: ModuleType,
 ) -> None:

@@ -81,7 +81,9 @@ class GemvConfig:
     num_warps, for the gate/up kernel and (down_*) the down kernel; up to down_split_tokens
     tokens, the down kernel takes a program per (token, slot) instead of per token; from
     reorder_x_tokens tokens (0: never), packed gate/up reads x copied into h's nibble-major
-    order (8-byte x loads for 2-byte gathers, for one more launch)."""
+    order (8-byte x loads for 2-byte gathers, for one more launch); from expert_tokens tokens
+    (0: never), both kernels take a program per (expert, tile) instead of per pair, reading and
+    decoding each weight tile once for up to four of the expert's pairs."""
 
     block_n: int
     block_k: int
@@ -91,6 +93,7 @@ class GemvConfig:
     down_num_warps: int
     down_split_tokens: int = 0
     reorder_x_tokens: int = 0
+    expert_tokens: int = 0
 
 
 def pick_block_k(block_k: int, k: int) -> int:
@@ -172,6 +175,37 @@ def _group_scales(s_ptr, s_rows, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.const
         return tl.full((s_rows.shape[0], G), 1.0, tl.float32)
 
 
+@triton.jit
+def _store_h(gate, up, limit, h_row, offs_n, x_ptr, N: tl.constexpr, W_FP4: tl.constexpr):
+    """One pair's h for the N tile from its gate and up group sums [BLOCK_N, G]: the clamped
+    SwiGLU, rounded to x's dtype, stored in h's order (nibble-major when packed)."""
+    gate = tl.minimum(tl.sum(gate, axis=1), limit)
+    up = tl.sum(up, axis=1)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    offs_h = _nibble_major_index(offs_n) if W_FP4 else offs_n
+    tl.store(h_row + offs_h, h, mask=offs_n < N)
+
+
+@triton.jit
+def _slot_ticket(acc, pair, tile, num_tiles, part_ptr, counters_ptr, out_ptr, offs_n, stride_ot,
+                 N: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+    """One pair's rounded product acc [BLOCK_N] fp32 into part [T * k, N], then a ticket
+    (ops/triton_tickets.py) on its token's tile: the last of the token's k adds their products
+    in slot order (0 + p_0 + p_1 + ...), stores the token's output and resets the counter."""
+    in_n = offs_n < N
+    token = pair // TOP_K
+    tl.store(part_ptr + pair * N + offs_n, acc, mask=in_n)
+    counter = counters_ptr + token * num_tiles + tile
+    if arrive(counter, TOP_K):
+        acc = tl.zeros(acc.shape, dtype=tl.float32)
+        for slot in range(TOP_K):
+            parts = part_ptr + (token * TOP_K + slot) * N + offs_n
+            acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=in_n)
+        depart(counter)
+
+
 @triton.jit(do_not_specialize=["limit"])
 def _gate_up_kernel(
     x_ptr,
@@ -226,12 +260,7 @@ def _gate_up_kernel(
         w1 = w1_next
         w3 = w3_next
 
-    gate = tl.minimum(tl.sum(gate, axis=1), limit)
-    up = tl.sum(up, axis=1)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    offs_h = _nibble_major_index(offs_n) if W_FP4 else offs_n
-    tl.store(h_ptr + pair * stride_hm + offs_h, h, mask=offs_n < N)
+    _store_h(gate, up, limit, h_ptr + pair * stride_hm, offs_n, x_ptr, N, W_FP4)
 
 
 @triton.jit
@@ -297,19 +326,261 @@ def _down_kernel(
             part = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         w = w_next
         expert = next_expert
-    in_n = offs_n < N
-    if SPLIT_SLOTS:  # a ticket (ops/triton_tickets.py): the tile's last slot adds them all
-        tl.store(part_ptr + first * N + offs_n, acc, mask=in_n)
-        counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
-        if arrive(counter, TOP_K):
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for slot in range(TOP_K):
-                parts = part_ptr + (token * TOP_K + slot) * N + offs_n
-                acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
-            depart(counter)
+    if SPLIT_SLOTS:  # the tile's last slot adds them all
+        _slot_ticket(
+            acc, first, tl.program_id(1), tl.num_programs(1), part_ptr, counters_ptr, out_ptr,
+            offs_n, stride_ot, N, TOP_K,
+        )  # fmt: skip
     else:
-        tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
+        tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS: tl.constexpr):
+    """The pairs routed to ``expert``: hits [PAIRS] (1 where pair p is one), rank [PAIRS] (how
+    many of them come before p) and their count. PAIRS: a power of two >= num_pairs."""
+    offs = tl.arange(0, PAIRS)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    hits = (ids == expert).to(tl.int32)
+    return hits, tl.cumsum(hits, axis=0) - hits, tl.sum(hits, axis=0)
+
+
+@triton.jit
+def _nth_pair(hits, rank, n, PAIRS: tl.constexpr):
+    """The id of the expert's n-th pair in pair order (``_expert_pairs``; n < count)."""
+    found = (hits > 0) & (rank == n)
+    return tl.sum(tl.where(found, tl.arange(0, PAIRS), 0), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _gate_up_pass(
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first, w_rows, s_rows, offs_n,
+    limit, stride_xt, stride_hm, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr, W_FP4: tl.constexpr,
+    X_NIBBLE_MAJOR: tl.constexpr,
+):  # fmt: skip
+    """h of the expert's pairs first .. first + PASS - 1 (PASS <= 4) for the N tile: each K
+    step's weights are loaded and decoded once and meet every pair's x. Each pair's sums are
+    the per-pair kernel's, op for op."""
+    p0 = _nth_pair(hits, rank, first, PAIRS)
+    p1 = _nth_pair(hits, rank, first + 1, PAIRS) if PASS > 1 else p0
+    p2 = _nth_pair(hits, rank, first + 2, PAIRS) if PASS > 2 else p0
+    p3 = _nth_pair(hits, rank, first + 3, PAIRS) if PASS > 3 else p0
+    x0 = x_ptr + (p0 // TOP_K) * stride_xt
+    x1 = x_ptr + (p1 // TOP_K) * stride_xt
+    x2 = x_ptr + (p2 // TOP_K) * stride_xt
+    x3 = x_ptr + (p3 // TOP_K) * stride_xt
+    sums = (offs_n.shape[0], BLOCK_K // 32)
+    g0 = tl.zeros(sums, tl.float32)
+    g1 = tl.zeros(sums, tl.float32)
+    g2 = tl.zeros(sums, tl.float32)
+    g3 = tl.zeros(sums, tl.float32)
+    u0 = tl.zeros(sums, tl.float32)
+    u1 = tl.zeros(sums, tl.float32)
+    u2 = tl.zeros(sums, tl.float32)
+    u3 = tl.zeros(sums, tl.float32)
+    w1 = _load_weights(w1_ptr, w_rows, 0, BLOCK_K, W_FP4)
+    w3 = _load_weights(w3_ptr, w_rows, 0, BLOCK_K, W_FP4)
+    for k_start in range(0, K, BLOCK_K):
+        k_next = (k_start + BLOCK_K) % K  # the last step loads the first again: unused
+        w1_next = _load_weights(w1_ptr, w_rows, k_next, BLOCK_K, W_FP4)
+        w3_next = _load_weights(w3_ptr, w_rows, k_next, BLOCK_K, W_FP4)
+        sc1 = _group_scales(s1_ptr, s_rows, k_start, BLOCK_K, W_FP4)
+        sc3 = _group_scales(s3_ptr, s_rows, k_start, BLOCK_K, W_FP4)
+        g0 += _group_sums(w1, x0, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
+        u0 += _group_sums(w3, x0, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+        if PASS > 1:
+            g1 += _group_sums(w1, x1, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
+            u1 += _group_sums(w3, x1, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+        if PASS > 2:
+            g2 += _group_sums(w1, x2, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
+            u2 += _group_sums(w3, x2, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+        if PASS > 3:
+            g3 += _group_sums(w1, x3, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
+            u3 += _group_sums(w3, x3, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+        w1 = w1_next
+        w3 = w3_next
+    _store_h(g0, u0, limit, h_ptr + p0 * stride_hm, offs_n, x_ptr, N, W_FP4)
+    if PASS > 1:
+        _store_h(g1, u1, limit, h_ptr + p1 * stride_hm, offs_n, x_ptr, N, W_FP4)
+    if PASS > 2:
+        _store_h(g2, u2, limit, h_ptr + p2 * stride_hm, offs_n, x_ptr, N, W_FP4)
+    if PASS > 3:
+        _store_h(g3, u3, limit, h_ptr + p3 * stride_hm, offs_n, x_ptr, N, W_FP4)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "limit"])
+def _expert_gate_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    topk_ids_ptr,
+    num_pairs,
+    limit,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_hm,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr,
+    W_FP4: tl.constexpr,
+    X_NIBBLE_MAJOR: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_gate_up_kernel``'s h, a program per (expert, N tile): the expert's pairs in passes of
+    up to four (``_gate_up_pass``); an expert without pairs returns at once."""
+    enter(PDL)
+    expert = tl.program_id(0)
+    hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
+    if count == 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_n % N).to(tl.int64)  # wrapped rows keep the loads in bounds; not stored
+    w_rows = expert.to(tl.int64) * stride_we + rows * stride_wn
+    s_rows = expert.to(tl.int64) * stride_se + rows * stride_sn
+    first = count * 0
+    while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
+        left = count - first
+        if left >= 4:
+            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                          BLOCK_K, PAIRS, 4, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        elif left == 3:
+            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                          BLOCK_K, PAIRS, 3, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        elif left == 2:
+            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                          BLOCK_K, PAIRS, 2, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        else:
+            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                          BLOCK_K, PAIRS, 1, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        first += 4
+
+
+@triton.jit
+def _down_pass(
+    h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr, hits, rank, first,
+    w_rows, s_rows, offs_n, stride_hm, stride_ot, N: tl.constexpr, K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr,
+    W_FP4: tl.constexpr,
+):  # fmt: skip
+    """The weighted, rounded products of the expert's pairs first .. first + PASS - 1 for the
+    N tile, each handed to its token's ticket (``_slot_ticket``). Each pair's sums are the
+    per-pair kernel's, op for op."""
+    p0 = _nth_pair(hits, rank, first, PAIRS)
+    p1 = _nth_pair(hits, rank, first + 1, PAIRS) if PASS > 1 else p0
+    p2 = _nth_pair(hits, rank, first + 2, PAIRS) if PASS > 2 else p0
+    p3 = _nth_pair(hits, rank, first + 3, PAIRS) if PASS > 3 else p0
+    sums = (offs_n.shape[0], BLOCK_K // 32)
+    a0 = tl.zeros(sums, tl.float32)
+    a1 = tl.zeros(sums, tl.float32)
+    a2 = tl.zeros(sums, tl.float32)
+    a3 = tl.zeros(sums, tl.float32)
+    w = _load_weights(w2_ptr, w_rows, 0, BLOCK_K, W_FP4)
+    for k_start in range(0, K, BLOCK_K):
+        w_next = _load_weights(w2_ptr, w_rows, (k_start + BLOCK_K) % K, BLOCK_K, W_FP4)
+        sc = _group_scales(s2_ptr, s_rows, k_start, BLOCK_K, W_FP4)
+        a0 += _group_sums(w, h_ptr + p0 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+        if PASS > 1:
+            a1 += _group_sums(w, h_ptr + p1 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+        if PASS > 2:
+            a2 += _group_sums(w, h_ptr + p2 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+        if PASS > 3:
+            a3 += _group_sums(w, h_ptr + p3 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+        w = w_next
+    _down_ticket(a0, p0, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n, stride_ot,
+                 N, TOP_K)  # fmt: skip
+    if PASS > 1:
+        _down_ticket(a1, p1, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n,
+                     stride_ot, N, TOP_K)  # fmt: skip
+    if PASS > 2:
+        _down_ticket(a2, p2, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n,
+                     stride_ot, N, TOP_K)  # fmt: skip
+    if PASS > 3:
+        _down_ticket(a3, p3, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n,
+                     stride_ot, N, TOP_K)  # fmt: skip
+
+
+@triton.jit
+def _down_ticket(sums, pair, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n, stride_ot,
+                 N: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+    """A pair's group sums [BLOCK_N, G] weighted and rounded to out's dtype (as the per-pair
+    kernel's), to its token's ticket."""
+    weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+    product = (tl.sum(sums, axis=1) * weight).to(out_ptr.dtype.element_ty).to(tl.float32)
+    _slot_ticket(product, pair, tl.program_id(1), tl.num_programs(1), part_ptr, counters_ptr,
+                 out_ptr, offs_n, stride_ot, N, TOP_K)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_down_kernel(
+    h_ptr,
+    w2_ptr,
+    s2_ptr,
+    out_ptr,
+    part_ptr,
+    counters_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    num_pairs,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr,
+    W_FP4: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_down_kernel``'s out with the slot split's tickets, a program per (expert, N tile):
+    the expert's pairs in passes of up to four (``_down_pass``)."""
+    enter(PDL)
+    expert = tl.program_id(0)
+    hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
+    if count == 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_n % N).to(tl.int64)
+    w_rows = expert.to(tl.int64) * stride_we + rows * stride_wn
+    s_rows = expert.to(tl.int64) * stride_se + rows * stride_sn
+    first = count * 0
+    while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
+        left = count - first
+        if left >= 4:
+            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                       TOP_K, BLOCK_K, PAIRS, 4, W_FP4)  # fmt: skip
+        elif left == 3:
+            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                       TOP_K, BLOCK_K, PAIRS, 3, W_FP4)  # fmt: skip
+        elif left == 2:
+            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                       TOP_K, BLOCK_K, PAIRS, 2, W_FP4)  # fmt: skip
+        else:
+            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                       TOP_K, BLOCK_K, PAIRS, 1, W_FP4)  # fmt: skip
+        first += 4
 
 
 def decode_moe(
@@ -391,30 +662,41 @@ def gate_up(
     num_pairs = topk_ids.numel()
     dim, inter = x.shape[1], w1.shape[1]
     h = torch.empty((num_pairs, inter), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(num_pairs, triton.cdiv(inter, config.block_n))](
-        x,
-        w1,
-        w3,
-        s1,
-        s3,
-        h,
-        topk_ids.reshape(-1).contiguous(),
-        float(limit),
-        x.stride(0),
-        *w1.stride()[:2],
-        *s1.stride()[:2],
-        h.stride(0),
-        N=inter,
-        K=dim,
-        TOP_K=topk_ids.shape[1],
-        BLOCK_N=config.block_n,
-        BLOCK_K=pick_block_k(config.block_k, dim),
-        W_FP4=packed,
-        X_NIBBLE_MAJOR=x_nibble_major,
-        num_warps=config.num_warps,
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    common = {
+        "N": inter,
+        "K": dim,
+        "TOP_K": topk_ids.shape[1],
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": pick_block_k(config.block_k, dim),
+        "W_FP4": packed,
+        "X_NIBBLE_MAJOR": x_nibble_major,
+        "num_warps": config.num_warps,
         **pdl(x.device),
-    )
+    }
+    tiles = triton.cdiv(inter, config.block_n)
+    if _expert_major(config, topk_ids.shape[0]):
+        _expert_gate_up_kernel[(w1.shape[0], tiles)](
+            x, w1, w3, s1, s3, h, flat_ids, num_pairs, float(limit), x.stride(0),
+            *w1.stride()[:2], *s1.stride()[:2], h.stride(0), PAIRS=_pairs_block(num_pairs),
+            **common,
+        )  # fmt: skip
+    else:
+        _gate_up_kernel[(num_pairs, tiles)](
+            x, w1, w3, s1, s3, h, flat_ids, float(limit), x.stride(0), *w1.stride()[:2],
+            *s1.stride()[:2], h.stride(0), **common,
+        )  # fmt: skip
     return h
+
+
+def _expert_major(config: GemvConfig, num_tokens: int) -> bool:
+    """Whether ``num_tokens`` tokens take a program per (expert, tile) (GemvConfig)."""
+    return 0 < config.expert_tokens <= num_tokens
+
+
+def _pairs_block(num_pairs: int) -> int:
+    """The expert-major kernels' PAIRS: a power of two >= num_pairs (few binaries: >= 64)."""
+    return max(64, triton.next_power_of_2(num_pairs))
 
 
 def down(
@@ -433,32 +715,35 @@ def down(
     dim, inter = w2.shape[1], h.shape[1]
     out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
     num_tiles = triton.cdiv(dim, config.down_block_n)
-    split = num_tokens <= config.down_split_tokens and num_tokens * num_tiles <= MAX_TICKET_TILES
-    if split:  # a program per slot; their rounded products meet in part
+    fits = num_tokens * num_tiles <= MAX_TICKET_TILES
+    expert_major = _expert_major(config, num_tokens) and fits
+    split = expert_major or (num_tokens <= config.down_split_tokens and fits)
+    if split:  # a program per slot or expert; the rounded products meet in part
         part = torch.empty((num_tokens * top_k, dim), dtype=torch.float32, device=h.device)
     else:
         part = out  # not read
-    _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
-        h,
-        w2,
-        s2,
-        out,
-        part,
-        ticket_counters(h.device),
-        topk_ids.reshape(-1).contiguous(),
-        topk_weights.reshape(-1).contiguous(),
-        h.stride(0),
-        *w2.stride()[:2],
-        *s2.stride()[:2],
-        out.stride(0),
-        N=dim,
-        K=inter,
-        TOP_K=top_k,
-        BLOCK_N=config.down_block_n,
-        BLOCK_K=pick_block_k(config.down_block_k, inter),
-        W_FP4=packed,
-        SPLIT_SLOTS=split,
-        num_warps=config.down_num_warps,
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    flat_weights = topk_weights.reshape(-1).contiguous()
+    common = {
+        "N": dim,
+        "K": inter,
+        "TOP_K": top_k,
+        "BLOCK_N": config.down_block_n,
+        "BLOCK_K": pick_block_k(config.down_block_k, inter),
+        "W_FP4": packed,
+        "num_warps": config.down_num_warps,
         **pdl(h.device),
-    )
+    }
+    counters = ticket_counters(h.device)
+    if expert_major:
+        _expert_down_kernel[(w2.shape[0], num_tiles)](
+            h, w2, s2, out, part, counters, flat_ids, flat_weights, flat_ids.numel(),
+            h.stride(0), *w2.stride()[:2], *s2.stride()[:2], out.stride(0),
+            PAIRS=_pairs_block(flat_ids.numel()), **common,
+        )  # fmt: skip
+    else:
+        _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
+            h, w2, s2, out, part, counters, flat_ids, flat_weights, h.stride(0),
+            *w2.stride()[:2], *s2.stride()[:2], out.stride(0), SPLIT_SLOTS=split, **common,
+        )  # fmt: skip
     return out
