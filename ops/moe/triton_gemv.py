@@ -176,6 +176,18 @@ def _group_scales(s_ptr, s_rows, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.const
 
 
 @triton.jit
+def _expert_tile(expert, stride_we, stride_wn, stride_se, stride_sn, N: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """The program's N tile (offs_n [BLOCK_N], axis 1 of the grid) of ``expert``'s matrix: its
+    rows' offsets in the weights and in the scales. Rows past N wrap (the loads stay in
+    bounds; their results are not stored)."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_n % N).to(tl.int64)
+    expert = expert.to(tl.int64)
+    return offs_n, expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn
+
+
+@triton.jit
 def _store_h(gate, up, limit, h_row, offs_n, x_ptr, N: tl.constexpr, W_FP4: tl.constexpr):
     """One pair's h for the N tile from its gate and up group sums [BLOCK_N, G]: the clamped
     SwiGLU, rounded to x's dtype, stored in h's order (nibble-major when packed)."""
@@ -238,10 +250,9 @@ def _gate_up_kernel(
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_n % N).to(tl.int64)  # wrapped rows keep the loads in bounds; not stored
-    w_rows = expert * stride_we + rows * stride_wn
-    s_rows = expert * stride_se + rows * stride_sn
+    offs_n, w_rows, s_rows = _expert_tile(
+        expert, stride_we, stride_wn, stride_se, stride_sn, N, BLOCK_N
+    )
 
     gate = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
@@ -443,10 +454,9 @@ def _expert_gate_up_kernel(
     hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
     if count == 0:
         return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_n % N).to(tl.int64)  # wrapped rows keep the loads in bounds; not stored
-    w_rows = expert.to(tl.int64) * stride_we + rows * stride_wn
-    s_rows = expert.to(tl.int64) * stride_se + rows * stride_sn
+    offs_n, w_rows, s_rows = _expert_tile(
+        expert, stride_we, stride_wn, stride_se, stride_sn, N, BLOCK_N
+    )
     first = count * 0
     while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
         left = count - first
@@ -557,10 +567,9 @@ def _expert_down_kernel(
     hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
     if count == 0:
         return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_n % N).to(tl.int64)
-    w_rows = expert.to(tl.int64) * stride_we + rows * stride_wn
-    s_rows = expert.to(tl.int64) * stride_se + rows * stride_sn
+    offs_n, w_rows, s_rows = _expert_tile(
+        expert, stride_we, stride_wn, stride_se, stride_sn, N, BLOCK_N
+    )
     first = count * 0
     while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
         left = count - first
