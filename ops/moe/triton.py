@@ -135,7 +135,10 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # down 16 x 2048 on 8 warps, a program per (token, slot): 28.4 / 73.6 / 475 µs at T = 1 / 4 / 32
 # against 40.4 / 82.4 / 473 for 8 x 1024 a token; gate/up on x in nibble-major order 107 / 650
 # µs at T = 4 / 32 against 119 / 739 (T = 1: 39.2 against 40.8, less than the reorder's launch).
-_MXFP4_GEMV_PAIRS = 192
+# From 8 tokens a program takes an expert's pairs (expert_tokens), reading and decoding each
+# weight tile once for up to four of them, and the program-a-pair kernels run up to 768 pairs
+# (T = 128) instead of the grouped kernel.
+_MXFP4_GEMV_PAIRS = 768
 _MXFP4_GEMV = GemvConfig(
     block_n=32,
     block_k=256,
@@ -145,6 +148,7 @@ _MXFP4_GEMV = GemvConfig(
     down_num_warps=8,
     down_split_tokens=32,
     reorder_x_tokens=2,
+    expert_tokens=8,
 )
 # swiglu: columns a program (the shared expert's I = 2,048 in two programs a token).
 SWIGLU_BLOCK = 1024

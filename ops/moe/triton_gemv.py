@@ -704,8 +704,9 @@ def _expert_major(config: GemvConfig, num_tokens: int) -> bool:
 
 
 def _pairs_block(num_pairs: int) -> int:
-    """The expert-major kernels' PAIRS: a power of two >= num_pairs (few binaries: >= 64)."""
-    return max(64, triton.next_power_of_2(num_pairs))
+    """The expert-major kernels' PAIRS: a power of two >= num_pairs, at least 256 (the engine's
+    range, T = 8 to 128, in three binaries)."""
+    return max(256, triton.next_power_of_2(num_pairs))
 
 
 def down(
