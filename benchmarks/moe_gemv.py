@@ -16,7 +16,8 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   nibble-major order);
 - the whole call: the engine's pick, the best gate/up + best down candidates (a program a pair,
   and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's program-a-pair
-  tiles expert-major, as the engine would run them past expert_tokens), our bf16 fused MoE
+  tiles expert-major, as the engine runs them from expert_tokens; "fp4 grouped": the grouped
+  kernels on their decode tiles), our bf16 fused MoE
   on the dequantized weights (the same function), and with ``--baseline`` a previous version of
   ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
 - the bound: packed bytes of the experts the routing hits (17/32 of a byte a value) over the
@@ -156,6 +157,9 @@ def main() -> None:
             "fp4 best": functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=best
             ),
+            "fp4 grouped": functools.partial(  # the grouped kernels' decode tiles
+                fused, config=ours.pick_tile_config(4096, x.dtype, packed=True)
+            ),
             "fp4 expert": functools.partial(
                 fused, config=dataclasses.replace(engine_gemv, expert_tokens=1)
             ),
@@ -181,7 +185,8 @@ def main() -> None:
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
-               "fp4 best µs", "fp4 expert µs", "fp4 expert best µs", "bound µs", "bf16 / fp4",
+               "fp4 best µs", "fp4 grouped µs", "fp4 expert µs", "fp4 expert best µs",
+               "bound µs", "bf16 / fp4",
                "previous / fp4", "fp4 / bound", "best gate/up (µs, / bound)",
                "best down (µs, / bound)"]  # fmt: skip
     body = []
@@ -195,7 +200,8 @@ def main() -> None:
         gate, down = r["gate"][r["best_gate"]], r["down"][r["best_down"]]
         body.append([
             r["tokens"], r["experts_hit"], num("bf16"), num("baseline") or "—", fp4,
-            num("fp4 best"), num("fp4 expert"), num("fp4 expert best"), bound["whole"],
+            num("fp4 best"), num("fp4 grouped"), num("fp4 expert"), num("fp4 expert best"),
+            bound["whole"],
             num("bf16") / fp4 if fp4 and num("bf16") else None,
             num("baseline") / fp4 if fp4 and num("baseline") else None,
             fp4 / bound["whole"] if fp4 else None,
