@@ -115,7 +115,9 @@ def main() -> None:
         down_tiles = {_name(t): (*t, 0)[:4] for t in _tiles(ns.down)}
         x_nibble_major = gemv.nibble_major(x)
         for name, (bn, bk, warps) in gate_tiles.items():
-            config = dataclasses.replace(engine, block_n=bn, block_k=bk, num_warps=warps)
+            config = dataclasses.replace(
+                engine, block_n=bn, block_k=bk, num_warps=warps, expert_tokens=0
+            )
             run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
             row["gate"][name] = candidate_us(run, [h], 1e-3)
             run = functools.partial(
@@ -130,7 +132,7 @@ def main() -> None:
         for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
                 engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
-                down_split_tokens=split,
+                down_split_tokens=split, expert_tokens=0,
             )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
             row["down"][name] = candidate_us(run, [out], 1e-3)
