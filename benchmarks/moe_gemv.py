@@ -1,8 +1,9 @@
 """Packed MXFP4 experts at decode, a program a pair: each of the two kernels on its own, by tiles.
 
     bash scripts/gpu_bench.sh benchmarks/moe_gemv.py [--tokens 1,2,4,8,16,32]
-        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS[,SPLIT];..."] [--baseline PATH]
-        [--json PATH]
+        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS[,SPLIT];..."]
+        [--expert-gate "BN,BK,WARPS,PASS;..."] [--expert-down "BN,BK,WARPS,PASS;..."]
+        [--baseline PATH] [--json PATH]
 
 V4-Flash routed experts as moe_fp4.py (256 experts, top-6, hidden 4096, intermediate 2048,
 uniform random routing, bf16 weights quantized to MXFP4). For each token count:
@@ -11,9 +12,10 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   candidate tile (block_n, block_k, num_warps; for down also SPLIT, the most tokens whose slots
   take a program each, default 0), each checked against the engine's tiles' output (1e-3: the
   same values, another summation order); each gate/up tile also on x in h's nibble-major order
-  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads); each
-  tile also "expert": a program per (expert, tile) over the expert's pairs (gate/up on x in
-  nibble-major order);
+  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads); and
+  the expert-major candidates (``--expert-gate`` / ``--expert-down``: BN,BK,WARPS,PASS, named
+  "... expert pPASS"), a program per (expert, tile) over the expert's pairs, PASS of them at a
+  time (gate/up on x in nibble-major order);
 - the whole call: the engine's pick, the best gate/up + best down candidates (a program a pair,
   and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's program-a-pair
   tiles expert-major, as the engine runs them from expert_tokens; "fp4 grouped": the grouped
@@ -58,6 +60,9 @@ GATE_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;32,512,
 DOWN_CANDIDATES = (
     "8,1024,4;8,2048,8;4,1024,4;8,1024,4,32;8,2048,4,32;16,1024,4,32;16,2048,8,32;8,512,2,32"
 )
+# (block_n, block_k, num_warps, pairs a pass) of the expert-major kernels
+EXPERT_GATE = "32,256,4,1;32,256,4,2;32,256,4,4;16,512,4,2"
+EXPERT_DOWN = "16,256,4,2;16,256,4,4;32,256,4,4;16,512,4,2;16,2048,8,1"
 # The engine's tiles of the version before this kernel (RESULTS.md 2026-12-05).
 BASELINE_TILES = (16, 512, 16, 512, 4)
 
@@ -76,6 +81,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--gate", default=GATE_CANDIDATES, help="BN,BK,WARPS;... for gate/up")
     ap.add_argument("--down", default=DOWN_CANDIDATES, help="BN,BK,WARPS[,SPLIT];... for down")
+    ap.add_argument("--expert-gate", default=EXPERT_GATE, help="BN,BK,WARPS,PASS;... gate/up")
+    ap.add_argument("--expert-down", default=EXPERT_DOWN, help="BN,BK,WARPS,PASS;... down")
     ap.add_argument("--baseline", help="a previous triton_gemv.py to time beside this one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure here")
@@ -124,11 +131,16 @@ def main() -> None:
                 gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
             )
             row["gate"][f"{name} x nibble-major"] = candidate_us(run, [h], 1e-3)
-            run = functools.partial(
-                gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT,
-                dataclasses.replace(config, expert_tokens=1), x_nibble_major=True,
+        expert_gate = {f"{_name(t[:3])} expert p{t[3]}": t for t in _tiles(ns.expert_gate)}
+        for name, (bn, bk, warps, passes) in expert_gate.items():
+            config = dataclasses.replace(
+                engine, block_n=bn, block_k=bk, num_warps=warps, expert_tokens=1,
+                expert_pass=passes,
             )  # fmt: skip
-            row["gate"][f"{name} expert"] = candidate_us(run, [h], 1e-3)
+            run = functools.partial(
+                gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
+            )
+            row["gate"][name] = candidate_us(run, [h], 1e-3)
         for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
                 engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
@@ -136,15 +148,20 @@ def main() -> None:
             )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
             row["down"][name] = candidate_us(run, [out], 1e-3)
-            config = dataclasses.replace(config, expert_tokens=1)
+        expert_down = {f"{_name(t[:3])} expert p{t[3]}": t for t in _tiles(ns.expert_down)}
+        for name, (bn, bk, warps, passes) in expert_down.items():
+            config = dataclasses.replace(
+                engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps, expert_tokens=1,
+                down_expert_pass=passes,
+            )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
-            row["down"][f"{name} expert"] = candidate_us(run, [out], 1e-3)
+            row["down"][name] = candidate_us(run, [out], 1e-3)
         for part in ("gate", "down"):
             timed = {n: v for n, v in row[part].items() if isinstance(v, float)}
             row[f"best_{part}"] = min(timed, key=timed.get)
-            expert = {n: v for n, v in timed.items() if n.endswith(" expert")}
+            expert = {n: v for n, v in timed.items() if " expert p" in n}
             row[f"best_{part}_expert"] = min(expert, key=expert.get) if expert else None
-            pair = {n: v for n, v in timed.items() if not n.endswith(" expert")}
+            pair = {n: v for n, v in timed.items() if " expert p" not in n}
             row[f"best_{part}_pair"] = min(pair, key=pair.get) if pair else None
             print(f"  T={num_tokens:3} {part}: " + ", ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
@@ -167,10 +184,11 @@ def main() -> None:
             ),
         }
         if row["best_gate_expert"] and row["best_down_expert"]:
-            tiles = (gate_tiles[row["best_gate_expert"].removesuffix(" expert")],
-                     down_tiles[row["best_down_expert"].removesuffix(" expert")])  # fmt: skip
-            expert_best = gemv.GemvConfig(*tiles[0], *tiles[1][:3], expert_tokens=1,
-                                          reorder_x_tokens=1)  # fmt: skip
+            gate, down = expert_gate[row["best_gate_expert"]], expert_down[row["best_down_expert"]]
+            expert_best = gemv.GemvConfig(
+                *gate[:3], *down[:3], reorder_x_tokens=1, expert_tokens=1, expert_pass=gate[3],
+                down_expert_pass=down[3],
+            )  # fmt: skip
             runs["fp4 expert best"] = functools.partial(fused, config=expert_best)
         if baseline is not None:
             weights = ((p1.packed, p1.scale), (p2.packed, p2.scale), (p3.packed, p3.scale))

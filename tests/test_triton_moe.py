@@ -8,6 +8,7 @@ the production shapes on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -392,8 +393,8 @@ def test_decode_gemv_gate_up_reads_x_in_nibble_major_order_alike(moe_triton: Mod
 def test_decode_gemv_expert_major_is_a_program_a_pair_bitwise(
     moe_triton: ModuleType, packed: bool
 ) -> None:
-    """From expert_tokens tokens a program takes one expert's pairs (passes of 4, 3, 2 and 1)
-    per tile: the same sums as a program a pair, op for op, so bitwise its output; with every
+    """From expert_tokens tokens a program takes one expert's pairs (passes of up to 4, 3, 2 and
+    1) per tile: the same sums as a program a pair, op for op, so bitwise its output; with every
     token on expert 5 (9 pairs: 4 + 4 + 1), experts of 0 to 9 pairs, partial N tiles, K steps.
     The tickets' counters are left at zero."""
     from deepinfer.ops.triton_tickets import ticket_counters
@@ -415,6 +416,9 @@ def test_decode_gemv_expert_major_is_a_program_a_pair_bitwise(
     run = functools.partial(moe_triton.fused_moe, x, *weights, topk_ids, topk_weights, LIMIT)
     out = run(config=expert)
     assert torch.equal(out, run(config=pair))
+    if packed:  # passes of at most 2 (gate/up) and 3 (down): 9 = 2 + 2 + 2 + 2 + 1 = 3 + 3 + 3
+        fewer = dataclasses.replace(expert, expert_pass=2, down_expert_pass=3)
+        assert torch.equal(run(config=fewer), out)
     assert not ticket_counters(x.device).any()
     ref = torch_ref.fused_moe(x, *weights, topk_ids, topk_weights, LIMIT)
     assert _rel_err(out, ref) < FP32_TOL

@@ -83,7 +83,8 @@ class GemvConfig:
     reorder_x_tokens tokens (0: never), packed gate/up reads x copied into h's nibble-major
     order (8-byte x loads for 2-byte gathers, for one more launch); from expert_tokens tokens
     (0: never), both kernels take a program per (expert, tile) instead of per pair, reading and
-    decoding each weight tile once for up to four of the expert's pairs."""
+    decoding each weight tile once for up to expert_pass (down: down_expert_pass) <= 4 of the
+    expert's pairs at a time (more pairs a pass, more registers)."""
 
     block_n: int
     block_k: int
@@ -94,6 +95,8 @@ class GemvConfig:
     down_split_tokens: int = 0
     reorder_x_tokens: int = 0
     expert_tokens: int = 0
+    expert_pass: int = 4
+    down_expert_pass: int = 4
 
 
 def pick_block_k(block_k: int, k: int) -> int:
@@ -210,7 +213,7 @@ def _slot_ticket(acc, pair, tile, num_tiles, part_ptr, counters_ptr, out_ptr, of
     tl.store(part_ptr + pair * N + offs_n, acc, mask=in_n)
     counter = counters_ptr + token * num_tiles + tile
     if arrive(counter, TOP_K):
-        acc = tl.zeros(acc.shape, dtype=tl.float32)
+        acc = tl.zeros_like(acc)
         for slot in range(TOP_K):
             parts = part_ptr + (token * TOP_K + slot) * N + offs_n
             acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
@@ -364,11 +367,68 @@ def _nth_pair(hits, rank, n, PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _pass_sums(w, x0, x1, x2, x3, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr,
+               X_NIBBLE_MAJOR: tl.constexpr, PASS: tl.constexpr):  # fmt: skip
+    """``_group_sums`` of w with each of the x rows x0 .. x(PASS - 1) (the others are not read;
+    their sums are x0's), each weight decoded once: the nibble loop runs outside the rows', so
+    two decoded planes are live at a time. Each row's sums are ``_group_sums``', op for op."""
+    G: tl.constexpr = BLOCK_K // 32
+    if W_FP4:
+        word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [W]
+        if X_NIBBLE_MAJOR:
+            offs = (word // 4) * 32 + word % 4  # nibble 0 of each word
+            STEP: tl.constexpr = 4
+        else:
+            offs = word * 8
+            STEP: tl.constexpr = 1
+        a0 = tl.zeros(w.shape, dtype=tl.float32)  # [BLOCK_N, W]
+        a1 = tl.zeros(w.shape, dtype=tl.float32)
+        a2 = tl.zeros(w.shape, dtype=tl.float32)
+        a3 = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            low, high = _nibble_pair(w, j)
+            a0 += low * tl.load(x0 + offs + j * STEP).to(tl.float32)[None, :]
+            a0 += high * tl.load(x0 + offs + (j + 4) * STEP).to(tl.float32)[None, :]
+            if PASS > 1:
+                a1 += low * tl.load(x1 + offs + j * STEP).to(tl.float32)[None, :]
+                a1 += high * tl.load(x1 + offs + (j + 4) * STEP).to(tl.float32)[None, :]
+            if PASS > 2:
+                a2 += low * tl.load(x2 + offs + j * STEP).to(tl.float32)[None, :]
+                a2 += high * tl.load(x2 + offs + (j + 4) * STEP).to(tl.float32)[None, :]
+            if PASS > 3:
+                a3 += low * tl.load(x3 + offs + j * STEP).to(tl.float32)[None, :]
+                a3 += high * tl.load(x3 + offs + (j + 4) * STEP).to(tl.float32)[None, :]
+        rows: tl.constexpr = w.shape[0]
+        s0 = tl.sum(a0.reshape(rows, G, 4), axis=2)
+        s1 = tl.sum(a1.reshape(rows, G, 4), axis=2) if PASS > 1 else s0
+        s2 = tl.sum(a2.reshape(rows, G, 4), axis=2) if PASS > 2 else s0
+        s3 = tl.sum(a3.reshape(rows, G, 4), axis=2) if PASS > 3 else s0
+        return s0, s1, s2, s3
+    else:
+        k = k_start + tl.arange(0, BLOCK_K)
+        if X_NIBBLE_MAJOR:
+            k = _nibble_major_index(k)
+        rows: tl.constexpr = w.shape[0]
+        values = w.to(tl.float32)
+        s0 = tl.sum((values * tl.load(x0 + k).to(tl.float32)[None, :]).reshape(rows, G, 32), 2)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        if PASS > 1:
+            s1 = tl.sum((values * tl.load(x1 + k).to(tl.float32)[None, :]).reshape(rows, G, 32), 2)
+        if PASS > 2:
+            s2 = tl.sum((values * tl.load(x2 + k).to(tl.float32)[None, :]).reshape(rows, G, 32), 2)
+        if PASS > 3:
+            s3 = tl.sum((values * tl.load(x3 + k).to(tl.float32)[None, :]).reshape(rows, G, 32), 2)
+        return s0, s1, s2, s3
+
+
+@triton.jit
 def _gate_up_pass(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first, w_rows, s_rows, offs_n,
     limit, stride_xt, stride_hm, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr, W_FP4: tl.constexpr,
-    X_NIBBLE_MAJOR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr,
+    W_FP4: tl.constexpr, X_NIBBLE_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """h of the expert's pairs first .. first + PASS - 1 (PASS <= 4) for the N tile: each K
     step's weights are loaded and decoded once and meet every pair's x. Each pair's sums are
@@ -381,15 +441,15 @@ def _gate_up_pass(
     x1 = x_ptr + (p1 // TOP_K) * stride_xt
     x2 = x_ptr + (p2 // TOP_K) * stride_xt
     x3 = x_ptr + (p3 // TOP_K) * stride_xt
-    sums = (offs_n.shape[0], BLOCK_K // 32)
-    g0 = tl.zeros(sums, tl.float32)
-    g1 = tl.zeros(sums, tl.float32)
-    g2 = tl.zeros(sums, tl.float32)
-    g3 = tl.zeros(sums, tl.float32)
-    u0 = tl.zeros(sums, tl.float32)
-    u1 = tl.zeros(sums, tl.float32)
-    u2 = tl.zeros(sums, tl.float32)
-    u3 = tl.zeros(sums, tl.float32)
+    G: tl.constexpr = BLOCK_K // 32
+    g0 = tl.zeros((BLOCK_N, G), tl.float32)
+    g1 = tl.zeros((BLOCK_N, G), tl.float32)
+    g2 = tl.zeros((BLOCK_N, G), tl.float32)
+    g3 = tl.zeros((BLOCK_N, G), tl.float32)
+    u0 = tl.zeros((BLOCK_N, G), tl.float32)
+    u1 = tl.zeros((BLOCK_N, G), tl.float32)
+    u2 = tl.zeros((BLOCK_N, G), tl.float32)
+    u3 = tl.zeros((BLOCK_N, G), tl.float32)
     w1 = _load_weights(w1_ptr, w_rows, 0, BLOCK_K, W_FP4)
     w3 = _load_weights(w3_ptr, w_rows, 0, BLOCK_K, W_FP4)
     for k_start in range(0, K, BLOCK_K):
@@ -398,17 +458,21 @@ def _gate_up_pass(
         w3_next = _load_weights(w3_ptr, w_rows, k_next, BLOCK_K, W_FP4)
         sc1 = _group_scales(s1_ptr, s_rows, k_start, BLOCK_K, W_FP4)
         sc3 = _group_scales(s3_ptr, s_rows, k_start, BLOCK_K, W_FP4)
-        g0 += _group_sums(w1, x0, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
-        u0 += _group_sums(w3, x0, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+        s0, s1, s2, s3 = _pass_sums(w1, x0, x1, x2, x3, k_start, BLOCK_K, W_FP4,
+                                    X_NIBBLE_MAJOR, PASS)  # fmt: skip
+        t0, t1, t2, t3 = _pass_sums(w3, x0, x1, x2, x3, k_start, BLOCK_K, W_FP4,
+                                    X_NIBBLE_MAJOR, PASS)  # fmt: skip
+        g0 += s0 * sc1
+        u0 += t0 * sc3
         if PASS > 1:
-            g1 += _group_sums(w1, x1, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
-            u1 += _group_sums(w3, x1, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+            g1 += s1 * sc1
+            u1 += t1 * sc3
         if PASS > 2:
-            g2 += _group_sums(w1, x2, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
-            u2 += _group_sums(w3, x2, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+            g2 += s2 * sc1
+            u2 += t2 * sc3
         if PASS > 3:
-            g3 += _group_sums(w1, x3, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc1
-            u3 += _group_sums(w3, x3, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR) * sc3
+            g3 += s3 * sc1
+            u3 += t3 * sc3
         w1 = w1_next
         w3 = w3_next
     _store_h(g0, u0, limit, h_ptr + p0 * stride_hm, offs_n, x_ptr, N, W_FP4)
@@ -443,12 +507,13 @@ def _expert_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PAIRS: tl.constexpr,
+    PASS_MAX: tl.constexpr,
     W_FP4: tl.constexpr,
     X_NIBBLE_MAJOR: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``_gate_up_kernel``'s h, a program per (expert, N tile): the expert's pairs in passes of
-    up to four (``_gate_up_pass``); an expert without pairs returns at once."""
+    up to PASS_MAX <= 4 (``_gate_up_pass``); an expert without pairs returns at once."""
     enter(PDL)
     expert = tl.program_id(0)
     hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
@@ -459,32 +524,35 @@ def _expert_gate_up_kernel(
     )
     first = count * 0
     while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
-        left = count - first
-        if left >= 4:
-            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
-                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                          BLOCK_K, PAIRS, 4, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
-        elif left == 3:
-            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
-                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                          BLOCK_K, PAIRS, 3, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
-        elif left == 2:
-            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
-                          w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                          BLOCK_K, PAIRS, 2, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        step = tl.minimum(count - first, PASS_MAX)  # the pass: up to PASS_MAX pairs
+        if step == 4:
+            if PASS_MAX >= 4:
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                              w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                              BLOCK_N, BLOCK_K, PAIRS, 4, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        elif step == 3:
+            if PASS_MAX >= 3:
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                              w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                              BLOCK_N, BLOCK_K, PAIRS, 3, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        elif step == 2:
+            if PASS_MAX >= 2:
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                              w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
+                              BLOCK_N, BLOCK_K, PAIRS, 2, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
         else:
             _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
                           w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                          BLOCK_K, PAIRS, 1, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
-        first += 4
+                          BLOCK_N, BLOCK_K, PAIRS, 1, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+        first += step
 
 
 @triton.jit
 def _down_pass(
     h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr, hits, rank, first,
     w_rows, s_rows, offs_n, stride_hm, stride_ot, N: tl.constexpr, K: tl.constexpr,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr,
-    W_FP4: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
+    PASS: tl.constexpr, W_FP4: tl.constexpr,
 ):  # fmt: skip
     """The weighted, rounded products of the expert's pairs first .. first + PASS - 1 for the
     N tile, each handed to its token's ticket (``_slot_ticket``). Each pair's sums are the
@@ -493,22 +561,27 @@ def _down_pass(
     p1 = _nth_pair(hits, rank, first + 1, PAIRS) if PASS > 1 else p0
     p2 = _nth_pair(hits, rank, first + 2, PAIRS) if PASS > 2 else p0
     p3 = _nth_pair(hits, rank, first + 3, PAIRS) if PASS > 3 else p0
-    sums = (offs_n.shape[0], BLOCK_K // 32)
-    a0 = tl.zeros(sums, tl.float32)
-    a1 = tl.zeros(sums, tl.float32)
-    a2 = tl.zeros(sums, tl.float32)
-    a3 = tl.zeros(sums, tl.float32)
+    h0 = h_ptr + p0 * stride_hm
+    h1 = h_ptr + p1 * stride_hm
+    h2 = h_ptr + p2 * stride_hm
+    h3 = h_ptr + p3 * stride_hm
+    G: tl.constexpr = BLOCK_K // 32
+    a0 = tl.zeros((BLOCK_N, G), tl.float32)
+    a1 = tl.zeros((BLOCK_N, G), tl.float32)
+    a2 = tl.zeros((BLOCK_N, G), tl.float32)
+    a3 = tl.zeros((BLOCK_N, G), tl.float32)
     w = _load_weights(w2_ptr, w_rows, 0, BLOCK_K, W_FP4)
     for k_start in range(0, K, BLOCK_K):
         w_next = _load_weights(w2_ptr, w_rows, (k_start + BLOCK_K) % K, BLOCK_K, W_FP4)
         sc = _group_scales(s2_ptr, s_rows, k_start, BLOCK_K, W_FP4)
-        a0 += _group_sums(w, h_ptr + p0 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+        s0, s1, s2, s3 = _pass_sums(w, h0, h1, h2, h3, k_start, BLOCK_K, W_FP4, W_FP4, PASS)
+        a0 += s0 * sc
         if PASS > 1:
-            a1 += _group_sums(w, h_ptr + p1 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+            a1 += s1 * sc
         if PASS > 2:
-            a2 += _group_sums(w, h_ptr + p2 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+            a2 += s2 * sc
         if PASS > 3:
-            a3 += _group_sums(w, h_ptr + p3 * stride_hm, k_start, BLOCK_K, W_FP4, W_FP4) * sc
+            a3 += s3 * sc
         w = w_next
     _down_ticket(a0, p0, topk_weights_ptr, part_ptr, counters_ptr, out_ptr, offs_n, stride_ot,
                  N, TOP_K)  # fmt: skip
@@ -557,11 +630,12 @@ def _expert_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PAIRS: tl.constexpr,
+    PASS_MAX: tl.constexpr,
     W_FP4: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``_down_kernel``'s out with the slot split's tickets, a program per (expert, N tile):
-    the expert's pairs in passes of up to four (``_down_pass``)."""
+    the expert's pairs in passes of up to PASS_MAX <= 4 (``_down_pass``)."""
     enter(PDL)
     expert = tl.program_id(0)
     hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
@@ -572,24 +646,27 @@ def _expert_down_kernel(
     )
     first = count * 0
     while first < count:  # (a for loop over count: Triton's interpreter cannot, under numpy 2.4)
-        left = count - first
-        if left >= 4:
-            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                       TOP_K, BLOCK_K, PAIRS, 4, W_FP4)  # fmt: skip
-        elif left == 3:
-            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                       TOP_K, BLOCK_K, PAIRS, 3, W_FP4)  # fmt: skip
-        elif left == 2:
-            _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                       TOP_K, BLOCK_K, PAIRS, 2, W_FP4)  # fmt: skip
+        step = tl.minimum(count - first, PASS_MAX)  # the pass: up to PASS_MAX pairs
+        if step == 4:
+            if PASS_MAX >= 4:
+                _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 4, W_FP4)  # fmt: skip
+        elif step == 3:
+            if PASS_MAX >= 3:
+                _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 3, W_FP4)  # fmt: skip
+        elif step == 2:
+            if PASS_MAX >= 2:
+                _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
+                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 2, W_FP4)  # fmt: skip
         else:
             _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
                        hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                       TOP_K, BLOCK_K, PAIRS, 1, W_FP4)  # fmt: skip
-        first += 4
+                       TOP_K, BLOCK_N, BLOCK_K, PAIRS, 1, W_FP4)  # fmt: skip
+        first += step
 
 
 def decode_moe(
@@ -688,7 +765,7 @@ def gate_up(
         _expert_gate_up_kernel[(w1.shape[0], tiles)](
             x, w1, w3, s1, s3, h, flat_ids, num_pairs, float(limit), x.stride(0),
             *w1.stride()[:2], *s1.stride()[:2], h.stride(0), PAIRS=_pairs_block(num_pairs),
-            **common,
+            PASS_MAX=config.expert_pass, **common,
         )  # fmt: skip
     else:
         _gate_up_kernel[(num_pairs, tiles)](
@@ -749,7 +826,7 @@ def down(
         _expert_down_kernel[(w2.shape[0], num_tiles)](
             h, w2, s2, out, part, counters, flat_ids, flat_weights, flat_ids.numel(),
             h.stride(0), *w2.stride()[:2], *s2.stride()[:2], out.stride(0),
-            PAIRS=_pairs_block(flat_ids.numel()), **common,
+            PAIRS=_pairs_block(flat_ids.numel()), PASS_MAX=config.down_expert_pass, **common,
         )  # fmt: skip
     else:
         _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
