@@ -12,7 +12,15 @@ captures it):
     h, topk_ids, topk_weights [T, k], w2 [E, D, I] --_down_kernel----->  out [T, D]
 
     grid: gate/up (pair, I tile), down (token, D tile) or, up to down_split_tokens tokens,
-    (token, D tile, slot)
+    (token, D tile, slot); from expert_tokens tokens, both (expert, tile)
+
+Expert-major (``_expert_gate_up_kernel``, ``_expert_down_kernel``): past a few tokens experts
+repeat (T = 32: 192 pairs on ~135 of 256 experts; T = 128: 768 on ~243), and a program a pair
+reads and decodes an expert's tile once per pair. A program per (expert, tile) instead finds
+its expert's pairs in topk_ids (a compare, a prefix sum; no sort, no launch) and takes them in
+passes of up to four: each K step's weights are loaded and each nibble plane decoded once, then
+multiplied with every pair's x of the pass. Each pair's sums are the per-pair kernels', op for
+op, so the output is bitwise theirs. The down products meet through the slot split's tickets.
 
 The down kernel adds a token's k pairs in slot order in fp32, each pair's weighted output rounded
 to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair rows and no combine
