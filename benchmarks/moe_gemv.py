@@ -17,8 +17,8 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   "... expert pPASS"), a program per (expert, tile) over the expert's pairs, PASS of them at a
   time (gate/up on x in nibble-major order);
 - the whole call: the engine's pick, the best gate/up + best down candidates (a program a pair,
-  and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's program-a-pair
-  tiles expert-major, as the engine runs them from expert_tokens; "fp4 grouped": the grouped
+  and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's expert-major
+  tiles (its pick at 768 pairs); "fp4 grouped": the grouped
   kernels on their decode tiles), our bf16 fused MoE
   on the dequantized weights (the same function), and with ``--baseline`` a previous version of
   ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
@@ -168,7 +168,6 @@ def main() -> None:
                 for n, v in row[part].items()))  # fmt: skip
         best_gate = row["best_gate_pair"].removesuffix(" x nibble-major")  # input-order tile
         best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down_pair"]])
-        engine_gemv = ours.pick_tile_config(TOP_K, x.dtype, packed=True)
         fused = functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
@@ -179,8 +178,8 @@ def main() -> None:
             "fp4 grouped": functools.partial(  # the grouped kernels' decode tiles
                 fused, config=ours.pick_tile_config(4096, x.dtype, packed=True)
             ),
-            "fp4 expert": functools.partial(
-                fused, config=dataclasses.replace(engine_gemv, expert_tokens=1)
+            "fp4 expert": functools.partial(  # the engine's expert-major tiles
+                fused, config=ours.pick_tile_config(768, x.dtype, packed=True)
             ),
         }
         if row["best_gate_expert"] and row["best_down_expert"]:

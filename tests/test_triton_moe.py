@@ -448,6 +448,8 @@ def test_mxfp4_decode_takes_a_program_a_pair_up_to_768_pairs(moe_triton: ModuleT
     for dtype in (torch.bfloat16, torch.float32):
         assert isinstance(pick(768, dtype, packed=True), moe_triton.GemvConfig)
         assert isinstance(pick(769, dtype, packed=True), moe_triton.TileConfig)
+        assert pick(47, dtype, packed=True).expert_tokens == 0  # a program a pair
+        assert pick(48, dtype, packed=True).expert_tokens == 1  # a program an expert
         assert isinstance(pick(6, dtype), moe_triton.TileConfig)  # dense: the grouped GEMMs
 
 
