@@ -145,13 +145,14 @@ _MXFP4_GEMV = GemvConfig(
     down_split_tokens=32,
     reorder_x_tokens=2,
 )
-# From 48 pairs (T = 8) up to 768 (T = 128) a program takes one expert's pairs per tile
-# (triton_gemv.py's expert-major kernels), reading and decoding each weight tile once for a
-# pass of up to 2 (gate/up) or 4 (down) pairs, instead of once per pair or the grouped kernel.
-# Passes of four pairs on gate/up's tiles need 255 registers a thread, of two 128; down's
-# 16 x 256 tiles on 4 warps take 96 with four (ptxas for sm_90).
-_MXFP4_EXPERT_PAIRS = 48
-_MXFP4_GEMV_PAIRS = 768
+# The expert-major kernels' tiles (triton_gemv.py: a program per (expert, tile) over the
+# expert's pairs, each weight tile read and decoded once for a pass of up to 2 (gate/up) or 4
+# (down) pairs). Passes of four pairs on gate/up's tiles need 255 registers a thread, of two
+# 128; down's 16 x 256 tiles on 4 warps take 96 with four (ptxas for sm_90). Not yet timed on
+# a GPU, so the engine does not pick them: _MXFP4_EXPERT_PAIRS past _MXFP4_GEMV_PAIRS (the
+# program-a-pair kernels up to 192 pairs, then the grouped kernel, as measured).
+_MXFP4_GEMV_PAIRS = 192
+_MXFP4_EXPERT_PAIRS = _MXFP4_GEMV_PAIRS + 1
 _MXFP4_GEMV_EXPERTS = GemvConfig(
     block_n=32,
     block_k=256,
