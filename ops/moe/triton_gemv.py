@@ -16,11 +16,12 @@ captures it):
 
 Expert-major (``_expert_gate_up_kernel``, ``_expert_down_kernel``): past a few tokens experts
 repeat (T = 32: 192 pairs on ~135 of 256 experts; T = 128: 768 on ~243), and a program a pair
-reads and decodes an expert's tile once per pair. A program per (expert, tile) instead finds
-its expert's pairs in topk_ids (a compare, a prefix sum; no sort, no launch) and takes them in
-passes of up to four: each K step's weights are loaded and each nibble plane decoded once, then
-multiplied with every pair's x of the pass. Each pair's sums are the per-pair kernels', op for
-op, so the output is bitwise theirs. The down products meet through the slot split's tickets.
+reads and decodes an expert's tile once per pair. A program per (expert, tile) instead takes
+its expert's pairs, listed once by ``expert_lists`` (one launch: a compare and a prefix sum an
+expert; no sort), in passes of up to four: each K step's weights are loaded and each nibble
+plane decoded once, then multiplied with every pair's x of the pass. Each pair's sums are the
+per-pair kernels', op for op, so the output is bitwise theirs. The down products meet through
+the slot split's tickets.
 
 The down kernel adds a token's k pairs in slot order in fp32, each pair's weighted output rounded
 to x's dtype first, as ``triton.py``'s combine does, so there are no per-pair rows and no combine
@@ -74,6 +75,7 @@ __all__ = [
     "GemvConfig",
     "decode_moe",
     "down",
+    "expert_lists",
     "gate_up",
     "nibble_major",
     "pick_block_k",
@@ -358,20 +360,19 @@ def _down_kernel(
 
 
 @triton.jit
-def _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS: tl.constexpr):
-    """The pairs routed to ``expert``: hits [PAIRS] (1 where pair p is one), rank [PAIRS] (how
-    many of them come before p) and their count. PAIRS: a power of two >= num_pairs."""
+def _expert_lists_kernel(topk_ids_ptr, lists_ptr, counts_ptr, num_pairs, PAIRS: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    """Program e lists expert e's pairs in pair order: counts[e] of them, in lists[e, :] (a
+    compare and a prefix sum over topk_ids; PAIRS: a power of two >= num_pairs)."""
+    enter(PDL)
+    expert = tl.program_id(0)
     offs = tl.arange(0, PAIRS)
     ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
     hits = (ids == expert).to(tl.int32)
-    return hits, tl.cumsum(hits, axis=0) - hits, tl.sum(hits, axis=0)
-
-
-@triton.jit
-def _nth_pair(hits, rank, n, PAIRS: tl.constexpr):
-    """The id of the expert's n-th pair in pair order (``_expert_pairs``; n < count)."""
-    found = (hits > 0) & (rank == n)
-    return tl.sum(tl.where(found, tl.arange(0, PAIRS), 0), axis=0).to(tl.int64)
+    rank = tl.cumsum(hits, axis=0) - hits
+    row = lists_ptr + expert.to(tl.int64) * num_pairs
+    tl.store(row + rank, offs, mask=hits > 0)
+    tl.store(counts_ptr + expert, tl.sum(hits, axis=0))
 
 
 @triton.jit
@@ -433,18 +434,18 @@ def _pass_sums(w, x0, x1, x2, x3, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.cons
 
 @triton.jit
 def _gate_up_pass(
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first, w_rows, s_rows, offs_n,
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pair_row, first, w_rows, s_rows, offs_n,
     limit, stride_xt, stride_hm, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PASS: tl.constexpr,
-    W_FP4: tl.constexpr, X_NIBBLE_MAJOR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PASS: tl.constexpr, W_FP4: tl.constexpr,
+    X_NIBBLE_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """h of the expert's pairs first .. first + PASS - 1 (PASS <= 4) for the N tile: each K
     step's weights are loaded and decoded once and meet every pair's x. Each pair's sums are
     the per-pair kernel's, op for op."""
-    p0 = _nth_pair(hits, rank, first, PAIRS)
-    p1 = _nth_pair(hits, rank, first + 1, PAIRS) if PASS > 1 else p0
-    p2 = _nth_pair(hits, rank, first + 2, PAIRS) if PASS > 2 else p0
-    p3 = _nth_pair(hits, rank, first + 3, PAIRS) if PASS > 3 else p0
+    p0 = tl.load(pair_row + first).to(tl.int64)
+    p1 = tl.load(pair_row + first + 1).to(tl.int64) if PASS > 1 else p0
+    p2 = tl.load(pair_row + first + 2).to(tl.int64) if PASS > 2 else p0
+    p3 = tl.load(pair_row + first + 3).to(tl.int64) if PASS > 3 else p0
     x0 = x_ptr + (p0 // TOP_K) * stride_xt
     x1 = x_ptr + (p1 // TOP_K) * stride_xt
     x2 = x_ptr + (p2 // TOP_K) * stride_xt
@@ -500,7 +501,8 @@ def _expert_gate_up_kernel(
     s1_ptr,
     s3_ptr,
     h_ptr,
-    topk_ids_ptr,
+    lists_ptr,
+    counts_ptr,
     num_pairs,
     limit,
     stride_xt,
@@ -514,7 +516,6 @@ def _expert_gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PAIRS: tl.constexpr,
     PASS_MAX: tl.constexpr,
     W_FP4: tl.constexpr,
     X_NIBBLE_MAJOR: tl.constexpr,
@@ -524,9 +525,10 @@ def _expert_gate_up_kernel(
     up to PASS_MAX <= 4 (``_gate_up_pass``); an expert without pairs returns at once."""
     enter(PDL)
     expert = tl.program_id(0)
-    hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
+    count = tl.load(counts_ptr + expert)  # its pairs: lists[expert, :count]
     if count == 0:
         return
+    pair_row = lists_ptr + expert.to(tl.int64) * num_pairs
     offs_n, w_rows, s_rows = _expert_tile(
         expert, stride_we, stride_wn, stride_se, stride_sn, N, BLOCK_N
     )
@@ -535,40 +537,40 @@ def _expert_gate_up_kernel(
         step = tl.minimum(count - first, PASS_MAX)  # the pass: up to PASS_MAX pairs
         if step == 4:
             if PASS_MAX >= 4:
-                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pair_row, first,
                               w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                              BLOCK_N, BLOCK_K, PAIRS, 4, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+                              BLOCK_N, BLOCK_K, 4, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
         elif step == 3:
             if PASS_MAX >= 3:
-                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pair_row, first,
                               w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                              BLOCK_N, BLOCK_K, PAIRS, 3, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+                              BLOCK_N, BLOCK_K, 3, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
         elif step == 2:
             if PASS_MAX >= 2:
-                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+                _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pair_row, first,
                               w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                              BLOCK_N, BLOCK_K, PAIRS, 2, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+                              BLOCK_N, BLOCK_K, 2, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
         else:
-            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hits, rank, first,
+            _gate_up_pass(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, pair_row, first,
                           w_rows, s_rows, offs_n, limit, stride_xt, stride_hm, N, K, TOP_K,
-                          BLOCK_N, BLOCK_K, PAIRS, 1, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
+                          BLOCK_N, BLOCK_K, 1, W_FP4, X_NIBBLE_MAJOR)  # fmt: skip
         first += step
 
 
 @triton.jit
 def _down_pass(
-    h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr, hits, rank, first,
+    h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr, pair_row, first,
     w_rows, s_rows, offs_n, stride_hm, stride_ot, N: tl.constexpr, K: tl.constexpr,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
-    PASS: tl.constexpr, W_FP4: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PASS: tl.constexpr,
+    W_FP4: tl.constexpr,
 ):  # fmt: skip
     """The weighted, rounded products of the expert's pairs first .. first + PASS - 1 for the
     N tile, each handed to its token's ticket (``_slot_ticket``). Each pair's sums are the
     per-pair kernel's, op for op."""
-    p0 = _nth_pair(hits, rank, first, PAIRS)
-    p1 = _nth_pair(hits, rank, first + 1, PAIRS) if PASS > 1 else p0
-    p2 = _nth_pair(hits, rank, first + 2, PAIRS) if PASS > 2 else p0
-    p3 = _nth_pair(hits, rank, first + 3, PAIRS) if PASS > 3 else p0
+    p0 = tl.load(pair_row + first).to(tl.int64)
+    p1 = tl.load(pair_row + first + 1).to(tl.int64) if PASS > 1 else p0
+    p2 = tl.load(pair_row + first + 2).to(tl.int64) if PASS > 2 else p0
+    p3 = tl.load(pair_row + first + 3).to(tl.int64) if PASS > 3 else p0
     h0 = h_ptr + p0 * stride_hm
     h1 = h_ptr + p1 * stride_hm
     h2 = h_ptr + p2 * stride_hm
@@ -623,7 +625,8 @@ def _expert_down_kernel(
     out_ptr,
     part_ptr,
     counters_ptr,
-    topk_ids_ptr,
+    lists_ptr,
+    counts_ptr,
     topk_weights_ptr,
     num_pairs,
     stride_hm,
@@ -637,7 +640,6 @@ def _expert_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PAIRS: tl.constexpr,
     PASS_MAX: tl.constexpr,
     W_FP4: tl.constexpr,
     PDL: tl.constexpr,
@@ -646,9 +648,10 @@ def _expert_down_kernel(
     the expert's pairs in passes of up to PASS_MAX <= 4 (``_down_pass``)."""
     enter(PDL)
     expert = tl.program_id(0)
-    hits, rank, count = _expert_pairs(topk_ids_ptr, num_pairs, expert, PAIRS)
+    count = tl.load(counts_ptr + expert)  # its pairs: lists[expert, :count]
     if count == 0:
         return
+    pair_row = lists_ptr + expert.to(tl.int64) * num_pairs
     offs_n, w_rows, s_rows = _expert_tile(
         expert, stride_we, stride_wn, stride_se, stride_sn, N, BLOCK_N
     )
@@ -658,22 +661,22 @@ def _expert_down_kernel(
         if step == 4:
             if PASS_MAX >= 4:
                 _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 4, W_FP4)  # fmt: skip
+                           pair_row, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, 4, W_FP4)  # fmt: skip
         elif step == 3:
             if PASS_MAX >= 3:
                 _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 3, W_FP4)  # fmt: skip
+                           pair_row, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, 3, W_FP4)  # fmt: skip
         elif step == 2:
             if PASS_MAX >= 2:
                 _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                           hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                           TOP_K, BLOCK_N, BLOCK_K, PAIRS, 2, W_FP4)  # fmt: skip
+                           pair_row, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                           TOP_K, BLOCK_N, BLOCK_K, 2, W_FP4)  # fmt: skip
         else:
             _down_pass(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counters_ptr, topk_weights_ptr,
-                       hits, rank, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
-                       TOP_K, BLOCK_N, BLOCK_K, PAIRS, 1, W_FP4)  # fmt: skip
+                       pair_row, first, w_rows, s_rows, offs_n, stride_hm, stride_ot, N, K,
+                       TOP_K, BLOCK_N, BLOCK_K, 1, W_FP4)  # fmt: skip
         first += step
 
 
@@ -692,8 +695,12 @@ def decode_moe(
     (w1, s1), (w2, s2), (w3, s3) = weights
     reorder = s1 is not None and 0 < config.reorder_x_tokens <= x.shape[0]
     x_in = reorder_nibble_major(x) if reorder else x
-    h = gate_up(x_in, (w1, s1), (w3, s3), topk_ids, limit, config, x_nibble_major=reorder)
-    return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config)
+    pairs = expert_lists(topk_ids, w1.shape[0]) if _expert_major(config, x.shape[0]) else None
+    h = gate_up(
+        x_in, (w1, s1), (w3, s3), topk_ids, limit, config, x_nibble_major=reorder,
+        expert_pairs=pairs,
+    )  # fmt: skip
+    return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config, expert_pairs=pairs)
 
 
 @triton.jit
@@ -745,10 +752,13 @@ def gate_up(
     config: GemvConfig,
     *,
     x_nibble_major: bool = False,
+    expert_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h [T * k, I] fp32 (nibble-major in each group of 32 when packed; module docstring) of
     x [T, D] and each pair's expert (w1, w3: (weight, scales) as in ``decode_moe``).
-    ``x_nibble_major``: x's D is in that order too (``nibble_major(x)``; packed experts)."""
+    ``x_nibble_major``: x's D is in that order too (``nibble_major(x)``; packed experts).
+    ``expert_pairs``: ``expert_lists(topk_ids, E)``'s, where the expert-major kernel runs
+    (made here if None)."""
     packed = w1[1] is not None
     assert packed or not x_nibble_major, "x in nibble-major order needs packed experts"
     (w1, s1), (w3, s3) = _operand(*w1), _operand(*w3)
@@ -770,10 +780,13 @@ def gate_up(
     }
     tiles = triton.cdiv(inter, config.block_n)
     if _expert_major(config, topk_ids.shape[0]):
+        lists, counts = (
+            expert_pairs if expert_pairs is not None else expert_lists(topk_ids, w1.shape[0])
+        )
         _expert_gate_up_kernel[(w1.shape[0], tiles)](
-            x, w1, w3, s1, s3, h, flat_ids, num_pairs, float(limit), x.stride(0),
-            *w1.stride()[:2], *s1.stride()[:2], h.stride(0), PAIRS=_pairs_block(num_pairs),
-            PASS_MAX=config.expert_pass, **common,
+            x, w1, w3, s1, s3, h, lists, counts, num_pairs, float(limit), x.stride(0),
+            *w1.stride()[:2], *s1.stride()[:2], h.stride(0), PASS_MAX=config.expert_pass,
+            **common,
         )  # fmt: skip
     else:
         _gate_up_kernel[(num_pairs, tiles)](
@@ -788,10 +801,18 @@ def _expert_major(config: GemvConfig, num_tokens: int) -> bool:
     return 0 < config.expert_tokens <= num_tokens
 
 
-def _pairs_block(num_pairs: int) -> int:
-    """The expert-major kernels' PAIRS: a power of two >= num_pairs, at least 256 (the engine's
-    range, T = 8 to 128, in three binaries)."""
-    return max(256, triton.next_power_of_2(num_pairs))
+def expert_lists(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's pairs for the expert-major kernels, in one launch: lists [E, T * k] int32
+    (row e: expert e's pair ids in pair order, counts[e] of them; the rest unwritten) and
+    counts [E] int32."""
+    num_pairs = topk_ids.numel()
+    lists = torch.empty((num_experts, num_pairs), dtype=torch.int32, device=topk_ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
+    _expert_lists_kernel[(num_experts,)](
+        topk_ids.reshape(-1).contiguous(), lists, counts, num_pairs,
+        PAIRS=max(256, triton.next_power_of_2(num_pairs)), **pdl(topk_ids.device),
+    )  # fmt: skip
+    return lists, counts
 
 
 def down(
@@ -801,9 +822,12 @@ def down(
     topk_weights: torch.Tensor,
     dtype: torch.dtype,
     config: GemvConfig,
+    *,
+    expert_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out [T, D] in ``dtype``: each token's slots' h (``gate_up``'s) through their experts' w2
-    ((weight, scales) as in ``decode_moe``), weighted and added in slot order."""
+    ((weight, scales) as in ``decode_moe``), weighted and added in slot order.
+    ``expert_pairs``: as ``gate_up``'s."""
     packed = w2[1] is not None
     w2, s2 = _operand(*w2)
     num_tokens, top_k = topk_ids.shape
@@ -831,10 +855,13 @@ def down(
     }
     counters = ticket_counters(h.device)
     if expert_major:
+        lists, counts = (
+            expert_pairs if expert_pairs is not None else expert_lists(topk_ids, w2.shape[0])
+        )
         _expert_down_kernel[(w2.shape[0], num_tiles)](
-            h, w2, s2, out, part, counters, flat_ids, flat_weights, flat_ids.numel(),
+            h, w2, s2, out, part, counters, lists, counts, flat_weights, flat_ids.numel(),
             h.stride(0), *w2.stride()[:2], *s2.stride()[:2], out.stride(0),
-            PAIRS=_pairs_block(flat_ids.numel()), PASS_MAX=config.down_expert_pass, **common,
+            PASS_MAX=config.down_expert_pass, **common,
         )  # fmt: skip
     else:
         _down_kernel[(num_tokens, num_tiles, top_k if split else 1)](
