@@ -148,9 +148,12 @@ _MXFP4_GEMV = GemvConfig(
 # The expert-major kernels' tiles (triton_gemv.py: a program per (expert, tile) over the
 # expert's pairs, each weight tile read and decoded once for a pass of up to 2 (gate/up) or 4
 # (down) pairs). Passes of four pairs on gate/up's tiles need 255 registers a thread, of two
-# 128; down's 16 x 256 tiles on 4 warps take 96 with four (ptxas for sm_90). Not yet timed on
-# a GPU, so the engine does not pick them: _MXFP4_EXPERT_PAIRS past _MXFP4_GEMV_PAIRS (the
-# program-a-pair kernels up to 192 pairs, then the grouped kernel, as measured).
+# 128; down's 16 x 256 tiles on 4 warps take 72 with four (scripts/sm90_compile.py). Their
+# first version (every program scanning topk_ids for its pairs) was slower at T = 32 (H100: down
+# 1,768 µs against the slot split's 480) and doubled the batch-32 step (RESULTS.md 2026-12-06);
+# the pairs listed once (expert_lists) are not timed yet, so the engine does not pick them:
+# _MXFP4_EXPERT_PAIRS past _MXFP4_GEMV_PAIRS (a program a pair up to 192 pairs, then the
+# grouped kernel, as measured).
 _MXFP4_GEMV_PAIRS = 192
 _MXFP4_EXPERT_PAIRS = _MXFP4_GEMV_PAIRS + 1
 _MXFP4_GEMV_EXPERTS = GemvConfig(
