@@ -297,6 +297,18 @@ def _random_mxfp4(gen: torch.Generator, rows: int, cols: int) -> torch_ref.Mxfp4
     return torch_ref.Mxfp4Weight(packed, scale)
 
 
+def _random_experts(
+    gen: torch.Generator, packed: bool = True
+) -> list[torch_ref.Mxfp4Weight] | list[torch.Tensor]:
+    """w1, w2, w3 of ``_random_mxfp4`` at FP4_DIM x FP4_INTER; dequantized unless ``packed``."""
+    weights = [
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
+        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
+    ]
+    return weights if packed else [w.dequantize() for w in weights]
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "kind", "tiles"),
     [(1, "random", None), (5, "repeated_expert", None), (5, "random", (64, 64, 2, 64, 64, 2))],
@@ -314,11 +326,7 @@ def test_decode_gemv_is_the_reference_on_packed_and_dense_experts(
                       moe_triton.GemvConfig)  # fmt: skip
     config = moe_triton.GemvConfig(*tiles) if tiles else None
     x = torch.randn(num_tokens, FP4_DIM, generator=gen)
-    packed = [
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-    ]
+    packed = _random_experts(gen)
     topk_ids = _routing(kind, num_tokens, top_k, gen)
     topk_weights = torch.rand(num_tokens, top_k, generator=gen)
     ref = torch_ref.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
@@ -344,13 +352,7 @@ def test_decode_gemv_down_split_over_slots_is_the_loop_bitwise(
     gen = torch.Generator().manual_seed(31)
     num_tokens, top_k = 2, 3
     x = torch.randn(num_tokens, FP4_DIM, generator=gen)
-    weights = [
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-    ]
-    if not packed:
-        weights = [w.dequantize() for w in weights]
+    weights = _random_experts(gen, packed)
     topk_ids = _routing("repeated_expert", num_tokens, top_k, gen)
     topk_weights = torch.rand(num_tokens, top_k, generator=gen)
     loop = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2)
@@ -405,13 +407,7 @@ def test_decode_gemv_expert_major_is_a_program_a_pair_bitwise(
     gen = torch.Generator().manual_seed(3)
     num_tokens, top_k = (9, 3) if packed else (5, 2)
     x = torch.randn(num_tokens, FP4_DIM, generator=gen)
-    weights = [
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-    ]
-    if not packed:
-        weights = [w.dequantize() for w in weights]
+    weights = _random_experts(gen, packed)
     topk_ids = _routing("one_expert_every_token", num_tokens, top_k, gen)
     topk_weights = torch.rand(num_tokens, top_k, generator=gen)
     pair = moe_triton.GemvConfig(64, 64, 2, 64, 64, 2, down_split_tokens=num_tokens)
@@ -433,11 +429,7 @@ def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
     gen = torch.Generator().manual_seed(4)
     num_tokens, top_k, position = 7, 3, 4
     x = torch.randn(num_tokens, FP4_DIM, generator=gen)
-    packed = [
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-        _random_mxfp4(gen, FP4_DIM, FP4_INTER),
-        _random_mxfp4(gen, FP4_INTER, FP4_DIM),
-    ]
+    packed = _random_experts(gen)
     topk_ids = _routing("random", num_tokens, top_k, gen)
     topk_weights = torch.rand(num_tokens, top_k, generator=gen)
     batched = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
