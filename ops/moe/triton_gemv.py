@@ -150,29 +150,12 @@ def _load_weights(w_ptr, w_rows, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.const
 def _group_sums(w, x_ptr, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr,
                 X_NIBBLE_MAJOR: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K / 32] fp32: each scale group's 32 products of w (``_load_weights``)
-    and x (x_ptr at the row's input 0), packed values times 2 ** -14. X_NIBBLE_MAJOR: x is in
-    h's order (module docstring), else in input order."""
-    G: tl.constexpr = BLOCK_K // 32
-    if W_FP4:
-        word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [W]
-        if X_NIBBLE_MAJOR:
-            x_words = x_ptr + (word // 4) * 32 + word % 4  # nibble 0 of each word
-            nibble_step: tl.constexpr = 4
-        else:
-            x_words = x_ptr + word * 8
-            nibble_step: tl.constexpr = 1
-        acc = tl.zeros(w.shape, dtype=tl.float32)  # [BLOCK_N, W]
-        for j in tl.static_range(4):
-            low, high = _nibble_pair(w, j)
-            acc += low * tl.load(x_words + j * nibble_step).to(tl.float32)[None, :]
-            acc += high * tl.load(x_words + (j + 4) * nibble_step).to(tl.float32)[None, :]
-        return tl.sum(acc.reshape(acc.shape[0], G, 4), axis=2)
-    else:
-        k = k_start + tl.arange(0, BLOCK_K)
-        if X_NIBBLE_MAJOR:
-            k = _nibble_major_index(k)
-        prod = w.to(tl.float32) * tl.load(x_ptr + k).to(tl.float32)[None, :]
-        return tl.sum(prod.reshape(prod.shape[0], G, 32), axis=2)
+    and x (x_ptr at the row's input 0), packed values times 2 ** -14 (``_pass_sums`` of one
+    row)."""
+    sums, _, _, _ = _pass_sums(
+        w, x_ptr, x_ptr, x_ptr, x_ptr, k_start, BLOCK_K, W_FP4, X_NIBBLE_MAJOR, 1
+    )
+    return sums
 
 
 @triton.jit
@@ -378,9 +361,12 @@ def _expert_lists_kernel(topk_ids_ptr, lists_ptr, counts_ptr, num_pairs, PAIRS: 
 @triton.jit
 def _pass_sums(w, x0, x1, x2, x3, k_start, BLOCK_K: tl.constexpr, W_FP4: tl.constexpr,
                X_NIBBLE_MAJOR: tl.constexpr, PASS: tl.constexpr):  # fmt: skip
-    """``_group_sums`` of w with each of the x rows x0 .. x(PASS - 1) (the others are not read;
-    their sums are x0's), each weight decoded once: the nibble loop runs outside the rows', so
-    two decoded planes are live at a time. Each row's sums are ``_group_sums``', op for op."""
+    """Each scale group's 32 products ([BLOCK_N, BLOCK_K / 32] fp32, packed values times
+    2 ** -14) of w (``_load_weights``) with each of the x rows x0 .. x(PASS - 1) (pointers at
+    the rows' input 0; the others are not read, their sums are x0's). X_NIBBLE_MAJOR: x is in
+    h's order (module docstring), else in input order. Each weight is decoded once: the nibble
+    loop runs outside the rows', so two decoded planes are live at a time, and a row's sums
+    are the same ops whatever the pass."""
     G: tl.constexpr = BLOCK_K // 32
     if W_FP4:
         word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [W]
