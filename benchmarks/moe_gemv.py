@@ -1,9 +1,8 @@
 """Packed MXFP4 experts at decode, a program a pair: each of the two kernels on its own, by tiles.
 
     bash scripts/gpu_bench.sh benchmarks/moe_gemv.py [--tokens 1,2,4,8,16,32]
-        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS[,SPLIT];..."]
-        [--expert-gate "BN,BK,WARPS,PASS;..."] [--expert-down "BN,BK,WARPS,PASS;..."]
-        [--baseline PATH] [--json PATH]
+        [--gate "BN,BK,WARPS;..."] [--down "BN,BK,WARPS[,SPLIT];..."] [--baseline PATH]
+        [--json PATH]
 
 V4-Flash routed experts as moe_fp4.py (256 experts, top-6, hidden 4096, intermediate 2048,
 uniform random routing, bf16 weights quantized to MXFP4). For each token count:
@@ -12,16 +11,12 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   candidate tile (block_n, block_k, num_warps; for down also SPLIT, the most tokens whose slots
   take a program each, default 0), each checked against the engine's tiles' output (1e-3: the
   same values, another summation order); each gate/up tile also on x in h's nibble-major order
-  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads); and
-  the expert-major candidates (``--expert-gate`` / ``--expert-down``: BN,BK,WARPS,PASS, named
-  "... expert pPASS"), a program per (expert, tile) over the expert's pairs, PASS of them at a
-  time (gate/up on x in nibble-major order);
-- the whole call: the engine's pick, the best gate/up + best down candidates (a program a pair,
-  and "fp4 expert best": the best expert-major ones; "fp4 expert": the engine's expert-major
-  tiles (its pick at 768 pairs); "fp4 grouped": the grouped
-  kernels on their decode tiles), our bf16 fused MoE
-  on the dequantized weights (the same function), and with ``--baseline`` a previous version of
-  ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own tiles;
+  (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads);
+- the whole call: the engine's pick, the best gate/up + best down candidates, the grouped
+  kernels on their decode tiles ("fp4 grouped", the engine's pick from 193 pairs), our bf16
+  fused MoE on the dequantized weights (the same function), and with ``--baseline`` a previous
+  version of ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own
+  tiles;
 - the bound: packed bytes of the experts the routing hits (17/32 of a byte a value) over the
   copy bandwidth measured in the run, per kernel and whole.
 
@@ -60,9 +55,6 @@ GATE_CANDIDATES = "16,512,4;16,256,4;32,256,4;8,512,4;8,1024,4;16,1024,8;32,512,
 DOWN_CANDIDATES = (
     "8,1024,4;8,2048,8;4,1024,4;8,1024,4,32;8,2048,4,32;16,1024,4,32;16,2048,8,32;8,512,2,32"
 )
-# (block_n, block_k, num_warps, pairs a pass) of the expert-major kernels
-EXPERT_GATE = "32,256,4,1;32,256,4,2;32,256,4,4;16,512,4,2"
-EXPERT_DOWN = "16,256,4,2;16,256,4,4;32,256,4,4;16,512,4,2;16,2048,8,1"
 # The engine's tiles of the version before this kernel (RESULTS.md 2026-12-05).
 BASELINE_TILES = (16, 512, 16, 512, 4)
 
@@ -81,8 +73,6 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--gate", default=GATE_CANDIDATES, help="BN,BK,WARPS;... for gate/up")
     ap.add_argument("--down", default=DOWN_CANDIDATES, help="BN,BK,WARPS[,SPLIT];... for down")
-    ap.add_argument("--expert-gate", default=EXPERT_GATE, help="BN,BK,WARPS,PASS;... gate/up")
-    ap.add_argument("--expert-down", default=EXPERT_DOWN, help="BN,BK,WARPS,PASS;... down")
     ap.add_argument("--baseline", help="a previous triton_gemv.py to time beside this one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure here")
@@ -122,53 +112,29 @@ def main() -> None:
         down_tiles = {_name(t): (*t, 0)[:4] for t in _tiles(ns.down)}
         x_nibble_major = gemv.nibble_major(x)
         for name, (bn, bk, warps) in gate_tiles.items():
-            config = dataclasses.replace(
-                engine, block_n=bn, block_k=bk, num_warps=warps, expert_tokens=0
-            )
+            config = dataclasses.replace(engine, block_n=bn, block_k=bk, num_warps=warps)
             run = functools.partial(gemv.gate_up, x, *up_in, topk_ids, LIMIT, config)
             row["gate"][name] = candidate_us(run, [h], 1e-3)
             run = functools.partial(
                 gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
             )
             row["gate"][f"{name} x nibble-major"] = candidate_us(run, [h], 1e-3)
-        expert_gate = {f"{_name(t[:3])} expert p{t[3]}": t for t in _tiles(ns.expert_gate)}
-        for name, (bn, bk, warps, passes) in expert_gate.items():
-            config = dataclasses.replace(
-                engine, block_n=bn, block_k=bk, num_warps=warps, expert_tokens=1,
-                expert_pass=passes,
-            )  # fmt: skip
-            run = functools.partial(
-                gemv.gate_up, x_nibble_major, *up_in, topk_ids, LIMIT, config, x_nibble_major=True
-            )
-            row["gate"][name] = candidate_us(run, [h], 1e-3)
         for name, (bn, bk, warps, split) in down_tiles.items():
             config = dataclasses.replace(
                 engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps,
-                down_split_tokens=split, expert_tokens=0,
-            )  # fmt: skip
-            run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
-            row["down"][name] = candidate_us(run, [out], 1e-3)
-        expert_down = {f"{_name(t[:3])} expert p{t[3]}": t for t in _tiles(ns.expert_down)}
-        for name, (bn, bk, warps, passes) in expert_down.items():
-            config = dataclasses.replace(
-                engine, down_block_n=bn, down_block_k=bk, down_num_warps=warps, expert_tokens=1,
-                down_expert_pass=passes,
+                down_split_tokens=split,
             )  # fmt: skip
             run = functools.partial(gemv.down, h, down_in, topk_ids, topk_weights, x.dtype, config)
             row["down"][name] = candidate_us(run, [out], 1e-3)
         for part in ("gate", "down"):
             timed = {n: v for n, v in row[part].items() if isinstance(v, float)}
             row[f"best_{part}"] = min(timed, key=timed.get)
-            expert = {n: v for n, v in timed.items() if " expert p" in n}
-            row[f"best_{part}_expert"] = min(expert, key=expert.get) if expert else None
-            pair = {n: v for n, v in timed.items() if " expert p" not in n}
-            row[f"best_{part}_pair"] = min(pair, key=pair.get) if pair else None
             print(f"  T={num_tokens:3} {part}: " + ", ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                 for n, v in row[part].items()))  # fmt: skip
-        best_gate = row["best_gate_pair"].removesuffix(" x nibble-major")  # input-order tile
-        best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down_pair"]])
-        fused = functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT)
+        best_gate = row["best_gate"].removesuffix(" x nibble-major")  # the input-order tile
+        best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down"]])
+        grouped = ours.pick_tile_config(4096, x.dtype, packed=True)
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
@@ -176,19 +142,9 @@ def main() -> None:
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=best
             ),
             "fp4 grouped": functools.partial(  # the grouped kernels' decode tiles
-                fused, config=ours.pick_tile_config(4096, x.dtype, packed=True)
-            ),
-            "fp4 expert": functools.partial(  # the engine's expert-major tiles
-                fused, config=ours.pick_tile_config(768, x.dtype, packed=True)
+                ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=grouped
             ),
         }
-        if row["best_gate_expert"] and row["best_down_expert"]:
-            gate, down = expert_gate[row["best_gate_expert"]], expert_down[row["best_down_expert"]]
-            expert_best = gemv.GemvConfig(
-                *gate[:3], *down[:3], reorder_x_tokens=1, expert_tokens=1, expert_pass=gate[3],
-                down_expert_pass=down[3],
-            )  # fmt: skip
-            runs["fp4 expert best"] = functools.partial(fused, config=expert_best)
         if baseline is not None:
             weights = ((p1.packed, p1.scale), (p2.packed, p2.scale), (p3.packed, p3.scale))
             runs["baseline"] = functools.partial(
@@ -204,10 +160,9 @@ def main() -> None:
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
-               "fp4 best µs", "fp4 grouped µs", "fp4 expert µs", "fp4 expert best µs",
-               "bound µs", "bf16 / fp4",
-               "previous / fp4", "fp4 / bound", "best gate/up (µs, / bound)",
-               "best down (µs, / bound)"]  # fmt: skip
+               "fp4 best µs", "fp4 grouped µs", "bound µs", "bf16 / fp4", "previous / fp4",
+               "fp4 / bound",
+               "best gate/up (µs, / bound)", "best down (µs, / bound)"]  # fmt: skip
     body = []
     for r in rows:
         us = r["us"]
@@ -219,8 +174,7 @@ def main() -> None:
         gate, down = r["gate"][r["best_gate"]], r["down"][r["best_down"]]
         body.append([
             r["tokens"], r["experts_hit"], num("bf16"), num("baseline") or "—", fp4,
-            num("fp4 best"), num("fp4 grouped"), num("fp4 expert"), num("fp4 expert best"),
-            bound["whole"],
+            num("fp4 best"), num("fp4 grouped"), bound["whole"],
             num("bf16") / fp4 if fp4 and num("bf16") else None,
             num("baseline") / fp4 if fp4 and num("baseline") else None,
             fp4 / bound["whole"] if fp4 else None,

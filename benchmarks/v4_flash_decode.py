@@ -2,7 +2,7 @@
 
     bash scripts/gpu_bench.sh benchmarks/v4_flash_decode.py [--layers csa,hca,swa]
         [--batch 1,8,32,128,256] [--context 4096,32768] [--backend auto] [--graph]
-        [--moe-expert-pairs LO,HI] [--json PATH]
+        [--json PATH]
     python benchmarks/v4_flash_decode.py --tiny          # CPU smoke test, every shape shrunk
 
 Method. One model per layer type, each holding ``--depth`` (default 1) layers of that type with
@@ -96,19 +96,8 @@ def main() -> None:
         "linears the checkpoint ships FP8 kept FP8), fp4-fp8-kv8 (and the FP8 KV cache, "
         "cache.kv_dtype = fp8), e.g. bf16,fp4,fp4-fp8",
     )
-    ap.add_argument(
-        "--moe-expert-pairs",
-        help="LO,HI: packed experts from LO to HI pairs (T * 6) on the expert-major decode "
-        "kernels (ops/moe/triton.py's _MXFP4_EXPERT_PAIRS, _MXFP4_GEMV_PAIRS), e.g. 48,768; "
-        "default: the engine's pick",
-    )
     add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
-    if ns.moe_expert_pairs:  # one tree, both picks: run once with and once without
-        from deepinfer.ops.moe import triton as triton_moe
-
-        low, high = parse_ints(ns.moe_expert_pairs)
-        triton_moe._MXFP4_EXPERT_PAIRS, triton_moe._MXFP4_GEMV_PAIRS = low, high
     setup = make_setup(ns.tiny)
     kinds = parse_layers(ns.layers)
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))

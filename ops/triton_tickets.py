@@ -24,7 +24,7 @@ import triton.language as tl
 
 __all__ = ["MAX_TICKET_TILES", "arrive", "depart", "ticket_counters"]
 
-MAX_TICKET_TILES = 1 << 16
+MAX_TICKET_TILES = 1 << 14
 
 
 @functools.cache

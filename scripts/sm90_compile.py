@@ -30,31 +30,23 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 
 GATE_TYPES = {
     "x_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*u8", "s3_ptr": "*u8",
-    "h_ptr": "*fp32", "topk_ids_ptr": "*i64", "lists_ptr": "*i32", "counts_ptr": "*i32",
-    "limit": "fp32",
+    "h_ptr": "*fp32", "topk_ids_ptr": "*i64", "limit": "fp32",
 }  # fmt: skip
 DOWN_TYPES = {
     "h_ptr": "*fp32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
-    "counters_ptr": "*i32", "topk_ids_ptr": "*i64", "lists_ptr": "*i32", "counts_ptr": "*i32",
-    "topk_weights_ptr": "*fp32",
+    "counters_ptr": "*i32", "topk_ids_ptr": "*i64", "topk_weights_ptr": "*fp32",
 }  # fmt: skip
 V4_FLASH = {"TOP_K": 6, "W_FP4": True, "PDL": True}
 GATE = {**V4_FLASH, "N": 2048, "K": 4096, "X_NIBBLE_MAJOR": True}
 DOWN = {**V4_FLASH, "N": 4096, "K": 2048}
 
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV) and the expert-major ones (_MXFP4_GEMV_EXPERTS).
+# (ops/moe/triton.py's _MXFP4_GEMV).
 KERNELS = [
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
      {**DOWN, "BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_SLOTS": True}, 8),
-    ("gate/up an expert 32x256 w4 p2", triton_gemv._expert_gate_up_kernel, GATE_TYPES,
-     {**GATE, "BLOCK_N": 32, "BLOCK_K": 256, "PASS_MAX": 2}, 4),
-    ("down an expert 16x256 w4 p4", triton_gemv._expert_down_kernel, DOWN_TYPES,
-     {**DOWN, "BLOCK_N": 16, "BLOCK_K": 256, "PASS_MAX": 4}, 4),
-    ("expert lists", triton_gemv._expert_lists_kernel, GATE_TYPES,
-     {"PAIRS": 1024, "PDL": True}, 4),
 ]  # fmt: skip
 
 

@@ -125,7 +125,7 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
 _MXFP4_DECODE_PAIRS = 4096
 _MXFP4_PREFILL_PAIRS = 16384
 _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
-# MXFP4 experts at decode: a program a pair (triton_gemv.py) below _MXFP4_EXPERT_PAIRS. H200,
+# MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
 # 248.7 µs). H100, moe_fp4.py, since the grouped kernel's upcast skips the NaN check (fast_math):
@@ -135,6 +135,7 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # down 16 x 2048 on 8 warps, a program per (token, slot): 28.4 / 73.6 / 475 µs at T = 1 / 4 / 32
 # against 40.4 / 82.4 / 473 for 8 x 1024 a token; gate/up on x in nibble-major order 107 / 650
 # µs at T = 4 / 32 against 119 / 739 (T = 1: 39.2 against 40.8, less than the reorder's launch).
+_MXFP4_GEMV_PAIRS = 192
 _MXFP4_GEMV = GemvConfig(
     block_n=32,
     block_k=256,
@@ -144,29 +145,6 @@ _MXFP4_GEMV = GemvConfig(
     down_num_warps=8,
     down_split_tokens=32,
     reorder_x_tokens=2,
-)
-# The expert-major kernels' tiles (triton_gemv.py: a program per (expert, tile) over the
-# expert's pairs, each weight tile read and decoded once for a pass of up to 2 (gate/up) or 4
-# (down) pairs). Passes of four pairs on gate/up's tiles need 255 registers a thread, of two
-# 128; down's 16 x 256 tiles on 4 warps take 72 with four (scripts/sm90_compile.py). Their
-# first version (every program scanning topk_ids for its pairs) was slower at T = 32 (H100: down
-# 1,768 µs against the slot split's 480) and doubled the batch-32 step (RESULTS.md 2026-12-06);
-# the pairs listed once (expert_lists) are not timed yet, so the engine does not pick them:
-# _MXFP4_EXPERT_PAIRS past _MXFP4_GEMV_PAIRS (a program a pair up to 192 pairs, then the
-# grouped kernel, as measured).
-_MXFP4_GEMV_PAIRS = 192
-_MXFP4_EXPERT_PAIRS = _MXFP4_GEMV_PAIRS + 1
-_MXFP4_GEMV_EXPERTS = GemvConfig(
-    block_n=32,
-    block_k=256,
-    num_warps=4,
-    down_block_n=16,
-    down_block_k=256,
-    down_num_warps=4,
-    reorder_x_tokens=1,
-    expert_tokens=1,
-    expert_pass=2,
-    down_expert_pass=4,
 )
 # swiglu: columns a program (the shared expert's I = 2,048 in two programs a token).
 SWIGLU_BLOCK = 1024
@@ -184,7 +162,7 @@ def pick_tile_config(
     shared memory. It is for exactness, not speed.
     """
     if packed and num_pairs <= _MXFP4_GEMV_PAIRS:
-        return _MXFP4_GEMV_EXPERTS if num_pairs >= _MXFP4_EXPERT_PAIRS else _MXFP4_GEMV
+        return _MXFP4_GEMV
     if packed and num_pairs <= _MXFP4_DECODE_PAIRS:
         num_pairs = 1
     config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)

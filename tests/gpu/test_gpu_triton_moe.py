@@ -294,37 +294,6 @@ def test_mxfp4_decode_down_split_over_slots_is_the_loop_bitwise(
     assert torch.equal(h_reordered, h)
 
 
-@pytest.mark.parametrize("num_tokens", [8, 32, 128])
-def test_mxfp4_decode_expert_major_is_a_program_a_pair_bitwise(
-    moe_triton: ModuleType,
-    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
-    num_tokens: int,
-) -> None:
-    """bf16, V4-Flash shapes: a program per (expert, tile) over the expert's pairs (each
-    weight tile decoded once for up to four of them) gives a program a pair's output bitwise,
-    and with every token sharing one expert (a pass of four, repeated) too; over 20 graph
-    replays (the tickets on real SMs); the counters are left at zero."""
-    from deepinfer.ops.triton_tickets import ticket_counters
-
-    packed, _ = mxfp4_experts
-    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=60 + num_tokens)
-    engine = moe_triton.pick_tile_config(6, torch.bfloat16, packed=True)
-    pair = dataclasses.replace(engine, down_split_tokens=num_tokens, expert_tokens=0)
-    expert = dataclasses.replace(pair, expert_tokens=1)
-    shared = topk_ids.clone()
-    shared[:, 0] = 7  # a token that had expert 7 elsewhere holds it twice: both terms count
-    for ids in (topk_ids, shared):
-        expected = moe_triton.fused_moe(x, *packed, ids, topk_weights, LIMIT, config=pair)
-        moe_triton.fused_moe(x, *packed, ids, topk_weights, LIMIT, config=expert)  # compile
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_triton.fused_moe(x, *packed, ids, topk_weights, LIMIT, config=expert)
-        for _ in range(20):
-            graph.replay()
-            assert torch.equal(out, expected)
-    assert not ticket_counters(x.device).any()
-
-
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_is_the_reference(
