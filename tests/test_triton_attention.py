@@ -298,6 +298,14 @@ def test_indexer_scores_matches_reference(seed: int, num_heads: int) -> None:
     assert torch.equal(out == float("-inf"), ~visible)
     assert torch.isfinite(out[visible]).all()
     assert _rel_err(out[visible], expected[visible]) < INDEXER_REL_TOL
+    # The model's weights: the projection's output (bf16 on the GPU) and V4's Hi^-0.5, scaled
+    # in the kernel: bitwise the scores of weights.float() * scale made beforehand.
+    raw = (weights * num_heads**0.5).to(torch.bfloat16)
+    scale = num_heads**-0.5
+    args = (keys, entry_rows, token_req, num_visible)
+    for ops in (kernels, ref):
+        scaled = ops.indexer_scores(q, raw, *args, weight_scale=scale)
+        assert torch.equal(scaled, ops.indexer_scores(q, raw.float() * scale, *args))
     scale = expected[visible].abs().max().item()
     assert (out[visible] - expected[visible]).abs().max().item() < INDEXER_REL_TOL * scale
 

@@ -41,6 +41,7 @@ class AttentionBackend(Protocol):
         entry_rows: torch.Tensor,
         token_req: torch.Tensor,
         num_visible: torch.Tensor,
+        weight_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
     def indexer_topk(

@@ -64,10 +64,12 @@ def indexer_scores(
     entry_rows: torch.Tensor,
     token_req: torch.Tensor,
     num_visible: torch.Tensor,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Lightning indexer scores of every query token over its request's compressed entries.
 
-    q: [T, Hi, Di] (roped); weights: [T, Hi] (already scaled by Hi^-0.5); keys: [P, Di] the flat
+    q: [T, Hi, Di] (roped); weights: [T, Hi], any float dtype, taken as weights.float() *
+    weight_scale (V4: Hi^-0.5; the product is the kernels' too); keys: [P, Di] the flat
     indexer-key pool; entry_rows: [B, N] integer row of keys holding entry n of request b (any
     value at or past a request's entry count); token_req: [T] request (row of entry_rows) of each
     token; num_visible: [T] entries 0..num_visible-1 a token may see. Returns [T, N] fp32:
@@ -76,6 +78,7 @@ def indexer_scores(
     num_q, num_entries = q.shape[0], entry_rows.shape[1]
     out = torch.full((num_q, num_entries), float("-inf"), dtype=torch.float32, device=q.device)
     entry_ids = torch.arange(num_entries, device=q.device)
+    weights = weights.float() * weight_scale
     for lo in range(0, num_q, _CHUNK):
         hi = min(num_q, lo + _CHUNK)
         visible = entry_ids.unsqueeze(0) < num_visible[lo:hi].unsqueeze(1)  # [C, N]
@@ -83,7 +86,7 @@ def indexer_scores(
         k = keys[rows].float()  # [C, N, Di]
         scores = torch.einsum("chd,cnd->chn", q[lo:hi].float(), k)
         scores = torch.relu(scores) * q.shape[-1] ** -0.5
-        scores = (scores * weights[lo:hi].float().unsqueeze(-1)).sum(dim=1)  # [C, N]
+        scores = (scores * weights[lo:hi].unsqueeze(-1)).sum(dim=1)  # [C, N]
         out[lo:hi] = scores.masked_fill(~visible, float("-inf"))
     return out
 

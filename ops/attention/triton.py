@@ -762,6 +762,7 @@ def _indexer_scores_kernel(
     stride_entry_n,
     num_heads,
     num_entries,
+    weight_scale,
     score_scale,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -794,8 +795,9 @@ def _indexer_scores_kernel(
         q_ptrs = q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, D]
         w = tl.load(weights_ptr + t * stride_wt + heads * stride_wh, mask=head_mask, other=0.0)
+        w = w.to(tl.float32) * weight_scale  # torch_ref's weights.float() * weight_scale
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
-        scores = tl.sum(tl.maximum(s, 0.0) * w.to(tl.float32)[:, None], axis=0) * score_scale
+        scores = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * score_scale
         tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=n < num_entries)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < num_entries)
@@ -808,12 +810,14 @@ def indexer_scores(
     entry_rows: torch.Tensor,
     token_req: torch.Tensor,
     num_visible: torch.Tensor,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Lightning indexer scores of every query token over its request's compressed entries.
 
-    q: [T, Hi, Di] (roped; Di a power of two >= 16); weights: [T, Hi] (already scaled by
-    Hi^-0.5); keys: [P, Di] in q's dtype, unit column stride; entry_rows: [B, N] integer rows of
-    keys (any value at or past a request's entry count); token_req: [T]; num_visible: [T].
+    q: [T, Hi, Di] (roped; Di a power of two >= 16); weights: [T, Hi], any float dtype, taken
+    as weights.float() * weight_scale in the kernel (no launch of its own); keys: [P, Di] in
+    q's dtype, unit column stride; entry_rows: [B, N] integer rows of keys (any value at or past
+    a request's entry count); token_req: [T]; num_visible: [T].
     Returns [T, N] fp32: sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where
     n >= num_visible[t].
     """
@@ -852,6 +856,7 @@ def indexer_scores(
         entry_rows.stride(1),
         num_heads,
         num_entries,
+        float(weight_scale),
         dim**-0.5,
         D=dim,
         BLOCK_H=max(triton.next_power_of_2(num_heads), 16),

@@ -183,7 +183,7 @@ class Indexer(nn.Module):
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         # [T, Hi], unscaled: a common scale would not reorder the entries.
-        weights = project(self.weights_proj, x, projected).float()
+        weights = project(self.weights_proj, x, projected)
         entry_rows, num_visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]
         scores = self.kernels.attention.indexer_scores(
             q, weights, pool, entry_rows, meta.token_req, num_visible
