@@ -50,8 +50,9 @@ from deepinfer.ops.moe import quantize_mxfp4
 
 SCRIPT = "moe_fp4.py"
 
-# (block_m, block_n, block_k, group_m, num_warps, num_stages[, fast_math]); BLOCK_K a multiple of
-# 32; fast_math 1 unless given (0: the upcast's NaN handling of scale 255, the slow path).
+# (block_m, block_n, block_k, group_m, num_warps, num_stages[, fast_math[, bits_upcast]]); BLOCK_K
+# a multiple of 32; fast_math 1 unless given (0: the upcast's NaN handling of scale 255, the slow
+# path); bits_upcast 0 unless given (1: TileConfig.bits_upcast, named "... bits").
 CANDIDATES = [
     (16, 64, 128, 1, 4, 3, 0),
     (16, 64, 128, 1, 4, 3),
@@ -110,7 +111,8 @@ def _name(config: object) -> str:
     tiles = tuple(vars(config).values())
     if type(config).__name__ == "GemvConfig":
         return "gemv {}x{} w{} down {}x{} w{}".format(*tiles)
-    return "{}x{}x{} g{} w{} s{}".format(*tiles) + " nan-checked" * (not config.fast_math)
+    name = "{}x{}x{} g{} w{} s{}".format(*tiles) + " nan-checked" * (not config.fast_math)
+    return name + " bits" * config.bits_upcast
 
 
 def main() -> None:
@@ -121,7 +123,7 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         help="candidates instead of the built-in list: m,n,k,group,warps,stages[,"
-        "fast_math];... (BLOCK_K a multiple of 32)",
+        "fast_math[,bits_upcast]];... (BLOCK_K a multiple of 32)",
     )
     ap.add_argument(
         "--gemv",

@@ -13,7 +13,8 @@ uniform random routing, bf16 weights quantized to MXFP4). For each token count:
   same values, another summation order); each gate/up tile also on x in h's nibble-major order
   (``nibble_major``, made outside the timing: what the kernel gains from 8-byte x loads);
 - the whole call: the engine's pick, the best gate/up + best down candidates, the grouped
-  kernels on their decode tiles ("fp4 grouped", the engine's pick from 193 pairs), our bf16
+  kernels on their decode tiles ("fp4 grouped", the engine's pick from 193 pairs; "fp4 grouped
+  bits": with TileConfig.bits_upcast), our bf16
   fused MoE on the dequantized weights (the same function), and with ``--baseline`` a previous
   version of ``triton_gemv.py`` (a file: ``git show REV:ops/moe/triton_gemv.py``) with its own
   tiles;
@@ -135,6 +136,7 @@ def main() -> None:
         best_gate = row["best_gate"].removesuffix(" x nibble-major")  # the input-order tile
         best = gemv.GemvConfig(*gate_tiles[best_gate], *down_tiles[row["best_down"]])
         grouped = ours.pick_tile_config(4096, x.dtype, packed=True)
+        grouped_bits = dataclasses.replace(grouped, bits_upcast=True)
         runs = {
             "bf16": functools.partial(ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT),
             "fp4": functools.partial(ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT),
@@ -143,6 +145,9 @@ def main() -> None:
             ),
             "fp4 grouped": functools.partial(  # the grouped kernels' decode tiles
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=grouped
+            ),
+            "fp4 grouped bits": functools.partial(  # and their bits upcast
+                ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=grouped_bits
             ),
         }
         if baseline is not None:
@@ -160,8 +165,8 @@ def main() -> None:
         release()
 
     headers = ["T", "experts hit", "bf16 µs", "previous fp4 µs", "fp4 (engine) µs",
-               "fp4 best µs", "fp4 grouped µs", "bound µs", "bf16 / fp4", "previous / fp4",
-               "fp4 / bound",
+               "fp4 best µs", "fp4 grouped µs", "fp4 grouped bits µs", "bound µs", "bf16 / fp4",
+               "previous / fp4", "fp4 / bound",
                "best gate/up (µs, / bound)", "best down (µs, / bound)"]  # fmt: skip
     body = []
     for r in rows:
@@ -174,7 +179,7 @@ def main() -> None:
         gate, down = r["gate"][r["best_gate"]], r["down"][r["best_down"]]
         body.append([
             r["tokens"], r["experts_hit"], num("bf16"), num("baseline") or "—", fp4,
-            num("fp4 best"), num("fp4 grouped"), bound["whole"],
+            num("fp4 best"), num("fp4 grouped"), num("fp4 grouped bits"), bound["whole"],
             num("bf16") / fp4 if fp4 and num("bf16") else None,
             num("baseline") / fp4 if fp4 and num("baseline") else None,
             fp4 / bound["whole"] if fp4 else None,

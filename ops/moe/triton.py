@@ -91,6 +91,9 @@ class TileConfig:
     255, which no MXFP4 weight carries (quantize_mxfp4 never writes it; a checkpoint's would be
     NaN in the OCP format). It is most of the upcast's cost: 1.34x at 768 pairs on the H100
     (benchmarks/RESULTS.md, 2026-12-06); False is the slow path, kept for measuring it.
+    bits_upcast (MXFP4 weights, compiled bf16): instead of the scaled dot, each 32-bit word's
+    eight codes become bf16 values in registers by shifts and masks (``_mxfp4_bits``), and the
+    product runs transposed, the weights as the MMA's register operand.
     """
 
     block_m: int
@@ -100,6 +103,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     fast_math: bool = True
+    bits_upcast: bool = False
 
 
 # bf16/fp16, keyed by the number of pairs T * k (first row whose bound is >= T * k). Decode is
@@ -245,6 +249,59 @@ def _e2m1_values(codes, DTYPE: tl.constexpr):
     return bits.to(tl.float32, bitcast=True).to(DTYPE)
 
 
+# Eight e2m1 codes of a 32-bit word (code j at bits 4j..4j+3: input 8w + j) and the word's scale
+# byte s -> eight bf16 values. For codes j and j + 4 (16 bits apart) one shift puts both
+# magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves and another both
+# signs at bit 15: the bf16 is the e2m1 value times 2 ** -126 exactly (code 1, 0.5, becomes the
+# subnormal 2 ** -127), and one bf16x2 multiply by 2 ** (s - 1), bits (s - 1) << 7 in each half,
+# makes it the weight. Exact for scale bytes 1 to 250 (a byte of 0, weights under 2 ** -126,
+# would need 2 ** -1 << 7: not a bf16).
+_MXFP4_BITS_ASM = tl.constexpr("""
+{
+.reg .b32 sc, t, m, s, p0, p1, p2, p3;
+sub.u32 t, $9, 1;
+mul.lo.u32 sc, t, 0x00800080;
+shl.b32 m, $8, 6; shl.b32 s, $8, 12; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
+or.b32 p0, m, s;
+shl.b32 m, $8, 2; shl.b32 s, $8, 8; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
+or.b32 p1, m, s;
+shr.b32 m, $8, 2; shl.b32 s, $8, 4; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
+or.b32 p2, m, s;
+shr.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; and.b32 s, $8, 0x80008000; or.b32 p3, m, s;
+mul.rn.bf16x2 p0, p0, sc;
+mul.rn.bf16x2 p1, p1, sc;
+mul.rn.bf16x2 p2, p2, sc;
+mul.rn.bf16x2 p3, p3, sc;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+""")
+
+
+@triton.jit
+def _mxfp4_bits(words, scales):
+    """words [BN, W] uint32 (W = BLOCK_K / 8), scales [BN, W / 4] uint8 -> [BN, 8 W] bf16, the
+    weights in input order (``_MXFP4_BITS_ASM``; compiled only: the interpreter has no PTX)."""
+    rows: tl.constexpr = words.shape[0]
+    num_words: tl.constexpr = words.shape[1]
+    word_scales = tl.broadcast_to(scales.to(tl.uint32)[:, :, None], (rows, num_words // 4, 4))
+    v = tl.inline_asm_elementwise(
+        _MXFP4_BITS_ASM,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, word_scales.reshape(rows, num_words)],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    # [rows, W, 2, 2, 2]: index (h, q, r) holds code 4h + 2q + r of the word, so the reshape
+    # puts code j of word w at input 8w + j
+    low = tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6]))
+    high = tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7]))
+    return tl.join(low, high).reshape(rows, num_words * 8)
+
+
 @triton.jit
 def _mxfp4_group_dot(
     acc,
@@ -309,6 +366,7 @@ def _gate_up_kernel(
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[rows of an M block, N tile] = swiglu(x[tokens] @ w1[e]^T, x[tokens] @ w3[e]^T).
@@ -316,6 +374,7 @@ def _gate_up_kernel(
     N = I, K = D. Padding rows gather nothing (A rows of zeros) and store swiglu(0, 0) = 0, so
     every row of a used block is written and the down kernel reads h without a row mask.
     W_FP4: w1, w3 are packed bytes with scales s1, s3 (strides stride_s*); else s1, s3 unused.
+    BITS: w1, w3 are the packed bytes' int32 words (strides in words; TileConfig.bits_upcast).
     """
     enter(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
@@ -333,7 +392,28 @@ def _gate_up_kernel(
 
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if W_FP4 and SCALED_DOT:
+    if W_FP4 and BITS:
+        # Transposed: the weights [BN, BK], upcast in registers, are the MMA's A operand (its M
+        # is BLOCK_N), x^T [BK, BM] its B. K % BLOCK_K == 0 (the host checks).
+        offs_w = tl.arange(0, BLOCK_K // 8)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        xt_ptrs = x_ptr + token_ids[None, :] * stride_xt + offs_k[:, None] * stride_xk
+        w_offs = expert * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :] * stride_wk
+        s_offs = expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
+        gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            xt = tl.load(xt_ptrs, mask=is_pair[None, :], other=0.0)
+            w1 = tl.load(w1_ptr + w_offs).to(tl.uint32, bitcast=True)
+            w3 = tl.load(w3_ptr + w_offs).to(tl.uint32, bitcast=True)
+            gate_t = tl.dot(_mxfp4_bits(w1, tl.load(s1_ptr + s_offs)), xt, gate_t)
+            up_t = tl.dot(_mxfp4_bits(w3, tl.load(s3_ptr + s_offs)), xt, up_t)
+            xt_ptrs += BLOCK_K * stride_xk
+            w_offs += BLOCK_K // 8 * stride_wk
+            s_offs += BLOCK_K // 32 * stride_sk
+        gate = tl.trans(gate_t)
+        up = tl.trans(up_t)
+    elif W_FP4 and SCALED_DOT:
         # Triton's microscaled dot: e2m1 bytes [BK/2, BN] and ue8m0 scales [BN, BK/32] as
         # stored, upcast to x's dtype in registers (Hopper has no FP4 tensor cores).
         offs_jk = tl.arange(0, BLOCK_K // 2)
@@ -439,6 +519,7 @@ def _down_kernel(
     SCALED_DOT: tl.constexpr,
     A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """pair_out[pair, N tile] = topk_weight[pair] * h[row] @ w2[e]^T for the rows of an M block.
@@ -459,7 +540,25 @@ def _down_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm
-    if W_FP4 and SCALED_DOT:
+    if W_FP4 and BITS:  # as the gate/up kernel's: transposed, w2's words upcast in registers
+        offs_w = tl.arange(0, BLOCK_K // 8)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        ht_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * stride_hm + offs_k[:, None] * stride_hk
+        w_ptrs = (
+            w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :] * stride_wk
+        )
+        s_ptrs = (
+            s2_ptr + expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
+        )
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            words = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
+            acc_t = tl.dot(_mxfp4_bits(words, tl.load(s_ptrs)), tl.load(ht_ptrs), acc_t)
+            ht_ptrs += BLOCK_K * stride_hk
+            w_ptrs += BLOCK_K // 8 * stride_wk
+            s_ptrs += BLOCK_K // 32 * stride_sk
+        acc = tl.trans(acc_t)
+    elif W_FP4 and SCALED_DOT:
         offs_jk = tl.arange(0, BLOCK_K // 2)
         offs_g = tl.arange(0, BLOCK_K // 32)
         a_ptrs = h_rows + offs_k[None, :] * stride_hk
@@ -594,6 +693,14 @@ def fused_moe(
         weights = ((w1, s1), (w2, s2), (w3, s3))
         return decode_moe(x, weights, topk_ids, topk_weights, limit, config)
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
+    # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles, the packed bytes read as
+    # int32 words (8 codes each).
+    bits = packed and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
+    if bits:
+        assert dim % config.block_k == inter % config.block_k == 0, (
+            f"bits_upcast: BLOCK_K {config.block_k} must divide D {dim} and I {inter}"
+        )
+        w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
     launch = {
@@ -609,6 +716,7 @@ def fused_moe(
         "SCALED_DOT": packed and x.dtype != torch.float32 and x.is_cuda,
         "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
         "FAST_MATH": bool(config.fast_math),
+        "BITS": bits,
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
