@@ -32,26 +32,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run o
 
 pytest.importorskip("triton")
 
-from triton.runtime import interpreter
-
 from deepinfer.ops.attention import BACKENDS, AttentionBackend
 from deepinfer.ops.attention import torch_ref as ref
+from deepinfer.ops.triton_interpret import fix_loop_bounds
 
-
-def _fix_interpreter_scalars() -> None:
-    """Triton 3.6's interpreter makes a runtime loop bound an int with int(array of shape [1]),
-    which numpy >= 2.4 refuses (triton-lang/triton#9171); squeeze first, as the upstream fix
-    does. The kernels loop over runtime key counts: constexpr ones would compile per count."""
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-_fix_interpreter_scalars()
+fix_loop_bounds()
 
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
