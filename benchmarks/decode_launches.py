@@ -2,7 +2,7 @@
 from: counted on the CPU, no GPU needed.
 
     python benchmarks/decode_launches.py [--layers csa,hca,swa] [--batch 1] [--context 64]
-        [--experts bf16|fp4|fp4-fp8] [--json PATH]
+        [--experts bf16|fp4|fp4-fp8] [--kv auto|fp8] [--json PATH]
 
 Method. v4_flash.py's --tiny models (one per layer type, plus the no-layer "outer" model), in
 bf16 on the CPU with the Triton backends run by Triton's interpreter (TRITON_INTERPRET=1, set
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--experts", default="fp4", choices=WEIGHTS[:3])
+    ap.add_argument("--kv", default="auto", help="cache.kv_dtype: auto (bf16) or fp8 (packed)")
     ap.add_argument("--json", help="write every figure here")
     ns = ap.parse_args()
     torch.set_num_threads(2)
@@ -145,7 +146,7 @@ def main() -> None:
         for layer in model.layers:
             layer.register_forward_pre_hook(lambda *_: SCOPE.__setitem__(0, "layer"))
             layer.register_forward_hook(lambda *_: SCOPE.__setitem__(0, "step"))
-        batch, cache = decode_inputs(args, setup, ns.batch, ns.context, 0)
+        batch, cache = decode_inputs(args, setup, ns.batch, ns.context, 0, kv_dtype=ns.kv)
         graph_plans(batch, cache)
         with torch.no_grad():
             model(batch, cache)  # state built (lazy buffers, compiled nothing: interpreted)
@@ -166,8 +167,8 @@ def main() -> None:
     for kind in [OUTER, *kinds]:
         triton, other = (sum(results[kind][part].values()) for part in ("triton", "torch"))
         rows.append(["step (outer)" if kind == OUTER else kind, triton, other, triton + other])
-    print(f"decode step, batch {ns.batch}, context {ns.context}, experts {ns.experts}: launches "
-          "a layer, and the step's own (outside the layers)")  # fmt: skip
+    print(f"decode step, batch {ns.batch}, context {ns.context}, experts {ns.experts}, kv "
+          f"{ns.kv}: launches a layer, and the step's own (outside the layers)")  # fmt: skip
     print(table(["layer", "Triton", "other", "all"], rows))
     for kind in [OUTER, *kinds]:
         print(f"\n{kind}: " + ", ".join(

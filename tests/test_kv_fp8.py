@@ -100,7 +100,13 @@ def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch, backend: type) -
     def as_stored(target: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return TINY.roundtrip(values)
 
-    def store_rows(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    def store_rows(
+        target: torch.Tensor,
+        index: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        values = values if rows is None else values[rows]
         if values.shape[-1] == TINY.head_dim:
             values = TINY.roundtrip(values)
         target[index] = values.to(target.dtype)

@@ -211,6 +211,31 @@ def test_packing_kernel_writes_the_bytes_of_fp8_layout_pack(
     assert stored.dtype == dtype and torch.equal(stored, layout.roundtrip(values))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_rows_gathers_its_rows_in_the_launch(dtype: torch.dtype) -> None:
+    """``store_rows(target, index, values, rows)``: values[rows] into target's rows at index in
+    one launch, dense (cast to the target's dtype) and packed, bit for bit torch_ref's gather
+    then store; the rows it does not name untouched."""
+    from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+    from deepinfer.ops.attention.kv_fp8 import store_rows as reference
+
+    gen = torch.Generator().manual_seed(6)
+    layout = Fp8Layout(128, 64)
+    values = (torch.randn(7, 128, generator=gen) * 3).to(dtype)
+    rows, index = torch.tensor([6, 0, 3, 3]), torch.tensor([9, 2, 5, 0])
+    dense = torch.randn(10, 128, generator=gen).to(torch.bfloat16)
+    packed = torch.randint(0, 256, (4, 3, layout.row_bytes), generator=gen, dtype=torch.uint8)
+    for target, view in ((dense, lambda t: t), (packed, lambda t: Fp8Rows.of(t, layout))):
+        expected = target.clone()
+        reference(view(expected), index, values[rows])
+        kernels.store_rows(view(target), index, values, rows)
+        assert torch.equal(target, expected)
+    before = dense.clone()
+    kernels.store_rows(dense, index[:2], values[:2])  # no rows: values in order
+    assert torch.equal(dense[index[:2]], values[:2].to(dense.dtype))
+    assert torch.equal(dense[[1, 3, 4]], before[[1, 3, 4]])
+
+
 def test_backend_object_launches_with_its_sm_count_and_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -48,7 +48,13 @@ class AttentionBackend(Protocol):
         self, scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
     ) -> torch.Tensor: ...
 
-    def store_rows(self, target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None: ...
+    def store_rows(
+        self,
+        target: KVSource,
+        index: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> None: ...
 
     def as_stored(self, target: KVSource, values: torch.Tensor) -> torch.Tensor: ...
 

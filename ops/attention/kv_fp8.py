@@ -159,9 +159,13 @@ class Fp8Rows:
 KVSource = torch.Tensor | Fp8Rows  # a key source of sparse_attention: dense rows or packed
 
 
-def store_rows(target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``values`` [M, head_dim] into the rows ``index`` [M] of a dense [N, head_dim] tensor (cast
-    to its dtype) or a packed part."""
+def store_rows(
+    target: KVSource, index: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """``values`` [M, head_dim] (or, given ``rows`` [M], values[rows]) into the rows ``index``
+    [M] of a dense [N, head_dim] tensor (cast to its dtype) or a packed part."""
+    if rows is not None:
+        values = values[rows]
     if isinstance(target, Fp8Rows):
         target.store(index, values)
     else:

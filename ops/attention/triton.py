@@ -338,23 +338,25 @@ def _e4m3_value(code):
 
 @triton.jit
 def _fp8_rows_kernel(
-    values_ptr, index_ptr, part_ptr, out_ptr, stride_values, stride_group, stride_out,
+    values_ptr, rows_ptr, index_ptr, part_ptr, out_ptr, stride_values, stride_group, stride_out,
     rows_per_group, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr,
     GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program m: row m of values [M, D] packed as ``Fp8Layout.pack`` does (rounded to bf16;
-    each NoPE tile's scale 2^ceil(log2(max(amax / 448, 1e-4))), its channels e4m3 under it).
-    STORE: into packed row index[m] of the part at part_ptr (``_load_bytes``'s addressing);
-    else the row as unpacked (``Fp8Layout.roundtrip``) into out row m."""
+    """Program m: row m of values [M, D] (GATHER: row rows[m]) packed as ``Fp8Layout.pack``
+    does (rounded to bf16; each NoPE tile's scale 2^ceil(log2(max(amax / 448, 1e-4))), its
+    channels e4m3 under it). STORE: into packed row index[m] of the part at part_ptr
+    (``_load_bytes``'s addressing); else the row as unpacked (``Fp8Layout.roundtrip``) into out
+    row m."""
     enter(PDL)
     m = tl.program_id(0).to(tl.int64)
+    src = tl.load(rows_ptr + m).to(tl.int64) if GATHER else m
     WIDTH: tl.constexpr = D // GROUPS
     offs_g = tl.arange(0, GROUPS)
     chan = offs_g[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]  # [GROUPS, WIDTH]: tile g
     is_nope = chan < NOPE
-    v = _round_to_bf16(tl.load(values_ptr + m * stride_values + chan).to(tl.float32))
+    v = _round_to_bf16(tl.load(values_ptr + src * stride_values + chan).to(tl.float32))
     amax = tl.max(tl.where(is_nope, tl.abs(v), 0.0), axis=1)  # [GROUPS]
     scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-4)
     # ceil(log2(scale)) of a normal fp32: its exponent, plus one unless a power of two.
@@ -382,11 +384,16 @@ def _fp8_rows_kernel(
 
 
 def _fp8_rows(
-    values: torch.Tensor, layout: Fp8Layout, target: Fp8Rows | None, index: torch.Tensor | None
+    values: torch.Tensor,
+    layout: Fp8Layout,
+    target: Fp8Rows | None,
+    index: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Launch ``_fp8_rows_kernel``: store values into target's rows at index, or (target None)
-    return their round trip."""
-    num, dim = values.shape
+    """Launch ``_fp8_rows_kernel``: store values (or values[rows]) into target's rows at index,
+    or (target None) return their round trip."""
+    dim = values.shape[1]
+    num = values.shape[0] if rows is None else rows.shape[0]
     assert dim == layout.head_dim and dim & (dim - 1) == 0, f"rows {tuple(values.shape)}"
     values = values if values.stride(1) == 1 else values.contiguous()
     out = None if target is not None else torch.empty_like(values)
@@ -399,21 +406,57 @@ def _fp8_rows(
         part = target.data
         stride_group, rows_per_group = part.stride(0), part.shape[1]
     _fp8_rows_kernel[(num,)](
-        values, index, part, out if out is not None else values, values.stride(0),
-        stride_group, out.stride(0) if out is not None else 0, rows_per_group, D=dim,
-        NOPE=layout.nope_dim, TILE=layout.tile, GROUPS=_scale_groups(layout, dim),
-        DATA_BYTES=layout.data_bytes, SCALE_BYTES=layout.scale_bytes, STORE=target is not None,
+        values, index if rows is None else rows, index, part,
+        out if out is not None else values, values.stride(0), stride_group,
+        out.stride(0) if out is not None else 0, rows_per_group, D=dim, NOPE=layout.nope_dim,
+        TILE=layout.tile, GROUPS=_scale_groups(layout, dim), DATA_BYTES=layout.data_bytes,
+        SCALE_BYTES=layout.scale_bytes, STORE=target is not None, GATHER=rows is not None,
         num_warps=4 if dim >= 256 else 1, **pdl(values.device),
     )  # fmt: skip
     return out
 
 
-def store_rows(target: KVSource, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``kv_fp8.store_rows``, a packed part's in one launch."""
+@triton.jit
+def _store_rows_kernel(
+    values_ptr, rows_ptr, index_ptr, target_ptr, stride_values, stride_target, D,
+    BLOCK: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (m, block): target[index[m]] = values[rows[m]] (GATHER; else values[m]) for one
+    block of columns, cast to target's dtype (fp32 into bf16: ``_round_to_bf16`` first, to
+    nearest even as torch's cast, also under the interpreter)."""
+    enter(PDL)
+    m = tl.program_id(0).to(tl.int64)
+    src = tl.load(rows_ptr + m).to(tl.int64) if GATHER else m
+    dst = tl.load(index_ptr + m).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(values_ptr + src * stride_values + cols, mask=cols < D)
+    if row.dtype == tl.float32 and target_ptr.dtype.element_ty == tl.bfloat16:
+        row = _round_to_bf16(row)
+    tl.store(target_ptr + dst * stride_target + cols, row.to(target_ptr.dtype.element_ty),
+             mask=cols < D)  # fmt: skip
+
+
+def store_rows(
+    target: KVSource, index: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """``kv_fp8.store_rows`` in one launch, the gather of ``rows`` included: a packed part's
+    rows packed by ``_fp8_rows_kernel``, a dense tensor's copied by ``_store_rows_kernel``."""
     if isinstance(target, Fp8Rows):
-        _fp8_rows(values, target.layout, target, index)
-    else:
-        kv_fp8.store_rows(target, index, values)
+        _fp8_rows(values, target.layout, target, index, rows)
+        return
+    num, dim = index.shape[0], values.shape[1]
+    assert target.shape[1] == dim and target.stride(1) == 1 and values.stride(1) == 1, (
+        f"rows {tuple(values.shape)} strides {values.stride()} into {tuple(target.shape)} "
+        f"strides {target.stride()}"
+    )
+    assert rows is None or rows.shape[0] == num, f"{rows.shape[0]} rows for {num} indices"
+    if num == 0:
+        return
+    block = min(triton.next_power_of_2(dim), 1024)
+    _store_rows_kernel[(num, triton.cdiv(dim, block))](
+        values, index if rows is None else rows, index, target, values.stride(0),
+        target.stride(0), dim, BLOCK=block, GATHER=rows is not None, **pdl(values.device),
+    )  # fmt: skip
 
 
 def as_stored(target: KVSource, values: torch.Tensor) -> torch.Tensor:

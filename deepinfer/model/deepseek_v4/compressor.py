@@ -92,7 +92,7 @@ class Compressor(nn.Module):
             kv, gate, compress_rows(plan, state), self.ape, self.norm.weight, self.norm.eps, *rope
         )  # [W, dim]: normalised, at the windows' positions
         if plan.num_windows:
-            self.attention_ops.store_rows(pool, plan.entry_dst, pooled[plan.keep_windows])
+            self.attention_ops.store_rows(pool, plan.entry_dst, pooled, plan.keep_windows)
 
 
 def compress_rows(plan: CompressPlan, state: CompressorState) -> CompressRows:

@@ -126,7 +126,7 @@ class Attention(nn.Module):
                 entries = meta.visible_idx[self.ratio]
             sources.append((pool, entries))
         out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5)
-        attention.store_rows(ring, meta.ring_dst, meta.ring_rows(kv))
+        attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)  # one launch, the gather in it
         # V carried RoPE: rotate it back at the query position.
         out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
