@@ -251,15 +251,19 @@ def _e2m1_values(codes, DTYPE: tl.constexpr):
 
 # Eight e2m1 codes of a 32-bit word (code j at bits 4j..4j+3: input 8w + j) and the word's scale
 # byte s -> eight bf16 values. For codes j and j + 4 (16 bits apart) one shift puts both
-# magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves and another both
-# signs at bit 15: the bf16 is the e2m1 value times 2 ** -126 exactly (code 1, 0.5, becomes the
-# subnormal 2 ** -127), and one bf16x2 multiply by 2 ** (s - 1), bits (s - 1) << 7 in each half,
-# makes it the weight. Exact for scale bytes 1 to 250 (a byte of 0, weights under 2 ** -126,
-# would need 2 ** -1 << 7: not a bf16).
+# magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves (exponent field
+# e, the mantissa's top bit m) and another both signs at bit 15: the bf16 is the e2m1 value
+# times 2 ** -126 exactly (code 1, 0.5, becomes the subnormal 2 ** -127). One bf16x2 multiply by
+# 2 ** (s - 1), exponent field s + 126 in each half ((s + 126) << 7), makes it the weight
+# e2m1 * 2 ** (s - 127). Exact for scale bytes 0 to 128 (weights under 12 in magnitude): a byte
+# over 128 needs a factor past bf16's largest power of two, so bits_upcast is for checkpoints
+# whose scale bytes are checked to stay at or under 128 (V4's experts: |w| << 1). It also needs
+# the bf16 multiply to keep subnormal inputs (PTX: mul.bf16x2 has no flush-to-zero);
+# tests/gpu/test_gpu_triton_moe.py's bits test would see a code 1 flushed to 0.
 _MXFP4_BITS_ASM = tl.constexpr("""
 {
 .reg .b32 sc, t, m, s, p0, p1, p2, p3;
-sub.u32 t, $9, 1;
+add.u32 t, $9, 126;
 mul.lo.u32 sc, t, 0x00800080;
 shl.b32 m, $8, 6; shl.b32 s, $8, 12; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
 or.b32 p0, m, s;
