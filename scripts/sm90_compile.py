@@ -33,7 +33,8 @@ GATE_TYPES = {
     "h_ptr": "*fp32", "topk_ids_ptr": "*i64", "limit": "fp32",
 }  # fmt: skip
 DOWN_TYPES = {
-    "h_ptr": "*fp32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
+    "h_ptr": "*fp32", "w2_ptr": "*i32", "s2_ptr": "*u8", "out_ptr": "*bf16",
+    "residual_ptr": "*bf16", "part_ptr": "*fp32",
     "counters_ptr": "*i32", "topk_ids_ptr": "*i64", "topk_weights_ptr": "*fp32",
 }  # fmt: skip
 V4_FLASH = {"TOP_K": 6, "W_FP4": True, "PDL": True}
@@ -46,7 +47,7 @@ KERNELS = [
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
-     {**DOWN, "BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_SLOTS": True}, 8),
+     {**DOWN, "BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_SLOTS": True, "RESIDUAL": True}, 8),
 ]  # fmt: skip
 
 

@@ -57,10 +57,17 @@ class _RowByRow(TorchRefMoEBackend):
     """The reference one row at a time: batch-invariant, as the Triton kernels are within a
     tile bucket (a CPU matmul's rows depend on how many rows it has)."""
 
-    def fused_moe(self, x, w1, w2, w3, topk_ids, topk_weights, limit):  # type: ignore[override]
+    def fused_moe(self, x, w1, w2, w3, topk_ids, topk_weights, limit, residual=None):  # type: ignore[override]
         rows = [
             super(_RowByRow, self).fused_moe(
-                x[r : r + 1], w1, w2, w3, topk_ids[r : r + 1], topk_weights[r : r + 1], limit
+                x[r : r + 1],
+                w1,
+                w2,
+                w3,
+                topk_ids[r : r + 1],
+                topk_weights[r : r + 1],
+                limit,
+                None if residual is None else residual[r : r + 1],
             )
             for r in range(x.shape[0])
         ]

@@ -393,6 +393,34 @@ def test_decode_gemv_gate_up_reads_x_in_nibble_major_order_alike(moe_triton: Mod
     assert torch.equal(h_reordered, h)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [None, "split", "grouped"],
+    ids=["gemv", "gemv-split-slots", "grouped"],
+)
+def test_residual_joins_the_last_launch_as_an_add_would(
+    moe_triton: ModuleType, config: str | None
+) -> None:
+    """fused_moe(..., residual=r) (the shared expert's output, added in the down kernel's or
+    the combine's store) is bitwise fused_moe(...) + r, on each path; torch_ref's alike."""
+    gen = torch.Generator().manual_seed(8)
+    num_tokens, top_k = 5, 3
+    x = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    packed = _random_experts(gen)
+    topk_ids = _routing("repeated_expert", num_tokens, top_k, gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    residual = torch.randn(num_tokens, FP4_DIM, generator=gen)
+    tiles = {
+        None: moe_triton.GemvConfig(64, 64, 2, 64, 64, 2),
+        "split": moe_triton.GemvConfig(64, 64, 2, 64, 64, 2, down_split_tokens=num_tokens),
+        "grouped": moe_triton.pick_tile_config(4096, torch.float32, packed=True),
+    }[config]
+    run = functools.partial(moe_triton.fused_moe, x, *packed, topk_ids, topk_weights, LIMIT)
+    assert torch.equal(run(config=tiles, residual=residual), run(config=tiles) + residual)
+    ref = functools.partial(torch_ref.fused_moe, x, *packed, topk_ids, topk_weights, LIMIT)
+    assert torch.equal(ref(residual=residual), ref() + residual)
+
+
 def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
     moe_triton: ModuleType,
 ) -> None:

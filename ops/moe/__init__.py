@@ -44,6 +44,7 @@ class MoEBackend(Protocol):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor: ...

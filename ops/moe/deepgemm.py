@@ -132,5 +132,7 @@ class DeepGEMMMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, self.grouped_gemm)
+        out = fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, self.grouped_gemm)
+        return out if residual is None else out + residual

@@ -150,10 +150,12 @@ class ExpertParallelMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return self.inner.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
-        return self.exchange_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
+            return self.inner.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, residual)
+        out = self.exchange_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
+        return out if residual is None else out + residual  # once, after the ranks' sums
 
     def exchange_moe(
         self,

@@ -232,14 +232,16 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     limit: float,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's selected experts of weight * expert(x).
+    """Sum over each token's selected experts of weight * expert(x) (+ ``residual``).
 
     x: [T, D]; w1, w3: [E, I, D]; w2: [E, D, I], dense, ``Mxfp4Weight`` or ``Fp8ExpertWeight``
     (dequantized per expert to x's dtype; exactly in fp32); topk_ids: [T, k] int64;
     topk_weights: [T, k] fp32. Experts are visited in id order and accumulated with index_add
     (the order transformers uses), so results are reproducible for a given batch. Returns
-    [T, D] in x's dtype.
+    [T, D] in x's dtype; with ``residual`` ([T, D], x's dtype: the shared expert's output) the
+    sum plus it, as two tensors in that dtype add.
     """
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
@@ -250,7 +252,7 @@ def fused_moe(
         h = F.linear(swiglu(gate, up, limit), _expert_matrix(w2, expert, x.dtype))
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
-    return out
+    return out if residual is None else out + residual
 
 
 class TorchRefMoEBackend(Backend):

@@ -63,7 +63,7 @@ from deepinfer.ops.moe.torch_ref import (
     Fp8ExpertWeight,
     Mxfp4Weight,
 )
-from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe
+from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe, store_output
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
@@ -629,17 +629,21 @@ def _down_kernel(
 def _combine_kernel(
     pair_out_ptr,
     out_ptr,
+    residual_ptr,
     stride_pt,
     stride_pj,
     stride_pd,
     stride_ot,
     stride_od,
+    stride_rt,
     D: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t, D tile] = sum over slots j = 0..k-1, in that order, of pair_out[t, j] in fp32."""
+    """out[t, D tile] = sum over slots j = 0..k-1, in that order, of pair_out[t, j] in fp32
+    (RESIDUAL: plus residual[t], ``store_output``)."""
     enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -648,9 +652,8 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in range(TOP_K):
         acc += tl.load(row_ptrs + j * stride_pj, mask=in_d, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + token * stride_ot + offs_d * stride_od, acc.to(out_ptr.dtype.element_ty), in_d
-    )
+    out_ptrs = out_ptr + token * stride_ot + offs_d * stride_od
+    store_output(out_ptrs, residual_ptr + token * stride_rt + offs_d, acc, in_d, RESIDUAL)
 
 
 def fused_moe(
@@ -663,6 +666,7 @@ def fused_moe(
     limit: float,
     *,
     config: TileConfig | GemvConfig | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
 
@@ -672,7 +676,8 @@ def fused_moe(
     per-pair outputs are rounded to x's dtype before the fp32 combine. fp32 inputs use the IEEE
     dot, so they match the CPU reference to ~1e-6. config: tiles other than
     pick_tile_config's (for tuning); a GemvConfig takes triton_gemv.py's kernels (D and I
-    multiples of 32).
+    multiples of 32). residual: [T, D] in x's dtype, added to the output in the last launch
+    (the shared expert's; as ``routed + residual`` computes), or None.
     """
     num_tokens, dim = x.shape
     num_experts, inter, _ = w1.shape
@@ -688,6 +693,11 @@ def fused_moe(
     assert w1.stride() == w3.stride(), f"w1 strides {w1.stride()} != w3 strides {w3.stride()}"
     assert not packed or s1.stride() == s3.stride(), f"scale strides {s1.stride()}, {s3.stride()}"
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == x.dtype, (
+            f"residual {tuple(residual.shape)} {residual.dtype}, x {tuple(x.shape)} {x.dtype}"
+        )
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
     if num_tokens == 0:
         return out
 
@@ -695,7 +705,7 @@ def fused_moe(
     config = config or pick_tile_config(num_pairs, x.dtype, packed)
     if isinstance(config, GemvConfig):
         weights = ((w1, s1), (w2, s2), (w3, s3))
-        return decode_moe(x, weights, topk_ids, topk_weights, limit, config)
+        return decode_moe(x, weights, topk_ids, topk_weights, limit, config, residual)
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
     # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles, the packed bytes read as
     # int32 words (8 codes each).
@@ -778,11 +788,14 @@ def fused_moe(
     _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         pair_out,
         out,
+        out if residual is None else residual,
         *pair_out.stride(),
         *out.stride(),
+        0 if residual is None else residual.stride(0),
         D=dim,
         TOP_K=top_k,
         BLOCK_D=block_d,
+        RESIDUAL=residual is not None,
         **pdl(out.device),
     )
     return out
@@ -880,5 +893,8 @@ class TritonMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, config=self.config)
+        return fused_moe(
+            x, w1, w2, w3, topk_ids, topk_weights, limit, config=self.config, residual=residual
+        )

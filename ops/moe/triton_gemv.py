@@ -70,6 +70,7 @@ __all__ = [
     "nibble_major",
     "pick_block_k",
     "reorder_nibble_major",
+    "store_output",
 ]
 
 _MAX_SCALE_BYTE = tl.constexpr(240)  # (byte + 14) << 23 stays a finite fp32 up to here
@@ -240,6 +241,7 @@ def _down_kernel(
     w2_ptr,
     s2_ptr,
     out_ptr,
+    residual_ptr,
     part_ptr,
     counters_ptr,
     topk_ids_ptr,
@@ -250,6 +252,7 @@ def _down_kernel(
     stride_se,
     stride_sn,
     stride_ot,
+    stride_rt,
     N: tl.constexpr,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -257,6 +260,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     W_FP4: tl.constexpr,
     SPLIT_SLOTS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[token, N tile] = sum over slots j = 0..k-1, in that order, in fp32, of
@@ -264,7 +268,8 @@ def _down_kernel(
     runs over (slot, K step) so that the next slot's first weights load during the last step.
     SPLIT_SLOTS: a program per slot (grid axis 2) stores its rounded product in part [T * k, N]
     fp32 and takes a ticket; the tile's last program adds the k of them in slot order, as the
-    loop would (0 + p_0 + p_1 + ...: the same fp32 sums, bitwise), and resets the counter."""
+    loop would (0 + p_0 + p_1 + ...: the same fp32 sums, bitwise), and resets the counter.
+    RESIDUAL: the token's residual row is added to its output (``store_output``)."""
     enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -306,10 +311,27 @@ def _down_kernel(
             for slot in range(TOP_K):
                 parts = part_ptr + (token * TOP_K + slot) * N + offs_n
                 acc += tl.load(parts, mask=in_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
+            store_output(
+                out_ptr + token * stride_ot + offs_n, residual_ptr + token * stride_rt + offs_n,
+                acc, in_n, RESIDUAL,
+            )  # fmt: skip
             depart(counter)
     else:
-        tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_dtype), mask=in_n)
+        store_output(
+            out_ptr + token * stride_ot + offs_n, residual_ptr + token * stride_rt + offs_n, acc,
+            in_n, RESIDUAL,
+        )  # fmt: skip
+
+
+@triton.jit
+def store_output(out_ptrs, residual_ptrs, acc, mask, RESIDUAL: tl.constexpr):
+    """The MoE's fp32 sums acc rounded to out's dtype; RESIDUAL: then the residual row added
+    and rounded again, as ``routed + residual`` of two tensors in that dtype computes."""
+    dtype = out_ptrs.dtype.element_ty
+    out = acc.to(dtype)
+    if RESIDUAL:
+        out = (out.to(tl.float32) + tl.load(residual_ptrs, mask=mask).to(tl.float32)).to(dtype)
+    tl.store(out_ptrs, out, mask=mask)
 
 
 def decode_moe(
@@ -319,16 +341,17 @@ def decode_moe(
     topk_weights: torch.Tensor,
     limit: float,
     config: GemvConfig,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``triton.fused_moe`` for few tokens: x [T, D]; weights ((w1, s1), (w2, s2), (w3, s3)),
     each the weight's tensor (packed bytes [E, N, K/2] or dense [E, N, K], contiguous along K)
-    and its scale bytes (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32. Returns
-    [T, D] in x's dtype."""
+    and its scale bytes (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32;
+    residual [T, D] in x's dtype or None, added to the output. Returns [T, D] in x's dtype."""
     (w1, s1), (w2, s2), (w3, s3) = weights
     reorder = s1 is not None and 0 < config.reorder_x_tokens <= x.shape[0]
     x_in = reorder_nibble_major(x) if reorder else x
     h = gate_up(x_in, (w1, s1), (w3, s3), topk_ids, limit, config, x_nibble_major=reorder)
-    return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config)
+    return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config, residual)
 
 
 @triton.jit
@@ -424,14 +447,21 @@ def down(
     topk_weights: torch.Tensor,
     dtype: torch.dtype,
     config: GemvConfig,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, D] in ``dtype``: each token's slots' h (``gate_up``'s) through their experts' w2
-    ((weight, scales) as in ``decode_moe``), weighted and added in slot order."""
+    ((weight, scales) as in ``decode_moe``), weighted and added in slot order; plus
+    ``residual`` [T, D] in ``dtype`` (``store_output``) when given."""
     packed = w2[1] is not None
     w2, s2 = _operand(*w2)
     num_tokens, top_k = topk_ids.shape
     dim, inter = w2.shape[1], h.shape[1]
     out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == dtype, (
+            f"residual {tuple(residual.shape)} {residual.dtype}, out {tuple(out.shape)} {dtype}"
+        )
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
     num_tiles = triton.cdiv(dim, config.down_block_n)
     split = num_tokens <= config.down_split_tokens and num_tokens * num_tiles <= MAX_TICKET_TILES
     if split:  # a program per slot; their rounded products meet in part
@@ -443,6 +473,7 @@ def down(
         w2,
         s2,
         out,
+        out if residual is None else residual,
         part,
         ticket_counters(h.device),
         topk_ids.reshape(-1).contiguous(),
@@ -451,6 +482,7 @@ def down(
         *w2.stride()[:2],
         *s2.stride()[:2],
         out.stride(0),
+        0 if residual is None else residual.stride(0),
         N=dim,
         K=inter,
         TOP_K=top_k,
@@ -458,6 +490,7 @@ def down(
         BLOCK_K=pick_block_k(config.down_block_k, inter),
         W_FP4=packed,
         SPLIT_SLOTS=split,
+        RESIDUAL=residual is not None,
         num_warps=config.down_num_warps,
         **pdl(h.device),
     )

@@ -273,8 +273,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        routed = self.kernels.moe.fused_moe(x, *self.experts.weights(), ids, weights, self.limit)
-        return routed + self.shared_experts(x)
+        # The shared expert's output joins the routed sum in the MoE's last launch.
+        shared = self.shared_experts(x)
+        return self.kernels.moe.fused_moe(
+            x, *self.experts.weights(), ids, weights, self.limit, residual=shared
+        )
 
     def exchange_only(self, dtype: torch.dtype) -> None:
         """A placeholder step's part: the routed experts' call with no tokens of this rank, so
