@@ -65,12 +65,6 @@ class StepMetadata:
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def ring_rows(self, kv: torch.Tensor) -> torch.Tensor:
-        """The rows of ``kv`` [T, ...] that go to ring_dst: kv itself where every token is kept
-        (ring_src is a sorted subset of 0..T-1, so T of them are all of them: every decode step),
-        else gathered. A shape test only: no launch and no host sync at decode."""
-        return kv if self.ring_src.shape[0] == kv.shape[0] else kv[self.ring_src]
-
     def derive_entry_lists(self) -> None:
         """entry_rows and visible_idx from the block table, on the device (see above)."""
         last_block = self.block_table.shape[1] - 1

@@ -304,7 +304,7 @@ class Attention(nn.Module):
         out = self.kernels.attention.sparse_attention(
             q, sources, self.attn_sink, self.head_dim**-0.5
         )
-        ring[meta.ring_dst] = meta.ring_rows(kv).to(ring.dtype)
+        self.kernels.attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)
         # V carried RoPE: rotate it back at the query position.
         out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
@@ -612,7 +612,7 @@ class DeepseekV41(nn.Module):
             norm = attn.kv_norm
             keys = self.norm_ops.rms_norm_rope(attn.wkv(h), norm.weight, norm.eps, cos, sin)
             ring = cache[attn.layer_id, "ring"].flatten(0, 1)
-            ring[meta.ring_dst] = meta.ring_rows(keys).to(ring.dtype)
+            attn.kernels.attention.store_rows(ring, meta.ring_dst, keys, meta.ring_src)
 
     @torch.inference_mode()
     def dspark_forward(
