@@ -187,56 +187,39 @@ def mxfp4_experts(bf16_experts: Experts) -> tuple[list[torch_ref.Mxfp4Weight], E
     return packed, dense  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16, *NUM_TOKENS[1:]])
+@pytest.mark.parametrize(
+    ("num_tokens", "bits"),
+    [*((t, False) for t in [1, 16, *NUM_TOKENS[1:]]), (32, True), (128, True), (4096, True)],
+)
 def test_mxfp4_matches_the_fp32_reference_on_its_values(
     moe_triton: ModuleType,
     mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
     ieee_fp32: None,
     record_figure: Callable[[str], None],
     num_tokens: int,
+    bits: bool,
 ) -> None:
     """E = 256 at V4-Flash shapes, decode to prefill tiles (T = 1 and 16: a program a pair):
     the packed path (values exact in registers, other summation order) within BF16_TOL of the
-    fp32 reference on the dequantized weights, as the bf16 kernel on those weights is."""
+    fp32 reference on the dequantized weights, as the bf16 kernel on those weights is. bits:
+    the grouped kernels' decode or prefill tiles with TileConfig.bits_upcast (codes to bf16 by
+    inline PTX, the product transposed); a wrong value (a flushed subnormal for code 1, a
+    misplaced nibble) would be far outside the tolerance."""
     packed, dense = mxfp4_experts
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=10 + num_tokens)
-    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    config = None
+    if bits:
+        tiles = moe_triton.pick_tile_config(max(4096, num_tokens * TOP_K), torch.bfloat16, True)
+        config = dataclasses.replace(tiles, bits_upcast=True)
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
     ref = _reference_fp32(x, dense, topk_ids, topk_weights)
     err = _rel_err(out, ref)
     dense_err = _rel_err(moe_triton.fused_moe(x, *dense, topk_ids, topk_weights, LIMIT), ref)
     bytes_ = sum(w.packed.numel() + w.scale.numel() for w in packed)
     record_figure(
-        f"triton fused_moe MXFP4 E=256 T={num_tokens}: rel err {err:.2e} (bf16 on the same "
-        f"values {dense_err:.2e}; < {BF16_TOL}); {bytes_ / 2**30:.2f} GiB packed vs "
-        f"{sum(w.numel() * 2 for w in dense) / 2**30:.2f} GiB"
-    )
-    assert err < BF16_TOL
-
-
-@pytest.mark.parametrize("num_tokens", [32, 128, 4096])
-def test_mxfp4_bits_upcast_matches_the_reference_and_the_scaled_dot(
-    moe_triton: ModuleType,
-    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
-    ieee_fp32: None,
-    record_figure: Callable[[str], None],
-    num_tokens: int,
-) -> None:
-    """The grouped kernels with TileConfig.bits_upcast (codes to bf16 by shifts, masks and a
-    bf16x2 multiply in inline PTX; the product transposed) on their decode and prefill tiles:
-    within BF16_TOL of the fp32 reference on the dequantized weights, as the scaled dot is; a
-    wrong value (a flushed subnormal for code 1, a misplaced nibble) would be far outside it."""
-    packed, dense = mxfp4_experts
-    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=70 + num_tokens)
-    tiles = moe_triton.pick_tile_config(max(4096, num_tokens * TOP_K), torch.bfloat16, True)
-    bits = dataclasses.replace(tiles, bits_upcast=True)
-    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=bits)
-    scaled = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=tiles)
-    ref = _reference_fp32(x, dense, topk_ids, topk_weights)
-    err, scaled_err = _rel_err(out, ref), _rel_err(scaled, ref)
-    record_figure(
-        f"triton fused_moe MXFP4 bits upcast T={num_tokens} ({tiles.block_m}x{tiles.block_n}x"
-        f"{tiles.block_k}): rel err {err:.2e} vs fp32 (scaled dot {scaled_err:.2e}; < "
-        f"{BF16_TOL}), {_rel_err(out, scaled.float()):.2e} vs the scaled dot"
+        f"triton fused_moe MXFP4{' bits upcast' * bits} E=256 T={num_tokens}: rel err "
+        f"{err:.2e} (bf16 on the same values {dense_err:.2e}; < {BF16_TOL}); "
+        f"{bytes_ / 2**30:.2f} GiB packed vs {sum(w.numel() * 2 for w in dense) / 2**30:.2f} GiB"
     )
     assert err < BF16_TOL
 
