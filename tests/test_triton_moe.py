@@ -436,6 +436,61 @@ def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
     assert torch.equal(alone[0], batched[position])
 
 
+def _run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
+    """The integer and bf16x2 PTX of ``_MXFP4_BITS_ASM`` evaluated on the CPU: registers as
+    Python ints (32 bits; outputs 16), mul.rn.bf16x2 as two bf16 products rounded by torch."""
+
+    def bf16x2(a: int, b: int) -> int:
+        halves = torch.tensor([a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16], dtype=torch.int32)
+        x = halves.to(torch.int16).view(torch.bfloat16).float()  # 16-bit patterns as bf16
+        p = (x[:2] * x[2:]).bfloat16().view(torch.int16).int() & 0xFFFF
+        return int(p[0]) | int(p[1]) << 16
+
+    ops = {
+        "add.u32": lambda a, b: a + b,
+        "mul.lo.u32": lambda a, b: a * b,
+        "shl.b32": lambda a, b: a << b,
+        "shr.b32": lambda a, b: a >> b,
+        "and.b32": lambda a, b: a & b,
+        "or.b32": lambda a, b: a | b,
+        "mul.rn.bf16x2": bf16x2,
+    }
+    regs = dict(inputs)
+    value = lambda name: regs[name] if name in regs else int(name, 0)  # noqa: E731
+    for statement in text.replace("{", " ").replace("}", " ").split(";"):
+        op, _, args = statement.strip().partition(" ")
+        if not op or op == ".reg":
+            continue
+        if op == "mov.b32":  # mov.b32 $lo, $hi <- a 32-bit register, split
+            lo, hi, src = (a.strip() for a in args.split(","))
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        dst, a, b = (arg.strip() for arg in args.split(","))
+        regs[dst] = ops[op](value(a), value(b)) & 0xFFFFFFFF
+    return regs
+
+
+def test_bits_upcast_ptx_gives_the_dequantized_values(moe_triton: ModuleType) -> None:
+    """TileConfig.bits_upcast's PTX (``_MXFP4_BITS_ASM``, which the interpreter cannot run),
+    evaluated op by op: every code of every word, at each scale byte it is exact for (0 to 128),
+    gives dequantize_mxfp4's value bit for bit. The GPU test adds what this cannot see: the
+    hardware's bf16 multiply on subnormal inputs."""
+    gen = torch.Generator().manual_seed(9)
+    scales = torch.arange(129, dtype=torch.uint8).view(1, 129, 1)  # a row per scale byte
+    packed = torch.randint(0, 256, (1, 129, 16), generator=gen, dtype=torch.uint8)
+    # Words 0 and 1 of each row: codes 0..15 in order (two a byte, low nibble first).
+    packed[0, :, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE])
+    expected = torch_ref.dequantize_mxfp4(packed, scales)[0]  # [129, 32] fp32
+    words = packed.view(torch.int32)[0]  # [129, 4]: code j of word w is input 8w + j
+    text = moe_triton._MXFP4_BITS_ASM.value
+    for s in range(129):
+        for w in range(4):
+            regs = _run_ptx(text, {"$8": int(words[s, w]) & 0xFFFFFFFF, "$9": s})
+            got = torch.tensor([regs[f"${j}"] for j in range(8)], dtype=torch.int32)
+            values = got.to(torch.int16).view(torch.bfloat16).float()
+            assert torch.equal(values, expected[s, 8 * w : 8 * w + 8]), (s, w, values)
+
+
 def test_mxfp4_decode_takes_a_program_a_pair_up_to_192_pairs(moe_triton: ModuleType) -> None:
     pick = moe_triton.pick_tile_config
     for dtype in (torch.bfloat16, torch.float32):
