@@ -1,11 +1,16 @@
 """Compile the decode MoE's Triton kernels for sm_90 on any machine, no GPU needed.
 
     python scripts/sm90_compile.py            # V4-Flash shapes, the engine's tiles and passes
+    python scripts/sm90_compile.py --loops    # and the grouped MoE's K loops, scaled dot vs bits
 
 Triton's front end and its bundled ptxas build each kernel for Hopper (CUDA 9.0) as the device
 would; cuobjdump then reads the registers a thread and the stack and local memory (spills) from
 the cubin. A kernel that fails to compile (a construct the interpreter accepts and the compiler
 does not) or spills exits non-zero, so a CPU test catches it before a GPU run does.
+
+--loops: the grouped MoE kernels (ops/moe/triton.py) on their decode and prefill tiles, with
+the scaled dot's upcast and with TileConfig.bits_upcast, and the SASS instructions of each K
+loop (the longest backward branch of ``cuobjdump -sass``), a thread's work per K step.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from deepinfer.ops.moe import triton as moe_triton
 from deepinfer.ops.moe import triton_gemv
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -51,30 +57,101 @@ KERNELS = [
 ]  # fmt: skip
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int) -> dict:
-    """The kernel built for sm_90; returns its resource usage (REG, STACK, LOCAL, SHARED)."""
+# The grouped kernels' arguments: pointers (others i32), and the unit strides the engine's
+# tensors have, which Triton's JIT specialises on (as it assumes 16-byte aligned pointers and
+# strides divisible by 16: the attributes given to every other pointer and stride).
+GROUPED_TYPES = {
+    "x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
+    "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "pair_out_ptr": "*bf16",
+    "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+    "limit": "fp32",
+}  # fmt: skip
+UNIT_STRIDES = {"stride_xk": 1, "stride_wk": 1, "stride_sk": 1, "stride_hn": 1, "stride_hk": 1,
+                "stride_on": 1}  # fmt: skip
+GROUPED = {"TOP_K": 6, "GROUP_M": 1, "DOT_PRECISION": "tf32", "W_FP4": True, "A_FORMAT": "bf16",
+           "FAST_MATH": True, "PDL": True}  # fmt: skip
+# (name, kernel, N, K, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)): the engine's tiles
+LOOPS = [
+    ("gate/up decode", moe_triton._gate_up_kernel, 2048, 4096, (16, 64, 128, 4, 3)),
+    ("gate/up prefill", moe_triton._gate_up_kernel, 2048, 4096, (128, 64, 64, 4, 4)),
+    ("down decode", moe_triton._down_kernel, 4096, 2048, (16, 64, 128, 4, 3)),
+]  # fmt: skip
+
+
+def compile_sm90(
+    kernel,
+    types: dict[str, str],
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int = 3,
+    aligned: bool = False,
+) -> tuple[dict, str]:
+    """The kernel built for sm_90; returns its resource usage (REG, STACK, LOCAL, SHARED) and
+    its SASS. aligned: pointers and strides marked divisible by 16, as the JIT finds them."""
     signature = {
         name: "constexpr" if name in constexprs else types.get(name, "i32")
         for name in kernel.arg_names
     }
-    source = ASTSource(kernel, signature, constexprs)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if aligned
+        and name not in constexprs
+        and (name.endswith("_ptr") or name.startswith("stride"))
+    }
+    source = ASTSource(kernel, signature, constexprs, aligned)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(source, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        dump = subprocess.run(
-            [str(CUOBJDUMP), "--dump-resource-usage", cubin.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+        dump, sass = (
+            subprocess.run(
+                [str(CUOBJDUMP), flag, cubin.name], capture_output=True, text=True, check=True
+            ).stdout
+            for flag in ("--dump-resource-usage", "-sass")
+        )
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", dump))
-    return {key: int(value) for key, value in usage.items()}
+    return {key: int(value) for key, value in usage.items()}, sass
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions inside the longest backward branch (the K loop) of a kernel's SASS."""
+    addresses = [int(a, 16) for a in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/", sass, re.M)]
+    loops = [
+        (int(target, 16), int(at, 16))
+        for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/[^\n]*BRA (0x[0-9a-f]+)", sass)
+        if int(target, 16) < int(at, 16)
+    ]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return sum(start <= a <= end for a in addresses)
+
+
+def grouped_loops() -> None:
+    """--loops: the grouped kernels' K loops, the scaled dot's upcast against the bits one."""
+    print("grouped MoE, instructions a thread per K step (scaled dot / bits upcast):")
+    for name, kernel, n, k, (bm, bn, bk, warps, stages) in LOOPS:
+        counts = []
+        for bits in (False, True):
+            types = dict(GROUPED_TYPES)
+            if bits:  # the packed weights read as int32 words
+                types.update({"w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32"})
+            tiles = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+            constexprs = {**GROUPED, **UNIT_STRIDES, **tiles, "SCALED_DOT": not bits, "BITS": bits}
+            constexprs = {c: v for c, v in constexprs.items() if c in kernel.arg_names}
+            _, sass = compile_sm90(kernel, types, constexprs, warps, stages, aligned=True)
+            counts.append(loop_instructions(sass))
+        weights = (2 if "gate" in name else 1) * bn * bk // (warps * 32)
+        per_weight = " / ".join(f"{c / weights:.1f}" for c in counts)
+        print(f"  {name} {bm}x{bn}x{bk} w{warps}: {counts[0]} / {counts[1]} for {weights} "
+              f"weights a thread ({per_weight} a weight)")  # fmt: skip
 
 
 def main() -> int:
     failed = 0
     for name, kernel, types, constexprs, num_warps in KERNELS:
         try:
-            usage = compile_sm90(kernel, types, constexprs, num_warps)
+            usage, _ = compile_sm90(kernel, types, constexprs, num_warps)
         except Exception as error:  # a compile error: reported, then the exit status
             print(f"{name}: FAILED to compile: {str(error).splitlines()[-1][:200]}")
             failed += 1
@@ -83,6 +160,8 @@ def main() -> int:
         print(f"{name}: {usage.get('REG')} registers, stack {usage.get('STACK')}, "
               f"local {usage.get('LOCAL')}" + (" (spills)" if spills else ""))  # fmt: skip
         failed += bool(spills)
+    if "--loops" in sys.argv[1:]:
+        grouped_loops()
     return 1 if failed else 0
 
 
