@@ -208,6 +208,43 @@ def test_indexer_scores(
         assert err < tol, f"{dtype}: {err:.2e}"
 
 
+def test_indexer_scores_scale_their_weights_in_the_kernel(attention_triton: ModuleType) -> None:
+    """indexer_scores(q, w, ..., weight_scale=s) with w in bf16 is bitwise indexer_scores on
+    w.float() * s (the cast and the scale the kernel does, not a launch before it)."""
+    gen = torch.Generator().manual_seed(3)
+    q, weights, keys, *index = (t.cuda() for t in _indexer_inputs(64, gen))
+    q, keys, weights = q.bfloat16(), keys.bfloat16(), weights.bfloat16()
+    scale = INDEXER_HEADS**-0.5
+    fused = attention_triton.indexer_scores(q, weights, keys, *index, weight_scale=scale)
+    unfused = attention_triton.indexer_scores(q, weights.float() * scale, keys, *index)
+    assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
+def test_store_rows_gathers_its_rows_in_the_launch(
+    attention_triton: ModuleType, packed: bool
+) -> None:
+    """store_rows(target, index, values, rows) on CUDA, at a V4 row (448 + 64 RoPE dims): bit
+    for bit torch_ref's gather then store, dense bf16 and packed FP8; the other rows untouched."""
+    from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, store_rows
+
+    gen = torch.Generator().manual_seed(4)
+    layout = Fp8Layout(DIM, 64)
+    values = (torch.randn(300, DIM, generator=gen) * 3).cuda()
+    rows = torch.randint(0, 300, (200,), generator=gen).cuda()
+    index = torch.randperm(4096, generator=gen)[:200].cuda()
+    if packed:
+        target = torch.randint(0, 256, (64, 64, layout.row_bytes), dtype=torch.uint8).cuda()
+        view = lambda t: Fp8Rows.of(t, layout)  # noqa: E731
+    else:
+        target = torch.randn(4096, DIM, generator=gen).bfloat16().cuda()
+        view = lambda t: t  # noqa: E731
+    expected = target.clone()
+    store_rows(view(expected), index, values[rows])
+    attention_triton.store_rows(view(target), index, values, rows)
+    assert torch.equal(target, expected)
+
+
 @pytest.mark.parametrize(("num_q", "num_entries"), [(1, 1024), (128, 8192), (1024, 16384)])
 def test_indexer_topk(
     attention_triton: ModuleType,

@@ -10,6 +10,7 @@ fp32 reference computed from the same bf16 values, 32 experts' weights upcast at
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -303,6 +304,35 @@ def test_mxfp4_decode_down_split_over_slots_is_the_loop_bitwise(
         reordered, *operands, topk_ids, LIMIT, engine, x_nibble_major=True
     )
     assert torch.equal(h_reordered, h)
+
+
+@pytest.mark.parametrize(("num_tokens", "split"), [(1, False), (4, True), (512, False)])
+def test_mxfp4_residual_joins_the_last_store_as_an_add_would(
+    moe_triton: ModuleType,
+    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
+    num_tokens: int,
+    split: bool,
+) -> None:
+    """bf16, V4-Flash shapes: fused_moe(..., residual=r) (r added in the down kernel's store,
+    in the last program of a ticket when the down kernel is split over slots, or in the grouped
+    combine's) is bitwise fused_moe(...) + r, also replayed from a CUDA graph."""
+    packed, _ = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=50 + num_tokens)
+    residual = torch.randn(x.shape, device="cuda").bfloat16()
+    config = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, packed=True)
+    if isinstance(config, moe_triton.GemvConfig):
+        config = dataclasses.replace(config, down_split_tokens=num_tokens if split else 0)
+    run = functools.partial(
+        moe_triton.fused_moe, x, *packed, topk_ids, topk_weights, LIMIT, config=config
+    )
+    expected = run() + residual
+    assert torch.equal(run(residual=residual), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(residual=residual)
+    for _ in range(5):
+        graph.replay()
+        assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
