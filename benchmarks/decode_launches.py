@@ -18,7 +18,10 @@ step of ``--batch`` requests at ``--context`` tokens, with the plans a decode gr
 
 A launch belongs to the layer when it happens inside the layer module's forward (hooks), else to
 the step: the embedding, the hyper-connection head, RoPE tables and the plan derivations, once a
-step (reported from the no-layer model, whose cache has every layer type). The shapes are tiny
+step (reported from the no-layer model, whose cache has every layer type). A layer type's model
+holds three layers of it and the middle one is counted: a layer inside a deep stack, whose exit
+computes the next layer's hyper-connection entry (``hc_post_pre``), and whose own entry the
+layer before computed. The shapes are tiny
 but the launches are those of V4-Flash's: the same code path at any size, except that which linears
 stay FP8 follows ``model.fp8_min_weights`` on the tiny shapes (--experts fp4-fp8).
 """
@@ -143,9 +146,10 @@ def main() -> None:
     results: dict[str, dict] = {}
 
     def measure(kind: str, args, model) -> None:
-        for layer in model.layers:
-            layer.register_forward_pre_hook(lambda *_: SCOPE.__setitem__(0, "layer"))
-            layer.register_forward_hook(lambda *_: SCOPE.__setitem__(0, "step"))
+        if kind != OUTER:  # the middle of three layers: a layer of a deep stack
+            middle = model.layers[1]
+            middle.register_forward_pre_hook(lambda *_: SCOPE.__setitem__(0, "layer"))
+            middle.register_forward_hook(lambda *_: SCOPE.__setitem__(0, "step"))
         batch, cache = decode_inputs(args, setup, ns.batch, ns.context, 0, kv_dtype=ns.kv)
         graph_plans(batch, cache)
         with torch.no_grad():
@@ -161,7 +165,7 @@ def main() -> None:
 
     backend = "attention=triton,linear=triton,moe=triton,norm=triton"
     kinds = parse_layers(ns.layers)
-    each_layer_model(kinds, 1, backend, setup, 0, measure, **weight_flags(ns.experts))
+    each_layer_model(kinds, 3, backend, setup, 0, measure, **weight_flags(ns.experts))
 
     rows = []
     for kind in [OUTER, *kinds]:

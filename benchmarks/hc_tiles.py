@@ -1,6 +1,7 @@
 """Hyper-connection entry (hc_pre) on V4-Flash shapes: the Triton kernels' tile sets, timed.
 
     bash scripts/gpu_bench.sh benchmarks/hc_tiles.py [--tokens 1,128,8192] [--json PATH]
+    bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --post-pre 1,32,128,256 [--mix-blocks 32,64]
 
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
@@ -72,8 +73,19 @@ def main() -> None:
         help="also time the current tiles at these Sinkhorn iteration counts, with IEEE and "
         "approximate division (what they cost)",
     )
+    ap.add_argument(
+        "--post-pre",
+        default="",
+        help="instead of the sweep: at these token counts, a sub-layer's exit and the next "
+        "entry as hc_post + hc_pre (three launches) and as hc_post_pre (the mix in the exit's "
+        "launch) for each HC_POST_MIX_BLOCK_D in --mix-blocks",
+    )
+    ap.add_argument("--mix-blocks", default="32,64,128")
     ap.add_argument("--json", help="write every figure here")
     ns = ap.parse_args()
+    if ns.post_pre:
+        post_pre(ns)
+        return
     setup = make_setup(tiny=False)  # exits without CUDA
     from deepinfer.ops.norm import triton as ours
 
@@ -153,6 +165,65 @@ def main() -> None:
                 f"{ITERS} Sinkhorn iterations. Tiles: mix tokens (t) and K (k) a program, "
                 f"Sinkhorn/collapse warps (w), most K splits (s), one token's K step (one). "
                 f"Copy bandwidth {bandwidth / 1e12:.3f} TB/s.",
+            ],
+            [markdown(headers, body)],
+        )
+    )
+
+
+def post_pre(ns: argparse.Namespace) -> None:
+    """hc_post then hc_pre against hc_post_pre, timed alike (CUDA-graph replays, L2 cleared);
+    the fused outputs checked against the unfused ones (new x bitwise, mixes to 1e-4)."""
+    setup = make_setup(tiny=False)  # exits without CUDA
+    from deepinfer.ops.norm import triton as ours
+
+    bandwidth = copy_bandwidth(setup)
+    gen = torch.Generator(device=setup.device).manual_seed(ns.seed)
+    mix = (2 + HC) * HC
+    fn = torch.randn((mix, HC * DIM), generator=gen, device=setup.device) * (HC * DIM) ** -0.5
+    scale = torch.rand(3, generator=gen, device=setup.device)
+    base = torch.randn(mix, generator=gen, device=setup.device) * 0.1
+    norm = (torch.ones(DIM, device=setup.device), 1e-6)
+    hc = (ITERS, EPS, 1e-6)
+    blocks = parse_ints(ns.mix_blocks)
+    names = ["hc_post + hc_pre", *(f"hc_post_pre d{b}" for b in blocks)]
+    rows: list[dict] = []
+    payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
+    limit, block = ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D
+    for num_tokens in parse_ints(ns.post_pre):
+        x = torch.randn((num_tokens, HC, DIM), generator=gen, device=setup.device).bfloat16()
+        out = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
+        post = torch.rand((num_tokens, HC), generator=gen, device=setup.device) * 2
+        comb = torch.rand((num_tokens, HC, HC), generator=gen, device=setup.device).softmax(-1)
+        run = functools.partial(
+            ours.hc_post_pre, out, x, post, comb, fn, scale, base, *hc, block_norm=norm
+        )
+        ours.HC_POST_MIX_MAX_TOKENS = -1
+        reference = [t.float() for t in run()]
+        # x read twice and written once, out read, the block input written, fn read once.
+        bytes_ = 3 * x.numel() * 2 + 2 * out.numel() * 2 + fn.numel() * 4
+        row: dict = {"tokens": num_tokens, "bound_s": bytes_ / bandwidth, "us": {}}
+        for name, mix_block in zip(names, [None, *blocks], strict=True):
+            ours.HC_POST_MIX_MAX_TOKENS = -1 if mix_block is None else max(limit, num_tokens)
+            ours.HC_POST_MIX_BLOCK_D = mix_block or block
+            row["us"][name] = candidate_us(run, reference, 1e-4)
+            print(f"  T={num_tokens:5} {name}: {row['us'][name]}")
+        ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D = limit, block
+        rows.append(row)
+        write_json(ns.json, payload)
+        release()
+    headers = ["T", "bound µs", *names]
+    body = [[r["tokens"], r["bound_s"] * 1e6, *(r["us"][n] for n in names)] for r in rows]
+    print()
+    print(
+        results_block(
+            "A sub-layer's exit and the next entry: three launches or two (µs per call)",
+            SCRIPT,
+            setup,
+            [
+                f"{device_name(setup)}; x [T, {HC}, {DIM}] bf16, fn [{mix}, {HC * DIM}] fp32, "
+                f"{ITERS} Sinkhorn iterations, block_norm on. d: HC_POST_MIX_BLOCK_D. Copy "
+                f"bandwidth {bandwidth / 1e12:.3f} TB/s.",
             ],
             [markdown(headers, body)],
         )

@@ -1,4 +1,4 @@
-"""Compile the decode MoE's Triton kernels for sm_90 on any machine, no GPU needed.
+"""Compile decode's Triton kernels (MoE, hc_post) for sm_90 on any machine, no GPU needed.
 
     python scripts/sm90_compile.py            # V4-Flash shapes, the engine's tiles and passes
     python scripts/sm90_compile.py --loops    # and the grouped MoE's K loops, scaled dot vs bits
@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from deepinfer.ops.moe import triton as moe_triton
 from deepinfer.ops.moe import triton_gemv
+from deepinfer.ops.norm import triton as norm_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
@@ -47,13 +48,23 @@ V4_FLASH = {"TOP_K": 6, "W_FP4": True, "PDL": True}
 GATE = {**V4_FLASH, "N": 2048, "K": 4096, "X_NIBBLE_MAJOR": True}
 DOWN = {**V4_FLASH, "N": 4096, "K": 2048}
 
+HC_POST_TYPES = {
+    "out_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+    "new_ptr": "*bf16", "fn_ptr": "*fp32", "partials_ptr": "*fp32", "sumsq_ptr": "*fp32",
+}  # fmt: skip
+HC_POST = {"HC": 4, "HC_PAD": 4, "MIX_SIZE": 24, "M_PAD": 32, "PDL": True}
+
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV).
+# (ops/moe/triton.py's _MXFP4_GEMV), and hc_post with and without the next entry's mix.
 KERNELS = [
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
      {**DOWN, "BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_SLOTS": True, "RESIDUAL": True}, 8),
+    ("hc_post and the next mix d64 w8", norm_triton._hc_post_kernel, HC_POST_TYPES,
+     {**HC_POST, "BLOCK_D": 64, "D_PER_PROGRAM": 64, "MIX": True}, 8),
+    ("hc_post d512 w4", norm_triton._hc_post_kernel, HC_POST_TYPES,
+     {**HC_POST, "BLOCK_D": 512, "D_PER_PROGRAM": 512, "MIX": False}, 4),
 ]  # fmt: skip
 
 

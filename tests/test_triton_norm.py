@@ -32,6 +32,10 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
+from deepinfer.ops.triton_interpret import fix_loop_bounds  # noqa: E402
+
+fix_loop_bounds()  # hc_post loops over a runtime count of tokens
+
 from compress_cases import CASES, compress_step  # noqa: E402
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
@@ -99,7 +103,7 @@ def test_backend_contract(norm_triton: ModuleType) -> None:
     """Both backends provide the ops of ops/norm's contract with the same signatures; the
     triton backend's kernels are its own, the RoPE tables torch_ref's."""
     backend = norm_triton.TritonNormBackend(torch.device("cpu"))
-    names = ("rms_norm", "apply_rope", "hc_pre", "hc_pre_shifted", "hc_post")
+    names = ("rms_norm", "apply_rope", "hc_pre", "hc_pre_shifted", "hc_post", "hc_post_pre")
     for name in (*names, "rope_inv_freq", "rope_cos_sin"):
         ours, ref = getattr(backend, name), getattr(torch_ref, name)
         assert inspect.signature(ours) == inspect.signature(ref), name
@@ -268,6 +272,59 @@ def test_hc_post(
     comb = torch.randn(num_tokens, HC, HC, generator=gen).softmax(-1)  # not symmetric: j, k matter
     ref = torch_ref.hc_post(out, x, post, comb)
     assert _rel_err(norm_triton.hc_post(out, x, post, comb), ref) < FP32_TOL
+
+
+# (T, D, SMs, HC_MAX_SPLIT_K): D = 40 in slices of 16 is 3 slices (a padded Sinkhorn split of
+# 3, a masked tail), or 2 of 32 (two tiles a program); 5 tokens on one SM, 2 slices: 5 tokens a
+# program; 17 tokens, D = 32, 2 slices on one SM: 17 a program.
+HC_POST_PRE_CASES = [
+    (1, 40, 1000, 64),
+    (3, 40, 4, 64),
+    (1, 40, 1000, 2),
+    (5, 40, 1, 2),
+    (17, 32, 1, 64),
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms", "max_split"), HC_POST_PRE_CASES)
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "block_norm"])
+def test_hc_post_pre_computes_the_next_mix_in_the_exit_launch(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+    max_split: int,
+    normed: bool,
+) -> None:
+    """hc_post_pre: the new x bitwise hc_post's; post, comb and the block input within FP32_TOL
+    of torch_ref's hc_post then hc_pre; two launches (no _hc_mix_kernel), and above
+    HC_POST_MIX_MAX_TOKENS three, with the same new x and mixes within FP32_TOL."""
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    monkeypatch.setattr(norm_triton, "HC_POST_MIX_BLOCK_D", 16)
+    monkeypatch.setattr(norm_triton, "HC_MAX_SPLIT_K", max_split)
+    mixes = Launches(norm_triton._hc_mix_kernel)
+    monkeypatch.setattr(norm_triton, "_hc_mix_kernel", mixes)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + max_split)
+    x, fn, scale, base = _hc_inputs(num_tokens, dim, gen)
+    out = torch.randn(num_tokens, dim, generator=gen)
+    post = 2 * torch.rand(num_tokens, HC, generator=gen)
+    comb = torch.randn(num_tokens, HC, HC, generator=gen).softmax(-1)
+    block_norm = (1 + 0.5 * torch.randn(dim, generator=gen), 1e-5) if normed else None
+    args = (out, x, post, comb, fn, scale, base, 20, 1e-6, EPS)
+    ref = torch_ref.hc_post_pre(*args, block_norm=block_norm)
+    fused = norm_triton.hc_post_pre(*args, block_norm=block_norm)
+    assert mixes.grids == []
+    assert torch.equal(fused[0], norm_triton.hc_post(out, x, post, comb))
+    for name, o, r in zip(("x", "post", "comb", "block input"), fused, ref, strict=True):
+        assert _rel_err(o, r) < FP32_TOL, name
+    monkeypatch.setattr(norm_triton, "HC_POST_MIX_MAX_TOKENS", num_tokens - 1)
+    unfused = norm_triton.hc_post_pre(*args, block_norm=block_norm)
+    assert len(mixes.grids) == 1
+    assert torch.equal(unfused[0], fused[0])
+    for name, o, f in zip(("post", "comb", "block input"), unfused[1:], fused[1:], strict=True):
+        assert _rel_err(o, f) < FP32_TOL, name
 
 
 def _rope_inputs(

@@ -83,6 +83,22 @@ class NormBackend(Protocol):
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor: ...
 
+    def hc_post_pre(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
     def compress_windows(
         self,
         kv: torch.Tensor,

@@ -324,6 +324,29 @@ def hc_post(
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
+def hc_post_pre(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sub-layer's exit and the next one's entry: x' = hc_post(out, x, post, comb), then
+    hc_pre(x', fn, ...) with the next sub-layer's parameters. Returns (x', post, comb, block
+    input). A fast backend computes the next mix in the exit's launch."""
+    new = hc_post(out, x, post, comb)
+    return new, *hc_pre(
+        new, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, block_norm=block_norm
+    )
+
+
 class TorchRefNormBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
@@ -333,6 +356,7 @@ class TorchRefNormBackend(Backend):
     hc_pre = staticmethod(hc_pre)
     hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)
+    hc_post_pre = staticmethod(hc_post_pre)
     compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

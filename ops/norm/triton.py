@@ -62,6 +62,7 @@ __all__ = [
     "compress_windows",
     "gated_pool",
     "hc_post",
+    "hc_post_pre",
     "hc_pre",
     "hc_pre_shifted",
     "rms_norm",
@@ -85,6 +86,12 @@ HC_BLOCK_K = 64
 HC_BLOCK_D = 512
 HC_SINKHORN_WARPS = 1
 HC_MAX_SPLIT_K = 64
+# hc_post_pre: hc_post's launch also computes the next sub-layer's mix (hc_mix's partials) up to
+# this many tokens (decode), each program over slices of HC_POST_MIX_BLOCK_D channels of every
+# stream (fn's [mix, hc, BLOCK_D] tile multiplied on the CUDA cores, summed over the streams at
+# once). Above it (prefill), hc_post and hc_pre's two launches, whose mix runs on tensor cores.
+HC_POST_MIX_MAX_TOKENS = 256
+HC_POST_MIX_BLOCK_D = 64
 # One token (decode, deterministic steps): the mix's K a program step on the CUDA cores (0: the
 # tl.dot path, a 16-token tile with one row used).
 HC_ONE_TOKEN_BLOCK_K = 128
@@ -484,6 +491,7 @@ def _hc_sinkhorn_collapse_kernel(
     HC_PAD: tl.constexpr,
     M_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
     SINKHORN_ITERS: tl.constexpr,
     PRECISE_DIV: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -507,14 +515,17 @@ def _hc_sinkhorn_collapse_kernel(
     is_comb = is_stream[:, None] & (j < HC)[None, :]
     comb_cols = 2 * HC + i[:, None] * HC + j[None, :]  # [HC_PAD, HC_PAD] into a partials row
 
-    splits = tl.arange(0, SPLIT_K)
-    rows = partials_ptr + (splits * num_tokens + t) * M_PAD  # [SPLIT_K]
-    stream_mask = is_stream[None, :]
+    splits = tl.arange(0, SPLIT_PAD)
+    is_split = splits < SPLIT_K
+    rows = partials_ptr + (splits * num_tokens + t) * M_PAD  # [SPLIT_PAD]
+    stream_mask = is_split[:, None] & is_stream[None, :]
     pre_w = tl.sum(tl.load(rows[:, None] + i[None, :], mask=stream_mask, other=0.0), axis=0)
     post_w = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0), axis=0)
-    comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=is_comb[None], other=0.0)
+    comb_mask = is_split[:, None, None] & is_comb[None]
+    comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=comb_mask, other=0.0)
     comb_w = tl.sum(comb_w, axis=0)
-    sumsq = tl.sum(tl.load(sumsq_ptr + splits * num_tokens + t), axis=0)
+    sumsq = tl.load(sumsq_ptr + splits * num_tokens + t, mask=is_split, other=0.0)
+    sumsq = tl.sum(sumsq, axis=0)
     inv_rms = tl.rsqrt(sumsq / k + norm_eps)
 
     pre_b = tl.load(base_ptr + i, mask=is_stream, other=0.0)
@@ -640,6 +651,23 @@ def hc_pre_shifted(
     return pre, post, comb, collapsed
 
 
+def _check_fn(fn: torch.Tensor, hc: int, dim: int) -> torch.Tensor:
+    """fn [(2+hc)*hc, hc*D] in fp32, checked."""
+    mix_size, k = (2 + hc) * hc, hc * dim
+    assert fn.shape == (mix_size, k), f"hc_pre: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
+    return fn.float().contiguous()
+
+
+def _mix_pad(hc: int) -> int:
+    """A partials row's width: the mix's (2+hc)*hc columns padded for tl.dot and tl.arange."""
+    return max(16, triton.next_power_of_2((2 + hc) * hc))
+
+
+# The mix's partial sums as the Sinkhorn/collapse kernel reads them: partials [splits, T, M_PAD]
+# and sumsq [splits, T] fp32, and the number of splits.
+HcMix = tuple[torch.Tensor, torch.Tensor, int]
+
+
 def _hc_pre(
     x: torch.Tensor,
     prev_pre: torch.Tensor | None,
@@ -651,16 +679,18 @@ def _hc_pre(
     norm_eps: float,
     num_sms: int | None,
     block_norm: tuple[torch.Tensor, float] | None = None,
+    mix: HcMix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Both entry sides: (post, comb, block input, this sub-layer's pre when shifted)."""
+    """Both entry sides: (post, comb, block input, this sub-layer's pre when shifted). ``mix``:
+    x's mix already computed (hc_post_pre's), else _hc_mix_kernel's launch computes it."""
     num_tokens, hc, dim = x.shape
     mix_size, k = (2 + hc) * hc, hc * dim
-    assert fn.shape == (mix_size, k), f"hc_pre: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
+    fn = _check_fn(fn, hc, dim)
     assert scale.numel() == 3 and base.numel() == mix_size, (
         f"hc_pre: scale {tuple(scale.shape)}, base {tuple(base.shape)} for hc = {hc}"
     )
     x = x.contiguous()
-    fn, scale, base = (t.float().contiguous() for t in (fn, scale, base))
+    scale, base = (t.float().contiguous() for t in (scale, base))
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=x.device)
     collapsed = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
@@ -672,35 +702,8 @@ def _hc_pre(
         assert prev_pre.shape == (num_tokens, hc), f"hc_pre: prev_pre {tuple(prev_pre.shape)}"
         prev_pre = prev_pre.float().contiguous()
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-
-    if num_tokens == 1 and HC_ONE_TOKEN_BLOCK_K:  # the CUDA cores' path
-        block_t, block_k = 1, min(HC_ONE_TOKEN_BLOCK_K, triton.next_power_of_2(k))
-    else:
-        block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
-        block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
-    num_t_blocks, num_k_blocks = triton.cdiv(num_tokens, block_t), triton.cdiv(k, block_k)
-    split_k = 1
-    while num_t_blocks * split_k < num_sms and 2 * split_k <= min(HC_MAX_SPLIT_K, num_k_blocks):
-        split_k *= 2
-    m_pad = max(16, triton.next_power_of_2(mix_size))
-    partials = torch.empty(split_k, num_tokens, m_pad, dtype=torch.float32, device=x.device)
-    sumsq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=x.device)
-    _hc_mix_kernel[(num_t_blocks, split_k)](
-        x,
-        fn,
-        partials,
-        sumsq,
-        num_tokens,
-        k,
-        MIX_SIZE=mix_size,
-        M_PAD=m_pad,
-        BLOCK_T=block_t,
-        BLOCK_K=block_k,
-        K_PER_SPLIT=triton.cdiv(num_k_blocks, split_k) * block_k,
-        PRECISION=_dot_precision(x.dtype),
-        num_warps=8 if block_t >= 64 else 4,
-        **pdl(x.device),
-    )
+    partials, sumsq, split_k = _hc_mix(x, fn, num_sms) if mix is None else mix
+    m_pad = partials.shape[-1]
 
     block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
     if block_norm is not None:
@@ -741,6 +744,7 @@ def _hc_pre(
         HC_PAD=triton.next_power_of_2(hc),
         M_PAD=m_pad,
         SPLIT_K=split_k,
+        SPLIT_PAD=triton.next_power_of_2(split_k),
         SINKHORN_ITERS=sinkhorn_iters,
         PRECISE_DIV=HC_SINKHORN_PRECISE_DIV,
         BLOCK_D=block_d,
@@ -751,6 +755,41 @@ def _hc_pre(
     return post, comb, collapsed, pre_out
 
 
+def _hc_mix(x: torch.Tensor, fn: torch.Tensor, num_sms: int) -> HcMix:
+    """x's mix with fn (fp32, checked), split over K: one launch of _hc_mix_kernel."""
+    num_tokens, hc, dim = x.shape
+    mix_size, k = (2 + hc) * hc, hc * dim
+    if num_tokens == 1 and HC_ONE_TOKEN_BLOCK_K:  # the CUDA cores' path
+        block_t, block_k = 1, min(HC_ONE_TOKEN_BLOCK_K, triton.next_power_of_2(k))
+    else:
+        block_t = min(HC_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))  # tl.dot: >= 16
+        block_k = max(16, min(HC_BLOCK_K, triton.next_power_of_2(k)))  # tl.dot needs >= 16
+    num_t_blocks, num_k_blocks = triton.cdiv(num_tokens, block_t), triton.cdiv(k, block_k)
+    split_k = 1
+    while num_t_blocks * split_k < num_sms and 2 * split_k <= min(HC_MAX_SPLIT_K, num_k_blocks):
+        split_k *= 2
+    m_pad = _mix_pad(hc)
+    partials = torch.empty(split_k, num_tokens, m_pad, dtype=torch.float32, device=x.device)
+    sumsq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=x.device)
+    _hc_mix_kernel[(num_t_blocks, split_k)](
+        x,
+        fn,
+        partials,
+        sumsq,
+        num_tokens,
+        k,
+        MIX_SIZE=mix_size,
+        M_PAD=m_pad,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        K_PER_SPLIT=triton.cdiv(num_k_blocks, split_k) * block_k,
+        PRECISION=_dot_precision(x.dtype),
+        num_warps=8 if block_t >= 64 else 4,
+        **pdl(x.device),
+    )
+    return partials, sumsq, split_k
+
+
 @triton.jit
 def _hc_post_kernel(
     out_ptr,
@@ -758,35 +797,67 @@ def _hc_post_kernel(
     post_ptr,
     comb_ptr,
     new_ptr,
+    fn_ptr,
+    partials_ptr,
+    sumsq_ptr,
+    num_tokens,
+    tokens_per_program,
     dim,
     HC: tl.constexpr,
     HC_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_PER_PROGRAM: tl.constexpr,
+    MIX: tl.constexpr,
+    MIX_SIZE: tl.constexpr,
+    M_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * x[t, j, d], in fp32."""
+    """new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * x[t, j, d], in fp32.
+
+    Grid (token blocks of tokens_per_program, slices of D_PER_PROGRAM channels). MIX: the next
+    hc_pre's mix over the slice too, from new as rounded (what _hc_mix_kernel would read):
+    partials[s, t, m] = sum over slice s of every stream of new[t] * fn[m], sumsq[s, t] the
+    slice's squares, fn [MIX_SIZE, HC * dim] fp32."""
     enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
     streams = tl.arange(0, HC_PAD)  # k
     is_stream = streams < HC
-    post = tl.load(post_ptr + t * HC + streams, mask=is_stream, other=0.0)
-    d_begin = tl.program_id(1) * D_PER_PROGRAM
-    for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
-        d = d_begin + d0 + tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        mixed = tl.zeros([HC_PAD, BLOCK_D], dtype=tl.float32)
-        for src in tl.static_range(HC):  # j
-            x = tl.load(x_ptr + (t * HC + src) * dim + d, mask=d_mask, other=0.0)
-            weight = tl.load(comb_ptr + (t * HC + src) * HC + streams, mask=is_stream, other=0.0)
-            mixed += weight[:, None] * x.to(tl.float32)[None, :]
-        out = tl.load(out_ptr + t * dim + d, mask=d_mask, other=0.0).to(tl.float32)
-        new = post[:, None] * out[None, :] + mixed
-        tl.store(
-            new_ptr + (t * HC + streams[:, None]) * dim + d[None, :],
-            new.to(new_ptr.dtype.element_ty),
-            mask=is_stream[:, None] & d_mask[None, :],
-        )
+    split = tl.program_id(1)
+    d_begin = split * D_PER_PROGRAM
+    mix = tl.arange(0, M_PAD)
+    fn_rows = fn_ptr + mix.to(tl.int64)[:, None, None] * (HC * dim)
+    first = tl.program_id(0) * tokens_per_program
+    for i in tl.range(0, tl.minimum(tokens_per_program, num_tokens - first)):
+        t = (first + i).to(tl.int64)
+        post = tl.load(post_ptr + t * HC + streams, mask=is_stream, other=0.0)
+        prods = tl.zeros([M_PAD, BLOCK_D], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+            d = d_begin + d0 + tl.arange(0, BLOCK_D)
+            d_mask = d < dim
+            mixed = tl.zeros([HC_PAD, BLOCK_D], dtype=tl.float32)
+            for src in tl.static_range(HC):  # j
+                x = tl.load(x_ptr + (t * HC + src) * dim + d, mask=d_mask, other=0.0)
+                weight = tl.load(
+                    comb_ptr + (t * HC + src) * HC + streams, mask=is_stream, other=0.0
+                )
+                mixed += weight[:, None] * x.to(tl.float32)[None, :]
+            out = tl.load(out_ptr + t * dim + d, mask=d_mask, other=0.0).to(tl.float32)
+            new = (post[:, None] * out[None, :] + mixed).to(new_ptr.dtype.element_ty)
+            new_mask = is_stream[:, None] & d_mask[None, :]
+            tl.store(new_ptr + (t * HC + streams[:, None]) * dim + d[None, :], new, mask=new_mask)
+            if MIX:  # new is 0 where masked: no term from the padding
+                v = new.to(tl.float32)
+                fn = tl.load(
+                    fn_rows + (streams[:, None] * dim + d[None, :])[None, :, :],
+                    mask=(mix < MIX_SIZE)[:, None, None] & new_mask[None, :, :],
+                    other=0.0,
+                )  # [M_PAD, HC_PAD, BLOCK_D]
+                prods += tl.sum(fn * v[None, :, :], axis=1)
+                squares += tl.sum(v * v, axis=0)
+        if MIX:
+            row = split * num_tokens + t
+            tl.store(partials_ptr + row * M_PAD + mix, tl.sum(prods, axis=1))
+            tl.store(sumsq_ptr + row, tl.sum(squares, axis=0))
 
 
 def hc_post(
@@ -803,6 +874,47 @@ def hc_post(
     x's dtype (computed in fp32, rounded once). ``num_sms``: the SMs the D split fills (default:
     x's device's).
     """
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
+    return _hc_post(out, x, post, comb, num_sms)[0]
+
+
+def hc_post_pre(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
+    num_sms: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sub-layer's exit and the next one's entry: ``hc_post(out, x, post, comb)`` and
+    ``hc_pre`` of its result with the next sub-layer's fn, scale, base and block_norm; returns
+    (new x, post, comb, block input). Two launches up to HC_POST_MIX_MAX_TOKENS tokens (the
+    mix computed in hc_post's), else three."""
+    num_sms = _num_sms(x.device) if num_sms is None else num_sms
+    mix = x.shape[0] <= HC_POST_MIX_MAX_TOKENS
+    new, mixed = _hc_post(out, x, post, comb, num_sms, _check_fn(fn, *x.shape[1:]) if mix else None)
+    entry = _hc_pre(
+        new, None, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms, block_norm, mixed
+    )
+    return new, *entry[:3]
+
+
+def _hc_post(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    num_sms: int,
+    fn: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, HcMix | None]:
+    """hc_post's launch; with ``fn`` (fp32, checked) it computes the new x's mix too."""
     num_tokens, hc, dim = x.shape
     assert out.shape == (num_tokens, dim), f"hc_post: out {tuple(out.shape)}, x {tuple(x.shape)}"
     assert post.shape == (num_tokens, hc) and comb.shape == (num_tokens, hc, hc), (
@@ -812,24 +924,48 @@ def hc_post(
     post, comb = post.float().contiguous(), comb.float().contiguous()
     new = torch.empty_like(x)
     if num_tokens == 0:
-        return new
-    num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
-    _hc_post_kernel[(num_tokens, num_d_programs)](
+        return new, None
+    if fn is None:
+        block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+        tokens_per_program = 1
+        partials = sumsq = new  # not written: MIX is constexpr
+    else:
+        # Slices of BLOCK_D channels, at most HC_MAX_SPLIT_K of them (the Sinkhorn kernel sums
+        # its partials in registers); tokens a program until two programs an SM.
+        block_d = min(HC_POST_MIX_BLOCK_D, triton.next_power_of_2(dim))
+        num_blocks = triton.cdiv(dim, block_d)
+        d_per_program = triton.cdiv(num_blocks, min(num_blocks, HC_MAX_SPLIT_K)) * block_d
+        num_d_programs = triton.cdiv(dim, d_per_program)
+        tokens_per_program = max(1, num_tokens * num_d_programs // (2 * num_sms))
+        partials = torch.empty(
+            num_d_programs, num_tokens, _mix_pad(hc), dtype=torch.float32, device=x.device
+        )
+        sumsq = torch.empty(num_d_programs, num_tokens, dtype=torch.float32, device=x.device)
+    _hc_post_kernel[(triton.cdiv(num_tokens, tokens_per_program), num_d_programs)](
         out,
         x,
         post,
         comb,
         new,
+        new if fn is None else fn,
+        partials,
+        sumsq,
+        num_tokens,
+        tokens_per_program,
         dim,
         HC=hc,
         HC_PAD=triton.next_power_of_2(hc),
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=4,
+        MIX=fn is not None,
+        MIX_SIZE=(2 + hc) * hc,
+        M_PAD=_mix_pad(hc),
+        # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 128 registers a thread at 64
+        # channels and 8 warps on sm_90 (240 at 4 warps; scripts/sm90_compile.py).
+        num_warps=4 if fn is None else min(8, max(4, block_d // 8)),
         **pdl(out.device),
     )
-    return new
+    return new, None if fn is None else (partials, sumsq, num_d_programs)
 
 
 class TritonNormBackend(Backend):
@@ -888,3 +1024,23 @@ class TritonNormBackend(Backend):
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         return hc_post(out, x, post, comb, num_sms=self.num_sms)
+
+    def hc_post_pre(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_post_pre(
+            out, x, post, comb, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+            block_norm=block_norm, num_sms=self.num_sms,
+        )  # fmt: skip

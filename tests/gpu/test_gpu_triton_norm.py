@@ -188,9 +188,38 @@ def test_hc_post(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -
     assert _rel_err(new, ref) < (FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_pre(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
+    """The exit and the next entry, the mix in the exit's launch: the new x bitwise hc_post's,
+    post, comb and the block input (block_norm on) against torch_ref's hc_post then hc_pre."""
+    gen = torch.Generator().manual_seed(250 + num_tokens)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    out = _bf16(num_tokens, DIM, gen=gen)
+    post = 2 * torch.rand(num_tokens, HC, generator=gen)
+    comb = torch.randn(num_tokens, HC, HC, generator=gen).softmax(-1)
+    weight = 1 + 0.1 * torch.randn(DIM, generator=gen)
+    hc = (SINKHORN_ITERS, HC_EPS, NORM_EPS)
+    # The reference enters from the new x as the kernel rounded it: the mixes' tolerance is
+    # then the mix's own, not the stream rounding's.
+    cuda_in = (*_cuda(dtype, out, x), *_cuda(torch.float32, post, comb))
+    new = norm_triton.hc_post(*cuda_in)
+    ref = torch_ref.hc_pre(new.float().cpu(), fn, scale, base, *hc, block_norm=(weight, 1e-5))
+    fused = norm_triton.hc_post_pre(
+        *cuda_in, *_cuda(torch.float32, fn, scale, base), *hc, block_norm=(weight.cuda(), 1e-5)
+    )
+    assert torch.equal(fused[0], new)
+    mix_tol = FP32_TOL if dtype == torch.float32 else HC_MIX_BF16_TOL
+    stream_tol = FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL
+    for name, o, r, tol in zip(
+        ("post", "comb", "block input"), fused[1:], ref, (mix_tol, mix_tol, stream_tol), strict=True
+    ):
+        assert _rel_err(o, r) < tol, name
+
+
 def test_decode_step_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
-    """hc_pre and hc_post never wait on the host (a sync would abort the capture), and a replay
-    on new inputs reproduces the eager results bit for bit (no atomics: deterministic)."""
+    """hc_pre, hc_post_pre and hc_post never wait on the host (a sync would abort the
+    capture), and a replay on new inputs reproduces the eager results bit for bit."""
     gen = torch.Generator().manual_seed(300)
     x, fn, scale, base = _hc_inputs(1, gen)
     x, (fn, scale, base) = x.to("cuda", torch.bfloat16), _cuda(torch.float32, fn, scale, base)
@@ -198,7 +227,8 @@ def test_decode_step_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
 
     def step() -> tuple[torch.Tensor, ...]:
         post, comb, collapsed = norm_triton.hc_pre(x, fn, scale, base, *hc)
-        return post, comb, collapsed, norm_triton.hc_post(collapsed, x, post, comb)
+        entered = norm_triton.hc_post_pre(collapsed, x, post, comb, fn, scale, base, *hc)
+        return post, comb, collapsed, *entered, norm_triton.hc_post(collapsed, x, post, comb)
 
     step()  # compiles the kernels outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -8,7 +8,9 @@ H = attention heads, hd = head dim, hc = hyper-connection streams.
 Per layer:  x [T, hc, D] --hc_pre--> attn_norm -> Attention --hc_post--> x
                          --hc_pre--> ffn_norm  -> MoE       --hc_post--> x
 
-(each norm applied by its hc_pre call: ``block_norm``, one launch with the collapse on Triton)
+(each norm applied by its hc_pre call: ``block_norm``, one launch with the collapse on Triton;
+each hc_post and the hc_pre after it are one ``hc_post_pre`` call, across blocks too, which on
+Triton computes the next mix in the exit's launch)
 
 MTP layer (``mtp.{i}``, built when served): position p reads the stack's last hidden streams at
 p and the embedding of token p + 1, and predicts token p + 2 (``mtp.py`` drives it)::
@@ -47,6 +49,9 @@ from deepinfer.ops.moe import (
     to_fp8_experts,
 )
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
+
+# A sub-layer's hyper-connection entry (hc_pre's result): post, comb, its block input.
+HcEntry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -308,20 +313,39 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels.norm)
         self.ffn = MoE(args, layer_id, kernels, num_local)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """x: [T, hc, D] -> [T, hc, D]."""
-        a, norm = self.args, self.kernels.norm
-        hc = (a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
-        post, comb, h = norm.hc_pre(
-            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *hc,
-            block_norm=self.attn_norm.params,
-        )  # fmt: skip
-        x = norm.hc_post(self.attn(h, batch, cache), x, post, comb)
-        post, comb, h = norm.hc_pre(
-            x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc,
-            block_norm=self.ffn_norm.params,
-        )  # fmt: skip
-        return norm.hc_post(self.ffn(h, batch.input_ids), x, post, comb)
+    def hc_entry(self, site: str) -> tuple[tuple, tuple[torch.Tensor, float]]:
+        """The hyper-connection entry of the sub-layer at ``site`` ("attn", "ffn"): hc_pre's
+        arguments after x (fn, scale, base, the constants) and its norm as block_norm."""
+        a = self.args
+        params = tuple(getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))
+        norm = self.attn_norm if site == "attn" else self.ffn_norm
+        return (*params, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps), norm.params
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        entry: HcEntry | None = None,
+        then: Block | None = None,
+    ) -> tuple[torch.Tensor, HcEntry | None]:
+        """x: [T, hc, D] -> ([T, hc, D], the next block's entry or None). ``entry``: this
+        block's attention entry (post, comb, block input) when the block before computed it;
+        ``then``: the block after, whose entry this one's exit computes (one hc_post_pre)."""
+        norm = self.kernels.norm
+        if entry is None:
+            args, block_norm = self.hc_entry("attn")
+            entry = norm.hc_pre(x, *args, block_norm=block_norm)
+        post, comb, h = entry
+        out = self.attn(h, batch, cache)
+        args, block_norm = self.hc_entry("ffn")
+        x, post, comb, h = norm.hc_post_pre(out, x, post, comb, *args, block_norm=block_norm)
+        out = self.ffn(h, batch.input_ids)
+        if then is None:
+            return norm.hc_post(out, x, post, comb), None
+        args, block_norm = then.hc_entry("attn")
+        x, *following = norm.hc_post_pre(out, x, post, comb, *args, block_norm=block_norm)
+        return x, (following[0], following[1], following[2])
 
 
 class MTPLayer(Block):
@@ -351,7 +375,7 @@ class MTPLayer(Block):
         """hidden [T, hc, D] (the stack's at each position), embedded [T, D] (the next token's)
         -> the layer's output streams [T, hc, D]."""
         x = self.e_proj(self.enorm(embedded)).unsqueeze(1) + self.h_proj(self.hnorm(hidden))
-        return super().forward(x, batch, cache)
+        return super().forward(x, batch, cache)[0]
 
 
 class DeepseekV4(nn.Module):
@@ -413,8 +437,10 @@ class DeepseekV4(nn.Module):
             batch.rope[windows(ratio)] = rope_cos_sin(positions, self.compress_inv_freq)
         h = self.embed(batch.input_ids)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
-        for layer in self.layers:
-            x = layer(x, batch, cache)
+        entry = None  # each block's exit computes the next one's entry
+        for i, layer in enumerate(self.layers):
+            then = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, entry = layer(x, batch, cache, entry, then)
         if self.args.mtp_served:
             batch.hidden = x  # what the MTP layer reads after the step
         x = x[batch.logits_indices]  # [N, hc, D]
