@@ -318,6 +318,19 @@ def test_indexer_scores_matches_reference(seed: int, num_heads: int) -> None:
         assert torch.equal(scaled, ops.indexer_scores(q, raw.float() * scale, *args))
     scale = expected[visible].abs().max().item()
     assert (out[visible] - expected[visible]).abs().max().item() < INDEXER_REL_TOL * scale
+    # q_rope: q's trailing 16 channels rotated in the kernel, bitwise the scores of q roped
+    # beforehand (fp32: the same products and sums as torch_ref's apply_rope here).
+    from deepinfer.ops.norm import rope_cos_sin
+    from deepinfer.ops.norm.torch_ref import apply_rope
+
+    positions = torch.randint(0, 100_000, (num_q,), generator=gen)
+    rope = rope_cos_sin(positions, 1.0 / 10000.0 ** (torch.arange(0, 16, 2) / 16))
+    roped = apply_rope(q, *rope)
+    fused = kernels.indexer_scores(q, weights, *args, q_rope=rope)
+    assert torch.equal(fused, kernels.indexer_scores(roped, weights, *args))
+    expected = ref.indexer_scores(q, weights, *args, q_rope=rope)
+    assert torch.equal(expected, ref.indexer_scores(roped, weights, *args))
+    assert _rel_err(fused[visible], expected[visible]) < INDEXER_REL_TOL
 
 
 @pytest.mark.parametrize("seed", SEEDS)

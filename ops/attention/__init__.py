@@ -42,6 +42,7 @@ class AttentionBackend(Protocol):
         token_req: torch.Tensor,
         num_visible: torch.Tensor,
         weight_scale: float = 1.0,
+        q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def indexer_topk(

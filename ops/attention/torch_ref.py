@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.ops.attention.kv_fp8 import KVSource, as_stored, gather_rows, store_rows
+from deepinfer.ops.norm.torch_ref import apply_rope
 from deepinfer.ops.registry import Backend
 
 # Query tokens per chunk of the reference loops: bounds the gathered keys' memory.
@@ -65,16 +66,21 @@ def indexer_scores(
     token_req: torch.Tensor,
     num_visible: torch.Tensor,
     weight_scale: float = 1.0,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Lightning indexer scores of every query token over its request's compressed entries.
 
-    q: [T, Hi, Di] (roped); weights: [T, Hi], any float dtype, taken as weights.float() *
+    q: [T, Hi, Di]; weights: [T, Hi], any float dtype, taken as weights.float() *
     weight_scale (V4: Hi^-0.5; the product is the kernels' too); keys: [P, Di] the flat
     indexer-key pool; entry_rows: [B, N] integer row of keys holding entry n of request b (any
     value at or past a request's entry count); token_req: [T] request (row of entry_rows) of each
-    token; num_visible: [T] entries 0..num_visible-1 a token may see. Returns [T, N] fp32:
-    sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where n >= num_visible.
+    token; num_visible: [T] entries 0..num_visible-1 a token may see. q_rope: (cos, sin) [T,
+    rope_dim / 2]: q is roped first, as the norm family's apply_rope does (the kernels' in
+    their own launch). Returns [T, N] fp32: sum_h weights[t, h] * relu(q[t, h] .
+    keys[entry]) * Di^-0.5, -inf where n >= num_visible.
     """
+    if q_rope is not None:
+        q = apply_rope(q, *q_rope)
     num_q, num_entries = q.shape[0], entry_rows.shape[1]
     out = torch.full((num_q, num_entries), float("-inf"), dtype=torch.float32, device=q.device)
     entry_ids = torch.arange(num_entries, device=q.device)

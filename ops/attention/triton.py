@@ -796,6 +796,8 @@ def _indexer_scores_kernel(
     token_req_ptr,
     num_visible_ptr,
     out_ptr,
+    cos_ptr,
+    sin_ptr,
     stride_qt,
     stride_qh,
     stride_wt,
@@ -803,11 +805,15 @@ def _indexer_scores_kernel(
     stride_keys,
     stride_entry_b,
     stride_entry_n,
+    stride_cos,
+    stride_sin,
     num_heads,
     num_entries,
     weight_scale,
     score_scale,
     D: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -816,7 +822,9 @@ def _indexer_scores_kernel(
     """Grid (T, cdiv(N, BLOCK_N)): the scores of one token over one block of its entries.
 
     out [T, N] fp32 contiguous. Entries at or past num_visible[t] are neither looked up in
-    entry_rows nor loaded from keys (their rows may be garbage): they score -inf.
+    entry_rows nor loaded from keys (their rows may be garbage): they score -inf. ROPE: q's
+    channels from NOPE on rotated first by cos, sin [T, (D - NOPE) / 2] (fp32 math, rounded to
+    q's dtype: apply_rope's values), each channel's pair partner (channel ^ 1) loaded beside it.
     """
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -837,6 +845,25 @@ def _indexer_scores_kernel(
         head_mask = heads < num_heads
         q_ptrs = q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, D]
+        if ROPE:
+            is_rope = offs_d >= NOPE
+            partner = tl.where(is_rope, NOPE + ((offs_d - NOPE) ^ 1), offs_d)
+            rope_mask = head_mask[:, None] & is_rope[None, :]
+            q_partner = tl.load(
+                q_ptr + t * stride_qt + heads[:, None] * stride_qh + partner[None, :],
+                mask=rope_mask,
+                other=0.0,
+            ).to(tl.float32)
+            pair = tl.where(is_rope, (offs_d - NOPE) // 2, 0)
+            cos = tl.load(cos_ptr + t * stride_cos + pair, mask=is_rope, other=1.0)
+            sin = tl.load(sin_ptr + t * stride_sin + pair, mask=is_rope, other=0.0)
+            qf = q.to(tl.float32)
+            even = ((offs_d - NOPE) % 2 == 0)[None, :]
+            rotated = tl.where(
+                even, qf * cos[None, :] - q_partner * sin[None, :],
+                qf * cos[None, :] + q_partner * sin[None, :],
+            )  # fmt: skip
+            q = tl.where(rope_mask, rotated, qf).to(q_ptr.dtype.element_ty)
         w = tl.load(weights_ptr + t * stride_wt + heads * stride_wh, mask=head_mask, other=0.0)
         w = w.to(tl.float32) * weight_scale  # torch_ref's weights.float() * weight_scale
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
@@ -854,13 +881,16 @@ def indexer_scores(
     token_req: torch.Tensor,
     num_visible: torch.Tensor,
     weight_scale: float = 1.0,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Lightning indexer scores of every query token over its request's compressed entries.
 
-    q: [T, Hi, Di] (roped; Di a power of two >= 16); weights: [T, Hi], any float dtype, taken
+    q: [T, Hi, Di] (Di a power of two >= 16); weights: [T, Hi], any float dtype, taken
     as weights.float() * weight_scale in the kernel (no launch of its own); keys: [P, Di] in
     q's dtype, unit column stride; entry_rows: [B, N] integer rows of keys (any value at or past
-    a request's entry count); token_req: [T]; num_visible: [T].
+    a request's entry count); token_req: [T]; num_visible: [T]. q_rope: (cos, sin) [T,
+    rope_dim / 2] fp32: q's trailing rope_dim channels rotated in the kernel (apply_rope's
+    values; no launch of its own).
     Returns [T, N] fp32: sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where
     n >= num_visible[t].
     """
@@ -877,6 +907,13 @@ def indexer_scores(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     token_req, num_visible = token_req.contiguous(), num_visible.contiguous()  # read at [t]
+    cos, sin = q_rope if q_rope is not None else (out, out)  # not read without ROPE
+    rope_dim = 2 * cos.shape[-1] if q_rope is not None else 0
+    if q_rope is not None:
+        assert cos.shape == sin.shape == (num_q, rope_dim // 2) and 0 < rope_dim <= dim, (
+            f"indexer_scores: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, q {tuple(q.shape)}"
+        )
+        cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
     # 64 entries a program: decode (T = 1, N = 8192) still gets 128 programs. bf16 runs one
     # wgmma (~75 registers); fp32's IEEE dot on CUDA cores holds its operands in registers and
     # spills below 16 warps (ptxas -v, sm_90).
@@ -890,6 +927,8 @@ def indexer_scores(
         token_req,
         num_visible,
         out,
+        cos,
+        sin,
         q.stride(0),
         q.stride(1),
         weights.stride(0),
@@ -897,11 +936,15 @@ def indexer_scores(
         keys.stride(0),
         entry_rows.stride(0),
         entry_rows.stride(1),
+        cos.stride(0),
+        sin.stride(0),
         num_heads,
         num_entries,
         float(weight_scale),
         dim**-0.5,
         D=dim,
+        NOPE=dim - rope_dim,
+        ROPE=q_rope is not None,
         BLOCK_H=max(triton.next_power_of_2(num_heads), 16),
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),

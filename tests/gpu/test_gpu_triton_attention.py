@@ -208,15 +208,26 @@ def test_indexer_scores(
         assert err < tol, f"{dtype}: {err:.2e}"
 
 
-def test_indexer_scores_scale_their_weights_in_the_kernel(attention_triton: ModuleType) -> None:
-    """indexer_scores(q, w, ..., weight_scale=s) with w in bf16 is bitwise indexer_scores on
-    w.float() * s (the cast and the scale the kernel does, not a launch before it)."""
+def test_indexer_scores_scale_weights_and_rope_q_in_the_kernel(
+    attention_triton: ModuleType,
+) -> None:
+    """indexer_scores(q, w, ..., weight_scale=s, q_rope=(cos, sin)) with q and w in bf16 is
+    bitwise indexer_scores on apply_rope(q, cos, sin) (the norm backend's kernel) and
+    w.float() * s: the cast, the scale and the rotation the kernel does, not launches before."""
+    from deepinfer.ops.norm import rope_cos_sin
+    from deepinfer.ops.norm import triton as norm_triton
+
     gen = torch.Generator().manual_seed(3)
     q, weights, keys, *index = (t.cuda() for t in _indexer_inputs(64, gen))
     q, keys, weights = q.bfloat16(), keys.bfloat16(), weights.bfloat16()
     scale = INDEXER_HEADS**-0.5
-    fused = attention_triton.indexer_scores(q, weights, keys, *index, weight_scale=scale)
-    unfused = attention_triton.indexer_scores(q, weights.float() * scale, keys, *index)
+    positions = torch.randint(0, 1 << 20, (q.shape[0],), generator=gen).cuda()
+    rope = rope_cos_sin(positions, 1.0 / 10000.0 ** (torch.arange(0, 64, 2).cuda() / 64))
+    fused = attention_triton.indexer_scores(
+        q, weights, keys, *index, weight_scale=scale, q_rope=rope
+    )
+    roped = norm_triton.apply_rope(q, *rope)
+    unfused = attention_triton.indexer_scores(roped, weights.float() * scale, keys, *index)
     assert torch.equal(fused, unfused)
 
 

@@ -152,10 +152,10 @@ class Indexer(nn.Module):
         state = CompressorState.of(cache, layer_id, "idx")
         self.compressor(x, plan, state, pool, batch.rope[windows(self.ratio)], projected)
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
-        q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         weights = project(self.weights_proj, x, projected)  # [T, Hi], scaled by Hi^-0.5 in the op
         entry_rows, visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]
         scores = self.kernels.attention.indexer_scores(
-            q, weights, pool, entry_rows, meta.token_req, visible, self.n_heads**-0.5
-        )  # [T, N]
+            q, weights, pool, entry_rows, meta.token_req, visible, self.n_heads**-0.5,
+            batch.rope["compress"],
+        )  # [T, N], q roped in the scores' launch  # fmt: skip
         return self.kernels.attention.indexer_topk(scores, entry_rows, meta.token_req, self.topk)

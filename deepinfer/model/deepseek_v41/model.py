@@ -181,13 +181,13 @@ class Indexer(nn.Module):
         assert isinstance(meta, StepMetadata), "the model builds the step metadata first"
         pool = cache[self.keys_layer, "index_keys"].flatten(0, 1)
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
-        q = self.kernels.norm.apply_rope(q, *batch.rope["compress"])
         # [T, Hi], unscaled: a common scale would not reorder the entries.
         weights = project(self.weights_proj, x, projected)
         entry_rows, num_visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]
         scores = self.kernels.attention.indexer_scores(
-            q, weights, pool, entry_rows, meta.token_req, num_visible
-        )  # [T, N]
+            q, weights, pool, entry_rows, meta.token_req, num_visible,
+            q_rope=batch.rope["compress"],
+        )  # [T, N], q roped in the scores' launch  # fmt: skip
         if self.is_candidate_source:
             cross.candidates = candidate_entries(
                 scores, num_visible, self.candidate_block_size, self.candidate_blocks
