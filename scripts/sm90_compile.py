@@ -61,8 +61,8 @@ KERNELS = [
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
      {**DOWN, "BLOCK_N": 16, "BLOCK_K": 2048, "SPLIT_SLOTS": True, "RESIDUAL": True}, 8),
-    ("hc_post and the next mix d64 w8", norm_triton._hc_post_kernel, HC_POST_TYPES,
-     {**HC_POST, "BLOCK_D": 64, "D_PER_PROGRAM": 64, "MIX": True}, 8),
+    ("hc_post and the next mix d128 w8", norm_triton._hc_post_kernel, HC_POST_TYPES,
+     {**HC_POST, "BLOCK_D": 128, "D_PER_PROGRAM": 128, "MIX": True}, 8),
     ("hc_post d512 w4", norm_triton._hc_post_kernel, HC_POST_TYPES,
      {**HC_POST, "BLOCK_D": 512, "D_PER_PROGRAM": 512, "MIX": False}, 4),
 ]  # fmt: skip

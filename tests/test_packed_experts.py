@@ -171,6 +171,12 @@ def test_engine_on_packed_experts_gives_the_tokens_of_the_dequantized_weights(
             [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
             llm.engine.executor.weight_bytes,
         )
+        if fp4:  # what the loader measured: each layer's largest scale byte, passed on
+            for name, experts in llm.engine.executor.model.named_modules():
+                if name.endswith("ffn.experts"):
+                    scales = [experts.get_parameter(f"w{i}_scales") for i in (1, 2, 3)]
+                    assert experts.max_scale == max(int(t.max()) for t in scales), name
+                    assert {w.max_scale for w in experts.weights()} == {experts.max_scale}
     (packed_out, packed_bytes), (dense_out, dense_bytes) = runs[True], runs[False]
     assert packed_out == dense_out
     assert len({tuple(tokens) for tokens, _ in packed_out}) == len(prompts)

@@ -8,6 +8,7 @@ the production shapes on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -271,7 +272,12 @@ def test_mxfp4_experts_are_the_dense_kernel_on_dequantized_weights(
 def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
     moe_triton: ModuleType,
 ) -> None:
-    pick = moe_triton.pick_tile_config
+    def pick(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> object:
+        """The tiles, the bits upcast aside (on for every packed bf16 row)."""
+        config = moe_triton.pick_tile_config(num_pairs, dtype, packed)
+        assert config.bits_upcast == (packed and dtype == torch.bfloat16), (num_pairs, dtype)
+        return dataclasses.replace(config, bits_upcast=False)
+
     decode = pick(6, torch.bfloat16)
     assert pick(3072, torch.bfloat16, packed=True) == decode != pick(3072, torch.bfloat16)
     for num_pairs in (4097, 16384):
@@ -489,6 +495,21 @@ def test_bits_upcast_ptx_gives_the_dequantized_values(moe_triton: ModuleType) ->
             got = torch.tensor([regs[f"${j}"] for j in range(8)], dtype=torch.int32)
             values = got.to(torch.int16).view(torch.bfloat16).float()
             assert torch.equal(values, expected[s, 8 * w : 8 * w + 8]), (s, w, values)
+
+
+def test_bits_upcast_only_on_weights_whose_scale_bytes_were_measured_in_range(
+    moe_triton: ModuleType,
+) -> None:
+    """The bits upcast is exact up to scale byte 128: it runs only where Mxfp4Weight.max_scale
+    was measured (quantize_mxfp4; the loader) and is at most that; dense and FP8 never."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch_ref.quantize_mxfp4(torch.randn(2, 8, 64, generator=gen))
+    assert weight.max_scale == int(weight.scale.max()) <= moe_triton.BITS_MAX_SCALE
+    exact = moe_triton._bits_exact
+    assert exact(weight)
+    assert not exact(dataclasses.replace(weight, max_scale=None))
+    assert not exact(dataclasses.replace(weight, max_scale=moe_triton.BITS_MAX_SCALE + 1))
+    assert not exact(weight.dequantize())
 
 
 def test_mxfp4_decode_takes_a_program_a_pair_up_to_192_pairs(moe_triton: ModuleType) -> None:

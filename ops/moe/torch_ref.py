@@ -44,6 +44,10 @@ class Mxfp4Weight:
 
     packed: torch.Tensor
     scale: torch.Tensor
+    # The largest scale byte, where it was measured (``quantize_mxfp4``; the loader through
+    # ``Experts.measure_scales``), else None. A kernel exact only up to some byte (the Triton
+    # MoE's bits upcast: 128) takes that path only when this says it may.
+    max_scale: int | None = None
 
     def __post_init__(self) -> None:
         e, n, half = self.packed.shape
@@ -186,7 +190,7 @@ def quantize_mxfp4(weight: torch.Tensor, block: int = MXFP4_BLOCK) -> Mxfp4Weigh
         codes = (codes | (scaled < 0).int() << 3).to(torch.uint8).flatten(-2)
         packed[rows] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         scale[rows] = (exponent + 127).to(torch.uint8)
-    return Mxfp4Weight(packed, scale)
+    return Mxfp4Weight(packed, scale, int(scale.max()) if scale.numel() else 0)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -51,7 +51,7 @@ alignment, both GEMMs and the combine share one tile table (``benchmarks/moe_til
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -129,6 +129,12 @@ _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
 _MXFP4_DECODE_PAIRS = 4096
 _MXFP4_PREFILL_PAIRS = 16384
 _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
+# The grouped kernels upcast MXFP4 by bits (TileConfig.bits_upcast) where the weights' scale
+# bytes allow it (Mxfp4Weight.max_scale <= BITS_MAX_SCALE; else the scaled dot). H100, 2026-12-07
+# (benchmarks/RESULTS.md, moe_fp4.py): the decode tile at T = 128 (768 pairs) 2,010 µs against
+# 2,092, the prefill tile at T = 4096 4,593 against 4,937.
+_MXFP4_BITS_UPCAST = True
+BITS_MAX_SCALE = 128
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
@@ -172,6 +178,8 @@ def pick_tile_config(
     config = next(config for bound, config in _TILE_TABLE if num_pairs <= bound)
     if packed and num_pairs > _MXFP4_PREFILL_PAIRS:
         config = _MXFP4_PREFILL_TILES
+    if packed and dtype == torch.bfloat16 and _MXFP4_BITS_UPCAST:
+        config = replace(config, bits_upcast=True)
     if dtype == torch.float32:
         return TileConfig(
             block_m=min(config.block_m, 64),
@@ -687,6 +695,7 @@ def fused_moe(
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (
         f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}, T = {num_tokens}"
     )
+    w1_in, w2_in, w3_in = w1, w2, w3
     (w1, s1), (w2, s2), (w3, s3) = (_operand(w, x.dtype) for w in (w1, w2, w3))
     packed = s1 is not None
     assert packed == (s2 is not None) == (s3 is not None), "w1, w2, w3: all MXFP4 or none"
@@ -710,6 +719,7 @@ def fused_moe(
     # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles, the packed bytes read as
     # int32 words (8 codes each).
     bits = packed and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
+    bits = bits and all(_bits_exact(w) for w in (w1_in, w2_in, w3_in))
     if bits:
         assert dim % config.block_k == inter % config.block_k == 0, (
             f"bits_upcast: BLOCK_K {config.block_k} must divide D {dim} and I {inter}"
@@ -799,6 +809,12 @@ def fused_moe(
         **pdl(out.device),
     )
     return out
+
+
+def _bits_exact(w: ExpertWeight) -> bool:
+    """Whether the bits upcast gives w's exact values: MXFP4 whose largest scale byte was
+    measured at or under BITS_MAX_SCALE (``_MXFP4_BITS_ASM``)."""
+    return isinstance(w, Mxfp4Weight) and w.max_scale is not None and w.max_scale <= BITS_MAX_SCALE
 
 
 def _operand(w: ExpertWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -87,11 +87,14 @@ HC_BLOCK_D = 512
 HC_SINKHORN_WARPS = 1
 HC_MAX_SPLIT_K = 64
 # hc_post_pre: hc_post's launch also computes the next sub-layer's mix (hc_mix's partials) up to
-# this many tokens (decode), each program over slices of HC_POST_MIX_BLOCK_D channels of every
-# stream (fn's [mix, hc, BLOCK_D] tile multiplied on the CUDA cores, summed over the streams at
-# once). Above it (prefill), hc_post and hc_pre's two launches, whose mix runs on tensor cores.
-HC_POST_MIX_MAX_TOKENS = 256
-HC_POST_MIX_BLOCK_D = 64
+# this many tokens, each program over slices of HC_POST_MIX_BLOCK_D channels of every stream
+# (fn's [mix, hc, BLOCK_D] tile multiplied on the CUDA cores, summed over the streams at once).
+# Above it, hc_post and hc_pre's two launches. H100, 2026-12-07 (benchmarks/RESULTS.md,
+# hc_tiles.py --post-pre; µs for the exit and the next entry): 128 channels 18.1 / 18.4 at T =
+# 1 / 2 against 20.2 / 22.6 in three launches; from T = 4 the fused exit re-reads fn a token
+# and loses (20.6 against 22.6 at 4, 2x slower at 32).
+HC_POST_MIX_MAX_TOKENS = 2
+HC_POST_MIX_BLOCK_D = 128
 # One token (decode, deterministic steps): the mix's K a program step on the CUDA cores (0: the
 # tl.dot path, a 16-token tile with one row used).
 HC_ONE_TOKEN_BLOCK_K = 128
@@ -960,8 +963,8 @@ def _hc_post(
         MIX=fn is not None,
         MIX_SIZE=(2 + hc) * hc,
         M_PAD=_mix_pad(hc),
-        # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 128 registers a thread at 64
-        # channels and 8 warps on sm_90 (240 at 4 warps; scripts/sm90_compile.py).
+        # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 238 registers a thread at 128
+        # channels and 8 warps on sm_90, no spills (128 at 64; scripts/sm90_compile.py).
         num_warps=4 if fn is None else min(8, max(4, block_d // 8)),
         **pdl(out.device),
     )

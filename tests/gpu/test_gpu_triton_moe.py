@@ -208,10 +208,12 @@ def test_mxfp4_matches_the_fp32_reference_on_its_values(
     misplaced nibble) would be far outside the tolerance."""
     packed, dense = mxfp4_experts
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=10 + num_tokens)
-    config = None
-    if bits:
+    tiles = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, True)
+    if bits:  # the grouped kernels, also where the engine takes a program a pair
         tiles = moe_triton.pick_tile_config(max(4096, num_tokens * TOP_K), torch.bfloat16, True)
-        config = dataclasses.replace(tiles, bits_upcast=True)
+    config = None  # the engine's program a pair
+    if isinstance(tiles, moe_triton.TileConfig):  # the scaled dot, or the bits upcast
+        config = dataclasses.replace(tiles, bits_upcast=bits)
     out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
     ref = _reference_fp32(x, dense, topk_ids, topk_weights)
     err = _rel_err(out, ref)

@@ -23,7 +23,7 @@ from deepinfer.model.deepseek_v4 import cache as cache_layout
 from deepinfer.model.deepseek_v4 import step_plan, tiny
 from deepinfer.model.deepseek_v4.args import ModelArgs
 from deepinfer.model.deepseek_v4.checkpoint import fp8_block, load_checkpoint
-from deepinfer.model.deepseek_v4.model import DeepseekV4
+from deepinfer.model.deepseek_v4.model import DeepseekV4, measure_expert_scales
 from deepinfer.model.deepseek_v4.mtp import MtpDrafts
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
 from deepinfer.model.family import StepDrafts
@@ -49,10 +49,12 @@ class DeepseekV4Family:
         model.placeholder_step()
 
     def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
-        """What the loaded weights imply: the RoPE tables, and the fused input projections."""
+        """What the loaded weights imply: the RoPE tables, the fused input projections, the
+        packed experts' largest scale bytes."""
         assert isinstance(model, DeepseekV4)
         model.init_rope(device)
         model.fuse_inputs()
+        measure_expert_scales(model)
 
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)

@@ -182,6 +182,15 @@ class Experts(nn.Module):
         self.shapes = {"w1": (e, i, d), "w2": (e, d, i), "w3": (e, i, d)}
         for name, shape in self.shapes.items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+        self.max_scale: int | None = None  # packed: the largest scale byte (measure_scales)
+
+    def measure_scales(self) -> None:
+        """After loading packed experts: their largest scale byte, which ``weights()`` passes
+        on (``Mxfp4Weight.max_scale``), so that a kernel exact only up to some byte can tell.
+        One reduction and a host sync a layer, at load."""
+        if self.packed:
+            names = ("w1_scales", "w2_scales", "w3_scales")
+            self.max_scale = max(int(self.get_parameter(n).max()) for n in names)
 
     def to_mxfp4(self) -> None:
         """Packed parameters in place of the dense ones (empty: the loader fills them)."""
@@ -219,13 +228,22 @@ class Experts(nn.Module):
         if not self.packed:
             return self.w1, self.w2, self.w3
         w1, w2, w3 = (
-            Mxfp4Weight(self.get_parameter(n), self.get_parameter(n + "_scales")) for n in names
+            Mxfp4Weight(self.get_parameter(n), self.get_parameter(n + "_scales"), self.max_scale)
+            for n in names
         )
         return w1, w2, w3
 
     @property
     def dim(self) -> int:
         return self.shapes["w2"][1]
+
+
+def measure_expert_scales(model: nn.Module) -> None:
+    """After loading: each packed ``Experts`` module's largest scale byte, in any model that
+    holds them (V4, V4.1)."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.measure_scales()
 
 
 class MLP(nn.Module):

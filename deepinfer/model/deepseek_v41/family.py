@@ -26,6 +26,7 @@ from deepinfer.model.deepseek_v4.checkpoint import (
     fp8_block,
     load_checkpoint,
 )
+from deepinfer.model.deepseek_v4.model import measure_expert_scales
 from deepinfer.model.deepseek_v41 import cache as cache_layout
 from deepinfer.model.deepseek_v41 import step_plan, tiny, weights
 from deepinfer.model.deepseek_v41.args import ModelArgs
@@ -68,10 +69,12 @@ class DeepseekV41Family:
         model.placeholder_step()
 
     def init_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
-        """What the loaded weights imply: RoPE and engram tables, fused input projections."""
+        """What the loaded weights imply: RoPE and engram tables, fused input projections,
+        the packed experts' largest scale bytes."""
         assert isinstance(model, DeepseekV41)
         model.init_buffers(device)
         model.fuse_inputs()
+        measure_expert_scales(model)
 
     def fp8_block(self, args: ModelArgs) -> tuple[int, int]:
         return fp8_block(args)  # type: ignore[arg-type]  # reads quantization only
