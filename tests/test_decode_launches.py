@@ -14,7 +14,7 @@ import pytest
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "decode_launches.py"
 # Launches of a layer inside a stack at batch 1 (Triton and other): benchmarks/RESULTS.md,
 # 2026-12-07.
-MOST = {"csa": 32, "hca": 25, "swa": 21}
+MOST = {"csa": 31, "hca": 24, "swa": 20}
 
 
 def test_a_decode_layer_launches_no_more_than_counted(tmp_path: Path) -> None:

@@ -268,6 +268,40 @@ def test_backend_object_launches_with_its_sm_count_and_tiles(
     assert backend.indexer_scores is kernels.indexer_scores
 
 
+@pytest.mark.parametrize("num_sms", [132, 1], ids=["split", "one_split"])
+@pytest.mark.parametrize(("num_q", "dim", "rope_dim"), [(1, 64, 16), (3, 256, 256)])
+def test_out_rope_rotates_the_output_in_its_store(
+    monkeypatch: pytest.MonkeyPatch, num_sms: int, num_q: int, dim: int, rope_dim: int
+) -> None:
+    """sparse_attention(..., out_rope=(cos, -sin)) is bitwise apply_rope on the output (fp32:
+    the same products and sums as torch_ref's), in the attention kernel's store and in the
+    combine's; D = 256 with every channel RoPE puts pairs in both of the combine's 128-channel
+    blocks. torch_ref's out_rope is its apply_rope after."""
+    from deepinfer.ops.norm import rope_cos_sin
+    from deepinfer.ops.norm.torch_ref import apply_rope
+
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(dim + num_q)
+    q = 2 * torch.randn(num_q, 4, dim, generator=gen)
+    sources = _sources(gen, num_q, (1, 20, 45), dim)
+    sinks = torch.randn(4, generator=gen)
+    positions = torch.randint(0, 100_000, (num_q,), generator=gen)
+    cos, sin = rope_cos_sin(positions, 1.0 / 10000.0 ** (torch.arange(0, rope_dim, 2) / rope_dim))
+    back = (cos, -sin)
+    combines = Launches(kernels._combine_splits_kernel)
+    monkeypatch.setattr(kernels, "_combine_splits_kernel", combines)
+    plain = kernels.sparse_attention(q, sources, sinks, dim**-0.5)
+    fused = kernels.sparse_attention(q, sources, sinks, dim**-0.5, out_rope=back)
+    assert len(combines.grids) == (2 if num_sms > 1 else 0)
+    assert torch.equal(fused, apply_rope(plain, *back))
+    assert torch.equal(fused[..., : dim - rope_dim], plain[..., : dim - rope_dim])
+    expected = ref.sparse_attention(q, sources, sinks, dim**-0.5, out_rope=back)
+    assert torch.equal(
+        expected, apply_rope(ref.sparse_attention(q, sources, sinks, dim**-0.5), *back)
+    )
+    assert _rel_err(fused, expected) < ATTENTION_REL_TOL
+
+
 def test_sparse_attention_without_queries() -> None:
     q, kv = torch.randn(0, 4, 32), torch.randn(5, 32)
     out = kernels.sparse_attention(

@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
         sources: Sequence[tuple[KVSource, torch.Tensor]],
         sinks: torch.Tensor,
         scale: float,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def indexer_scores(

@@ -29,6 +29,7 @@ def sparse_attention(
     sources: Sequence[tuple[KVSource, torch.Tensor]],
     sinks: torch.Tensor,
     scale: float,
+    out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
@@ -36,7 +37,9 @@ def sparse_attention(
     (``kv_fp8.Fp8Rows``, read as their exact values in q's dtype), idx [T, L] integer rows of
     kv, -1 = no key) per source; a query attends to the union of its listed rows. sinks: [H]
     fp32; exp(sink) joins the softmax denominator and contributes no value. The softmax runs in
-    fp32. A query with no keys outputs zeros. Returns [T, H, D] in q's dtype.
+    fp32. A query with no keys outputs zeros. Returns [T, H, D] in q's dtype. out_rope: (cos,
+    sin) [T, rope_dim / 2]: the output roped last (the norm family's apply_rope; V4 passes
+    (cos, -sin) to rotate V's RoPE back; the kernels rotate in the output's store).
     """
     num_q, num_heads = q.shape[0], q.shape[1]
     out = torch.empty_like(q)
@@ -55,7 +58,7 @@ def sparse_attention(
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)[..., :-1]
         out[lo:hi] = torch.einsum("chl,cld->chd", probs.to(kv_rows.dtype), kv_rows)
-    return out
+    return out if out_rope is None else apply_rope(out, *out_rope)
 
 
 def indexer_scores(

@@ -497,9 +497,15 @@ def _sparse_attention_kernel(
     num_heads,
     keys_per_split,
     qk_scale,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OUT_NOPE: tl.constexpr,
+    OUT_HALF: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     PER_SOURCE: tl.constexpr,
@@ -516,7 +522,9 @@ def _sparse_attention_kernel(
 
     q, out: [T, H, D] contiguous. Source s: kv [N_s, D] (row stride stride_kv{s}), idx [T, L_s]
     (row stride stride_idx{s}, unit column stride). IS_SPLIT: write the partials m, l [T, H, S]
-    and acc [T, H, S, D] (fp32) for the combine kernel; else apply the sink and write out.
+    and acc [T, H, S, D] (fp32) for the combine kernel; else apply the sink and write out, and
+    with OUT_HALF > 0 rotate its channels from OUT_NOPE on by cos, sin [T, OUT_HALF]
+    (``_rotate_stored``).
 
     The split's positions of the concatenated key list are walked in full tiles that may
     straddle sources, or, with PER_SOURCE, source by source: one loop whose tiles end at source
@@ -579,8 +587,36 @@ def _sparse_attention_kernel(
         alpha = tl.exp2(m_i - m)
         inv_denom = alpha / (l_i * alpha + tl.exp2(sink - m))
         out = acc * inv_denom[:, None]
-        out_ptrs = out_ptr + (t * num_heads + heads)[:, None] * D + offs_d[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        out_rows = out_ptr + (t * num_heads + heads) * D
+        tl.store(out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_mask[:, None])  # fmt: skip
+        if OUT_HALF > 0:
+            _rotate_stored(
+                out_rows, head_mask, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
+                OUT_NOPE, 0, OUT_HALF, OUT_HALF,
+            )  # fmt: skip
+
+
+@triton.jit
+def _rotate_stored(rows, row_mask, cos_row, sin_row, NOPE, first, end, HALF: tl.constexpr):
+    """RoPE pairs first..end-1 of the rows just stored by this program (channels NOPE + 2i,
+    NOPE + 2i + 1 by angle i; cos_row, sin_row: the token's [HALF] fp32), as the norm family's
+    apply_rope does on them: read back as stored, rotated in fp32, rounded once. Barriers
+    around the read: every thread's stores land before any thread reads (bar.sync orders a
+    CTA's global accesses), and every read before any write (a value held by two threads)."""
+    pairs = first + tl.arange(0, HALF)
+    pair_mask = pairs < end
+    cos = tl.load(cos_row + pairs, mask=pair_mask, other=1.0)[None, :]
+    sin = tl.load(sin_row + pairs, mask=pair_mask, other=0.0)[None, :]
+    even_ptrs = rows[:, None] + NOPE + 2 * pairs[None, :]
+    mask = row_mask[:, None] & pair_mask[None, :]
+    tl.debug_barrier()
+    even = tl.load(even_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    odd = tl.load(even_ptrs + 1, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.debug_barrier()
+    dtype = rows.dtype.element_ty
+    tl.store(even_ptrs, (even * cos - odd * sin).to(dtype), mask=mask)
+    tl.store(even_ptrs + 1, (odd * cos + even * sin).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -590,17 +626,24 @@ def _combine_splits_kernel(
     part_acc_ptr,
     sinks_ptr,
     out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
     num_heads,
     num_splits,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OUT_NOPE: tl.constexpr,
+    OUT_HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (T, H, D // BLOCK_D): merge the S partials of one (token, head) with the sink.
 
     out[t, h] = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink - m)), w_s = exp2(m_s - m), where
-    m = max(max_s m_s, sink), all in log2 units.
+    m = max(max_s m_s, sink), all in log2 units. OUT_HALF > 0: the RoPE pairs of this block's
+    channels from OUT_NOPE on rotated as the attention kernel's epilogue does.
     """
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -618,7 +661,18 @@ def _combine_splits_kernel(
     weight = tl.exp2(m_s - m)
     denom = tl.sum(l_s * weight, axis=0) + tl.exp2(sink - m)
     out = tl.sum(acc_s * weight[:, None], axis=0) / denom
-    tl.store(out_ptr + (t * num_heads + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+    out_row = out_ptr + (t * num_heads + h) * D
+    tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty))
+    if OUT_HALF > 0:
+        d0 = tl.program_id(2) * BLOCK_D
+        if d0 + BLOCK_D > OUT_NOPE:  # the block holds RoPE channels
+            first = tl.maximum(d0 - OUT_NOPE, 0) // 2
+            end = tl.minimum((d0 + BLOCK_D - OUT_NOPE) // 2, OUT_HALF)
+            _rotate_stored(
+                out_row + tl.zeros([1], tl.int64), tl.full([1], 1, tl.int1),
+                cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, OUT_NOPE, first, end,
+                OUT_HALF,
+            )  # fmt: skip
 
 
 def _scale_groups(layout: Fp8Layout | None, dim: int) -> int:
@@ -664,6 +718,7 @@ def sparse_attention(
     *,
     config: AttentionConfig | None = None,
     num_sms: int | None = None,
+    out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention over listed keys, with a per-head sink logit.
 
@@ -672,7 +727,9 @@ def sparse_attention(
     values, walked source by source), idx [T, L] int32/int64 rows of kv, -1 = no key). sinks: [H].
     Returns [T, H, D] in q's dtype; a query with no keys outputs zeros. config: tiles other
     than attention_config's (for tuning). num_sms: the SMs the splits fill (default: q's
-    device's; the backend object passes its own).
+    device's; the backend object passes its own). out_rope: (cos, sin) [T, rope_dim / 2]
+    fp32 (a power of two): the output's trailing rope_dim channels rotated by them in the
+    output's own store (the norm family's apply_rope values: (cos, -sin) rotates V's RoPE back).
     """
     num_q, num_heads, dim = q.shape
     assert 1 <= len(sources) <= 3, f"1 to 3 key sources, got {len(sources)}"
@@ -682,6 +739,16 @@ def sparse_attention(
         return out
     q = q.contiguous()
     sinks = sinks.float().contiguous()
+    cos, sin = out_rope if out_rope is not None else (sinks, sinks)  # not read without it
+    half = cos.shape[-1] if out_rope is not None else 0
+    if out_rope is not None:
+        assert cos.shape == sin.shape == (num_q, half) and 0 < 2 * half <= dim, (
+            f"out_rope: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, q {tuple(q.shape)}"
+        )
+        assert half & (half - 1) == 0, f"out_rope: rope_dim {2 * half} is not a power of two"
+        cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
+    rope_args = (cos, sin, cos.stride(0), sin.stride(0))
+    rope_constexprs = {"OUT_NOPE": dim - 2 * half, "OUT_HALF": half}
     # The kernel picks a source's index pointer at run time, so all share one index dtype (the
     # engine's are all int64 already).
     if len({idx.dtype for _, idx in sources}) > 1:
@@ -751,9 +818,11 @@ def sparse_attention(
         num_heads,
         keys_per_split,
         scale * _LOG2E.value,
+        *rope_args,
         D=dim,
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
+        **rope_constexprs,
         NUM_SOURCES=len(sources),
         IS_SPLIT=is_split,
         PER_SOURCE=config.per_source or layout is not None,
@@ -776,11 +845,13 @@ def sparse_attention(
             part_acc,
             sinks,
             out,
+            *rope_args,
             num_heads,
             num_splits,
             D=dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            **rope_constexprs,
             num_warps=4,
             **pdl(part_m.device),
         )
@@ -1068,5 +1139,8 @@ class TritonAttentionBackend(Backend):
         sources: Sequence[tuple[KVSource, torch.Tensor]],
         sinks: torch.Tensor,
         scale: float,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return sparse_attention(q, sources, sinks, scale, config=self.config, num_sms=self.num_sms)
+        return sparse_attention(
+            q, sources, sinks, scale, config=self.config, num_sms=self.num_sms, out_rope=out_rope
+        )

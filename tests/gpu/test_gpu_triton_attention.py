@@ -149,6 +149,31 @@ def test_sparse_attention(
         assert err < tol, f"{dtype}: {err:.2e}"
 
 
+@pytest.mark.parametrize("num_q", [1, 32, 1024])
+def test_sparse_attention_ropes_its_output_in_its_store(
+    attention_triton: ModuleType, num_q: int
+) -> None:
+    """bf16, V4 shapes: out_rope=(cos, -sin) (V's RoPE rotated back, in the attention kernel's
+    store at T = 32 and 1024, in the split combine's at T = 1) is bitwise the norm backend's
+    apply_rope launch on the output."""
+    from deepinfer.ops.norm import rope_cos_sin
+    from deepinfer.ops.norm import triton as norm_triton
+
+    gen = torch.Generator().manual_seed(num_q)
+    q, sources, sinks = _attention_inputs(num_q, gen)
+    args = (
+        q.to("cuda", torch.bfloat16),
+        [(kv.to("cuda", torch.bfloat16), idx.cuda()) for kv, idx in sources],
+        sinks.cuda(),
+        DIM**-0.5,
+    )
+    positions = torch.randint(0, 1 << 20, (num_q,), generator=gen).cuda()
+    cos, sin = rope_cos_sin(positions, 1.0 / 10000.0 ** (torch.arange(0, 64, 2).cuda() / 64))
+    fused = attention_triton.sparse_attention(*args, out_rope=(cos, -sin))
+    unfused = norm_triton.apply_rope(attention_triton.sparse_attention(*args), cos, -sin)
+    assert torch.equal(fused, unfused)
+
+
 def _indexer_inputs(num_q: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """q, weights, keys, entry_rows, token_req, num_visible on the CPU, bf16-exact.
 

@@ -130,10 +130,10 @@ class Attention(nn.Module):
             else:
                 entries = meta.visible_idx[self.ratio]
             sources.append((pool, entries))
-        out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5)
+        # V carried RoPE: the output rotated back at the query position, in its store.
+        back = batch.rope[inverse(self.rope_kind)]
+        out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5, back)
         attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)  # one launch, the gather in it
-        # V carried RoPE: rotate it back at the query position.
-        out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         low_rank = grouped_linear(self.wo_a, groups).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)

@@ -301,12 +301,11 @@ class Attention(nn.Module):
         sources = [(kv, meta.win_step_idx), (ring, meta.win_ring_idx)]
         if self.ratio:
             sources.append(self._compressed(x, qr, batch, cache, cross, inv_freq, projected))
+        # V carried RoPE: the output rotated back at the query position, in its store.
         out = self.kernels.attention.sparse_attention(
-            q, sources, self.attn_sink, self.head_dim**-0.5
+            q, sources, self.attn_sink, self.head_dim**-0.5, batch.rope[inverse(self.rope_kind)]
         )
         self.kernels.attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)
-        # V carried RoPE: rotate it back at the query position.
-        out = norm.apply_rope(out, *batch.rope[inverse(self.rope_kind)])
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         low_rank = grouped_linear(self.wo_a, groups).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)
