@@ -153,9 +153,9 @@ def test_sparse_attention(
 def test_sparse_attention_ropes_its_output_in_its_store(
     attention_triton: ModuleType, num_q: int
 ) -> None:
-    """bf16, V4 shapes: out_rope=(cos, -sin) (V's RoPE rotated back, in the attention kernel's
-    store at T = 32 and 1024, in the split combine's at T = 1) is bitwise the norm backend's
-    apply_rope launch on the output."""
+    """bf16, V4 shapes: out_rope=(cos, -sin) (V's RoPE rotated back in the split combine's
+    store at T = 1 and 32, in the attention kernel's at T = 1024) is bitwise the norm
+    backend's apply_rope launch on the output."""
     from deepinfer.ops.norm import rope_cos_sin
     from deepinfer.ops.norm import triton as norm_triton
 
