@@ -299,11 +299,13 @@ def test_hc_post_pre_computes_the_next_mix_in_the_exit_launch(
     normed: bool,
 ) -> None:
     """hc_post_pre: the new x bitwise hc_post's; post, comb and the block input within FP32_TOL
-    of torch_ref's hc_post then hc_pre; two launches (no _hc_mix_kernel), and above
-    HC_POST_MIX_MAX_TOKENS three, with the same new x and mixes within FP32_TOL."""
+    of torch_ref's hc_post then hc_pre; two launches (no _hc_mix_kernel) up to
+    HC_POST_MIX_MAX_TOKENS (set to T here, so that several tokens a program run), three
+    above it, with the same new x and mixes within FP32_TOL."""
     monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
     monkeypatch.setattr(norm_triton, "HC_POST_MIX_BLOCK_D", 16)
     monkeypatch.setattr(norm_triton, "HC_MAX_SPLIT_K", max_split)
+    monkeypatch.setattr(norm_triton, "HC_POST_MIX_MAX_TOKENS", num_tokens)  # fused up to here
     mixes = Launches(norm_triton._hc_mix_kernel)
     monkeypatch.setattr(norm_triton, "_hc_mix_kernel", mixes)
     gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + max_split)
