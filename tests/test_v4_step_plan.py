@@ -83,21 +83,6 @@ def test_a_long_chunk_keeps_the_last_ring_rows_and_reads_older_keys_from_the_rin
     assert _list(step[1][:2]) == [1, 0] and _list(ring[1][:2]) == [-1, -1]
 
 
-def test_a_step_without_ring_keys_lists_none() -> None:
-    """Fresh prompts (every request from its floor) read no ring key: the ring list has no
-    columns, unless a CUDA graph replays the step (fixed shapes); one request with ring keys
-    gives every row the window's columns."""
-    fresh = [SeqSpan(0, 20, 0, 0, [0, 1]), SeqSpan(20, 3, 0, 1, [2])]
-    meta = _metadata(*fresh)
-    assert tuple(meta.win_ring_idx.shape) == (23, 0)
-    assert _list(meta.win_step_idx[2]) == [2, 1, 0, -1, -1, -1, -1, -1]
-    graphed = plan_step([SeqSpan(0, 1, 0, 0, [0])], GEOMETRY, decode_context=32)
-    assert graphed["win_ring"].shape == (1, 8) and (graphed["win_ring"] == -1).all()
-    mixed = _metadata(fresh[0], SeqSpan(20, 1, 29, 1, [0, 1]))
-    assert tuple(mixed.win_ring_idx.shape) == (21, 8)
-    assert (mixed.win_ring_idx[:20] == -1).all() and (mixed.win_ring_idx[20, 1:] >= 0).all()
-
-
 def test_keys_below_the_window_floor_are_not_attended() -> None:
     # A replay from an empty slot at 8: positions 10, 11 see 8..11 and nothing before 8.
     meta = _metadata(SeqSpan(0, 2, 10, 0, [0], window_floor=8))

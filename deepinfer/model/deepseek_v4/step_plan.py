@@ -142,7 +142,7 @@ def plan_step(
     # Graphed decode: the block table's width is fixed by the context bound as well.
     table_width = 0 if decode_context is None else -(-decode_context // geometry.block_size)
     reqs = Requests.of(seqs, table_width)
-    win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry, decode_context is None)
+    win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry)
     host: dict[str, np.ndarray] = {
         "token_req": reqs.token_req,
         "win_step": win_step,
@@ -205,14 +205,12 @@ _PLAN_FIELDS = (
 
 
 def _window_plan(
-    reqs: Requests, geometry: CacheGeometry, trim: bool = True
+    reqs: Requests, geometry: CacheGeometry
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
     from this step's rows when the key is new this step, else from the ring. After attention
     each request's last ring-size tokens are written to the ring (a pad's to the scratch
-    slot's ring). ``trim`` (steps not replayed by a CUDA graph, whose shapes are fixed): a
-    step in which no query has a ring key (fresh prompts) gets a ring list of no columns, so
-    neither the host, the upload nor attention spend anything on [T, window] holes."""
+    slot's ring)."""
     window, ring = geometry.window, geometry.ring_size
     req, pos = reqs.token_req, reqs.positions
     start, floor = reqs.start[req], reqs.floor[req]
@@ -232,10 +230,9 @@ def _window_plan(
     # Ring keys are older than the step and at or after the floor: only a token within a window
     # of its step's start has one. A step whose requests all start at their floor (a fresh
     # prompt) has none.
+    win_ring = np.full((pos.shape[0], window), -1, dtype=np.int64)
     near = _rows((pos - start < window - 1) & (start > floor))
-    has_ring = not isinstance(near, np.ndarray) or near.size > 0
-    win_ring = np.full((pos.shape[0], window if has_ring or not trim else 0), -1, dtype=np.int64)
-    if has_ring:
+    if not isinstance(near, np.ndarray) or near.size:
         key = pos[near, None] - cols
         old = (key < start[near, None]) & (key >= floor[near, None])
         win_ring[near] = np.where(old, reqs.slot[req[near]][:, None] * ring + key % ring, -1)
