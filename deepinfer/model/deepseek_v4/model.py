@@ -362,8 +362,8 @@ class Block(nn.Module):
         if then is None:
             return norm.hc_post(out, x, post, comb), None
         args, block_norm = then.hc_entry("attn")
-        x, *following = norm.hc_post_pre(out, x, post, comb, *args, block_norm=block_norm)
-        return x, (following[0], following[1], following[2])
+        x, post, comb, h = norm.hc_post_pre(out, x, post, comb, *args, block_norm=block_norm)
+        return x, (post, comb, h)
 
 
 class MTPLayer(Block):
