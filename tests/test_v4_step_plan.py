@@ -178,3 +178,22 @@ def test_kernels_get_their_step_arrays_16_byte_aligned(tmp_path: Path) -> None:
     assert watched <= patterns.keys()
     assert variants.misaligned(patterns) == {}
     assert all(found == {frozenset()} for found in patterns.values())
+
+
+def test_window_rope_tables_fold_the_ratio_into_the_frequencies_exactly() -> None:
+    """The model's compressor RoPE tables take window_ids * (ratio * f) for window_ids * ratio
+    times f (one launch fewer a ratio), and int positions times fp32 f without a cast launch:
+    bitwise the same tables, for V4's power-of-two ratios, up to 2^20 windows."""
+    from deepinfer.model.deepseek_v4.args import ModelArgs
+    from deepinfer.model.deepseek_v4.tiny import TINY_CONFIG
+    from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
+
+    args = ModelArgs.from_dict(TINY_CONFIG)
+    inv_freq = rope_inv_freq(args.compress_rope, args.rope_head_dim)
+    window_ids = torch.cat([torch.arange(0, 4096), torch.randint(0, 1 << 20, (4096,))])
+    for ratio in (args.csa_ratio, args.hca_ratio):
+        positions = (window_ids * ratio).float()
+        expected = ((positions[:, None] * inv_freq[None, :]).cos(),
+                    (positions[:, None] * inv_freq[None, :]).sin())  # fmt: skip
+        folded = rope_cos_sin(window_ids, inv_freq * ratio)
+        assert all(torch.equal(a, b) for a, b in zip(folded, expected, strict=True)), ratio

@@ -203,8 +203,9 @@ def rope_inv_freq(rope: RopeParams, rope_dim: int) -> torch.Tensor:
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rope_dim / 2] fp32 for int positions [T]."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos, sin [T, rope_dim / 2] fp32 for int positions [T] (an int times an fp32 tensor is
+    the int as fp32 times it: no launch of its own for the cast)."""
+    freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
     return freqs.cos(), freqs.sin()
 
 

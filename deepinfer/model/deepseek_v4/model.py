@@ -440,6 +440,12 @@ class DeepseekV4(nn.Module):
             if device is not None:
                 inv_freq = inv_freq.to(device)
             self.register_buffer(f"{kind}_inv_freq", inv_freq, persistent=False)
+        # The compressors' windows start at window_id * ratio: for a power-of-two ratio,
+        # window_id * (ratio * f) is (window_id * ratio) * f exactly (forward's RoPE tables).
+        for ratio in (a.csa_ratio, a.hca_ratio):
+            if ratio & (ratio - 1) == 0:
+                scaled = self.compress_inv_freq * ratio
+                self.register_buffer(f"window_inv_freq{ratio}", scaled, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -451,8 +457,12 @@ class DeepseekV4(nn.Module):
             batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         )
         for ratio, plan in batch.metadata.compress.items():  # once for the ratio's compressors
-            positions = plan.window_ids * ratio
-            batch.rope[windows(ratio)] = rope_cos_sin(positions, self.compress_inv_freq)
+            scaled = getattr(self, f"window_inv_freq{ratio}", None)  # init_rope's
+            if scaled is not None:
+                rope = rope_cos_sin(plan.window_ids, scaled)
+            else:
+                rope = rope_cos_sin(plan.window_ids * ratio, self.compress_inv_freq)
+            batch.rope[windows(ratio)] = rope
         h = self.embed(batch.input_ids)  # [T, D]
         x = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, D]
         entry = None  # each block's exit computes the next one's entry
