@@ -32,10 +32,6 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
-from deepinfer.ops.triton_interpret import fix_loop_bounds  # noqa: E402
-
-fix_loop_bounds()  # hc_post loops over a runtime count of tokens
-
 from compress_cases import CASES, compress_step  # noqa: E402
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
@@ -275,8 +271,7 @@ def test_hc_post(
 
 
 # (T, D, SMs, HC_MAX_SPLIT_K): D = 40 in slices of 16 is 3 slices (a padded Sinkhorn split of
-# 3, a masked tail), or 2 of 32 (two tiles a program); 5 tokens on one SM, 2 slices: 5 tokens a
-# program; 17 tokens, D = 32, 2 slices on one SM: 17 a program.
+# 3, a masked tail), or 2 of 32 (two tiles a program); several tokens at 3, 5 and 17.
 HC_POST_PRE_CASES = [
     (1, 40, 1000, 64),
     (3, 40, 4, 64),
@@ -300,8 +295,8 @@ def test_hc_post_pre_computes_the_next_mix_in_the_exit_launch(
 ) -> None:
     """hc_post_pre: the new x bitwise hc_post's; post, comb and the block input within FP32_TOL
     of torch_ref's hc_post then hc_pre; two launches (no _hc_mix_kernel) up to
-    HC_POST_MIX_MAX_TOKENS (set to T here, so that several tokens a program run), three
-    above it, with the same new x and mixes within FP32_TOL."""
+    HC_POST_MIX_MAX_TOKENS (set to T here), three above it, with the same new x and mixes
+    within FP32_TOL."""
     monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
     monkeypatch.setattr(norm_triton, "HC_POST_MIX_BLOCK_D", 16)
     monkeypatch.setattr(norm_triton, "HC_MAX_SPLIT_K", max_split)

@@ -33,10 +33,7 @@ KERNEL_MODULES = {
 def interpreted(name: str, interpret_before: str | None) -> Iterator[ModuleType]:
     """Yield module ``name`` reloaded with TRITON_INTERPRET=1; afterwards put TRITON_INTERPRET
     back to ``interpret_before`` (its value when the test module was collected)."""
-    from deepinfer.ops.triton_interpret import fix_loop_bounds
-
     os.environ["TRITON_INTERPRET"] = "1"
-    fix_loop_bounds()
     yield _reload(name)
     if interpret_before is None:
         os.environ.pop("TRITON_INTERPRET", None)

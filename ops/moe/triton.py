@@ -695,7 +695,7 @@ def fused_moe(
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (
         f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}, T = {num_tokens}"
     )
-    w1_in, w2_in, w3_in = w1, w2, w3
+    bits_exact = all(_bits_exact(w) for w in (w1, w2, w3))
     (w1, s1), (w2, s2), (w3, s3) = (_operand(w, x.dtype) for w in (w1, w2, w3))
     packed = s1 is not None
     assert packed == (s2 is not None) == (s3 is not None), "w1, w2, w3: all MXFP4 or none"
@@ -718,8 +718,7 @@ def fused_moe(
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
     # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles, the packed bytes read as
     # int32 words (8 codes each).
-    bits = packed and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
-    bits = bits and all(_bits_exact(w) for w in (w1_in, w2_in, w3_in))
+    bits = bits_exact and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
     if bits:
         assert dim % config.block_k == inter % config.block_k == 0, (
             f"bits_upcast: BLOCK_K {config.block_k} must divide D {dim} and I {inter}"

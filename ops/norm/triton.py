@@ -804,7 +804,6 @@ def _hc_post_kernel(
     partials_ptr,
     sumsq_ptr,
     num_tokens,
-    tokens_per_program,
     dim,
     HC: tl.constexpr,
     HC_PAD: tl.constexpr,
@@ -817,50 +816,46 @@ def _hc_post_kernel(
 ):
     """new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * x[t, j, d], in fp32.
 
-    Grid (token blocks of tokens_per_program, slices of D_PER_PROGRAM channels). MIX: the next
-    hc_pre's mix over the slice too, from new as rounded (what _hc_mix_kernel would read):
-    partials[s, t, m] = sum over slice s of every stream of new[t] * fn[m], sumsq[s, t] the
-    slice's squares, fn [MIX_SIZE, HC * dim] fp32."""
+    Grid (T, slices of D_PER_PROGRAM channels). MIX: the next hc_pre's mix over the slice too,
+    from new as rounded (what _hc_mix_kernel would read): partials[s, t, m] = sum over slice s
+    of every stream of new[t] * fn[m], sumsq[s, t] the slice's squares, fn [MIX_SIZE, HC * dim]
+    fp32."""
     enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
     streams = tl.arange(0, HC_PAD)  # k
     is_stream = streams < HC
     split = tl.program_id(1)
     d_begin = split * D_PER_PROGRAM
     mix = tl.arange(0, M_PAD)
     fn_rows = fn_ptr + mix.to(tl.int64)[:, None, None] * (HC * dim)
-    first = tl.program_id(0) * tokens_per_program
-    for i in tl.range(0, tl.minimum(tokens_per_program, num_tokens - first)):
-        t = (first + i).to(tl.int64)
-        post = tl.load(post_ptr + t * HC + streams, mask=is_stream, other=0.0)
-        prods = tl.zeros([M_PAD, BLOCK_D], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
-            d = d_begin + d0 + tl.arange(0, BLOCK_D)
-            d_mask = d < dim
-            mixed = tl.zeros([HC_PAD, BLOCK_D], dtype=tl.float32)
-            for src in tl.static_range(HC):  # j
-                x = tl.load(x_ptr + (t * HC + src) * dim + d, mask=d_mask, other=0.0)
-                weight = tl.load(
-                    comb_ptr + (t * HC + src) * HC + streams, mask=is_stream, other=0.0
-                )
-                mixed += weight[:, None] * x.to(tl.float32)[None, :]
-            out = tl.load(out_ptr + t * dim + d, mask=d_mask, other=0.0).to(tl.float32)
-            new = (post[:, None] * out[None, :] + mixed).to(new_ptr.dtype.element_ty)
-            new_mask = is_stream[:, None] & d_mask[None, :]
-            tl.store(new_ptr + (t * HC + streams[:, None]) * dim + d[None, :], new, mask=new_mask)
-            if MIX:  # new is 0 where masked: no term from the padding
-                v = new.to(tl.float32)
-                fn = tl.load(
-                    fn_rows + (streams[:, None] * dim + d[None, :])[None, :, :],
-                    mask=(mix < MIX_SIZE)[:, None, None] & new_mask[None, :, :],
-                    other=0.0,
-                )  # [M_PAD, HC_PAD, BLOCK_D]
-                prods += tl.sum(fn * v[None, :, :], axis=1)
-                squares += tl.sum(v * v, axis=0)
-        if MIX:
-            row = split * num_tokens + t
-            tl.store(partials_ptr + row * M_PAD + mix, tl.sum(prods, axis=1))
-            tl.store(sumsq_ptr + row, tl.sum(squares, axis=0))
+    post = tl.load(post_ptr + t * HC + streams, mask=is_stream, other=0.0)
+    prods = tl.zeros([M_PAD, BLOCK_D], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+        d = d_begin + d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        mixed = tl.zeros([HC_PAD, BLOCK_D], dtype=tl.float32)
+        for src in tl.static_range(HC):  # j
+            x = tl.load(x_ptr + (t * HC + src) * dim + d, mask=d_mask, other=0.0)
+            weight = tl.load(comb_ptr + (t * HC + src) * HC + streams, mask=is_stream, other=0.0)
+            mixed += weight[:, None] * x.to(tl.float32)[None, :]
+        out = tl.load(out_ptr + t * dim + d, mask=d_mask, other=0.0).to(tl.float32)
+        new = (post[:, None] * out[None, :] + mixed).to(new_ptr.dtype.element_ty)
+        new_mask = is_stream[:, None] & d_mask[None, :]
+        tl.store(new_ptr + (t * HC + streams[:, None]) * dim + d[None, :], new, mask=new_mask)
+        if MIX:  # new is 0 where masked: no term from the padding
+            v = new.to(tl.float32)
+            fn = tl.load(
+                fn_rows + (streams[:, None] * dim + d[None, :])[None, :, :],
+                mask=(mix < MIX_SIZE)[:, None, None] & new_mask[None, :, :],
+                other=0.0,
+            )  # [M_PAD, HC_PAD, BLOCK_D]
+            prods += tl.sum(fn * v[None, :, :], axis=1)
+            squares += tl.sum(v * v, axis=0)
+    if MIX:
+        row = split * num_tokens + t
+        tl.store(partials_ptr + row * M_PAD + mix, tl.sum(prods, axis=1))
+        tl.store(sumsq_ptr + row, tl.sum(squares, axis=0))
 
 
 def hc_post(
@@ -901,8 +896,9 @@ def hc_post_pre(
     (new x, post, comb, block input). Two launches up to HC_POST_MIX_MAX_TOKENS tokens (the
     mix computed in hc_post's), else three."""
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    mix = x.shape[0] <= HC_POST_MIX_MAX_TOKENS
-    new, mixed = _hc_post(out, x, post, comb, num_sms, _check_fn(fn, *x.shape[1:]) if mix else None)
+    fn = _check_fn(fn, *x.shape[1:])
+    fused = x.shape[0] <= HC_POST_MIX_MAX_TOKENS
+    new, mixed = _hc_post(out, x, post, comb, num_sms, fn if fused else None)
     entry = _hc_pre(
         new, None, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, num_sms, block_norm, mixed
     )
@@ -930,21 +926,19 @@ def _hc_post(
         return new, None
     if fn is None:
         block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
-        tokens_per_program = 1
         partials = sumsq = new  # not written: MIX is constexpr
     else:
         # Slices of BLOCK_D channels, at most HC_MAX_SPLIT_K of them (the Sinkhorn kernel sums
-        # its partials in registers); tokens a program until two programs an SM.
+        # its partials in registers).
         block_d = min(HC_POST_MIX_BLOCK_D, triton.next_power_of_2(dim))
         num_blocks = triton.cdiv(dim, block_d)
         d_per_program = triton.cdiv(num_blocks, min(num_blocks, HC_MAX_SPLIT_K)) * block_d
         num_d_programs = triton.cdiv(dim, d_per_program)
-        tokens_per_program = max(1, num_tokens * num_d_programs // (2 * num_sms))
         partials = torch.empty(
             num_d_programs, num_tokens, _mix_pad(hc), dtype=torch.float32, device=x.device
         )
         sumsq = torch.empty(num_d_programs, num_tokens, dtype=torch.float32, device=x.device)
-    _hc_post_kernel[(triton.cdiv(num_tokens, tokens_per_program), num_d_programs)](
+    _hc_post_kernel[(num_tokens, num_d_programs)](
         out,
         x,
         post,
@@ -954,7 +948,6 @@ def _hc_post(
         partials,
         sumsq,
         num_tokens,
-        tokens_per_program,
         dim,
         HC=hc,
         HC_PAD=triton.next_power_of_2(hc),
@@ -963,8 +956,8 @@ def _hc_post(
         MIX=fn is not None,
         MIX_SIZE=(2 + hc) * hc,
         M_PAD=_mix_pad(hc),
-        # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 238 registers a thread at 128
-        # channels and 8 warps on sm_90, no spills (128 at 64; scripts/sm90_compile.py).
+        # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 104 registers a thread at 128
+        # channels and 8 warps on sm_90, no spills (scripts/sm90_compile.py).
         num_warps=4 if fn is None else min(8, max(4, block_d // 8)),
         **pdl(out.device),
     )

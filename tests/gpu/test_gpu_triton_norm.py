@@ -196,9 +196,9 @@ def test_hc_post_pre(
     num_tokens: int,
     dtype: torch.dtype,
 ) -> None:
-    """The exit and the next entry, the mix in the exit's launch (made to run so at every T,
-    several tokens a program from 64): the new x bitwise hc_post's, post, comb and the block
-    input (block_norm on) against torch_ref's hc_post then hc_pre."""
+    """The exit and the next entry, the mix in the exit's launch (made to run so at every T):
+    the new x bitwise hc_post's, post, comb and the block input (block_norm on) against
+    torch_ref's hc_post then hc_pre."""
     monkeypatch.setattr(norm_triton, "HC_POST_MIX_MAX_TOKENS", num_tokens)
     gen = torch.Generator().manual_seed(250 + num_tokens)
     x, fn, scale, base = _hc_inputs(num_tokens, gen)
