@@ -128,14 +128,14 @@ def main() -> None:
     ap.add_argument(
         "--gemv",
         help="a-program-a-pair candidates instead of the built-in list: "
-        "block_n,block_k,warps,down_block_n,down_block_k,down_warps;...",
+        'block_n,block_k,warps,down_block_n,down_block_k,down_warps;... ("": none)',
     )
     ns = ap.parse_args()
     candidates = CANDIDATES
     if ns.tiles:
         candidates = [tuple(parse_ints(t)) for t in ns.tiles.split(";") if t.strip()]
     gemv_candidates = GEMV_CANDIDATES
-    if ns.gemv:
+    if ns.gemv is not None:
         gemv_candidates = [tuple(parse_ints(t)) for t in ns.gemv.split(";") if t.strip()]
     setup = make_setup(tiny=False)  # exits without CUDA
     from deepinfer.ops.moe import triton as ours
@@ -174,7 +174,8 @@ def main() -> None:
             runs[f"fp4 {_name(config)}"] = functools.partial(
                 ours.fused_moe, x, p1, p2, p3, topk_ids, topk_weights, LIMIT, config=config
             )
-        if num_tokens * TOP_K <= 256:  # the dense weights through a program a pair, for scale
+        # the dense weights through a program a pair, for scale
+        if num_tokens * TOP_K <= 256 and gemv_candidates:
             config = ours.GemvConfig(*gemv_candidates[0])
             runs["bf16 gemv"] = functools.partial(
                 ours.fused_moe, x, w1, w2, w3, topk_ids, topk_weights, LIMIT, config=config

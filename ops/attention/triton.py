@@ -60,6 +60,7 @@ from deepinfer.ops.attention import torch_ref as ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_rope import rotate, rotate_pair
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -615,8 +616,9 @@ def _rotate_stored(rows, row_mask, cos_row, sin_row, NOPE, first, end, HALF: tl.
     odd = tl.load(even_ptrs + 1, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.debug_barrier()
     dtype = rows.dtype.element_ty
-    tl.store(even_ptrs, (even * cos - odd * sin).to(dtype), mask=mask)
-    tl.store(even_ptrs + 1, (odd * cos + even * sin).to(dtype), mask=mask)
+    even, odd = rotate_pair(even, odd, cos, sin)
+    tl.store(even_ptrs, even.to(dtype), mask=mask)
+    tl.store(even_ptrs + 1, odd.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -930,10 +932,8 @@ def _indexer_scores_kernel(
             sin = tl.load(sin_ptr + t * stride_sin + pair, mask=is_rope, other=0.0)
             qf = q.to(tl.float32)
             even = ((offs_d - NOPE) % 2 == 0)[None, :]
-            rotated = tl.where(
-                even, qf * cos[None, :] - q_partner * sin[None, :],
-                qf * cos[None, :] + q_partner * sin[None, :],
-            )  # fmt: skip
+            signed_sin = tl.where(even, -sin[None, :], sin[None, :])
+            rotated = rotate(qf, q_partner, cos[None, :], signed_sin)
             q = tl.where(rope_mask, rotated, qf).to(q_ptr.dtype.element_ty)
         w = tl.load(weights_ptr + t * stride_wt + heads * stride_wh, mask=head_mask, other=0.0)
         w = w.to(tl.float32) * weight_scale  # torch_ref's weights.float() * weight_scale

@@ -53,6 +53,7 @@ from deepinfer.ops.norm.triton_pool import compress_windows, gated_pool
 from deepinfer.ops.norm.triton_pool import div_rn as _div_rn
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_rope import rotate, rotate_pair
 from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
@@ -243,7 +244,8 @@ def _apply_rope_kernel(
     mask = pair_mask[:, :, None]  # rope_cols < DIM where pairs < HALF
     x = tl.load(x_rows[:, None, None] + rope_cols[None, :, :], mask=mask, other=0.0)
     even, odd = tl.split(x.to(tl.float32))  # [BLOCK_R, BLOCK_HALF] each
-    y = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+    even, odd = rotate_pair(even, odd, cos, sin)
+    y = tl.join(even, odd)
     tl.store(y_rows[:, None, None] + rope_cols[None, :, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -358,7 +360,7 @@ def _rms_norm_rope_kernel(
     sin = tl.load(sin_ptr + tokens[:, None] * sin_stride + pair[None, :], mask=rope_mask, other=0.0)
     sin = sin.to(tl.float32)
     even = ((cols - NOPE) % 2 == 0)[None, :]
-    rotated = tl.where(even, y * cos - yp * sin, y * cos + yp * sin)
+    rotated = rotate(y, yp, cos, tl.where(even, -sin, sin))
     out = tl.where(is_rope[None, :], rotated, y)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], out.to(dtype), mask=mask)
 

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from deepinfer.ops.norm.torch_ref import CompressRows
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_rope import rotate_pair
 
 # Slots a chunk (HCA's 128 slots of 512 in 16 chunks of 8 x 512 values).
 POOL_BLOCK_S = 8
@@ -107,7 +108,8 @@ def _pool_store(
         angle = pairs - first
         cos = tl.load(cos_ptr + w * cos_stride + angle, mask=is_rope, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + w * sin_stride + angle, mask=is_rope, other=0.0).to(tl.float32)
-        rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+        even, odd = rotate_pair(even, odd, cos, sin)
+        rotated = tl.join(even, odd)
         rotated = tl.reshape(rotated, (BLOCK_D,)).to(out_ptr.dtype.element_ty)
         is_rope_d = (offs_d >= dim - 2 * ROPE_HALF) & d_mask
         out = tl.where(is_rope_d, rotated, out)
