@@ -733,13 +733,12 @@ def fused_moe(
         weights = ((w1, s1), (w2, s2), (w3, s3))
         return decode_moe(x, weights, topk_ids, topk_weights, limit, config, residual)
     assert not packed or config.block_k % MXFP4_BLOCK == 0, f"BLOCK_K {config.block_k}"
-    # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles, the packed bytes read as
-    # int32 words (8 codes each).
+    # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles (else, as for D or I
+    # under BLOCK_K in small models, the scaled dot), the packed bytes read as int32 words.
+    whole_tiles = dim % config.block_k == inter % config.block_k == 0
     bits = bits_exact and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
+    bits = bits and whole_tiles
     if bits:
-        assert dim % config.block_k == inter % config.block_k == 0, (
-            f"bits_upcast: BLOCK_K {config.block_k} must divide D {dim} and I {inter}"
-        )
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()

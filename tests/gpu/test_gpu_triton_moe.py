@@ -227,6 +227,28 @@ def test_mxfp4_matches_the_fp32_reference_on_its_values(
     assert err < BF16_TOL
 
 
+def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: ModuleType) -> None:
+    """A tiny model's experts (D = 64, I = 32: rows shorter than the bits loop's 128-input K
+    tile) under a bits_upcast config: the kernels take the scaled dot instead, bitwise the
+    output of the same tiles without bits (the engine's tiles are bits by default)."""
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    shapes = ((8, 32, 64), (8, 64, 32), (8, 32, 64))
+    draws = [torch.randn(*shape, generator=gen, device="cuda") for shape in shapes]
+    packed = [torch_ref.quantize_mxfp4(w) for w in draws]
+    x = torch.randn(16, 64, generator=gen, device="cuda").bfloat16()
+    topk_ids = torch.rand(16, 8, generator=gen, device="cuda").argsort(-1)[:, :2]
+    topk_weights = torch.rand(16, 2, generator=gen, device="cuda")
+    tiles = moe_triton.pick_tile_config(4096, torch.bfloat16, True)
+    assert tiles.bits_upcast and tiles.block_k > 64
+    configs = [dataclasses.replace(tiles, bits_upcast=bits) for bits in (True, False)]
+    outs = [
+        moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=config)
+        for config in configs
+    ]
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().max() > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_mxfp4_captures_in_a_cuda_graph(
     moe_triton: ModuleType, mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts]
 ) -> None:
