@@ -315,15 +315,6 @@ def _mxfp4_bits(words, scales):
 
 
 @triton.jit
-def _next_scales(s_ptrs, k_start, K: tl.constexpr, BLOCK_K: tl.constexpr, stride_sk):
-    """The scale bytes of the K step after the one at k_start (s_ptrs: the first step's),
-    loaded a step ahead: too narrow for the pipeliner's asynchronous copies, a plain load in
-    the loop would wait out its latency every step. The last step loads the first's again
-    (in bounds; unused)."""
-    return tl.load(s_ptrs + ((k_start + BLOCK_K) % K) // 32 * stride_sk)
-
-
-@triton.jit
 def _mxfp4_group_dot(
     acc,
     a_ptrs,
@@ -423,21 +414,15 @@ def _gate_up_kernel(
         s_offs = expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
         gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        s1 = tl.load(s1_ptr + s_offs)
-        s3 = tl.load(s3_ptr + s_offs)
-        for k_start in range(0, K, BLOCK_K):
-            # The next step's scale bytes now (``_next_scales``), the words and x pipelined.
-            s1_next = _next_scales(s1_ptr + s_offs, k_start, K, BLOCK_K, stride_sk)
-            s3_next = _next_scales(s3_ptr + s_offs, k_start, K, BLOCK_K, stride_sk)
+        for _ in range(0, K, BLOCK_K):
             xt = tl.load(xt_ptrs, mask=is_pair[None, :], other=0.0)
             w1 = tl.load(w1_ptr + w_offs).to(tl.uint32, bitcast=True)
             w3 = tl.load(w3_ptr + w_offs).to(tl.uint32, bitcast=True)
-            gate_t = tl.dot(_mxfp4_bits(w1, s1), xt, gate_t)
-            up_t = tl.dot(_mxfp4_bits(w3, s3), xt, up_t)
+            gate_t = tl.dot(_mxfp4_bits(w1, tl.load(s1_ptr + s_offs)), xt, gate_t)
+            up_t = tl.dot(_mxfp4_bits(w3, tl.load(s3_ptr + s_offs)), xt, up_t)
             xt_ptrs += BLOCK_K * stride_xk
             w_offs += BLOCK_K // 8 * stride_wk
-            s1 = s1_next
-            s3 = s3_next
+            s_offs += BLOCK_K // 32 * stride_sk
         gate = tl.trans(gate_t)
         up = tl.trans(up_t)
     elif W_FP4 and SCALED_DOT:
@@ -578,14 +563,12 @@ def _down_kernel(
             s2_ptr + expert * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sk
         )
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        scales = tl.load(s_ptrs)
-        for k_start in range(0, K, BLOCK_K):
-            scales_next = _next_scales(s_ptrs, k_start, K, BLOCK_K, stride_sk)
+        for _ in range(0, K, BLOCK_K):
             words = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
-            acc_t = tl.dot(_mxfp4_bits(words, scales), tl.load(ht_ptrs), acc_t)
+            acc_t = tl.dot(_mxfp4_bits(words, tl.load(s_ptrs)), tl.load(ht_ptrs), acc_t)
             ht_ptrs += BLOCK_K * stride_hk
             w_ptrs += BLOCK_K // 8 * stride_wk
-            scales = scales_next
+            s_ptrs += BLOCK_K // 32 * stride_sk
         acc = tl.trans(acc_t)
     elif W_FP4 and SCALED_DOT:
         offs_jk = tl.arange(0, BLOCK_K // 2)
