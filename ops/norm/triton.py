@@ -91,10 +91,10 @@ HC_MAX_SPLIT_K = 64
 # this many tokens, each program over slices of HC_POST_MIX_BLOCK_D channels of every stream
 # (fn's [mix, hc, BLOCK_D] tile multiplied on the CUDA cores, summed over the streams at once).
 # Above it, hc_post and hc_pre's two launches. H100, 2026-12-07 (benchmarks/RESULTS.md,
-# hc_tiles.py --post-pre; µs for the exit and the next entry): 128 channels 18.1 / 18.4 at T =
-# 1 / 2 against 20.2 / 22.6 in three launches; from T = 4 the fused exit re-reads fn a token
-# and loses (20.6 against 22.6 at 4, 2x slower at 32).
-HC_POST_MIX_MAX_TOKENS = 2
+# hc_tiles.py --post-pre; µs for the exit and the next entry, a program a token): 128 channels
+# 17.3 / 17.5 / 19.6 at T = 1 / 2 / 4 against 19.7 / 22.1 / 22.1 in three launches. Each token's
+# program re-reads fn: the earlier kernel lost from 8 tokens (35.9 against 22.7), 2x at 32.
+HC_POST_MIX_MAX_TOKENS = 4
 HC_POST_MIX_BLOCK_D = 128
 # One token (decode, deterministic steps): the mix's K a program step on the CUDA cores (0: the
 # tl.dot path, a 16-token tile with one row used).
