@@ -100,6 +100,7 @@ def test_backend_contract(norm_triton: ModuleType) -> None:
     triton backend's kernels are its own, the RoPE tables torch_ref's."""
     backend = norm_triton.TritonNormBackend(torch.device("cpu"))
     names = ("rms_norm", "apply_rope", "hc_pre", "hc_pre_shifted", "hc_post", "hc_post_pre")
+    names += ("hc_head",)
     for name in (*names, "rope_inv_freq", "rope_cos_sin"):
         ours, ref = getattr(backend, name), getattr(torch_ref, name)
         assert inspect.signature(ours) == inspect.signature(ref), name
@@ -185,6 +186,35 @@ def test_hc_pre(
     out = norm_triton.hc_pre(*inputs, sinkhorn_iters, hc_eps, EPS)
     for name, o, r in zip(("post", "comb", "collapsed"), out, ref, strict=True):
         assert _rel_err(o, r) < FP32_TOL, name
+
+
+@pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)
+@pytest.mark.parametrize("normed", [False, True])
+def test_hc_head(
+    norm_triton: ModuleType,
+    small_tiles: None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    dim: int,
+    num_sms: int,
+    normed: bool,
+) -> None:
+    """A head (the model's last hc, its mix pre's alone) in hc_pre's two launches, with and
+    without the final norm in the second, within FP32_TOL of torch_ref's; hc_eps 0.1 shows a
+    misplaced eps. torch_ref's is hc_pre's collapse with a pre from the same formula."""
+    monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + 11)
+    x, fn, scale, base = _hc_inputs(num_tokens, dim, gen)
+    fn, scale, base = fn[:HC], scale[:1], base[:HC]
+    block_norm = (1 + 0.5 * torch.randn(dim, generator=gen), 1e-5) if normed else None
+    ref = torch_ref.hc_head(x, fn, scale, base, 0.1, EPS, block_norm=block_norm)
+    out = norm_triton.hc_head(x, fn, scale, base, 0.1, EPS, block_norm=block_norm)
+    assert _rel_err(out, ref) < FP32_TOL
+    flat = torch_ref.rms_norm(x.flatten(1), None, EPS)
+    pre = torch.sigmoid(flat @ fn.T * scale + base) + 0.1
+    collapsed = torch_ref.hc_collapse(x, pre)
+    expected = collapsed if block_norm is None else torch_ref.rms_norm(collapsed, *block_norm)
+    assert torch.equal(ref, expected)
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)

@@ -1,13 +1,14 @@
 """Norm ops: RMSNorm, RoPE, the hyper-connection mixing and the compressors' gated pooling.
 
 A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``hc_pre``,
-``hc_post`` and ``compress_windows`` (a compressor's step: its windows' entries, pooled as
-torch_ref's ``gated_pool`` says, and its rings kept, from ``CompressRows``) with torch_ref's
-signatures; the RoPE tables (``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per
-layer) stay torch, so every backend re-exports them from torch_ref. Backends, fastest first:
-``triton`` (CUDA: RMSNorm and RoPE one launch each, hc_pre two launches with Sinkhorn in
-registers, hc_post one, compress_windows three: the softmax, weighted sum and norm of a window
-per program, then the rings, ``triton_pool.py``), ``torch_ref`` (the oracle).
+``hc_post``, ``hc_head`` and ``compress_windows`` (a compressor's step: its windows' entries,
+pooled as torch_ref's ``gated_pool`` says, and its rings kept, from ``CompressRows``) with
+torch_ref's signatures; the RoPE tables (``rope_inv_freq``, ``rope_cos_sin``: built once per
+step, not per layer) stay torch, so every backend re-exports them from torch_ref. Backends,
+fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch each, hc_pre two launches with
+Sinkhorn in registers, hc_head the same two without it, hc_post one, compress_windows three:
+the softmax, weighted sum and norm of a window per program, then the rings,
+``triton_pool.py``), ``torch_ref`` (the oracle).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deepinfer.ops.norm.torch_ref import (
     RopeParams,
     apply_rope,
     compress_windows,
+    hc_head,
     hc_post,
     hc_pre,
     hc_pre_shifted,
@@ -99,6 +101,18 @@ class NormBackend(Protocol):
         block_norm: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def hc_head(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        hc_eps: float,
+        norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor: ...
+
     def compress_windows(
         self,
         kv: torch.Tensor,
@@ -128,6 +142,7 @@ __all__ = [
     "NormBackend",
     "apply_rope",
     "compress_windows",
+    "hc_head",
     "hc_post",
     "hc_pre",
     "hc_pre_shifted",

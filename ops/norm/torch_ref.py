@@ -308,6 +308,27 @@ def hc_mixes(
     return pre, post, comb
 
 
+def hc_head(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """A hyper-connection head (the model's last, and each MTP layer's): [T, hc, D] -> [T, D],
+    the streams' sum weighted by pre = sigmoid(mix * scale + base) + hc_eps, the mix fn [hc,
+    hc*D] of the RMS-normalised flat streams (hc_pre's pre gate alone: no post, no Sinkhorn).
+    scale: [1]; base: [hc]. ``block_norm`` (weight [D], eps): the sum through ``rms_norm`` with
+    them (the final norm before the LM head)."""
+    flat = rms_norm(x.flatten(1).float(), None, norm_eps)  # [T, hc*D]
+    mix = F.linear(flat, fn.float())  # [T, hc]
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return _block_input(hc_collapse(x, pre), block_norm)
+
+
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, hc, D] -> [T, D]: sum_i pre[:, i] * x[:, i] (fp32 weights), in x's dtype."""
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
@@ -358,6 +379,7 @@ class TorchRefNormBackend(Backend):
     hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)
     hc_post_pre = staticmethod(hc_post_pre)
+    hc_head = staticmethod(hc_head)
     compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

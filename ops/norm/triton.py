@@ -62,6 +62,7 @@ __all__ = [
     "apply_rope",
     "compress_windows",
     "gated_pool",
+    "hc_head",
     "hc_post",
     "hc_post_pre",
     "hc_pre",
@@ -488,6 +489,7 @@ def _hc_sinkhorn_collapse_kernel(
     norm_eps,
     block_eps,
     SHIFTED: tl.constexpr,
+    HEAD: tl.constexpr,
     NORM: tl.constexpr,
     D_PROGRAMS: tl.constexpr,
     D_PROGRAMS_PAD: tl.constexpr,
@@ -506,7 +508,8 @@ def _hc_sinkhorn_collapse_kernel(
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
     collapse of the slice. The program holding the first slice writes post and comb.
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
-    token's own pre goes to pre_out [T, hc].
+    token's own pre goes to pre_out [T, hc]. HEAD: a hyper-connection head (``hc_head``): the
+    mix is pre's alone (scale [1]), and there is no post, comb or Sinkhorn.
     NORM: the block input RMS-normalised in place (weight norm_w, eps block_eps) over the
     rounded values, as torch_ref's rms_norm of the collapse: each program adds its slice's
     squares; with one program a token it normalises its row after a barrier, else the token's
@@ -525,36 +528,39 @@ def _hc_sinkhorn_collapse_kernel(
     rows = partials_ptr + (splits * num_tokens + t) * M_PAD  # [SPLIT_PAD]
     stream_mask = is_split[:, None] & is_stream[None, :]
     pre_w = tl.sum(tl.load(rows[:, None] + i[None, :], mask=stream_mask, other=0.0), axis=0)
-    post_w = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0), axis=0)
-    comb_mask = is_split[:, None, None] & is_comb[None]
-    comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=comb_mask, other=0.0)
-    comb_w = tl.sum(comb_w, axis=0)
     sumsq = tl.load(sumsq_ptr + splits * num_tokens + t, mask=is_split, other=0.0)
     sumsq = tl.sum(sumsq, axis=0)
     inv_rms = tl.rsqrt(sumsq / k + norm_eps)
-
     pre_b = tl.load(base_ptr + i, mask=is_stream, other=0.0)
-    post_b = tl.load(base_ptr + HC + i, mask=is_stream, other=0.0)
-    comb_b = tl.load(base_ptr + comb_cols, mask=is_comb, other=0.0)
     pre = tl.sigmoid(pre_w * inv_rms * tl.load(scale_ptr) + pre_b) + hc_eps
-    post = 2 * tl.sigmoid(post_w * inv_rms * tl.load(scale_ptr + 1) + post_b)
-    logits = comb_w * inv_rms * tl.load(scale_ptr + 2) + comb_b
-    logits = tl.where((j < HC)[None, :], logits, float("-inf"))  # padded rows stay finite
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = _sinkhorn_div(e, tl.sum(e, axis=1)[:, None], PRECISE_DIV)  # softmax over each row
-    comb = tl.where(is_comb, comb + hc_eps, 0.0)
-    # first pass: columns only
-    comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
-    for _ in range(SINKHORN_ITERS - 1):
-        comb = _sinkhorn_div(comb, tl.sum(comb, axis=1)[:, None] + hc_eps, PRECISE_DIV)
-        comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
 
-    is_first = tl.program_id(1) == 0
-    tl.store(post_ptr + t * HC + i, post, mask=is_stream & is_first)
-    tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=is_comb & is_first)
-    if SHIFTED:
-        tl.store(pre_out_ptr + t * HC + i, pre, mask=is_stream & is_first)
-        pre = tl.load(prev_pre_ptr + t * HC + i, mask=is_stream, other=0.0)
+    if not HEAD:
+        post_w = tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0)
+        post_w = tl.sum(post_w, axis=0)
+        comb_mask = is_split[:, None, None] & is_comb[None]
+        comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=comb_mask, other=0.0)
+        comb_w = tl.sum(comb_w, axis=0)
+        post_b = tl.load(base_ptr + HC + i, mask=is_stream, other=0.0)
+        comb_b = tl.load(base_ptr + comb_cols, mask=is_comb, other=0.0)
+        post = 2 * tl.sigmoid(post_w * inv_rms * tl.load(scale_ptr + 1) + post_b)
+        logits = comb_w * inv_rms * tl.load(scale_ptr + 2) + comb_b
+        logits = tl.where((j < HC)[None, :], logits, float("-inf"))  # padded rows stay finite
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = _sinkhorn_div(e, tl.sum(e, axis=1)[:, None], PRECISE_DIV)  # softmax over each row
+        comb = tl.where(is_comb, comb + hc_eps, 0.0)
+        # first pass: columns only
+        comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
+        for _ in range(SINKHORN_ITERS - 1):
+            comb = _sinkhorn_div(comb, tl.sum(comb, axis=1)[:, None] + hc_eps, PRECISE_DIV)
+            comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
+
+        is_first = tl.program_id(1) == 0
+        tl.store(post_ptr + t * HC + i, post, mask=is_stream & is_first)
+        comb_ptrs = comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :]
+        tl.store(comb_ptrs, comb, mask=is_comb & is_first)
+        if SHIFTED:
+            tl.store(pre_out_ptr + t * HC + i, pre, mask=is_stream & is_first)
+            pre = tl.load(prev_pre_ptr + t * HC + i, mask=is_stream, other=0.0)
 
     t = t.to(tl.int64)
     d_begin = tl.program_id(1) * D_PER_PROGRAM
@@ -656,16 +662,35 @@ def hc_pre_shifted(
     return pre, post, comb, collapsed
 
 
-def _check_fn(fn: torch.Tensor, hc: int, dim: int) -> torch.Tensor:
-    """fn [(2+hc)*hc, hc*D] in fp32, checked."""
-    mix_size, k = (2 + hc) * hc, hc * dim
-    assert fn.shape == (mix_size, k), f"hc_pre: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
+def hc_head(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    block_norm: tuple[torch.Tensor, float] | None = None,
+    num_sms: int | None = None,
+) -> torch.Tensor:
+    """A hyper-connection head (torch_ref.hc_head): x [T, hc, D] -> [T, D], and with
+    ``block_norm`` the final norm, in hc_pre's two launches (the mix, then the collapse with
+    pre's gate alone)."""
+    _, _, collapsed, _ = _hc_pre(
+        x, None, fn, scale, base, 0, hc_eps, norm_eps, num_sms, block_norm, head=True
+    )
+    return collapsed
+
+
+def _check_fn(fn: torch.Tensor, mix_size: int, k: int) -> torch.Tensor:
+    """fn [mix_size, k] ((2+hc)*hc or, for a head, hc rows; k = hc*D) in fp32, checked."""
+    assert fn.shape == (mix_size, k), f"hc: fn {tuple(fn.shape)}, expected {(mix_size, k)}"
     return fn.float().contiguous()
 
 
-def _mix_pad(hc: int) -> int:
-    """A partials row's width: the mix's (2+hc)*hc columns padded for tl.dot and tl.arange."""
-    return max(16, triton.next_power_of_2((2 + hc) * hc))
+def _mix_pad(mix_size: int) -> int:
+    """A partials row's width: the mix's columns padded for tl.dot and tl.arange."""
+    return max(16, triton.next_power_of_2(mix_size))
 
 
 # The mix's partial sums as the Sinkhorn/collapse kernel reads them: partials [splits, T, M_PAD]
@@ -685,14 +710,16 @@ def _hc_pre(
     num_sms: int | None,
     block_norm: tuple[torch.Tensor, float] | None = None,
     mix: HcMix | None = None,
+    head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Both entry sides: (post, comb, block input, this sub-layer's pre when shifted). ``mix``:
-    x's mix already computed (hc_post_pre's), else _hc_mix_kernel's launch computes it."""
+    x's mix already computed (hc_post_pre's), else _hc_mix_kernel's launch computes it. head:
+    a hyper-connection head's (``hc_head``; post and comb are not written)."""
     num_tokens, hc, dim = x.shape
-    mix_size, k = (2 + hc) * hc, hc * dim
-    fn = _check_fn(fn, hc, dim)
-    assert scale.numel() == 3 and base.numel() == mix_size, (
-        f"hc_pre: scale {tuple(scale.shape)}, base {tuple(base.shape)} for hc = {hc}"
+    mix_size, k = (hc if head else (2 + hc) * hc), hc * dim
+    fn = _check_fn(fn, mix_size, k)
+    assert scale.numel() == (1 if head else 3) and base.numel() == mix_size, (
+        f"hc: scale {tuple(scale.shape)}, base {tuple(base.shape)} for hc = {hc}"
     )
     x = x.contiguous()
     scale, base = (t.float().contiguous() for t in (scale, base))
@@ -741,6 +768,7 @@ def _hc_pre(
         norm_eps,
         block_eps,
         SHIFTED=shifted,
+        HEAD=head,
         NORM=block_norm is not None,
         D_PROGRAMS=num_d_programs,
         D_PROGRAMS_PAD=triton.next_power_of_2(num_d_programs),
@@ -763,7 +791,7 @@ def _hc_pre(
 def _hc_mix(x: torch.Tensor, fn: torch.Tensor, num_sms: int) -> HcMix:
     """x's mix with fn (fp32, checked), split over K: one launch of _hc_mix_kernel."""
     num_tokens, hc, dim = x.shape
-    mix_size, k = (2 + hc) * hc, hc * dim
+    mix_size, k = fn.shape[0], hc * dim
     if num_tokens == 1 and HC_ONE_TOKEN_BLOCK_K:  # the CUDA cores' path
         block_t, block_k = 1, min(HC_ONE_TOKEN_BLOCK_K, triton.next_power_of_2(k))
     else:
@@ -773,7 +801,7 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, num_sms: int) -> HcMix:
     split_k = 1
     while num_t_blocks * split_k < num_sms and 2 * split_k <= min(HC_MAX_SPLIT_K, num_k_blocks):
         split_k *= 2
-    m_pad = _mix_pad(hc)
+    m_pad = _mix_pad(mix_size)
     partials = torch.empty(split_k, num_tokens, m_pad, dtype=torch.float32, device=x.device)
     sumsq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(num_t_blocks, split_k)](
@@ -898,7 +926,8 @@ def hc_post_pre(
     (new x, post, comb, block input). Two launches up to HC_POST_MIX_MAX_TOKENS tokens (the
     mix computed in hc_post's), else three."""
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
-    fn = _check_fn(fn, *x.shape[1:])
+    hc, dim = x.shape[1:]
+    fn = _check_fn(fn, (2 + hc) * hc, hc * dim)
     fused = x.shape[0] <= HC_POST_MIX_MAX_TOKENS
     new, mixed = _hc_post(out, x, post, comb, num_sms, fn if fused else None)
     entry = _hc_pre(
@@ -917,6 +946,7 @@ def _hc_post(
 ) -> tuple[torch.Tensor, HcMix | None]:
     """hc_post's launch; with ``fn`` (fp32, checked) it computes the new x's mix too."""
     num_tokens, hc, dim = x.shape
+    mix_size = (2 + hc) * hc
     assert out.shape == (num_tokens, dim), f"hc_post: out {tuple(out.shape)}, x {tuple(x.shape)}"
     assert post.shape == (num_tokens, hc) and comb.shape == (num_tokens, hc, hc), (
         f"hc_post: post {tuple(post.shape)}, comb {tuple(comb.shape)}, x {tuple(x.shape)}"
@@ -937,7 +967,7 @@ def _hc_post(
         d_per_program = triton.cdiv(num_blocks, min(num_blocks, HC_MAX_SPLIT_K)) * block_d
         num_d_programs = triton.cdiv(dim, d_per_program)
         partials = torch.empty(
-            num_d_programs, num_tokens, _mix_pad(hc), dtype=torch.float32, device=x.device
+            num_d_programs, num_tokens, _mix_pad(mix_size), dtype=torch.float32, device=x.device
         )
         sumsq = torch.empty(num_d_programs, num_tokens, dtype=torch.float32, device=x.device)
     _hc_post_kernel[(num_tokens, num_d_programs)](
@@ -956,8 +986,8 @@ def _hc_post(
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
         MIX=fn is not None,
-        MIX_SIZE=(2 + hc) * hc,
-        M_PAD=_mix_pad(hc),
+        MIX_SIZE=mix_size,
+        M_PAD=_mix_pad(mix_size),
         # The mix's fn tile is M_PAD x HC_PAD x BLOCK_D values: 104 registers a thread at 128
         # channels and 8 warps on sm_90, no spills (scripts/sm90_compile.py).
         num_warps=4 if fn is None else min(8, max(4, block_d // 8)),
@@ -1022,6 +1052,21 @@ class TritonNormBackend(Backend):
         self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         return hc_post(out, x, post, comb, num_sms=self.num_sms)
+
+    def hc_head(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        hc_eps: float,
+        norm_eps: float,
+        *,
+        block_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        return hc_head(
+            x, fn, scale, base, hc_eps, norm_eps, block_norm=block_norm, num_sms=self.num_sms
+        )
 
     def hc_post_pre(
         self,

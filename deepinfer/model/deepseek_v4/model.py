@@ -472,7 +472,7 @@ class DeepseekV4(nn.Module):
         if self.args.mtp_served:
             batch.hidden = x  # what the MTP layer reads after the step
         x = x[batch.logits_indices]  # [N, hc, D]
-        return self.head(self.norm(self.hc_head_collapse(x))).float()
+        return self.head(self.hc_head_collapse(x)).float()
 
     @torch.inference_mode()
     def mtp_forward(
@@ -486,8 +486,8 @@ class DeepseekV4(nn.Module):
         mtp = self.mtp[layer]
         x = mtp(hidden, self.embed(batch.input_ids), batch, cache)
         rows = x[batch.logits_indices]
-        collapsed = hc_head(rows, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self)
-        return self.head(mtp.norm(collapsed)).float(), x
+        normed = hc_head(rows, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self, mtp.norm)
+        return self.head(normed).float(), x
 
     @torch.inference_mode()
     def placeholder_step(self) -> None:
@@ -497,8 +497,9 @@ class DeepseekV4(nn.Module):
             layer.ffn.exchange_only(self.embed.weight.dtype)
 
     def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn)."""
-        return hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self)
+        """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn), through the
+        final norm."""
+        return hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self, self.norm)
 
 
 def hc_head(
@@ -507,10 +508,11 @@ def hc_head(
     scale: torch.Tensor,
     base: torch.Tensor,
     model: DeepseekV4,
+    norm: RMSNorm,
 ) -> torch.Tensor:
-    """[N, hc, D] -> [N, D]: a hyper-connection head's sigmoid-weighted sum of the streams."""
+    """[N, hc, D] -> [N, D]: a hyper-connection head's sigmoid-weighted sum of the streams,
+    through ``norm`` (the norm before the LM head), in the norm backend's ``hc_head``."""
     a = model.args
-    flat = model.norm_ops.rms_norm(x.flatten(1).float(), None, a.rms_norm_eps)
-    mix = F.linear(flat, fn.float())  # [N, hc]
-    pre = torch.sigmoid(mix * scale.float() + base.float()) + a.hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return model.norm_ops.hc_head(
+        x, fn, scale, base, a.hc_eps, a.rms_norm_eps, block_norm=(norm.weight, norm.eps)
+    )
