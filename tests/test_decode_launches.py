@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "decode_launches.py"
-# Launches of a layer inside a stack at batch 1 (Triton and other): benchmarks/RESULTS.md,
-# 2026-12-07.
-MOST = {"csa": 31, "hca": 24, "swa": 20}
+# Launches of a layer inside a stack at batch 1 (Triton and other), and the step's own (outside
+# the layers: embedding, hc head and final norm, RoPE tables, the entry lists' derivation):
+# benchmarks/RESULTS.md, 2026-12-07.
+MOST = {"csa": 31, "hca": 24, "swa": 20, "step (outer)": 36}
 
 
 def test_a_decode_layer_launches_no_more_than_counted(tmp_path: Path) -> None:
@@ -31,5 +32,3 @@ def test_a_decode_layer_launches_no_more_than_counted(tmp_path: Path) -> None:
     for kind, most in MOST.items():
         assert rows[kind][2] <= most, (kind, rows[kind], result.stdout)
         assert rows[kind][0] > 0 and rows[kind][2] == rows[kind][0] + rows[kind][1]
-    # The step's own launches are there too (embedding, hc head, RoPE tables, plans).
-    assert rows["step (outer)"][2] > 0
