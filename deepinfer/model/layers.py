@@ -33,11 +33,17 @@ def step_rope(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A step's RoPE tables (``ForwardBatch.rope``): kind -> (cos, sin) of ``positions`` for each
     kind's inverse frequencies, and ``inverse(kind)`` -> (cos, -sin), the rotation back that
-    attention applies to its output: one negation a step instead of one a layer."""
+    attention applies to its output: one negation a step instead of one a layer. Every kind's
+    table in one set of launches: column blocks of one [T, sum of halves] table (the same
+    elementwise products as a table a kind)."""
+    kinds = list(inv_freqs)
+    widths = [inv_freqs[kind].shape[0] for kind in kinds]
+    joined = torch.cat([inv_freqs[kind] for kind in kinds]) if len(kinds) > 1 else None
+    cos, sin = rope_cos_sin(positions, inv_freqs[kinds[0]] if joined is None else joined)
+    parts = (t.split(widths, dim=1) for t in (cos, sin, -sin))
     rope = {}
-    for kind, inv_freq in inv_freqs.items():
-        cos, sin = rope_cos_sin(positions, inv_freq)
-        rope[kind], rope[inverse(kind)] = (cos, sin), (cos, -sin)
+    for kind, c, s, negated in zip(kinds, *parts, strict=True):
+        rope[kind], rope[inverse(kind)] = (c, s), (c, negated)
     return rope
 
 
