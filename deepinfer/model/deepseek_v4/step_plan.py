@@ -44,8 +44,10 @@ class StepMetadata:
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
     block_table [B, most blocks] (padded with block 0). Per ratio m: entry_ids[m] [N] 0..N-1 (N:
-    the most entries in the batch, or the graph's bound); num_visible[m] [T] entries a query
-    sees ((pos + 1) // m); compress[m] the ratio's compressor plan. Derived on the device by
+    the most entries in the batch, or the graph's bound), and each entry's block in the table
+    (entry_block[m], clamped to the table) and row in the block (entry_offset[m]), both of the
+    plan's shapes alone; num_visible[m] [T] entries a query sees ((pos + 1) // m); compress[m]
+    the ratio's compressor plan. Derived on the device by
     ``derive_entry_lists`` at the start of every forward (so a CUDA graph recomputes them):
     entry_rows[m] [B, N] entry-pool row of entry n of request b, and for dense ratios (HCA
     attends to every visible entry) visible_idx[m] [T, N], those rows, -1 past num_visible.
@@ -58,6 +60,8 @@ class StepMetadata:
     ring_dst: torch.Tensor
     block_table: torch.Tensor
     entry_ids: dict[int, torch.Tensor]
+    entry_block: dict[int, torch.Tensor]
+    entry_offset: dict[int, torch.Tensor]
     num_visible: dict[int, torch.Tensor]
     compress: dict[int, CompressPlan]
     per_block: dict[int, int]  # entries per block, by ratio (host ints)
@@ -66,12 +70,11 @@ class StepMetadata:
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def derive_entry_lists(self) -> None:
-        """entry_rows and visible_idx from the block table, on the device (see above)."""
-        last_block = self.block_table.shape[1] - 1
+        """entry_rows and visible_idx from the block table, on the device (see above): a
+        gather and one add a ratio, and for dense ratios a compare, a gather and a select."""
         for m, ids in self.entry_ids.items():
-            per_block = self.per_block[m]
-            blocks = self.block_table[:, (ids // per_block).clamp(max=last_block)]  # [B, N]
-            rows = blocks * per_block + ids % per_block
+            blocks = self.block_table[:, self.entry_block[m]]  # [B, N]
+            rows = torch.add(self.entry_offset[m], blocks, alpha=self.per_block[m])
             self.entry_rows[m] = rows
             if m in self.dense_ratios:
                 visible = ids.unsqueeze(0) < self.num_visible[m].unsqueeze(1)  # [T, N]
@@ -157,7 +160,11 @@ def plan_step(
         counts = reqs.real_end // ratio
         width = max(int(counts.max()), 1) if decode_context is None else decode_context // ratio
         assert counts.max() <= width, f"{counts.max()} entries do not fit a width of {width}"
-        host[f"entry_ids{ratio}"] = np.arange(max(width, 1))
+        ids = np.arange(max(width, 1))
+        per_block = geometry.block_size // ratio
+        host[f"entry_ids{ratio}"] = ids
+        host[f"entry_block{ratio}"] = np.minimum(ids // per_block, reqs.table.shape[1] - 1)
+        host[f"entry_offset{ratio}"] = ids % per_block
         host[f"num_visible{ratio}"] = (visible_pos + 1) // ratio
         if decode_context is None:
             plan = compress_plan(reqs, geometry, ratio)
@@ -179,6 +186,8 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         ring_dst=dev["ring_dst"],
         block_table=dev["block_table"],
         entry_ids={m: dev[f"entry_ids{m}"] for m in geometry.ratios},
+        entry_block={m: dev[f"entry_block{m}"] for m in geometry.ratios},
+        entry_offset={m: dev[f"entry_offset{m}"] for m in geometry.ratios},
         num_visible={m: dev[f"num_visible{m}"] for m in geometry.ratios},
         compress={
             m: CompressPlan(**{f: dev[f"c{m}.{f}"] for f in _PLAN_FIELDS}) for m in geometry.ratios
