@@ -15,6 +15,7 @@ from deepinfer.model.deepseek_v4.step_plan import (
     CacheGeometry,
     StepMetadata,
     build_metadata,
+    metadata_views,
     plan_step,
 )
 
@@ -124,6 +125,29 @@ def test_graphed_decode_plans_have_one_layout() -> None:
     long = layout(SeqSpan(0, 1, 200, 0, list(range(20))), SeqSpan(1, 1, 47, 3, [7, 8, 9]))
     assert short == long
     assert dict(short)["block_table"] == (2, 256 // 16)
+
+
+def test_entry_lists_of_a_graphed_step_follow_the_block_table() -> None:
+    """With a context bound the entry lists are as wide as the bound, past a short request's
+    blocks (the table's padding): the plan's entry_block / entry_offset give every column the
+    row ``block_table[min(n // pb, last)] * pb + n % pb`` (the derivation before they came
+    with the plan), and the dense ratio's visible lists cut it at num_visible."""
+    geometry = dataclasses.replace(GEOMETRY, scratch_slot=9, scratch_block=99)
+    seqs = [SeqSpan(0, 1, 5, 1, [3]), SeqSpan(1, 1, 47, 3, [7, 8, 9])]
+    host = plan_step(seqs, geometry, decode_context=256)
+    dev = split_flat(torch.from_numpy(flatten(host)), host)
+    meta = metadata_views(dev, geometry)
+    meta.derive_entry_lists()
+    table = meta.block_table
+    for m in geometry.ratios:
+        pb, ids = geometry.block_size // m, meta.entry_ids[m]
+        assert ids.numel() == 256 // m
+        blocks = table[:, (ids // pb).clamp(max=table.shape[1] - 1)]
+        assert torch.equal(meta.entry_rows[m], blocks * pb + ids % pb)
+    visible = ids.unsqueeze(0) < meta.num_visible[16].unsqueeze(1)
+    expected = torch.where(visible, meta.entry_rows[16][meta.token_req], -1)
+    assert torch.equal(meta.visible_idx[16], expected)
+    assert _list(meta.visible_idx[16][:, :4]) == [[-1, -1, -1, -1], [7, 8, 9, -1]]
 
 
 def test_flat_copy_starts_every_array_16_bytes_apart() -> None:
