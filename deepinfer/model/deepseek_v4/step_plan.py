@@ -47,10 +47,10 @@ class StepMetadata:
     the most entries in the batch, or the graph's bound), and each entry's block in the table
     (entry_block[m], clamped to the table) and row in the block (entry_offset[m]), both of the
     plan's shapes alone; num_visible[m] [T] entries a query sees ((pos + 1) // m); compress[m]
-    the ratio's compressor plan. Derived on the device by
-    ``derive_entry_lists`` at the start of every forward (so a CUDA graph recomputes them):
-    entry_rows[m] [B, N] entry-pool row of entry n of request b, and for dense ratios (HCA
-    attends to every visible entry) visible_idx[m] [T, N], those rows, -1 past num_visible.
+    the ratio's compressor plan. Derived on the device by ``derive_entry_lists`` at the start
+    of every forward (so a CUDA graph recomputes them): entry_rows[m] [B, N] entry-pool row of
+    entry n of request b, and for dense ratios (HCA attends to every visible entry)
+    visible_idx[m] [T, N], those rows, -1 past num_visible.
     """
 
     token_req: torch.Tensor
