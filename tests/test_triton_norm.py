@@ -99,8 +99,15 @@ def test_backend_contract(norm_triton: ModuleType) -> None:
     """Both backends provide the ops of ops/norm's contract with the same signatures; the
     triton backend's kernels are its own, the RoPE tables torch_ref's."""
     backend = norm_triton.TritonNormBackend(torch.device("cpu"))
-    names = ("rms_norm", "apply_rope", "hc_pre", "hc_pre_shifted", "hc_post", "hc_post_pre")
-    names += ("hc_head",)
+    names = (
+        "rms_norm",
+        "apply_rope",
+        "hc_pre",
+        "hc_pre_shifted",
+        "hc_post",
+        "hc_post_pre",
+        "hc_head",
+    )
     for name in (*names, "rope_inv_freq", "rope_cos_sin"):
         ours, ref = getattr(backend, name), getattr(torch_ref, name)
         assert inspect.signature(ours) == inspect.signature(ref), name

@@ -719,8 +719,8 @@ def fused_moe(
     # The bits upcast: compiled (inline PTX) bf16 runs on whole K tiles (else, as for D or I
     # under BLOCK_K in small models, the scaled dot), the packed bytes read as int32 words.
     whole_tiles = dim % config.block_k == inter % config.block_k == 0
-    bits = bits_exact and config.bits_upcast and x.dtype == torch.bfloat16 and x.is_cuda
-    bits = bits and whole_tiles
+    compiled_bf16 = x.dtype == torch.bfloat16 and x.is_cuda
+    bits = config.bits_upcast and bits_exact and whole_tiles and compiled_bf16
     if bits:
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)

@@ -472,7 +472,8 @@ class DeepseekV4(nn.Module):
         if self.args.mtp_served:
             batch.hidden = x  # what the MTP layer reads after the step
         x = x[batch.logits_indices]  # [N, hc, D]
-        return self.head(self.hc_head_collapse(x)).float()
+        normed = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self, self.norm)
+        return self.head(normed).float()
 
     @torch.inference_mode()
     def mtp_forward(
@@ -495,11 +496,6 @@ class DeepseekV4(nn.Module):
         exchange, in layer order, as the forward would run them."""
         for layer in self.layers:
             layer.ffn.exchange_only(self.embed.weight.dtype)
-
-    def hc_head_collapse(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, hc, D] -> [N, D]: sigmoid-weighted sum of the streams (no Sinkhorn), through the
-        final norm."""
-        return hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self, self.norm)
 
 
 def hc_head(
