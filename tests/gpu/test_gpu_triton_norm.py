@@ -158,6 +158,35 @@ def test_hc_pre_with_the_block_norm(
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normed", [False, True])
+def test_hc_head(
+    norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype, normed: bool
+) -> None:
+    """The model's head (hc_pre's gate alone, no Sinkhorn) with and without the final norm in
+    the collapse's store, against torch_ref within the stream tolerance; graph replays give the
+    eager result bitwise."""
+    gen = torch.Generator().manual_seed(190 + num_tokens)
+    x, fn, scale, base = _hc_inputs(num_tokens, gen)
+    fn, scale, base = fn[:HC], scale[:1], base[:HC]
+    weight = 1 + 0.1 * torch.randn(DIM, generator=gen)
+    ref = torch_ref.hc_head(
+        x, fn, scale, base, HC_EPS, NORM_EPS, block_norm=(weight, NORM_EPS) if normed else None
+    )
+    inputs = (x.to("cuda", dtype), *_cuda(torch.float32, fn, scale, base), HC_EPS, NORM_EPS)
+    block_norm = (weight.cuda(), NORM_EPS) if normed else None
+    out = norm_triton.hc_head(*inputs, block_norm=block_norm)
+    assert out.dtype == dtype
+    assert _rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else HC_STREAM_BF16_TOL)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = norm_triton.hc_head(*inputs, block_norm=block_norm)
+    for _ in range(5):
+        graph.replay()
+        assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_pre_shifted(norm_triton: ModuleType, num_tokens: int, dtype: torch.dtype) -> None:
     """DeepSeek-V4.1's variant: the collapse takes the previous sub-layer's pre."""
     gen = torch.Generator().manual_seed(150 + num_tokens)
