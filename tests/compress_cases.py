@@ -49,7 +49,8 @@ class CompressStep:
     weight: torch.Tensor
     cos: torch.Tensor | None
     sin: torch.Tensor | None
-    state: dict[str, torch.Tensor]  # buf_kv, buf_gate [slots, b, width]; prev_* [slots, K*m, d]
+    # buf_kv, buf_gate [slots, b, width]; prev_* [slots, K*m, d]; entries [blocks, per block, d]
+    state: dict[str, torch.Tensor]
 
     @property
     def num_windows(self) -> int:
@@ -69,6 +70,7 @@ class CompressStep:
             CompressorState(
                 state["buf_kv"], state["buf_gate"], state.get("prev_kv"), state.get("prev_gate")
             ),
+            state["entries"].flatten(0, 1),
         )
 
 
@@ -117,6 +119,7 @@ def compress_step(
 
     wide = draw(offset, 3 * width).to(device, dtype)
     state = {"buf_kv": draw(num_slots, b, width), "buf_gate": draw(num_slots, b, width)}
+    state["entries"] = draw(2 * num_slots, BLOCK_SIZE // ratio, dim)  # the last: scratch
     if overlap:
         state["prev_kv"] = draw(num_slots, k * ratio, dim)
         state["prev_gate"] = draw(num_slots, k * ratio, dim)

@@ -92,7 +92,7 @@ def _compressor_effects(c: dict[str, np.ndarray], tokens: list[tuple], m: int) -
     ]
     entries = {
         int(d): (int(c["window_ids"][w]), windows[w], previous[w] if m == 4 else None)
-        for w, d in zip(c["keep_windows"], c["entry_dst"], strict=True)
+        for w, d in enumerate(c["entry_dst"])
         if d // per_block != SCRATCH_BLOCK
     }
     overlap = {}

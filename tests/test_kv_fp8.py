@@ -9,6 +9,7 @@ block layout, snapshots, the prefix cache), not the rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.ops.attention import torch_ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
+from deepinfer.ops.norm import CompressRows
+from deepinfer.ops.norm import torch_ref as norm_torch_ref
 
 V4_FLASH = Fp8Layout(512, 64)
 TINY = Fp8Layout(64, 16)  # the built-in model: head_dim 64, a quarter of it RoPE
@@ -92,10 +95,16 @@ def test_attention_over_packed_rows_is_attention_over_their_values() -> None:
     assert torch.allclose(out, expected, rtol=0, atol=1e-5)
 
 
-def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch, backend: type) -> None:
+def _round_tripped_dense_cache(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: type,
+    norm_backend: type = norm_torch_ref.TorchRefNormBackend,
+) -> None:
     """The model's KV writes and a step's own keys FP8-rounded in a dense cache: the oracle,
-    through the cache writes of the attention backend class ``backend``. Only KV rows
-    (head_dim wide) round-trip; the indexer's keys stay as they are."""
+    through the cache writes of the attention backend class ``backend`` (and the compressors'
+    entries, which ``norm_backend``'s compress_windows writes into a dense pool itself, through
+    them too). Only KV rows (head_dim wide) round-trip; the indexer's keys stay as they are."""
+    pool = norm_backend.compress_windows
 
     def as_stored(target: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return TINY.roundtrip(values)
@@ -111,8 +120,18 @@ def _round_tripped_dense_cache(monkeypatch: pytest.MonkeyPatch, backend: type) -
             values = TINY.roundtrip(values)
         target[index] = values.to(target.dtype)
 
+    def compress_windows(
+        kv: torch.Tensor, gate: torch.Tensor, rows: CompressRows, *args: object
+    ) -> torch.Tensor:
+        unstored = dataclasses.replace(rows, entries=None, entry_dst=None)
+        pooled = pool(kv, gate, unstored, *args)
+        if rows.entries is not None and rows.entry_dst is not None and pooled.shape[0]:
+            store_rows(rows.entries, rows.entry_dst, pooled)
+        return pooled
+
     monkeypatch.setattr(backend, "as_stored", staticmethod(as_stored))
     monkeypatch.setattr(backend, "store_rows", staticmethod(store_rows))
+    monkeypatch.setattr(norm_backend, "compress_windows", staticmethod(compress_windows))
 
 
 def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(

@@ -40,6 +40,7 @@ from deepinfer.model.deepseek_v4.weights import fp8_scale_name, is_fp8_linear  #
 from deepinfer.model.layers import Fp8Linear, grouped_linear, use_fp8_linears  # noqa: E402
 from deepinfer.ops import reference_kernels  # noqa: E402
 from deepinfer.ops.linear import BACKENDS, LinearBackend, torch_ref  # noqa: E402
+from deepinfer.ops.moe import torch_ref as moe_torch_ref  # noqa: E402
 
 # Triton against the same W8A8 arithmetic done in torch (x quantized by torch_ref, then an fp32
 # matmul of the dequantized values): both sum exact fp32 products, in another order
@@ -57,6 +58,12 @@ W8A8_TOL = 4e-2
 def linear_triton() -> Iterator[ModuleType]:
     """The backend with interpreted kernels (the GPU tests may have imported it compiled)."""
     yield from interpreted("deepinfer.ops.linear.triton", _INTERPRET_BEFORE)
+
+
+@pytest.fixture(scope="module")
+def moe_triton() -> Iterator[ModuleType]:
+    """The MoE backend's kernels, interpreted: its SwiGLU launch."""
+    yield from interpreted("deepinfer.ops.moe.triton", _INTERPRET_BEFORE)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -215,6 +222,37 @@ def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
 
 
+@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_swiglu_input_is_the_swiglu_launch_then_the_gemm(
+    linear_triton: ModuleType, moe_triton: ModuleType, path: str, dtype: torch.dtype, m: int
+) -> None:
+    """The shared expert's w2 with its activation computed where x is quantized: gate and up
+    the column blocks of one [M, 2K] tensor (the fused w1 + w3 GEMM's), limit 1.5 so that both
+    clamps engage, K = 300 (a ragged last block): bitwise the MoE backend's SwiGLU launch, then
+    fp8_linear, on every path (one row: the quantized row repeated down the tile); the
+    quantizer alone (cuBLAS's path) bitwise the quantizer of that launch's output; torch_ref
+    bitwise its own SwiGLU, then its GEMM."""
+    k, limit = 300, 1.5
+    weight, scale = _weight(64, k, seed=k + m)
+    gate_up = (2 * torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m))).to(dtype)
+    gate, up = gate_up[:, :k], gate_up[:, k:]
+    assert (gate > limit).any() and (up.abs() > limit).any()
+    h = moe_triton.swiglu(gate, up, limit)
+    config = _config(linear_triton, path)
+    fused = linear_triton.fp8_linear(gate, weight, scale, swiglu=(up, limit), config=config)
+    assert fused.dtype == dtype
+    assert torch.equal(fused, linear_triton.fp8_linear(h, weight, scale, config=config))
+    q, x_scale = linear_triton.quantize_activations(gate, swiglu=(up, limit))
+    expected = linear_triton.quantize_activations(h)
+    assert torch.equal(q.view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(x_scale, expected[1])
+    ref = torch_ref.fp8_linear(gate, weight, scale, swiglu=(up, limit))
+    activation = moe_torch_ref.swiglu(gate, up, limit)
+    assert torch.equal(ref, torch_ref.fp8_linear(activation, weight, scale))
+
+
 def test_split_k_sums_in_the_tiles_last_program(linear_triton: ModuleType) -> None:
     """Split K in one launch: the tile's last split adds the partial sums in split order, then
     resets its counter, so a second call (a graph replay) sums again and bitwise alike. A
@@ -336,7 +374,9 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     assert not backend.cublas  # not on the CPU
     calls: list[int] = []
 
-    def refused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def refused(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, swiglu: object = None
+    ) -> torch.Tensor:
         calls.append(x.shape[0])
         raise RuntimeError("blockwise scaling needs CUDA 12.9")
 
@@ -450,3 +490,11 @@ def test_model_runs_fp8_linears(fp8_checkpoint: tuple[Path, dict]) -> None:
     dense = nn.Linear(groups.shape[2], args.o_groups * args.o_lora_rank, bias=False)
     dense.weight.data = plain["layers.1.attn.wo_a.weight"]
     assert _rel_err(out, grouped_linear(dense, groups)) < 1e-6
+    # The shared expert on an FP8 w2: its activation passed to the linear with the gate.
+    mlp = model.layers[1].ffn.shared_experts
+    assert isinstance(mlp.w2, Fp8Linear)
+    h = torch.randn(4, args.hidden_size, generator=torch.Generator().manual_seed(6))
+    gate, up = (F.linear(h, plain[f"layers.1.ffn.shared_experts.{w}.weight"]) for w in ("w1", "w3"))
+    activation = moe_torch_ref.swiglu(gate, up, args.swiglu_limit)
+    ref = F.linear(activation, plain["layers.1.ffn.shared_experts.w2.weight"])
+    assert _rel_err(mlp(h), ref) < 1e-6

@@ -167,8 +167,8 @@ class _TagCache:
                 assert candidates[plan["prev_src"][g]] == expected, (m, w)
         for dst, g in zip(plan["prev_dst"], plan["last_window"], strict=True):
             prev[dst] = windows[g]
-        for dst, g in zip(plan["entry_dst"], plan["keep_windows"], strict=True):
-            self.pool[m][dst] = windows[g]
+        for dst, window in zip(plan["entry_dst"], windows, strict=True):
+            self.pool[m][dst] = window
         for s, dst in zip(plan["left_src"], plan["left_dst"], strict=True):
             buf[dst] = src[s]
 

@@ -548,10 +548,11 @@ def test_compress_windows(
     norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, case: str, bias_rope: bool
 ) -> None:
     """compress_windows (a compressor's step from the planners' real plans) in two or three
-    launches, the ring copy only where the compressor overlaps: the entries and both rings bit
-    for bit torch_ref's gathers + this backend's gated_pool and apply_rope (the same values in
-    the same order), and within FP32_TOL of torch_ref's entries. ``plain``: no gate bias and no
-    rotation (DeepSeek-V4.1's compressor)."""
+    launches, the ring copy only where the compressor overlaps: the entries (returned, and in
+    the entry pool from the pooling's store) and both rings bit for bit torch_ref's gathers +
+    this backend's gated_pool and apply_rope (the same values in the same order), and within
+    FP32_TOL of torch_ref's entries. ``plain``: no gate bias and no rotation (DeepSeek-V4.1's
+    compressor)."""
     step = compress_step(case, 16 if "csa" in case else 24, bias_rope, len(case) + bias_rope)
     args = (step.ape, step.weight, EPS, step.cos, step.sin)
     states = {name: step.fresh_state() for name in ("ref", "ours", "fast")}
@@ -571,7 +572,11 @@ def test_compress_windows(
     assert fast.shape == (num_windows, step.weight.shape[0]) and torch.equal(fast, ours)
     if num_windows:
         assert _rel_err(fast, ref) < FP32_TOL
-    scratch = -1  # the scratch slot: several discarded rows land there, in no set order
+    pool = states["fast"]["entries"]
+    dst = torch.from_numpy(plan["entry_dst"])
+    written = dst < (pool.shape[0] - 1) * pool.shape[1]  # not the scratch block's rows
+    assert torch.equal(pool.flatten(0, 1)[dst[written]], fast[written])
+    scratch = -1  # the scratch slot and block: discarded rows land there, in no set order
     for key, before in step.state.items():
         kept = states["fast"][key][:scratch]
         assert torch.equal(kept, states["ours"][key][:scratch]), key
@@ -605,8 +610,10 @@ def test_compress_windows_split(
         fast = norm_triton.compress_windows(step.kv, step.gate, step.rows(fast_state), *args)
         ref = torch_ref.compress_windows(step.kv, step.gate, step.rows(ref_state), *args)
         assert _rel_err(fast, ref) < FP32_TOL
-        for key in step.state:
-            assert torch.equal(fast_state[key][:-1], ref_state[key][:-1]), key
+        for key in step.state:  # the rings bit for bit; the entries are fast's rows
+            if key != "entries":
+                assert torch.equal(fast_state[key][:-1], ref_state[key][:-1]), key
+        assert _rel_err(fast_state["entries"], ref_state["entries"]) < FP32_TOL
         with monkeypatch.context() as patch:  # torch_ref's gathers, this backend's pooling
             patch.setattr(torch_ref, "gated_pool", norm_triton.gated_pool)
             patch.setattr(torch_ref, "apply_rope", norm_triton.apply_rope)

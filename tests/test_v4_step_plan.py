@@ -20,7 +20,9 @@ from deepinfer.model.deepseek_v4.step_plan import (
 )
 
 # Window 8, ring 12 (margin 4), blocks of 16 tokens: 4 CSA entries or 1 HCA entry per block.
-GEOMETRY = CacheGeometry(window=8, ring_size=12, block_size=16, ratios=(4, 16), dense_ratios=(16,))
+GEOMETRY = CacheGeometry(
+    window=8, ring_size=12, block_size=16, ratios=(4, 16), dense_ratios=(16,), scratch_block=9
+)
 
 
 def _metadata(*seqs: SeqSpan) -> StepMetadata:
@@ -101,8 +103,9 @@ def test_compressor_plan_with_buffered_tokens_and_protected_entries() -> None:
     assert _list(plan.window_ids) == [1, 2]
     assert _list(plan.has_prev) == [True, True]
     assert _list(plan.prev_src) == [0, 1]  # the slot's state, then window 0 of the step
-    # Entry 1 covers positions 4..7 < num_protected 8: it sits in a shared block, not rewritten.
-    assert _list(plan.keep_windows) == [1] and _list(plan.entry_dst) == [7 * 4 + 2]
+    # Entry 1 covers positions 4..7 < num_protected 8: it sits in a shared block, not
+    # rewritten (its write goes to the scratch block's row).
+    assert _list(plan.entry_dst) == [GEOMETRY.scratch_block * 4, 7 * 4 + 2]
     assert _list(plan.left_src) == [8] and _list(plan.left_dst) == [2 * 3 + 0]
     # HCA (16): positions 0..5 are buffered, 0..12 stay open (rewritten to rows 30..42).
     hca = meta.compress[16]

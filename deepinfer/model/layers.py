@@ -157,8 +157,16 @@ class Fp8Linear(nn.Module):
         self._fp8_linear = linear.fp8_linear
         self._fp8_grouped_linear = linear.fp8_grouped_linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.block)
+    def forward(
+        self, x: torch.Tensor, swiglu: tuple[torch.Tensor, float] | None = None
+    ) -> torch.Tensor:
+        """``swiglu`` (up, limit): of the SwiGLU of the gate x and up, which the backend
+        computes where it quantizes its input (``LinearBackend.fp8_linear``)."""
+        rows = x.reshape(-1, self.in_features)
+        if swiglu is not None:
+            up, limit = swiglu
+            swiglu = (up.reshape(-1, self.in_features), limit)
+        y = self._fp8_linear(rows, self.weight, self.scale, self.block, swiglu=swiglu)
         return y.view(*x.shape[:-1], self.out_features)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:

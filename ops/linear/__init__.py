@@ -1,7 +1,9 @@
 """Linear layers with block-scaled FP8 weights. A backend object (``LinearBackend``) provides
 ``fp8_linear(x, weight, weight_scale, block)`` with torch_ref's signature: x [M, K] bf16/fp32,
-weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype;
-and ``fp8_grouped_linear``, its block-diagonal form (x [M, G, K], weight [G*N, K] -> [M, G, N]).
+weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype
+(``swiglu=(up, limit)``: of the shared expert's activation of the gate x, which a backend may
+compute where it quantizes x); and ``fp8_grouped_linear``, its block-diagonal form (x [M, G, K],
+weight [G*N, K] -> [M, G, N]).
 
 Backends, fastest first: ``deepgemm`` (DeepSeek's DeepGEMM, SM90+; chosen by auto only when it
 is installed and a probe GEMM runs right in a child process: ``deepgemm.py``), ``triton`` (CUDA:
@@ -40,6 +42,8 @@ class LinearBackend(Protocol):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         block: tuple[int, int] = FP8_BLOCK,
+        *,
+        swiglu: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor: ...
 
     def fp8_grouped_linear(

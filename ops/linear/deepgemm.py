@@ -109,11 +109,14 @@ def fp8_linear(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     block: tuple[int, int] = FP8_BLOCK,
+    *,
+    swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """As torch_ref.fp8_linear, with x quantized per token per 128 (the Triton quantizer) and
-    DeepGEMM's FP8 GEMM: x [M, K] bf16 (other dtypes are cast), weight [N, K] e4m3, weight_scale
-    [ceil(N/128), ceil(K/128)] fp32. Returns [M, N] in x's dtype. Other weight blocks (V4.1's
-    32 x 32) and shapes off DeepGEMM's tiles (toy models) run the Triton GEMM."""
+    """As torch_ref.fp8_linear, with x quantized per token per 128 (the Triton quantizer, which
+    applies ``swiglu`` too) and DeepGEMM's FP8 GEMM: x [M, K] bf16 (other dtypes are cast),
+    weight [N, K] e4m3, weight_scale [ceil(N/128), ceil(K/128)] fp32. Returns [M, N] in x's
+    dtype. Other weight blocks (V4.1's 32 x 32) and shapes off DeepGEMM's tiles (toy models)
+    run the Triton GEMM."""
     import deep_gemm
 
     from deepinfer.ops.linear import triton
@@ -123,11 +126,11 @@ def fp8_linear(
     # DeepGEMM's SM90 recipe (1 x 128 and 128 x 128 scales) at the shapes it was checked on:
     # whole 128-wide K blocks and N a multiple of 64 (every V4-Flash linear).
     if tuple(block) != (128, 128) or k % 128 or n % 64:
-        return triton.fp8_linear(x, weight, weight_scale, block)
+        return triton.fp8_linear(x, weight, weight_scale, block, swiglu=swiglu)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.to(x.dtype)
-    q, scale = triton.quantize_activations(x, 128)
+    q, scale = triton.quantize_activations(x, 128, swiglu=swiglu)
     deep_gemm.fp8_gemm_nt((q, scale), (weight, weight_scale), out)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 

@@ -33,12 +33,20 @@ def fp8_linear(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     block: tuple[int, int] = FP8_BLOCK,
+    *,
+    swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize_fp8(weight, weight_scale)^T in fp32, cast to x's dtype.
 
     x: [M, K] bf16 / fp16 / fp32; weight: [N, K] float8_e4m3fn; weight_scale: [ceil(N/bn),
-    ceil(K/bk)] fp32 (the dequantization multiplier). Returns [M, N] in x's dtype.
+    ceil(K/bk)] fp32 (the dequantization multiplier). Returns [M, N] in x's dtype. ``swiglu``
+    (up, limit): the input is the shared expert's activation ``moe.torch_ref.swiglu(x, up,
+    limit)`` of the gate x (a backend may compute it with the quantization of its input).
     """
+    if swiglu is not None:
+        from deepinfer.ops.moe.torch_ref import swiglu as activation  # it imports this module
+
+        x = activation(x, *swiglu)
     w = dequantize_fp8(weight, weight_scale, block)  # [N, K] fp32
     return (x.float() @ w.T).to(x.dtype)
 

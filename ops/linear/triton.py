@@ -59,6 +59,7 @@ import triton.language as tl
 from deepinfer.ops.linear.torch_ref import AMAX_EPS, FP8_BLOCK, FP8_MAX
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_swiglu import swiglu
 from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
 from deepinfer.ops.triton_utils import num_sms
 
@@ -167,9 +168,21 @@ def _quantize_tile(x):
     return _round_to_e4m3(q).to(tl.float8e4nv), scale
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _swiglu_input(x, up_ptrs, mask, limit, x_ptr, SWIGLU: tl.constexpr):
+    """A tile of the GEMM's input in fp32: x's, or with SWIGLU swiglu(x, up) rounded to x's
+    dtype (what the SwiGLU launch would have stored) from up's tile at ``up_ptrs``."""
+    x = x.to(tl.float32)
+    if SWIGLU:
+        up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = swiglu(x, up, limit).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit(do_not_specialize=["M", "limit"])
 def _quantize_kernel(
     x_ptr,
+    up_ptr,
     q_ptr,
     s_ptr,
     M,
@@ -179,26 +192,31 @@ def _quantize_kernel(
     stride_qk,
     stride_sm,
     stride_sk,
+    limit,
     K: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
+    SWIGLU: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """q[m, groups], s[m, groups] for GROUPS_PER_PROGRAM consecutive groups of row m."""
+    """q[m, groups], s[m, groups] for GROUPS_PER_PROGRAM consecutive groups of row m; SWIGLU:
+    of swiglu(x, up) (up: x's strides)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
     in_k = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=in_k, other=0.0)
-    q, scale = _quantize_tile(x.to(tl.float32))
+    offs = row * stride_xm + cols * stride_xk
+    x = tl.load(x_ptr + offs, mask=in_k, other=0.0)
+    q, scale = _quantize_tile(_swiglu_input(x, up_ptr + offs, in_k, limit, x_ptr, SWIGLU))
     tl.store(q_ptr + row * stride_qm + cols * stride_qk, q, mask=in_k)
     tl.store(s_ptr + row * stride_sm + groups * stride_sk, scale, mask=groups * GROUP < K)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "limit"])
 def _gemm_kernel(
     a_ptr,
+    up_ptr,
     a_s_ptr,
     b_ptr,
     b_s_ptr,
@@ -221,6 +239,7 @@ def _gemm_kernel(
     stride_ag,
     stride_asg,
     stride_cg,
+    limit,
     K: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr,
@@ -231,6 +250,7 @@ def _gemm_kernel(
     QUANTIZE_A: tl.constexpr,
     ONE_ROW: tl.constexpr,
     ONE_SCALE: tl.constexpr,
+    SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -252,12 +272,14 @@ def _gemm_kernel(
     tile; a 16-row tile quantized 16 copies of it, and their divisions, not the weight's bytes,
     were the cost of a batch-1 decode linear. (Quantizing 2-8 rows and repeating them compiles
     to more instructions than the 16 copies, so M > 1 keeps the whole tile.)
+    SWIGLU (QUANTIZE_A): the input is swiglu(a, up) (up: a's strides), computed as quantized.
     """
     enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     w_group = tl.program_id(2).to(tl.int64)  # the weight's group (one: 0)
     a_ptr += w_group * stride_ag
+    up_ptr += w_group * stride_ag
     a_s_ptr += w_group * stride_asg
     b_ptr += w_group * N * stride_bn
     c_ptr += w_group * stride_cg
@@ -280,7 +302,9 @@ def _gemm_kernel(
     k_start = first_block * BLOCK_K
 
     a_rows = tl.zeros((1,), dtype=tl.int64) if ONE_ROW else rows
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    a_offs = a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    a_ptrs = a_ptr + a_offs
+    up_ptrs = up_ptr + a_offs  # read with SWIGLU only
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
     if ONE_SCALE:
@@ -291,15 +315,16 @@ def _gemm_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
+        in_k = offs_k < K - k_start - i * BLOCK_K
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            in_k = offs_k < K - k_start - i * BLOCK_K
             a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
         if QUANTIZE_A:
-            a, a_s = _quantize_tile(a.to(tl.float32))
+            a = _swiglu_input(a, up_ptrs, in_k[None, :], limit, a_ptr, SWIGLU)
+            a, a_s = _quantize_tile(a)
             if ONE_ROW:  # [1, BLOCK_K] -> [BLOCK_M, BLOCK_K]
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
                 a_s = tl.broadcast_to(a_s, (BLOCK_M,))
@@ -308,6 +333,7 @@ def _gemm_kernel(
         b_s = tl.load(b_s_ptrs)  # a scalar, or [1, BLOCK_N]
         acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         a_ptrs += BLOCK_K * stride_ak
+        up_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         a_s_ptrs += stride_ask
         b_s_ptrs += stride_bsk
@@ -331,12 +357,18 @@ def _gemm_kernel(
 
 
 def quantize_activations(
-    x: torch.Tensor, group: int = FP8_BLOCK[1], rows: int | None = None
+    x: torch.Tensor,
+    group: int = FP8_BLOCK[1],
+    rows: int | None = None,
+    *,
+    swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As torch_ref.quantize_activations, bitwise: x [M, K] -> (q [M, K] float8_e4m3fn,
     x_scale [M, ceil(K/group)] fp32 with strides (1, M)). ``rows`` >= M: q and x_scale have
-    that many rows, the ones past M left unwritten (for a GEMM that wants M padded)."""
+    that many rows, the ones past M left unwritten (for a GEMM that wants M padded).
+    ``swiglu`` (up, limit): of ``moe.triton.swiglu(x, up, limit)``, bitwise, in this launch."""
     m, k = x.shape
+    up, limit = _swiglu_operand(x, swiglu)
     rows = m if rows is None else rows
     assert rows >= m, f"{rows} rows for an x of {m}"
     num_groups = triton.cdiv(k, group)
@@ -348,18 +380,36 @@ def quantize_activations(
     grid = (m, triton.cdiv(num_groups, groups_per_program))
     _quantize_kernel[grid](
         x,
+        up,
         q,
         scale,
         m,
         *x.stride(),
         *q.stride(),
         *scale.stride(),
+        limit,
         K=k,
         GROUP=group,
         GROUPS_PER_PROGRAM=groups_per_program,
+        SWIGLU=swiglu is not None,
         **pdl(x.device),
     )
     return q, scale
+
+
+def _swiglu_operand(
+    x: torch.Tensor, swiglu: tuple[torch.Tensor, float] | None
+) -> tuple[torch.Tensor, float]:
+    """(up, limit) of a SwiGLU input, checked against the gate ``x`` (same shape, strides and
+    dtype); (x, 0.0) without one (a pointer the kernels do not read)."""
+    if swiglu is None:
+        return x, 0.0
+    up, limit = swiglu
+    assert up.shape == x.shape and up.stride() == x.stride() and up.dtype == x.dtype, (
+        f"swiglu: up {tuple(up.shape)} {up.stride()} {up.dtype}, gate {tuple(x.shape)} "
+        f"{x.stride()} {x.dtype}"
+    )
+    return up, float(limit)
 
 
 def fp8_linear(
@@ -368,6 +418,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     block: tuple[int, int] = FP8_BLOCK,
     *,
+    swiglu: tuple[torch.Tensor, float] | None = None,
     config: TileConfig | None = None,
     num_sms: int | None = None,
 ) -> torch.Tensor:
@@ -375,14 +426,26 @@ def fp8_linear(
 
     x: [M, K] bf16 / fp16 / fp32 (any strides); weight: [N, K] float8_e4m3fn; weight_scale:
     [ceil(N/bn), ceil(K/bk)] fp32; block = (bn, bk), bk a power of two >= 16. Returns [M, N] in
-    x's dtype. ``config``: a TileConfig instead of the table's (tests reach every path with it).
-    ``num_sms``: the SMs split K fills (default: x's device's; the backend object passes its own).
+    x's dtype. ``swiglu`` (up, limit): the input is ``moe.triton.swiglu(x, up, limit)``, computed
+    where x is quantized (bitwise that launch, then this GEMM). ``config``: a TileConfig instead
+    of the table's (tests reach every path with it). ``num_sms``: the SMs split K fills
+    (default: x's device's; the backend object passes its own).
     """
     m, k = x.shape
     _check_weight(weight, weight_scale, k, block)
+    up, limit = _swiglu_operand(x, swiglu)
     out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
     if m:
-        _gemm(x.unsqueeze(1), weight, weight_scale, block, out.unsqueeze(1), config, num_sms)
+        _gemm(
+            x.unsqueeze(1),
+            weight,
+            weight_scale,
+            block,
+            out.unsqueeze(1),
+            config,
+            num_sms,
+            (up.unsqueeze(1), limit) if swiglu is not None else None,
+        )
     return out
 
 
@@ -430,8 +493,10 @@ def _gemm(
     out: torch.Tensor,
     config: TileConfig | None,
     num_sms: int | None,
+    swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> None:
-    """out [M, G, N] (contiguous) = each group's x [M, G, K] slice times its weight rows; M > 0."""
+    """out [M, G, N] (contiguous) = each group's x [M, G, K] slice times its weight rows; M > 0.
+    ``swiglu`` (up [M, G, K] in x's strides, limit): of swiglu(x, up) instead."""
     m, groups, k = x.shape
     n = out.shape[2]
     bn, bk = block
@@ -441,13 +506,16 @@ def _gemm(
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
     num_programs = config.programs_per_sm * num_sms
     split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_programs)
+    up, limit = swiglu if swiglu is not None else (x, 0.0)  # x: a pointer not read
     if config.quantize_in_gemm:
         a, a_scale = x, x  # a_scale is not read
         a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
         a_scale_strides = (0, 0, 0)
     else:
         # Row m * G + g of q is x[m, g]; its scales have the strides (1, M * G).
-        a, a_scale = quantize_activations(x.reshape(m * groups, k), bk)
+        rows_up = None if swiglu is None else (up.reshape(m * groups, k), limit)
+        a, a_scale = quantize_activations(x.reshape(m * groups, k), bk, swiglu=rows_up)
+        up = a  # not read: the GEMM takes q
         a_strides = (groups * k, 1, k)
         a_scale_strides = (groups, a_scale.stride(1), 1)
     if split_k == 1:
@@ -457,6 +525,7 @@ def _gemm(
         assert num_tiles * groups <= MAX_TICKET_TILES, f"{num_tiles} x {groups} split tiles"
     _gemm_kernel[(num_tiles, split_k, groups)](
         a,
+        up,
         a_scale,
         weight,
         weight_scale,
@@ -475,6 +544,7 @@ def _gemm(
         a_strides[2],
         a_scale_strides[2],
         c.stride(2),
+        limit,
         K=k,
         BLOCKS_PER_SPLIT=num_k_blocks // split_k,
         SCALE_BLOCK_N=bn,
@@ -485,6 +555,7 @@ def _gemm(
         QUANTIZE_A=config.quantize_in_gemm,
         ONE_ROW=config.quantize_in_gemm and m == 1,
         ONE_SCALE=bn % config.block_n == 0 and (groups == 1 or n % config.block_n == 0),
+        SWIGLU=swiglu is not None and config.quantize_in_gemm,
         SPLIT_K=split_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -504,16 +575,19 @@ def use_cublas(m: int, n: int, k: int) -> bool:
 
 
 def cublas_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """fp8_linear's function through cuBLAS's blockwise FP8 GEMM (``torch._scaled_mm`` with
     1 x 128 activation and 128 x 128 weight scales: DeepSeek's recipe): x quantized by this
     module's quantizer, whose scales have the strides (1, M) cuBLAS asks for, into M rounded up
     to 16 rows (cuBLAS has no algorithm for odd M: the padding rows are computed, then
-    dropped). CUDA, bf16 / fp16 x, 128 x 128 weight blocks; raises RuntimeError where torch or
-    cuBLAS refuses the shapes."""
+    dropped). ``swiglu``: as fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x, 128 x 128
+    weight blocks; raises RuntimeError where torch or cuBLAS refuses the shapes."""
     m = x.shape[0]
-    q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16)
+    q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16, swiglu=swiglu)
     out = torch._scaled_mm(
         q, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype
     )
@@ -545,6 +619,8 @@ class TritonLinearBackend(Backend):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         block: tuple[int, int] = FP8_BLOCK,
+        *,
+        swiglu: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         if (
             self.cublas
@@ -553,11 +629,13 @@ class TritonLinearBackend(Backend):
             and use_cublas(x.shape[0], *weight.shape)
         ):
             try:
-                return cublas_fp8_linear(x, weight, weight_scale)
+                return cublas_fp8_linear(x, weight, weight_scale, swiglu)
             except RuntimeError as error:  # this torch / cuBLAS lacks the recipe: ours from now
                 self.cublas = False
                 logger.warning("linear: cuBLAS blockwise FP8 refused (%s); Triton only", error)
-        return fp8_linear(x, weight, weight_scale, block, config=self.config, num_sms=self.num_sms)
+        return fp8_linear(
+            x, weight, weight_scale, block, swiglu=swiglu, config=self.config, num_sms=self.num_sms
+        )
 
     def fp8_grouped_linear(
         self,

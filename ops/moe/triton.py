@@ -67,6 +67,7 @@ from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe, store_output
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_swiglu import swiglu as swiglu_tile
 from deepinfer.ops.triton_utils import dot_precision
 
 __all__ = [
@@ -490,9 +491,7 @@ def _gate_up_kernel(
             w1_ptrs += BLOCK_K * stride_wk
             w3_ptrs += BLOCK_K * stride_wk
 
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    h = swiglu_tile(gate, up, limit)
 
     offs_hn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
@@ -847,9 +846,7 @@ def _swiglu_kernel(
     mask = cols < num_cols
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    h = swiglu_tile(gate, up, limit)
     tl.store(out_ptr + row * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -60,6 +60,7 @@ import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
 from deepinfer.ops.triton_pdl import enter, pdl
+from deepinfer.ops.triton_swiglu import swiglu
 from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
 
 __all__ = [
@@ -227,10 +228,8 @@ def _gate_up_kernel(
         w1 = w1_next
         w3 = w3_next
 
-    gate = tl.minimum(tl.sum(gate, axis=1), limit)
-    up = tl.sum(up, axis=1)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    h = swiglu(tl.sum(gate, axis=1), tl.sum(up, axis=1), limit)
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     offs_h = _nibble_major_index(offs_n) if W_FP4 else offs_n
     tl.store(h_ptr + pair * stride_hm + offs_h, h, mask=offs_n < N)
 

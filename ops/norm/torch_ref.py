@@ -75,7 +75,8 @@ class CompressRows:
 
     buf_kv / buf_gate: [R, w] the buffer ring (flat); ring_kv / ring_gate: [S * K, m, d] the
     overlap ring, raw (without the gate's bias), None when the compressor does not overlap
-    (then prev_slots .. prev_dst are None too).
+    (then prev_slots .. prev_dst are None too). entries / entry_dst: the entry pool [rows, d]
+    (dense) that window w's entry is also written to, at row entry_dst[w]; None: not written.
     """
 
     buf_kv: torch.Tensor
@@ -91,6 +92,8 @@ class CompressRows:
     has_prev: torch.Tensor | None = None
     last_window: torch.Tensor | None = None
     prev_dst: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+    entry_dst: torch.Tensor | None = None
 
     @property
     def num_windows(self) -> int:
@@ -112,8 +115,9 @@ def compress_windows(
     kv, gate: [T, w] this step's projections (any row stride); ape: [m, w] fp32, the gate's
     position bias (None: none); weight: [d] the entries' norm. Each window's slots are softmax
     pooled per channel (``gated_pool``), normalised, and with ``cos``, ``sin`` [W, rope / 2]
-    rotated to the window's position. Returns [W, d] in the buffer ring's dtype. Then the
-    overlap ring keeps the last windows' Ca halves and the buffer ring its tokens (``rows``).
+    rotated to the window's position. Returns [W, d] in the buffer ring's dtype, also written
+    to ``rows.entries`` where given. Then the overlap ring keeps the last windows' Ca halves and
+    the buffer ring its tokens (``rows``).
     """
     buf_kv, buf_gate = rows.buf_kv, rows.buf_gate
     src_kv = torch.cat([buf_kv[rows.buf_rows], kv.to(buf_kv.dtype)])  # [nbuf + T, w]
@@ -129,6 +133,9 @@ def compress_windows(
         if cos is not None:
             assert sin is not None, "compress_windows: cos without sin"
             pooled = apply_rope(pooled, cos, sin)
+        if rows.entries is not None:
+            assert rows.entry_dst is not None, "compress_windows: entries without entry_dst"
+            rows.entries[rows.entry_dst] = pooled.to(rows.entries.dtype)
     buf_kv[rows.left_dst] = src_kv[rows.left_src]
     buf_gate[rows.left_dst] = src_gate[rows.left_src]
     return pooled

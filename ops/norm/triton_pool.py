@@ -13,7 +13,7 @@ step, since a graph pools every request's candidate window)::
 
     _compress_pool_kernel   one program a window: the slots as above, softmax-pooled online
                             over chunks of slots, normalised, roped: [W, d] in the buffer
-                            ring's dtype; over
+                            ring's dtype, and each row into the entry pool; over
                             many slots (HCA's 128) a window's channels split over programs,
                             then _pool_finish_kernel normalises and rotates each row
     _compress_keep_kernel   the last windows' Ca halves -> the overlap ring (CSA)
@@ -88,12 +88,17 @@ def _pool_store(
     sin_ptr,
     cos_stride,
     sin_stride,
+    entries_ptr,
+    entry_dst_ptr,
+    entries_stride,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    STORE_ENTRY: tl.constexpr,
 ):
     """Window w's pooled row: rounded to the output dtype, RMS-normalised, and with
     ROPE_HALF > 0 its trailing 2 * ROPE_HALF channels rotated as ``_apply_rope_kernel`` does
-    (pairs split from the row in registers)."""
+    (pairs split from the row in registers); STORE_ENTRY: also to the entry pool's row
+    entry_dst[w]."""
     pooled = div_rn(acc, l_i)
     pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference's rounding
     pooled = tl.where(d_mask, pooled, 0.0)
@@ -114,6 +119,10 @@ def _pool_store(
         is_rope_d = (offs_d >= dim - 2 * ROPE_HALF) & d_mask
         out = tl.where(is_rope_d, rotated, out)
     tl.store(out_ptr + w * dim + offs_d, out, d_mask)
+    if STORE_ENTRY:
+        dst = tl.load(entry_dst_ptr + w).to(tl.int64)
+        entry = out.to(entries_ptr.dtype.element_ty)
+        tl.store(entries_ptr + dst * entries_stride + offs_d, entry, d_mask)
 
 
 def _pool_tiles(num_slots: int, dim: int) -> tuple[int, int, int]:
@@ -204,6 +213,9 @@ def _compress_pool_kernel(
     sin_ptr,
     cos_stride,
     sin_stride,
+    entries_ptr,
+    entry_dst_ptr,
+    entries_stride,
     M: tl.constexpr,
     OVERLAP: tl.constexpr,
     HAS_APE: tl.constexpr,
@@ -211,6 +223,7 @@ def _compress_pool_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    STORE_ENTRY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Window w (program_id 1: its BLOCK_D channels from that block on): its M slots (2M
@@ -301,8 +314,12 @@ def _compress_pool_kernel(
             sin_ptr,
             cos_stride,
             sin_stride,
+            entries_ptr,
+            entry_dst_ptr,
+            entries_stride,
             BLOCK_D,
             ROPE_HALF,
+            STORE_ENTRY,
         )
 
 
@@ -316,8 +333,12 @@ def _pool_finish_kernel(
     sin_ptr,
     cos_stride,
     sin_stride,
+    entries_ptr,
+    entry_dst_ptr,
+    entries_stride,
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    STORE_ENTRY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Window w's pooled row (a split pool's, rounded as stored), in place: ``_pool_store``'s
@@ -342,8 +363,12 @@ def _pool_finish_kernel(
         sin_ptr,
         cos_stride,
         sin_stride,
+        entries_ptr,
+        entry_dst_ptr,
+        entries_stride,
         BLOCK_D,
         ROPE_HALF,
+        STORE_ENTRY,
     )
 
 
@@ -402,6 +427,18 @@ def _compress_keep_kernel(
     tl.store(dst_gate_ptr + dst, gate.to(dst_gate_ptr.dtype.element_ty), mask=mask)
 
 
+def _entry_store(rows: CompressRows, num_windows: int, dim: int) -> bool:
+    """Whether ``rows`` asks for the entries in its entry pool too (its shapes checked)."""
+    if rows.entries is None:
+        return False
+    entries, dst = rows.entries, rows.entry_dst
+    assert dst is not None and dst.shape == (num_windows,), "compress_windows: entry_dst"
+    assert entries.dim() == 2 and entries.shape[1] == dim and entries.stride(1) == 1, (
+        f"compress_windows: entries {tuple(entries.shape)} strides {entries.stride()}, d {dim}"
+    )
+    return True
+
+
 def compress_windows(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -413,7 +450,8 @@ def compress_windows(
     sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch_ref.compress_windows in three launches (module docstring): the windows' entries
-    [W, d] in the buffer ring's dtype, then the overlap ring's and the buffer ring's rows."""
+    [W, d] in the buffer ring's dtype (and in ``rows.entries`` where given, from the same
+    store), then the overlap ring's and the buffer ring's rows."""
     num_windows, m = rows.window_rows.shape
     width, dim = rows.buf_kv.shape[1], weight.shape[0]
     overlap = rows.ring_kv is not None
@@ -451,6 +489,12 @@ def compress_windows(
             cos.stride(0) if half else 0,
             sin.stride(0) if half else 0,
         )
+        store = _entry_store(rows, num_windows, dim)
+        entry = (
+            (rows.entries, rows.entry_dst, rows.entries.stride(0))
+            if store
+            else (out, index, 0)  # dummy pointers without the entry pool
+        )
         weight = weight.float().contiguous()
         _compress_pool_kernel[(num_windows, triton.cdiv(dim, block_d))](
             *common,
@@ -469,6 +513,7 @@ def compress_windows(
             dim,
             eps,
             *rope,
+            *entry,
             M=m,
             OVERLAP=overlap,
             HAS_APE=ape is not None,
@@ -476,6 +521,7 @@ def compress_windows(
             BLOCK_S=block_s,
             BLOCK_D=block_d,
             ROPE_HALF=half,
+            STORE_ENTRY=store and not split,
             num_warps=num_warps,
             **pdl(out.device),
         )
@@ -487,8 +533,10 @@ def compress_windows(
                 dim,
                 eps,
                 *rope,
+                *entry,
                 BLOCK_D=block_d,
                 ROPE_HALF=half,
+                STORE_ENTRY=store,
                 num_warps=min(8, max(1, block_d // 256)),
                 **pdl(out.device),
             )

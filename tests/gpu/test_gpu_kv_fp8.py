@@ -38,8 +38,9 @@ def test_fp8_kv_on_cuda_gives_the_tokens_of_round_tripped_keys(
     with monkeypatch.context() as patch:
         # Imported here, not at collection (where the CPU tests want the interpreted module).
         from deepinfer.ops.attention.triton import AttentionConfig, TritonAttentionBackend
+        from deepinfer.ops.norm.triton import TritonNormBackend
 
-        _round_tripped_dense_cache(patch, TritonAttentionBackend)
+        _round_tripped_dense_cache(patch, TritonAttentionBackend, TritonNormBackend)
         patch.setattr(AttentionConfig, "per_source", property(lambda self: True))
         oracle = LLM(**common).generate(prompts, params, use_tqdm=False)
 

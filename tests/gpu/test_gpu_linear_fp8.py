@@ -104,6 +104,35 @@ def _graph_seconds(fn: Callable[[], object], calls: int = 20, repeats: int = 10)
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_swiglu_input_is_the_swiglu_launch_then_the_gemm(
+    linear_triton: ModuleType, record_figure: Callable[[str], None], num_tokens: int
+) -> None:
+    """The shared expert's w2 (N 4096, K 2048) with its SwiGLU where x is quantized: bitwise
+    the MoE backend's SwiGLU launch then fp8_linear (in the GEMM at 1 and 32 tokens, the
+    quantizer's launch at 128 and 4096), and through the backend object (cuBLAS from 2 rows)
+    bitwise its two-launch form; one launch fewer, timed."""
+    moe_triton = compiled("deepinfer.ops.moe.triton")
+    n, k = SHAPES["shared_w2"]
+    weight, scale = _weight(n, k, seed=n + k)
+    gate_up = 4 * _x(num_tokens, 2 * k, seed=num_tokens + 7)
+    gate, up, limit = gate_up[:, :k], gate_up[:, k:], 10.0
+    h = moe_triton.swiglu(gate, up, limit)
+    fused = linear_triton.fp8_linear(gate, weight, scale, swiglu=(up, limit))
+    assert torch.equal(fused, linear_triton.fp8_linear(h, weight, scale))
+    backend = linear_triton.TritonLinearBackend(gate.device)
+    through = backend.fp8_linear(gate, weight, scale, swiglu=(up, limit))
+    assert torch.equal(through, backend.fp8_linear(h, weight, scale))
+    one_s = _graph_seconds(lambda: backend.fp8_linear(gate, weight, scale, swiglu=(up, limit)))
+    two_s = _graph_seconds(
+        lambda: backend.fp8_linear(moe_triton.swiglu(gate, up, limit), weight, scale)
+    )
+    record_figure(
+        f"shared w2 with its SwiGLU, M={num_tokens}: {one_s * 1e6:.1f} us in the linear's "
+        f"launches vs {two_s * 1e6:.1f} us with the SwiGLU launch"
+    )
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_matches_reference_and_times(
     linear_triton: ModuleType,

@@ -37,8 +37,8 @@ class CompressPlan:
     half: i < R' is the ring row prev_slots[i], R' + g is window g of this step; has_prev [W]:
     False for a request's window 0 (zero kv, -inf gate); last_window [L] / prev_dst [L]: windows
     of this step whose Ca half the overlap ring keeps (each request's last k) and their ring
-    rows (scratch for a candidate that did not close); keep_windows / entry_dst: windows whose
-    entries are written (not in shared prefix-cache blocks) and their entry-pool rows;
+    rows (scratch for a candidate that did not close); entry_dst [W]: each window's entry-pool
+    row (the scratch block's for one in a shared prefix-cache block, which is not rewritten);
     left_src / left_dst: tokens the buffer ring keeps, src rows -> buf rows.
     """
 
@@ -50,7 +50,6 @@ class CompressPlan:
     has_prev: torch.Tensor
     prev_dst: torch.Tensor
     last_window: torch.Tensor
-    keep_windows: torch.Tensor
     entry_dst: torch.Tensor
     left_src: torch.Tensor
     left_dst: torch.Tensor
@@ -87,6 +86,7 @@ def compress_plan(reqs: Requests, geometry: CacheGeometry, ratio: int) -> dict[s
     closers = np.flatnonzero(closed)
     closer_index = np.cumsum(closed > 0) - 1
     keep = ids >= -(-reqs.protected[wr] // m)  # entries in shared prefix blocks are not rewritten
+    assert keep.all() or geometry.scratch_block >= 0, "a window to discard and no scratch block"
     kept_windows = w >= closed[wr] - k  # each request's last k windows of the step
     return {
         "buf_rows": buf_rows,
@@ -97,8 +97,9 @@ def compress_plan(reqs: Requests, geometry: CacheGeometry, ratio: int) -> dict[s
         "has_prev": ids > 0,
         "prev_dst": reqs.slot[wr[kept_windows]] * k + ids[kept_windows] % k,
         "last_window": g[kept_windows],
-        "keep_windows": g[keep],
-        "entry_dst": reqs.entry_rows(wr[keep], ids[keep], per_block),
+        "entry_dst": np.where(
+            keep, reqs.entry_rows(wr, ids, per_block), geometry.scratch_block * per_block
+        ),
         "left_src": src[left],
         "left_dst": left_dst,
     }
@@ -157,7 +158,6 @@ def graphed_compress_plan(
         "has_prev": flat_ids > 0,
         "prev_dst": np.where(flat_closes, slots[req] * k + flat_ids % k, scratch * k),
         "last_window": g,
-        "keep_windows": g,
         "entry_dst": np.where(
             written,
             reqs.entry_rows(req, flat_ids, per_block),

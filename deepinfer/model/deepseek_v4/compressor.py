@@ -88,16 +88,21 @@ class Compressor(nn.Module):
         (``windows``); ``projected``: wkv(x) and wgate(x) where a fused GEMM computed them
         (``FusedLinears.outputs``)."""
         kv, gate = project(self.wkv, x, projected), project(self.wgate, x, projected)  # [T, width]
+        dense = isinstance(pool, torch.Tensor)  # a dense pool takes the entries in the pooling
+        rows = compress_rows(plan, state, pool if dense else None)
         pooled = self.norm_ops.compress_windows(
-            kv, gate, compress_rows(plan, state), self.ape, self.norm.weight, self.norm.eps, *rope
+            kv, gate, rows, self.ape, self.norm.weight, self.norm.eps, *rope
         )  # [W, dim]: normalised, at the windows' positions
-        if plan.num_windows:
-            self.attention_ops.store_rows(pool, plan.entry_dst, pooled, plan.keep_windows)
+        if plan.num_windows and not dense:
+            self.attention_ops.store_rows(pool, plan.entry_dst, pooled)
 
 
-def compress_rows(plan: CompressPlan, state: CompressorState) -> CompressRows:
-    """What ``compress_windows`` reads and writes: ``state``'s rings (flat) and ``plan``'s
-    indices (the overlap ring's only where the compressor has one)."""
+def compress_rows(
+    plan: CompressPlan, state: CompressorState, entries: torch.Tensor | None = None
+) -> CompressRows:
+    """What ``compress_windows`` reads and writes: ``state``'s rings (flat), ``plan``'s indices
+    (the overlap ring's only where the compressor has one) and the entry pool ``entries``
+    (dense, flat), where given."""
     ring = {}
     if state.prev_kv is not None and state.prev_gate is not None:
         m = plan.window_rows.shape[1]
@@ -118,6 +123,8 @@ def compress_rows(plan: CompressPlan, state: CompressorState) -> CompressRows:
         plan.left_src,
         plan.left_dst,
         **ring,
+        entries=entries,
+        entry_dst=None if entries is None else plan.entry_dst,
     )
 
 

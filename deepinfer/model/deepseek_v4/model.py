@@ -31,6 +31,7 @@ from deepinfer.model.deepseek_v4.cache import kv_rows
 from deepinfer.model.deepseek_v4.compressor import Compressor, CompressorState, Indexer, windows
 from deepinfer.model.deepseek_v4.step_plan import CacheGeometry, build_metadata
 from deepinfer.model.layers import (
+    Fp8Linear,
     FusedLinears,
     RMSNorm,
     grouped_linear,
@@ -247,7 +248,8 @@ def measure_expert_scales(model: nn.Module) -> None:
 
 
 class MLP(nn.Module):
-    """The shared expert: clamped SwiGLU (the activation through ``moe_ops.swiglu``)."""
+    """The shared expert: clamped SwiGLU (the activation through ``moe_ops.swiglu``, or in an
+    FP8 w2's input quantization)."""
 
     def __init__(self, dim: int, inter_dim: int, limit: float, moe_ops: MoEBackend) -> None:
         super().__init__()
@@ -267,6 +269,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projected = self.fused.outputs(x)
         gate, up = project(self.w1, x, projected), project(self.w3, x, projected)
+        if isinstance(self.w2, Fp8Linear):
+            return self.w2(gate, swiglu=(up, self.limit))
         return self.w2(self.moe_ops.swiglu(gate, up, self.limit))
 
 

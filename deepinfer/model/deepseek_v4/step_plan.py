@@ -206,7 +206,6 @@ _PLAN_FIELDS = (
     "has_prev",
     "prev_dst",
     "last_window",
-    "keep_windows",
     "entry_dst",
     "left_src",
     "left_dst",

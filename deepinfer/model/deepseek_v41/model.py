@@ -120,7 +120,7 @@ class Compressor(nn.Module):
                 kv, gate, compress_rows(plan, state), None, self.norm.weight, self.norm.eps
             )  # [W, hd], and the buffer ring kept
         entries = self.norm_ops.apply_rope(pre_rope, *rope)  # at the windows' positions
-        pool[plan.entry_dst] = entries[plan.keep_windows].to(pool.dtype)
+        pool[plan.entry_dst] = entries.to(pool.dtype)
         return pre_rope
 
 
@@ -164,7 +164,7 @@ class Indexer(nn.Module):
         pool = cache[self.keys_layer, "index_keys"].flatten(0, 1)  # [blocks * per block, Di]
         keys = self.k_norm(self.wk(pre_rope))  # [W, Di]
         keys = self.kernels.norm.apply_rope(keys, *rope)  # at the windows' positions
-        pool[plan.entry_dst] = keys[plan.keep_windows].to(pool.dtype)
+        pool[plan.entry_dst] = keys.to(pool.dtype)
 
     def forward(
         self,
