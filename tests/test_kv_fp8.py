@@ -101,10 +101,11 @@ def _round_tripped_dense_cache(
     norm_backend: type = norm_torch_ref.TorchRefNormBackend,
 ) -> None:
     """The model's KV writes and a step's own keys FP8-rounded in a dense cache: the oracle,
-    through the cache writes of the attention backend class ``backend`` (and the compressors'
-    entries, which ``norm_backend``'s compress_windows writes into a dense pool itself, through
-    them too). Only KV rows (head_dim wide) round-trip; the indexer's keys stay as they are."""
-    pool = norm_backend.compress_windows
+    through the cache writes of the attention backend class ``backend`` (and those that
+    ``norm_backend`` makes itself into a dense cache, the compressors' entries and a few
+    tokens' ring rows, through them too). Only KV rows (head_dim wide) round-trip; the
+    indexer's keys stay as they are."""
+    pool, norm_rope = norm_backend.compress_windows, norm_backend.rms_norm_rope
 
     def as_stored(target: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return TINY.roundtrip(values)
@@ -131,7 +132,17 @@ def _round_tripped_dense_cache(
 
     monkeypatch.setattr(backend, "as_stored", staticmethod(as_stored))
     monkeypatch.setattr(backend, "store_rows", staticmethod(store_rows))
+
+    def rms_norm_rope(
+        *args: object, store: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        y = norm_rope(*args)
+        if store is not None:
+            store_rows(*store, y)
+        return y
+
     monkeypatch.setattr(norm_backend, "compress_windows", staticmethod(compress_windows))
+    monkeypatch.setattr(norm_backend, "rms_norm_rope", staticmethod(rms_norm_rope))
 
 
 def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(

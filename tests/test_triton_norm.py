@@ -427,6 +427,24 @@ def test_rms_norm_rope_is_the_two_launches_in_one(
     assert _rel_err(fused, torch_ref.rms_norm_rope(x, weight, 1e-6, cos, sin)) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_stores_rows_into_a_ring(norm_triton: ModuleType, dtype: torch.dtype) -> None:
+    """store=(target, rows): each token's row also at target[rows[t]] from the same launch
+    (bitwise the returned row), other rows untouched; torch_ref's store alike."""
+    gen = torch.Generator().manual_seed(23)
+    x, cos, sin = _rope_inputs((5, 40), 16, dtype, gen)
+    weight = torch.rand(40, generator=gen) + 0.5
+    rows = torch.tensor([7, 2, 11, 0, 5])
+    for backend in (norm_triton, torch_ref):
+        ring = torch.randn(12, 40, generator=gen).to(dtype)
+        before = ring.clone()
+        y = backend.rms_norm_rope(x, weight, 1e-6, cos, sin, store=(ring, rows))
+        assert torch.equal(y, backend.rms_norm_rope(x, weight, 1e-6, cos, sin))
+        assert torch.equal(ring[rows], y)
+        untouched = torch.ones(12, dtype=torch.bool).index_fill_(0, rows, False)
+        assert torch.equal(ring[untouched], before[untouched])
+
+
 @pytest.mark.parametrize(("shape", "rope_dim"), [((3, 4, 64), 16), ((5, 48), 48)])
 def test_apply_rope_inverse(norm_triton: ModuleType, shape: tuple[int, ...], rope_dim: int) -> None:
     """-sin rotates back: the round trip returns x, and the inverse alone matches torch_ref's."""

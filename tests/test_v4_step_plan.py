@@ -224,3 +224,15 @@ def test_window_rope_tables_fold_the_ratio_into_the_frequencies_exactly() -> Non
                     (positions[:, None] * inv_freq[None, :]).sin())  # fmt: skip
         folded = rope_cos_sin(window_ids, inv_freq * ratio)
         assert all(torch.equal(a, b) for a, b in zip(folded, expected, strict=True)), ratio
+
+
+def test_the_ring_is_written_with_the_keys_norm_only_where_no_query_reads_a_replaced_row() -> None:
+    """ring_first: every request has at most the ring's margin + 1 tokens (here window 8, ring
+    12: margin 4), and then every token is kept in order. A decode step and a 5-token step
+    qualify; a 6-token step does not (a token of it would replace ring row (p - 12) % 12 that
+    the step's first query still reads), nor a prefill longer than the ring."""
+    assert _metadata(SeqSpan(0, 1, 30, 0, [0, 1, 2]), SeqSpan(1, 1, 9, 1, [3])).ring_first
+    five = _metadata(SeqSpan(0, 5, 30, 0, [0, 1, 2]))
+    assert five.ring_first and _list(five.ring_src) == [0, 1, 2, 3, 4]
+    assert not _metadata(SeqSpan(0, 6, 30, 0, [0, 1, 2])).ring_first
+    assert not _metadata(SeqSpan(0, 20, 0, 0, [0, 1])).ring_first

@@ -52,6 +52,8 @@ class NormBackend(Protocol):
         eps: float,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        *,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def hc_pre(

@@ -232,11 +232,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: a query's or a key's norm, then its
-    RoPE (one launch on Triton)."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+    RoPE (one launch on Triton). ``store`` (target [R, D], rows [T]) for x [T, D]: each token's
+    result also written to target[rows[t]] (a window ring, from the same launch on Triton)."""
+    y = apply_rope(rms_norm(x, weight, eps), cos, sin)
+    if store is not None:
+        target, rows = store
+        target[rows] = y.to(target.dtype)
+    return y
 
 
 def hc_pre(

@@ -323,15 +323,16 @@ def apply_rope(
 
 @triton.jit
 def _rms_norm_rope_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, num_rows, num_heads, x_token_stride,
-    x_head_stride, cos_stride, sin_stride, eps, N: tl.constexpr, NOPE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, target_ptr, target_rows_ptr, num_rows,
+    num_heads, x_token_stride, x_head_stride, cos_stride, sin_stride, target_stride, eps,
+    N: tl.constexpr, NOPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M rows (a row: one token's one head) normalised as ``_rms_norm_kernel`` does and
     rounded to y's dtype, then their rope slice rotated as ``_apply_rope_kernel`` does: each
     channel's pair partner (channel ^ 1) is loaded and normalised alongside, so the two
-    launches' values come out of one."""
+    launches' values come out of one. STORE (one head): row t also to target's row
+    target_rows[t]."""
     enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -364,6 +365,10 @@ def _rms_norm_rope_kernel(
     rotated = rotate(y, yp, cos, tl.where(even, -sin, sin))
     out = tl.where(is_rope[None, :], rotated, y)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], out.to(dtype), mask=mask)
+    if STORE:
+        dst = tl.load(target_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        target = target_ptr + dst[:, None] * target_stride + cols[None, :]
+        tl.store(target, out.to(target_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rope(
@@ -372,12 +377,24 @@ def rms_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    *,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` in one launch, the same values: x
     [T, ..., D] (the norm over D, the rope on its trailing 2 * cos.shape[-1] channels); cos/sin
-    [T, rope_dim / 2]. Returns a new contiguous tensor of x's shape and dtype."""
+    [T, rope_dim / 2]. Returns a new contiguous tensor of x's shape and dtype. ``store``
+    (target [R, D] with unit column stride, rows [T]) for x [T, D]: each token's row also
+    written to target[rows[t]] by the same launch."""
     heads, cos, sin = _rope_rows("rms_norm_rope", x, cos, sin)
     num_tokens, num_heads, dim = heads.shape
+    target, target_rows = store if store is not None else (heads, cos)  # not read without it
+    if store is not None:
+        assert num_heads == 1 and target.dim() == 2 and target.shape[1] == dim, (
+            f"rms_norm_rope: store into {tuple(target.shape)} from x {tuple(x.shape)}"
+        )
+        assert target.stride(1) == 1 and target_rows.shape == (num_tokens,), (
+            f"rms_norm_rope: target strides {target.stride()}, rows {tuple(target_rows.shape)}"
+        )
     nope = dim - 2 * cos.shape[-1]
     assert dim <= RMS_NORM_MAX_N, f"rms_norm_rope: row of {dim} > {RMS_NORM_MAX_N} values"
     assert weight is None or weight.shape == (dim,), f"rms_norm_rope: weight {weight.shape}"
@@ -389,9 +406,10 @@ def rms_norm_rope(
     has_weight = weight is not None
     weight = weight.float().contiguous() if has_weight else heads  # a dummy pointer if None
     _rms_norm_rope_kernel[(triton.cdiv(num_rows, block_m),)](
-        heads, weight, cos, sin, y, num_rows, num_heads, heads.stride(0), heads.stride(1),
-        cos.stride(0), sin.stride(0), eps, N=dim, NOPE=nope, HAS_WEIGHT=has_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl(heads.device),
+        heads, weight, cos, sin, y, target, target_rows, num_rows, num_heads, heads.stride(0),
+        heads.stride(1), cos.stride(0), sin.stride(0), target.stride(0), eps, N=dim, NOPE=nope,
+        HAS_WEIGHT=has_weight, STORE=store is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, **pdl(heads.device),
     )  # fmt: skip
     return y
 

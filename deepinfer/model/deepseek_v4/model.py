@@ -111,11 +111,15 @@ class Attention(nn.Module):
         projected |= self.fused_q.outputs(qr)  # the modules are distinct: one map for both
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
         q = norm.rms_norm_rope(q, None, self.eps, cos, sin)
-        kv = project(self.wkv, x, projected)
-        kv = norm.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
+        # A dense ring takes a few tokens' rows from the norm's launch (StepMetadata.ring_first).
+        ring_first = meta.ring_first and isinstance(ring, torch.Tensor)
+        kv = norm.rms_norm_rope(
+            project(self.wkv, x, projected), self.kv_norm.weight, self.kv_norm.eps, cos, sin,
+            store=(ring, meta.ring_dst) if ring_first else None,
+        )  # fmt: skip
         # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
         # cache, so a key reads the same in its own step and later), earlier window rows from
         # the ring, compressed entries.
@@ -134,7 +138,8 @@ class Attention(nn.Module):
         # V carried RoPE: the output rotated back at the query position, in its store.
         back = batch.rope[inverse(self.rope_kind)]
         out = attention.sparse_attention(q, sources, self.attn_sink, self.head_dim**-0.5, back)
-        attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)  # one launch, the gather in it
+        if not ring_first:
+            attention.store_rows(ring, meta.ring_dst, kv, meta.ring_src)  # the gather in it
         groups = out.view(-1, self.o_groups, self.n_heads // self.o_groups * self.head_dim)
         low_rank = grouped_linear(self.wo_a, groups).flatten(1)  # [T, G*o_lora]
         return self.wo_b(low_rank)

@@ -43,6 +43,10 @@ class StepMetadata:
     token_req [T]: request (batch index) of each token. win_step_idx [T, Ws] / win_ring_idx
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
+    ring_first (host): they may be written before it instead, with the keys' norm: every
+    request has at most the ring's margin + 1 tokens (so no query of the step reads a ring row
+    a token of the step replaces: that needs one ring size between them within a window), and
+    so ring_src is every row in order.
     block_table [B, most blocks] (padded with block 0). Per ratio m: entry_ids[m] [N] 0..N-1 (N:
     the most entries in the batch, or the graph's bound), and each entry's block in the table
     (entry_block[m], clamped to the table) and row in the block (entry_offset[m]), both of the
@@ -66,6 +70,7 @@ class StepMetadata:
     compress: dict[int, CompressPlan]
     per_block: dict[int, int]  # entries per block, by ratio (host ints)
     dense_ratios: tuple[int, ...]
+    ring_first: bool = False
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -194,7 +199,17 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         },
         per_block={m: geometry.block_size // m for m in geometry.ratios},
         dense_ratios=geometry.dense_ratios,
+        ring_first=ring_first(dev, geometry),
     )
+
+
+def ring_first(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> bool:
+    """StepMetadata.ring_first from the plan's shapes: win_step has min(window, the most tokens
+    a request) columns (fewer than the window: that many), and ring_src a row for every token
+    kept."""
+    columns, margin = dev["win_step"].shape[1], geometry.ring_size - geometry.window
+    few = columns < geometry.window and columns <= margin + 1
+    return few and dev["ring_src"].shape[0] == dev["token_req"].shape[0]
 
 
 _PLAN_FIELDS = (
