@@ -1,4 +1,4 @@
-"""Compile decode's Triton kernels (MoE, hc_post) for sm_90 on any machine, no GPU needed.
+"""Compile decode's Triton kernels (MoE, hc_post, the fused stores) for sm_90 on any machine.
 
     python scripts/sm90_compile.py            # V4-Flash shapes, the engine's tiles and passes
     python scripts/sm90_compile.py --loops    # and the grouped MoE's K loops, scaled dot vs bits
@@ -28,9 +28,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from deepinfer.ops.linear import triton as linear_triton
 from deepinfer.ops.moe import triton as moe_triton
 from deepinfer.ops.moe import triton_gemv
 from deepinfer.ops.norm import triton as norm_triton
+from deepinfer.ops.norm import triton_pool
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
@@ -54,8 +56,32 @@ HC_POST_TYPES = {
 }  # fmt: skip
 HC_POST = {"HC": 4, "HC_PAD": 4, "MIX_SIZE": 24, "M_PAD": 32, "PDL": True}
 
+# The shared expert's w2 at decode with its SwiGLU in the quantization (16-row tiles, split K).
+FP8_GEMM_TYPES = {
+    "a_ptr": "*bf16", "up_ptr": "*bf16", "a_s_ptr": "*fp32", "b_ptr": "*fp8e4nv",
+    "b_s_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16", "counters_ptr": "*i32",
+    "limit": "fp32",
+}  # fmt: skip
+SHARED_W2 = {"K": 2048, "BLOCKS_PER_SPLIT": 4, "SCALE_BLOCK_N": 128, "BLOCK_M": 16,
+             "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "QUANTIZE_A": True, "ONE_SCALE": True,
+             "SWIGLU": True, "SPLIT_K": 4, "PDL": True}  # fmt: skip
+# The keys' norm and RoPE with the ring's store; a CSA compressor's pooling with the entries'.
+NORM_ROPE_TYPES = {
+    "x_ptr": "*bf16", "weight_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+    "y_ptr": "*bf16", "target_ptr": "*bf16", "target_rows_ptr": "*i64", "eps": "fp32",
+}  # fmt: skip
+POOL_TYPES = {
+    "kv_ptr": "*bf16", "gate_ptr": "*bf16", "buf_kv_ptr": "*bf16", "buf_gate_ptr": "*bf16",
+    "buf_rows_ptr": "*i64", "window_rows_ptr": "*i64", "ring_kv_ptr": "*bf16",
+    "ring_gate_ptr": "*bf16", "prev_slots_ptr": "*i64", "prev_src_ptr": "*i64",
+    "has_prev_ptr": "*i64", "ape_ptr": "*fp32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
+    "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "entries_ptr": "*bf16",
+    "entry_dst_ptr": "*i64",
+}  # fmt: skip
+
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV), and hc_post with and without the next entry's mix.
+# (ops/moe/triton.py's _MXFP4_GEMV), hc_post with and without the next entry's mix, and the
+# kernels that took a neighbour's launch in (SwiGLU, the ring's and the entries' stores).
 KERNELS = [
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
@@ -65,6 +91,16 @@ KERNELS = [
      {**HC_POST, "BLOCK_D": 128, "D_PER_PROGRAM": 128, "MIX": True}, 8),
     ("hc_post d512 w4", norm_triton._hc_post_kernel, HC_POST_TYPES,
      {**HC_POST, "BLOCK_D": 512, "D_PER_PROGRAM": 512, "MIX": False}, 4),
+    ("shared w2 with its SwiGLU, one row w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
+     {**SHARED_W2, "ONE_ROW": True}, 4),
+    ("shared w2 with its SwiGLU, 16 rows w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
+     {**SHARED_W2, "ONE_ROW": False}, 4),
+    ("kv norm + RoPE into the ring d512 w4", norm_triton._rms_norm_rope_kernel, NORM_ROPE_TYPES,
+     {"N": 512, "NOPE": 448, "HAS_WEIGHT": True, "STORE": True, "BLOCK_M": 1, "BLOCK_N": 512,
+      "PDL": True}, 4),
+    ("CSA pool into the entries d512 w8", triton_pool._compress_pool_kernel, POOL_TYPES,
+     {"M": 4, "OVERLAP": True, "HAS_APE": True, "SPLIT": False, "BLOCK_S": 8, "BLOCK_D": 512,
+      "ROPE_HALF": 32, "STORE_ENTRY": True, "PDL": True}, 8),
 ]  # fmt: skip
 
 
