@@ -76,7 +76,8 @@ POOL_TYPES = {
     "ring_gate_ptr": "*bf16", "prev_slots_ptr": "*i64", "prev_src_ptr": "*i64",
     "has_prev_ptr": "*i64", "ape_ptr": "*fp32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
     "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "entries_ptr": "*bf16",
-    "entry_dst_ptr": "*i64",
+    "entry_dst_ptr": "*i64", "left_src_ptr": "*i64", "left_dst_ptr": "*i64",
+    "prev_dst_ptr": "*i64",
 }  # fmt: skip
 
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
@@ -98,9 +99,14 @@ KERNELS = [
     ("kv norm + RoPE into the ring d512 w4", norm_triton._rms_norm_rope_kernel, NORM_ROPE_TYPES,
      {"N": 512, "NOPE": 448, "HAS_WEIGHT": True, "STORE": True, "BLOCK_M": 1, "BLOCK_N": 512,
       "PDL": True}, 4),
-    ("CSA pool into the entries d512 w8", triton_pool._compress_pool_kernel, POOL_TYPES,
-     {"M": 4, "OVERLAP": True, "HAS_APE": True, "SPLIT": False, "BLOCK_S": 8, "BLOCK_D": 512,
-      "ROPE_HALF": 32, "STORE_ENTRY": True, "PDL": True}, 8),
+    ("CSA pool into the entries, and the keeps d512 w8", triton_pool._compress_pool_kernel,
+     POOL_TYPES, {"M": 4, "OVERLAP": True, "HAS_APE": True, "SPLIT": False, "BLOCK_S": 8,
+                  "BLOCK_D": 512, "ROPE_HALF": 32, "STORE_ENTRY": True, "KEEP": True,
+                  "BLOCK_W": 1024, "PDL": True}, 8),
+    ("HCA pool's channels, and the keeps d64 w4", triton_pool._compress_pool_kernel,
+     POOL_TYPES, {"M": 128, "OVERLAP": False, "HAS_APE": True, "SPLIT": True, "BLOCK_S": 32,
+                  "BLOCK_D": 64, "ROPE_HALF": 32, "STORE_ENTRY": False, "KEEP": True,
+                  "BLOCK_W": 512, "PDL": True}, 4),
 ]  # fmt: skip
 
 

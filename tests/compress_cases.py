@@ -36,7 +36,15 @@ CASES = {
     "hca_chunks": (8, False, 0, False, [(0, 19, 0), (5, 12, 0), (15, 1, 0)]),
     "hca_graphed": (8, False, 0, True, [(7, 1, 0), (2, 1, 0)]),
     "no_window_closes": (4, True, 0, False, [(4, 2, 0), (9, 1, 0)]),
+    # decode steps (one token a request, no drafts): the keeps can run in the pooling's launch
+    # (CompressRows.keep_in_pool): graphed (every request pools a candidate) and not
+    "csa_decode": (4, True, 0, False, [(7, 1, 0), (5, 1, 0), (11, 1, 0), (2, 1, 0)]),
+    "csa_decode_graphed": (4, True, 0, True, [(7, 1, 0), (5, 1, 0), (3, 1, 0)]),
+    "hca_decode": (8, False, 0, False, [(15, 1, 0), (9, 1, 0)]),
 }
+# The cases whose steps are decode steps (CompressPlan.one_token).
+ONE_TOKEN = [name for name, (_, _, d, _, spans) in CASES.items() if not d and
+             all(n == 1 for _, n, _ in spans)]  # fmt: skip
 
 
 @dataclass
@@ -59,11 +67,13 @@ class CompressStep:
     def fresh_state(self) -> dict[str, torch.Tensor]:
         return {key: value.clone() for key, value in self.state.items()}
 
-    def rows(self, state: dict[str, torch.Tensor]) -> CompressRows:
-        """CompressRows over ``state``, as the model's compressors build them."""
+    def rows(self, state: dict[str, torch.Tensor], one_token: bool = False) -> CompressRows:
+        """CompressRows over ``state``, as the model's compressors build them (``one_token``:
+        a decode step's plan, CompressPlan.one_token)."""
         device = self.kv.device
         plan = CompressPlan(
-            **{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in self.plan.items()}
+            **{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in self.plan.items()},
+            one_token=one_token,
         )
         return compress_rows(
             plan,

@@ -32,7 +32,7 @@ if _TRITON_WAS_COMPILED:
         allow_module_level=True,
     )
 
-from compress_cases import CASES, compress_step  # noqa: E402
+from compress_cases import CASES, ONE_TOKEN, compress_step  # noqa: E402
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 
 from deepinfer.ops.norm import BACKENDS, NormBackend, rope_cos_sin, torch_ref  # noqa: E402
@@ -604,6 +604,40 @@ def test_compress_windows(
         expected.append(("_compress_keep_kernel", (plan["last_window"].size * step.ratio,)))
     expected.append(("_compress_keep_kernel", (plan["left_src"].size,)))
     assert sorted(seen) == sorted(expected)
+
+
+@pytest.mark.parametrize("case", ONE_TOKEN)
+@pytest.mark.parametrize("split", [False, True])
+def test_compress_windows_keeps_in_the_pooling_launch(
+    norm_triton: ModuleType, monkeypatch: pytest.MonkeyPatch, case: str, split: bool
+) -> None:
+    """A decode step (one token a request, no drafts: CompressRows.keep_in_pool): the overlap
+    ring's and the buffer ring's keeps in the pooling's one launch, a program a window and one
+    a kept token. The entries, the entry pool and both rings bitwise the three launches' (all
+    but the scratch slot and block); ``split``: the windows over channel programs of 8 (the
+    split lowered to 8 slots), each keeping its channels of the Ca half, the buffer ring's
+    keeps in the first."""
+    pool_module = sys.modules["deepinfer.ops.norm.triton_pool"]
+    if split:
+        monkeypatch.setattr(pool_module, "POOL_SPLIT_MIN_SLOTS", 8)
+        monkeypatch.setattr(pool_module, "POOL_SPLIT_D", 8)
+    dim = 16 if "csa" in case else 24
+    step = compress_step(case, dim, True, len(case))
+    args = (step.ape, step.weight, EPS, step.cos, step.sin)
+    three, one = step.fresh_state(), step.fresh_state()
+    expected = norm_triton.compress_windows(step.kv, step.gate, step.rows(three), *args)
+    kernels = ("_compress_pool_kernel", "_compress_keep_kernel")
+    launches = {name: Launches(getattr(pool_module, name)) for name in kernels}
+    for name, launch in launches.items():
+        monkeypatch.setattr(pool_module, name, launch)
+    out = norm_triton.compress_windows(step.kv, step.gate, step.rows(one, True), *args)
+    assert torch.equal(out, expected)
+    for key in step.state:
+        assert torch.equal(one[key][:-1], three[key][:-1]), key
+    programs = step.num_windows + step.plan["left_src"].size
+    channel_programs = dim // 8 if split else 1
+    assert launches["_compress_pool_kernel"].grids == [(programs, channel_programs)]
+    assert launches["_compress_keep_kernel"].grids == []
 
 
 @pytest.mark.parametrize("case", ["hca_chunks", "hca_graphed"])

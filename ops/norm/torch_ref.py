@@ -77,6 +77,10 @@ class CompressRows:
     overlap ring, raw (without the gate's bias), None when the compressor does not overlap
     (then prev_slots .. prev_dst are None too). entries / entry_dst: the entry pool [rows, d]
     (dense) that window w's entry is also written to, at row entry_dst[w]; None: not written.
+    keep_in_pool: the step's keeps may run with its pooling (a backend's one launch): every
+    request has one token and no drafts are kept (CompressPlan.one_token), so every window's
+    Ca half is kept (last_window is every window, in order) into the ring row its own pooling
+    read, if any, and no other window reads a row a keep writes but discarded candidates'.
     """
 
     buf_kv: torch.Tensor
@@ -94,6 +98,7 @@ class CompressRows:
     prev_dst: torch.Tensor | None = None
     entries: torch.Tensor | None = None
     entry_dst: torch.Tensor | None = None
+    keep_in_pool: bool = False
 
     @property
     def num_windows(self) -> int:

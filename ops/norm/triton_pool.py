@@ -186,7 +186,8 @@ def _src_rows(r, num_buf, buf_rows_ptr, is_src):
     return in_buf, buf_row, is_src & (r >= num_buf), r - num_buf
 
 
-@triton.jit(do_not_specialize=["num_buf", "num_ring_reads"])  # they change step to step
+# They change step to step.
+@triton.jit(do_not_specialize=["num_buf", "num_ring_reads", "num_windows"])
 def _compress_pool_kernel(
     kv_ptr,
     gate_ptr,
@@ -197,6 +198,10 @@ def _compress_pool_kernel(
     buf_width,
     buf_rows_ptr,
     num_buf,
+    num_windows,
+    left_src_ptr,
+    left_dst_ptr,
+    prev_dst_ptr,
     window_rows_ptr,
     ring_kv_ptr,
     ring_gate_ptr,
@@ -224,16 +229,50 @@ def _compress_pool_kernel(
     BLOCK_D: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     STORE_ENTRY: tl.constexpr,
+    KEEP: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Window w (program_id 1: its BLOCK_D channels from that block on): its M slots (2M
-    overlapping: the previous window's Ca, then its own Cb) read where they are (module
-    docstring), softmax-pooled online over chunks of BLOCK_S slots (running max, sum and
-    weighted sum in fp32), then normalised and roped (``_pool_store``); SPLIT: the pooled
-    channels only."""
+    """Program w < num_windows, window w (program_id 1: its BLOCK_D channels from that block
+    on): its M slots (2M overlapping: the previous window's Ca, then its own Cb) read where
+    they are (module docstring), softmax-pooled online over chunks of BLOCK_S slots (running
+    max, sum and weighted sum in fp32), then normalised and roped (``_pool_store``); SPLIT: the
+    pooled channels only. KEEP (CompressRows.keep_in_pool): then, overlapping, its channels of
+    its own Ca half to the overlap ring (row prev_dst[w]: the ring row its first slots came
+    from, read above); and program num_windows + i keeps the buffer ring's row i."""
     enter(PDL)
-    NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
     w = tl.program_id(0).to(tl.int64)
+    if w >= num_windows:
+        if KEEP:  # noqa: SIM102 (a constexpr: the program-id test is compiled only with it)
+            if tl.program_id(1) == 0:
+                _keep_row(
+                    w - num_windows, kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr,
+                    buf_gate_ptr, buf_width, buf_rows_ptr, num_buf, left_src_ptr, left_dst_ptr,
+                    window_rows_ptr, buf_kv_ptr, buf_gate_ptr, buf_width, M, False, BLOCK_W,
+                )  # fmt: skip
+    else:
+        _pool_window(
+            w, kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr, buf_width,
+            buf_rows_ptr, num_buf, prev_dst_ptr, window_rows_ptr, ring_kv_ptr, ring_gate_ptr,
+            prev_slots_ptr, num_ring_reads, prev_src_ptr, has_prev_ptr, ape_ptr, weight_ptr,
+            out_ptr, dim, eps, cos_ptr, sin_ptr, cos_stride, sin_stride, entries_ptr,
+            entry_dst_ptr, entries_stride, M, OVERLAP, HAS_APE, SPLIT, BLOCK_S, BLOCK_D,
+            ROPE_HALF, STORE_ENTRY, KEEP,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pool_window(
+    w, kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr, buf_width,
+    buf_rows_ptr, num_buf, prev_dst_ptr, window_rows_ptr, ring_kv_ptr, ring_gate_ptr,
+    prev_slots_ptr, num_ring_reads, prev_src_ptr, has_prev_ptr, ape_ptr, weight_ptr, out_ptr,
+    dim, eps, cos_ptr, sin_ptr, cos_stride, sin_stride, entries_ptr, entry_dst_ptr,
+    entries_stride, M: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROPE_HALF: tl.constexpr, STORE_ENTRY: tl.constexpr, KEEP: tl.constexpr,
+):  # fmt: skip
+    """``_compress_pool_kernel``'s window w."""
+    NUM_SLOTS: tl.constexpr = 2 * M if OVERLAP else M
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
     m_i = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
@@ -321,6 +360,33 @@ def _compress_pool_kernel(
             ROPE_HALF,
             STORE_ENTRY,
         )
+    if KEEP and OVERLAP:
+        # Every read of the ring row above lands before this window's Ca half replaces it.
+        tl.debug_barrier()
+        buf_dtype = buf_kv_ptr.dtype.element_ty
+        ring_row = tl.load(prev_dst_ptr + w) * M
+        for j in tl.static_range(M):
+            r = tl.load(window_rows_ptr + w * M + j)
+            in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, True)
+            buf_mask = d_mask & in_buf
+            step_mask = d_mask & in_step
+            kv = tl.where(
+                in_buf,
+                tl.load(buf_kv_ptr + buf_row * buf_width + offs_d, mask=buf_mask, other=0.0),
+                tl.load(kv_ptr + step_row * stride_kv + offs_d, mask=step_mask, other=0.0).to(
+                    buf_dtype
+                ),
+            )
+            g = tl.where(
+                in_buf,
+                tl.load(buf_gate_ptr + buf_row * buf_width + offs_d, mask=buf_mask, other=0.0),
+                tl.load(gate_ptr + step_row * stride_gate + offs_d, mask=step_mask, other=0.0).to(
+                    buf_gate_ptr.dtype.element_ty
+                ),
+            )
+            dst = (ring_row + j).to(tl.int64) * dim + offs_d
+            tl.store(ring_kv_ptr + dst, kv.to(ring_kv_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(ring_gate_ptr + dst, g.to(ring_gate_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -394,11 +460,24 @@ def _compress_keep_kernel(
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One kept row: the buffer ring's (RING False: src row src[i] -> buffer row dst[i], all
+    """One kept row a program (``_keep_row``)."""
+    enter(PDL)
+    _keep_row(
+        tl.program_id(0), kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr,
+        buf_width, buf_rows_ptr, num_buf, src_ptr, dst_ptr, window_rows_ptr, dst_kv_ptr,
+        dst_gate_ptr, dst_width, M, RING, BLOCK_W,
+    )  # fmt: skip
+
+
+@triton.jit
+def _keep_row(
+    i, kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr, buf_width,
+    buf_rows_ptr, num_buf, src_ptr, dst_ptr, window_rows_ptr, dst_kv_ptr, dst_gate_ptr,
+    dst_width, M: tl.constexpr, RING: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Kept row i: the buffer ring's (RING False: src row src[i] -> buffer row dst[i], all
     columns) or the overlap ring's (RING: token i % M of window src[i // M] -> ring row
     dst[i // M] * M + i % M, its first dst_width columns, the Ca half)."""
-    enter(PDL)
-    i = tl.program_id(0)
     if RING:
         window = tl.load(src_ptr + i // M)
         r = tl.load(window_rows_ptr + window * M + i % M)
@@ -451,7 +530,8 @@ def compress_windows(
 ) -> torch.Tensor:
     """torch_ref.compress_windows in three launches (module docstring): the windows' entries
     [W, d] in the buffer ring's dtype (and in ``rows.entries`` where given, from the same
-    store), then the overlap ring's and the buffer ring's rows."""
+    store), then the overlap ring's and the buffer ring's rows; with ``rows.keep_in_pool``, all
+    in the pooling's launch."""
     num_windows, m = rows.window_rows.shape
     width, dim = rows.buf_kv.shape[1], weight.shape[0]
     overlap = rows.ring_kv is not None
@@ -463,10 +543,14 @@ def compress_windows(
     assert rows.buf_kv.is_contiguous() and rows.buf_gate.is_contiguous()
     assert ape is None or ape.shape == (m, width), f"compress_windows: ape {ape.shape}"
     half, cos, sin = _rope_tables(cos, sin, num_windows, dim)
-    num_buf = rows.buf_rows.shape[0]
+    num_buf, num_left = rows.buf_rows.shape[0], rows.left_src.shape[0]
     common = (kv, gate, kv.stride(0), gate.stride(0), rows.buf_kv, rows.buf_gate, width)
     out = torch.empty((num_windows, dim), dtype=rows.buf_kv.dtype, device=kv.device)
-    if num_windows:
+    num_ring_keeps = rows.last_window.shape[0] if rows.last_window is not None else 0
+    keep = rows.keep_in_pool
+    if keep and overlap:
+        assert num_ring_keeps == num_windows, "keep_in_pool: every window's Ca half kept"
+    if num_windows or (keep and num_left):
         ring = rows.buf_kv  # dummy pointers without a ring, never read
         ring_kv, ring_gate = (rows.ring_kv, rows.ring_gate) if overlap else (ring, ring)
         assert ring_kv is not None and ring_gate is not None
@@ -475,6 +559,9 @@ def compress_windows(
             (rows.prev_slots, rows.prev_src, rows.has_prev) if overlap else (index,) * 3
         )
         assert prev_slots is not None and prev_src is not None and has_prev is not None
+        prev_dst = rows.prev_dst if keep and overlap else index
+        left_src, left_dst = (rows.left_src, rows.left_dst) if keep and num_left else (index,) * 2
+        assert prev_dst is not None
         num_slots = 2 * m if overlap else m
         split = num_slots >= POOL_SPLIT_MIN_SLOTS
         if split:
@@ -496,10 +583,15 @@ def compress_windows(
             else (out, index, 0)  # dummy pointers without the entry pool
         )
         weight = weight.float().contiguous()
-        _compress_pool_kernel[(num_windows, triton.cdiv(dim, block_d))](
+        programs = num_windows + (num_left if keep else 0)
+        _compress_pool_kernel[(programs, triton.cdiv(dim, block_d))](
             *common,
             rows.buf_rows,
             num_buf,
+            num_windows,
+            left_src,
+            left_dst,
+            prev_dst,
             rows.window_rows,
             ring_kv,
             ring_gate,
@@ -522,10 +614,12 @@ def compress_windows(
             BLOCK_D=block_d,
             ROPE_HALF=half,
             STORE_ENTRY=store and not split,
+            KEEP=keep,
+            BLOCK_W=triton.next_power_of_2(width),
             num_warps=num_warps,
             **pdl(out.device),
         )
-        if split:
+        if split and num_windows:
             block_d = triton.next_power_of_2(dim)
             _pool_finish_kernel[(num_windows,)](
                 out,
@@ -540,9 +634,11 @@ def compress_windows(
                 num_warps=min(8, max(1, block_d // 256)),
                 **pdl(out.device),
             )
-    if overlap and rows.last_window is not None and rows.last_window.shape[0]:
+    if keep:
+        return out
+    if overlap and num_ring_keeps:
         assert rows.prev_dst is not None and rows.ring_kv is not None
-        _compress_keep_kernel[(rows.last_window.shape[0] * m,)](
+        _compress_keep_kernel[(num_ring_keeps * m,)](
             *common,
             rows.buf_rows,
             num_buf,
@@ -557,8 +653,8 @@ def compress_windows(
             BLOCK_W=triton.next_power_of_2(dim),
             **pdl(out.device),
         )
-    if rows.left_src.shape[0]:
-        _compress_keep_kernel[(rows.left_src.shape[0],)](
+    if num_left:
+        _compress_keep_kernel[(num_left,)](
             *common,
             rows.buf_rows,
             num_buf,

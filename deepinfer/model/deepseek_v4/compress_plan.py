@@ -39,7 +39,9 @@ class CompressPlan:
     of this step whose Ca half the overlap ring keeps (each request's last k) and their ring
     rows (scratch for a candidate that did not close); entry_dst [W]: each window's entry-pool
     row (the scratch block's for one in a shared prefix-cache block, which is not rewritten);
-    left_src / left_dst: tokens the buffer ring keeps, src rows -> buf rows.
+    left_src / left_dst: tokens the buffer ring keeps, src rows -> buf rows. one_token (host):
+    every request has one token this step and the cache keeps no drafts (CompressRows'
+    keep_in_pool).
     """
 
     buf_rows: torch.Tensor
@@ -53,6 +55,7 @@ class CompressPlan:
     entry_dst: torch.Tensor
     left_src: torch.Tensor
     left_dst: torch.Tensor
+    one_token: bool = False
 
     @property
     def num_windows(self) -> int:

@@ -125,6 +125,7 @@ def compress_rows(
         **ring,
         entries=entries,
         entry_dst=None if entries is None else plan.entry_dst,
+        keep_in_pool=plan.one_token,
     )
 
 

@@ -183,6 +183,8 @@ def plan_step(
 def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> StepMetadata:
     """StepMetadata over the uploaded arrays, without copying them (a CUDA graph refills them
     in place between replays)."""
+    # win_step has min(window, the most tokens a request) columns.
+    one_token = dev["win_step"].shape[1] == 1 < geometry.window and not geometry.max_draft
     return StepMetadata(
         token_req=dev["token_req"],
         win_step_idx=dev["win_step"],
@@ -195,7 +197,8 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         entry_offset={m: dev[f"entry_offset{m}"] for m in geometry.ratios},
         num_visible={m: dev[f"num_visible{m}"] for m in geometry.ratios},
         compress={
-            m: CompressPlan(**{f: dev[f"c{m}.{f}"] for f in _PLAN_FIELDS}) for m in geometry.ratios
+            m: CompressPlan(**{f: dev[f"c{m}.{f}"] for f in _PLAN_FIELDS}, one_token=one_token)
+            for m in geometry.ratios
         },
         per_block={m: geometry.block_size // m for m in geometry.ratios},
         dense_ratios=geometry.dense_ratios,
