@@ -12,14 +12,12 @@ sees (window keys, visible entries, block table).
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 
 from deepinfer.engine.cuda_graphs import pad_spans
 from deepinfer.model.batch import SeqSpan
-from deepinfer.model.deepseek_v4.compress_plan import CompressPlan
 from deepinfer.model.deepseek_v4.plan_inputs import CacheGeometry
 from deepinfer.model.deepseek_v4.step_plan import plan_step
 
@@ -70,7 +68,9 @@ def _effects(host: dict[str, np.ndarray], seqs: list[SeqSpan]) -> dict[str, obje
     effects["sees"] = sees
     for m in g.ratios:
         effects[m] = _compressor_effects(
-            {f.name: host[f"c{m}.{f.name}"] for f in dataclasses.fields(CompressPlan)}, tokens, m
+            {k.removeprefix(f"c{m}."): v for k, v in host.items() if k.startswith(f"c{m}.")},
+            tokens,
+            m,
         )
     return effects
 
