@@ -439,6 +439,45 @@ COMPRESS_CASES = [
 ]
 
 
+# Decode steps (one token a request, no drafts), the keeps in the pooling's launch: CSA's and
+# the indexer's widths, graphed and not, and HCA's 128-slot windows split over channel programs.
+KEEP_CASES = [
+    ("csa_decode_graphed", 512, 43),
+    ("csa_decode_graphed", 128, 43),
+    ("csa_decode", 512, 32),
+    ("hca_graphed", 512, 64),
+]
+
+
+@pytest.mark.parametrize(("case", "dim", "repeat"), KEEP_CASES)
+def test_compress_windows_keeps_in_the_pooling_launch(
+    norm_triton: ModuleType, case: str, dim: int, repeat: int
+) -> None:
+    """CompressRows.keep_in_pool on CUDA, where a race would show: the entries, the entry pool
+    and both rings bitwise the three launches' (outside the scratch rows), ten times over;
+    prints both paths' times."""
+    from compress_cases import compress_step
+
+    ratio = 128 if "hca" in case else None
+    step = compress_step(case, dim, True, dim + repeat, "cuda", torch.bfloat16, ratio, repeat)
+    args = (step.ape, step.weight, NORM_EPS, step.cos, step.sin)
+    three = step.fresh_state()
+    expected = norm_triton.compress_windows(step.kv, step.gate, step.rows(three), *args)
+    for _ in range(10):
+        one = step.fresh_state()
+        out = norm_triton.compress_windows(step.kv, step.gate, step.rows(one, True), *args)
+        assert torch.equal(out, expected)
+        for key in step.state:
+            assert torch.equal(one[key][:-1], three[key][:-1]), key
+    one_rows, three_rows = step.rows(step.fresh_state(), True), step.rows(step.fresh_state())
+    fused = _cuda_time_us(lambda: norm_triton.compress_windows(step.kv, step.gate, one_rows, *args))
+    apart = _cuda_time_us(
+        lambda: norm_triton.compress_windows(step.kv, step.gate, three_rows, *args)
+    )
+    print(f"compress_windows {case} d={dim} x{repeat}: keeps in the pool {fused:.1f} us, "
+          f"apart {apart:.1f} us")  # fmt: skip
+
+
 @pytest.mark.parametrize(("case", "dim", "ratio", "repeat"), COMPRESS_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compress_windows(
