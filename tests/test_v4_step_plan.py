@@ -236,3 +236,67 @@ def test_the_ring_is_written_with_the_keys_norm_only_where_no_query_reads_a_repl
     assert five.ring_first and _list(five.ring_src) == [0, 1, 2, 3, 4]
     assert not _metadata(SeqSpan(0, 6, 30, 0, [0, 1, 2])).ring_first
     assert not _metadata(SeqSpan(0, 20, 0, 0, [0, 1])).ring_first
+
+
+def test_a_ring_first_step_reads_no_ring_row_it_writes() -> None:
+    """The claim behind ring_first, checked on the plans: over random steps of 1 to 8 tokens a
+    request (window 8, ring 12: margin 4), wherever ring_first holds no query's ring key is a
+    row the step writes (ring_dst); and steps just past the margin do read such rows somewhere
+    (the rule is not vacuous)."""
+    rng = np.random.default_rng(5)
+    clashes = 0
+    for _ in range(300):
+        num = int(rng.integers(1, 4))
+        sizes = rng.integers(1, 9, size=num)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        seqs = [
+            SeqSpan(int(o), int(n), int(rng.integers(0, 40)), slot, [slot, slot + 3, slot + 6])
+            for slot, (o, n) in enumerate(zip(offsets, sizes, strict=True))
+        ]
+        meta = _metadata(*seqs)
+        reads = set(meta.win_ring_idx[meta.win_ring_idx >= 0].tolist())
+        clash = bool(reads & set(meta.ring_dst.tolist()))
+        assert not (meta.ring_first and clash), [(s.start_pos, s.num_tokens) for s in seqs]
+        clashes += clash
+    assert clashes > 0
+
+
+def test_a_decode_steps_keeps_replace_no_row_another_window_pools() -> None:
+    """The claim behind CompressRows.keep_in_pool, checked on the plans of random decode steps
+    (one token a request, no drafts), graphed and not: every window's Ca half is kept
+    (last_window is every window), no buffer row a written window pools is one the buffer
+    keep replaces, and the only ring row a keep replaces that a written window reads is the
+    one that window's own keep replaces."""
+    geometry = dataclasses.replace(GEOMETRY, scratch_slot=9, scratch_block=99)
+    rng = np.random.default_rng(7)
+    for graphed in (False, True):
+        for _ in range(100):
+            slots = rng.permutation(8)[: int(rng.integers(1, 5))]
+            seqs = [
+                SeqSpan(i, 1, int(rng.integers(0, 60)), int(slot), [int(slot), int(slot) + 10])
+                for i, slot in enumerate(slots)
+            ]
+            host = plan_step(seqs, geometry, decode_context=256 if graphed else None)
+            for m in geometry.ratios:
+                c = {k.removeprefix(f"c{m}."): v for k, v in host.items() if k.startswith(f"c{m}.")}
+                b, k = geometry.buffer_rows(m), geometry.overlap_windows(m)
+                written = c["entry_dst"] // (geometry.block_size // m) != geometry.scratch_block
+                num_buf = c["buf_rows"].shape[0]
+                pooled = {
+                    int(c["buf_rows"][r]) for w in np.flatnonzero(written)
+                    for r in c["window_rows"][w] if r < num_buf
+                }  # fmt: skip
+                kept = {int(d) for d in c["left_dst"] if d // b != geometry.scratch_slot}
+                assert not pooled & kept, (graphed, m, [(s.start_pos, s.slot) for s in seqs])
+                if m != 4:
+                    continue
+                assert list(c["last_window"]) == list(range(c["window_rows"].shape[0]))
+                reads = {
+                    int(w): int(c["prev_slots"][c["prev_src"][w]])
+                    for w in np.flatnonzero(written & c["has_prev"])
+                    if c["prev_src"][w] < c["prev_slots"].shape[0]
+                }
+                for w, row in reads.items():
+                    writers = np.flatnonzero(c["prev_dst"] == row)
+                    assert set(writers.tolist()) <= {w}, (graphed, w, row, writers)
+                    assert row // k != geometry.scratch_slot
