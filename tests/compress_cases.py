@@ -41,6 +41,7 @@ CASES = {
     "csa_decode": (4, True, 0, False, [(7, 1, 0), (5, 1, 0), (11, 1, 0), (2, 1, 0)]),
     "csa_decode_graphed": (4, True, 0, True, [(7, 1, 0), (5, 1, 0), (3, 1, 0)]),
     "hca_decode": (8, False, 0, False, [(15, 1, 0), (9, 1, 0)]),
+    "decode_no_window_closes": (4, True, 0, False, [(5, 1, 0), (9, 1, 0)]),
 }
 # The cases whose steps are decode steps (CompressPlan.one_token).
 ONE_TOKEN = [name for name, (_, _, d, _, spans) in CASES.items() if not d and

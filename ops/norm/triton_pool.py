@@ -25,6 +25,13 @@ window's previous half comes from), and a prefill chunk's ring copy can read buf
 the buffer copy then fills with the chunk's open window. Within the buffer copy no row is read
 by one program and written by another: a kept buffered token goes back to its own row.
 
+A decode step (one token a request, no drafts kept: ``CompressRows.keep_in_pool``) runs all
+three in the pool's launch: there the only row a keep replaces that a written window pools is
+the ring row of that window's own previous half (one ring row a slot), which its program keeps
+into after reading it (a barrier between); the buffer copy's rows are read by no written
+window (a window's last token closes it and is not kept; a graphed candidate that does not
+close pools into the scratch rows), so a program a kept token copies them alongside.
+
 The values are torch_ref's conversions in its order (step rows to the ring's dtype, gates to
 fp32 before the bias), so the result is bit for bit torch_ref's gathers followed by
 ``gated_pool`` with the rotation (this kernel over the gathered windows).
@@ -554,7 +561,7 @@ def compress_windows(
         ring = rows.buf_kv  # dummy pointers without a ring, never read
         ring_kv, ring_gate = (rows.ring_kv, rows.ring_gate) if overlap else (ring, ring)
         assert ring_kv is not None and ring_gate is not None
-        index = rows.window_rows  # dummy index pointers without a ring, never read
+        index = rows.window_rows if num_windows else rows.buf_rows  # index pointers not read
         prev_slots, prev_src, has_prev = (
             (rows.prev_slots, rows.prev_src, rows.has_prev) if overlap else (index,) * 3
         )
@@ -570,18 +577,19 @@ def compress_windows(
             num_warps = POOL_SPLIT_WARPS
         else:
             block_s, block_d, num_warps = _pool_tiles(num_slots, dim)
+        # Pointers not read: without rope, a bias or the entry pool (out, or with no window
+        # to pool, a tensor that is not empty: the keeps' launch takes no null pointer).
+        dummy = out if num_windows else rows.buf_kv
         rope = (
-            cos if half else out,  # dummy pointers without rope
-            sin if half else out,
+            cos if half else dummy,
+            sin if half else dummy,
             cos.stride(0) if half else 0,
             sin.stride(0) if half else 0,
         )
         store = _entry_store(rows, num_windows, dim)
-        entry = (
-            (rows.entries, rows.entry_dst, rows.entries.stride(0))
-            if store
-            else (out, index, 0)  # dummy pointers without the entry pool
-        )
+        entry = (dummy, index, 0)
+        if store:
+            entry = (rows.entries, rows.entry_dst, rows.entries.stride(0))
         weight = weight.float().contiguous()
         programs = num_windows + (num_left if keep else 0)
         _compress_pool_kernel[(programs, triton.cdiv(dim, block_d))](
@@ -599,9 +607,9 @@ def compress_windows(
             prev_slots.shape[0],
             prev_src,
             has_prev,
-            out if ape is None else ape.float().contiguous(),  # dummy pointer without a bias
+            dummy if ape is None else ape.float().contiguous(),
             weight,
-            out,
+            dummy,
             dim,
             eps,
             *rope,
