@@ -368,32 +368,16 @@ def _pool_window(
             STORE_ENTRY,
         )
     if KEEP and OVERLAP:
-        # Every read of the ring row above lands before this window's Ca half replaces it.
+        # Every read of the ring row above lands before this window's Ca half replaces it:
+        # token j's channels of this block to ring row prev_dst[w] * M + j.
         tl.debug_barrier()
-        buf_dtype = buf_kv_ptr.dtype.element_ty
         ring_row = tl.load(prev_dst_ptr + w) * M
         for j in tl.static_range(M):
-            r = tl.load(window_rows_ptr + w * M + j)
-            in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, True)
-            buf_mask = d_mask & in_buf
-            step_mask = d_mask & in_step
-            kv = tl.where(
-                in_buf,
-                tl.load(buf_kv_ptr + buf_row * buf_width + offs_d, mask=buf_mask, other=0.0),
-                tl.load(kv_ptr + step_row * stride_kv + offs_d, mask=step_mask, other=0.0).to(
-                    buf_dtype
-                ),
-            )
-            g = tl.where(
-                in_buf,
-                tl.load(buf_gate_ptr + buf_row * buf_width + offs_d, mask=buf_mask, other=0.0),
-                tl.load(gate_ptr + step_row * stride_gate + offs_d, mask=step_mask, other=0.0).to(
-                    buf_gate_ptr.dtype.element_ty
-                ),
-            )
-            dst = (ring_row + j).to(tl.int64) * dim + offs_d
-            tl.store(ring_kv_ptr + dst, kv.to(ring_kv_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(ring_gate_ptr + dst, g.to(ring_gate_ptr.dtype.element_ty), mask=d_mask)
+            _copy_src_row(
+                tl.load(window_rows_ptr + w * M + j), offs_d, d_mask, ring_row + j, kv_ptr,
+                gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr, buf_width,
+                buf_rows_ptr, num_buf, ring_kv_ptr, ring_gate_ptr, dim,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -492,9 +476,22 @@ def _keep_row(
     else:
         r = tl.load(src_ptr + i)
         dst_row = tl.load(dst_ptr + i)
-    in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, True)
     cols = tl.arange(0, BLOCK_W)
-    mask = cols < dst_width
+    _copy_src_row(
+        r, cols, cols < dst_width, dst_row, kv_ptr, gate_ptr, stride_kv, stride_gate,
+        buf_kv_ptr, buf_gate_ptr, buf_width, buf_rows_ptr, num_buf, dst_kv_ptr, dst_gate_ptr,
+        dst_width,
+    )  # fmt: skip
+
+
+@triton.jit
+def _copy_src_row(
+    r, cols, mask, dst_row, kv_ptr, gate_ptr, stride_kv, stride_gate, buf_kv_ptr, buf_gate_ptr,
+    buf_width, buf_rows_ptr, num_buf, dst_kv_ptr, dst_gate_ptr, dst_width,
+):  # fmt: skip
+    """Columns ``cols`` (where ``mask``) of src row r, the buffer ring's or the step's (in the
+    buffer ring's dtypes, as torch_ref converts them), to row dst_row of dst (dst_width wide)."""
+    in_buf, buf_row, in_step, step_row = _src_rows(r, num_buf, buf_rows_ptr, True)
     buf_dtype = buf_kv_ptr.dtype.element_ty
     kv = tl.where(
         in_buf,
