@@ -558,7 +558,8 @@ def compress_windows(
         ring = rows.buf_kv  # dummy pointers without a ring, never read
         ring_kv, ring_gate = (rows.ring_kv, rows.ring_gate) if overlap else (ring, ring)
         assert ring_kv is not None and ring_gate is not None
-        index = rows.window_rows if num_windows else rows.buf_rows  # index pointers not read
+        # Index pointers not read (with no window to pool, the keeps' rows: not empty).
+        index = rows.window_rows if num_windows else rows.left_src
         prev_slots, prev_src, has_prev = (
             (rows.prev_slots, rows.prev_src, rows.has_prev) if overlap else (index,) * 3
         )

@@ -183,8 +183,8 @@ def plan_step(
 def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> StepMetadata:
     """StepMetadata over the uploaded arrays, without copying them (a CUDA graph refills them
     in place between replays)."""
-    # win_step has min(window, the most tokens a request) columns.
-    one_token = dev["win_step"].shape[1] == 1 < geometry.window and not geometry.max_draft
+    most = _most_tokens(dev, geometry)
+    one_token = most == 1 and not geometry.max_draft
     return StepMetadata(
         token_req=dev["token_req"],
         win_step_idx=dev["win_step"],
@@ -202,17 +202,19 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         },
         per_block={m: geometry.block_size // m for m in geometry.ratios},
         dense_ratios=geometry.dense_ratios,
-        ring_first=ring_first(dev, geometry),
+        ring_first=(
+            most is not None
+            and most <= geometry.ring_size - geometry.window + 1
+            and dev["ring_src"].shape[0] == dev["token_req"].shape[0]  # every token kept
+        ),
     )
 
 
-def ring_first(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> bool:
-    """StepMetadata.ring_first from the plan's shapes: win_step has min(window, the most tokens
-    a request) columns (fewer than the window: that many), and ring_src a row for every token
-    kept."""
-    columns, margin = dev["win_step"].shape[1], geometry.ring_size - geometry.window
-    few = columns < geometry.window and columns <= margin + 1
-    return few and dev["ring_src"].shape[0] == dev["token_req"].shape[0]
+def _most_tokens(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> int | None:
+    """The most tokens a request has this step, read from the plan's shapes (win_step has
+    min(window, that many) columns); None when it is the window or more."""
+    columns = dev["win_step"].shape[1]
+    return columns if columns < geometry.window else None
 
 
 _PLAN_FIELDS = (
