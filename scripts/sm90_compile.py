@@ -65,10 +65,12 @@ FP8_GEMM_TYPES = {
 SHARED_W2 = {"K": 2048, "BLOCKS_PER_SPLIT": 4, "SCALE_BLOCK_N": 128, "BLOCK_M": 16,
              "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "QUANTIZE_A": True, "ONE_SCALE": True,
              "SWIGLU": True, "SPLIT_K": 4, "PDL": True}  # fmt: skip
-# The keys' norm and RoPE with the ring's store; a CSA compressor's pooling with the entries'.
+# The queries' and keys' norm and RoPE, the keys' with the ring's store; a CSA compressor's
+# pooling with the entries'.
 NORM_ROPE_TYPES = {
-    "x_ptr": "*bf16", "weight_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-    "y_ptr": "*bf16", "target_ptr": "*bf16", "target_rows_ptr": "*i64", "eps": "fp32",
+    "x_ptr": "*bf16", "x_weight_ptr": "*bf16", "x_out_ptr": "*bf16", "k_ptr": "*bf16",
+    "k_weight_ptr": "*fp32", "k_out_ptr": "*bf16", "target_ptr": "*bf16",
+    "target_rows_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32",
 }  # fmt: skip
 POOL_TYPES = {
     "kv_ptr": "*bf16", "gate_ptr": "*bf16", "buf_kv_ptr": "*bf16", "buf_gate_ptr": "*bf16",
@@ -96,9 +98,9 @@ KERNELS = [
      {**SHARED_W2, "ONE_ROW": True}, 4),
     ("shared w2 with its SwiGLU, 16 rows w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
      {**SHARED_W2, "ONE_ROW": False}, 4),
-    ("kv norm + RoPE into the ring d512 w4", norm_triton._rms_norm_rope_kernel, NORM_ROPE_TYPES,
-     {"N": 512, "NOPE": 448, "HAS_WEIGHT": True, "STORE": True, "BLOCK_M": 1, "BLOCK_N": 512,
-      "PDL": True}, 4),
+    ("q and kv norm + RoPE, kv into the ring d512 w8", norm_triton._rms_norm_rope_pair_kernel,
+     NORM_ROPE_TYPES, {"N": 512, "NOPE": 448, "X_WEIGHT": False, "K_WEIGHT": True,
+                       "STORE": True, "BLOCK_X": 4, "BLOCK_K": 1, "BLOCK_N": 512, "PDL": True}, 8),
     ("CSA pool into the entries, and the keeps d512 w8", triton_pool._compress_pool_kernel,
      POOL_TYPES, {"M": 4, "OVERLAP": True, "HAS_APE": True, "SPLIT": False, "BLOCK_S": 8,
                   "BLOCK_D": 512, "ROPE_HALF": 32, "STORE_ENTRY": True, "KEEP": True,

@@ -141,8 +141,18 @@ def _round_tripped_dense_cache(
             store_rows(*store, y)
         return y
 
+    def rms_norm_rope_pair(
+        x: torch.Tensor,
+        k: torch.Tensor,
+        weights: tuple[torch.Tensor | None, torch.Tensor | None],
+        *args: object,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm_rope(x, weights[0], *args), rms_norm_rope(k, weights[1], *args, store=store)
+
     monkeypatch.setattr(norm_backend, "compress_windows", staticmethod(compress_windows))
     monkeypatch.setattr(norm_backend, "rms_norm_rope", staticmethod(rms_norm_rope))
+    monkeypatch.setattr(norm_backend, "rms_norm_rope_pair", staticmethod(rms_norm_rope_pair))
 
 
 def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(

@@ -564,10 +564,10 @@ def test_router_is_the_reference(
 
 def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
     """scripts/sm90_compile.py builds decode's kernels (the MoE's gate/up and down a program
-    a pair, hc_post with and without the next mix, the shared w2 with its SwiGLU, the keys'
-    norm with the ring's store, the pools with the entries' store and the keeps) for sm_90
-    with Triton's compiler and bundled ptxas, no GPU needed: each compiles (the interpreter
-    accepts code the compiler rejects) and spills nothing."""
+    a pair, hc_post with and without the next mix, the shared w2 with its SwiGLU, the queries'
+    and keys' norm with the ring's store, the pools with the entries' store and the keeps) for
+    sm_90 with Triton's compiler and bundled ptxas, no GPU needed: each compiles (the
+    interpreter accepts code the compiler rejects) and spills nothing."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():

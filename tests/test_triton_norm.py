@@ -445,6 +445,33 @@ def test_rms_norm_rope_stores_rows_into_a_ring(norm_triton: ModuleType, dtype: t
         assert torch.equal(ring[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "stored"), [(1, 8, True), (6, 3, False), (0, 4, True)])
+def test_rms_norm_rope_pair_is_both_norms_in_one_launch(
+    norm_triton: ModuleType, dtype: torch.dtype, tokens: int, heads: int, stored: bool
+) -> None:
+    """rms_norm_rope_pair gives each input's rms_norm_rope, k's store included, bit for bit
+    (the interpreter sums a row the same in any tile), on Triton and torch_ref; x's rows from
+    column-sliced heads (a fused projection's view) and k without a weight as well as with."""
+    gen = torch.Generator().manual_seed(tokens * 7 + heads)
+    x, cos, sin = _rope_inputs((tokens, heads, 80), 16, dtype, gen)
+    x = torch.cat([x, x], dim=-1)[..., 80:]  # strided heads
+    k = torch.randn(tokens, 2 * 80, generator=gen).to(dtype)[:, :80]
+    rows = torch.randperm(12, generator=gen)[:tokens]
+    for backend in (norm_triton, torch_ref):
+        for weights in ((None, torch.rand(80, generator=gen) + 0.5), (torch.rand(80), None)):
+            ring, ring_alone = (torch.zeros(12, 80, dtype=dtype) for _ in range(2))
+            store = (ring, rows) if stored else None
+            q_out, k_out = backend.rms_norm_rope_pair(x, k, weights, 1e-6, cos, sin, store=store)
+            assert torch.equal(q_out, backend.rms_norm_rope(x, weights[0], 1e-6, cos, sin))
+            alone = backend.rms_norm_rope(
+                k, weights[1], 1e-6, cos, sin, store=(ring_alone, rows) if stored else None
+            )
+            assert torch.equal(k_out, alone) and torch.equal(ring, ring_alone)
+            assert q_out.shape == x.shape and k_out.shape == k.shape and k_out.dtype == dtype
+            assert stored == bool(ring.any()) or tokens == 0
+
+
 @pytest.mark.parametrize(("shape", "rope_dim"), [((3, 4, 64), 16), ((5, 48), 48)])
 def test_apply_rope_inverse(norm_triton: ModuleType, shape: tuple[int, ...], rope_dim: int) -> None:
     """-sin rotates back: the round trip returns x, and the inverse alone matches torch_ref's."""

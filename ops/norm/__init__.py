@@ -1,14 +1,15 @@
 """Norm ops: RMSNorm, RoPE, the hyper-connection mixing and the compressors' gated pooling.
 
-A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``hc_pre``,
-``hc_post``, ``hc_head`` and ``compress_windows`` (a compressor's step: its windows' entries,
-pooled as torch_ref's ``gated_pool`` says, and its rings kept, from ``CompressRows``) with
-torch_ref's signatures; the RoPE tables (``rope_inv_freq``, ``rope_cos_sin``: built once per
-step, not per layer) stay torch, so every backend re-exports them from torch_ref. Backends,
-fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch each, hc_pre two launches with
-Sinkhorn in registers, hc_head the same two without it, hc_post one, compress_windows three:
-the softmax, weighted sum and norm of a window per program, then the rings,
-``triton_pool.py``), ``torch_ref`` (the oracle).
+A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``rms_norm_rope``
+(and its ``_pair``), ``hc_pre``, ``hc_post``, ``hc_head`` and ``compress_windows`` (a
+compressor's step: its windows' entries, pooled as torch_ref's ``gated_pool`` says, and its
+rings kept, from ``CompressRows``) with torch_ref's signatures; the RoPE tables
+(``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per layer) stay torch, so every
+backend re-exports them from torch_ref. Backends,
+fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch each, a layer's queries' and
+keys' norm and RoPE one together, hc_pre two launches with Sinkhorn in registers, hc_head the
+same two without it, hc_post one; compress_windows as ``triton_pool.py`` says), ``torch_ref``
+(the oracle).
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ class NormBackend(Protocol):
         *,
         store: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
+
+    def rms_norm_rope_pair(
+        self,
+        x: torch.Tensor,
+        k: torch.Tensor,
+        weights: tuple[torch.Tensor | None, torch.Tensor | None],
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def hc_pre(
         self,

@@ -255,6 +255,25 @@ def rms_norm_rope(
     return y
 
 
+def rms_norm_rope_pair(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    weights: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_rope`` of x [T, ..., D] and of k [T, D], each with its own weight of
+    ``weights``, the same eps and angles; ``store``: k's. A layer's queries and keys (one
+    launch on Triton)."""
+    return (
+        rms_norm_rope(x, weights[0], eps, cos, sin),
+        rms_norm_rope(k, weights[1], eps, cos, sin, store=store),
+    )
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -398,6 +417,7 @@ class TorchRefNormBackend(Backend):
     rms_norm = staticmethod(rms_norm)
     apply_rope = staticmethod(apply_rope)
     rms_norm_rope = staticmethod(rms_norm_rope)
+    rms_norm_rope_pair = staticmethod(rms_norm_rope_pair)
     hc_pre = staticmethod(hc_pre)
     hc_pre_shifted = staticmethod(hc_pre_shifted)
     hc_post = staticmethod(hc_post)

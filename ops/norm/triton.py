@@ -322,19 +322,18 @@ def apply_rope(
 
 
 @triton.jit
-def _rms_norm_rope_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, target_ptr, target_rows_ptr, num_rows,
+def _norm_rope_block(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, target_ptr, target_rows_ptr, block, num_rows,
     num_heads, x_token_stride, x_head_stride, cos_stride, sin_stride, target_stride, eps,
     N: tl.constexpr, NOPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_M rows (a row: one token's one head) normalised as ``_rms_norm_kernel`` does and
-    rounded to y's dtype, then their rope slice rotated as ``_apply_rope_kernel`` does: each
-    channel's pair partner (channel ^ 1) is loaded and normalised alongside, so the two
-    launches' values come out of one. STORE (one head): row t also to target's row
-    target_rows[t]."""
-    enter(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Rows block * BLOCK_M + [0, BLOCK_M) (a row: one token's one head) normalised as
+    ``_rms_norm_kernel`` does and rounded to y's dtype, then their rope slice rotated as
+    ``_apply_rope_kernel`` does: each channel's pair partner (channel ^ 1) is loaded and
+    normalised alongside, so the two launches' values come out of one. STORE (one head): row t
+    also to target's row target_rows[t]."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     rows = rows.to(tl.int64)
@@ -371,6 +370,76 @@ def _rms_norm_rope_kernel(
         tl.store(target, out.to(target_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, target_ptr, target_rows_ptr, num_rows,
+    num_heads, x_token_stride, x_head_stride, cos_stride, sin_stride, target_stride, eps,
+    N: tl.constexpr, NOPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One ``_norm_rope_block`` a program."""
+    enter(PDL)
+    _norm_rope_block(
+        x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, target_ptr, target_rows_ptr,
+        tl.program_id(0), num_rows, num_heads, x_token_stride, x_head_stride, cos_stride,
+        sin_stride, target_stride, eps, N, NOPE, HAS_WEIGHT, STORE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rms_norm_rope_pair_kernel(
+    x_ptr, x_weight_ptr, x_out_ptr, x_rows, x_heads, x_token_stride, x_head_stride, x_blocks,
+    k_ptr, k_weight_ptr, k_out_ptr, k_rows, k_token_stride, target_ptr, target_rows_ptr,
+    target_stride, cos_ptr, sin_ptr, cos_stride, sin_stride, eps,
+    N: tl.constexpr, NOPE: tl.constexpr, X_WEIGHT: tl.constexpr, K_WEIGHT: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, x_blocks): x's blocks of BLOCK_X rows; the rest: k's (one head) of BLOCK_K,
+    with its store."""
+    enter(PDL)
+    block = tl.program_id(0)
+    if block < x_blocks:
+        _norm_rope_block(
+            x_ptr, x_weight_ptr, cos_ptr, sin_ptr, x_out_ptr, x_ptr, x_ptr, block, x_rows,
+            x_heads, x_token_stride, x_head_stride, cos_stride, sin_stride, 0, eps, N, NOPE,
+            X_WEIGHT, False, BLOCK_X, BLOCK_N,
+        )  # fmt: skip
+    else:
+        _norm_rope_block(
+            k_ptr, k_weight_ptr, cos_ptr, sin_ptr, k_out_ptr, target_ptr, target_rows_ptr,
+            block - x_blocks, k_rows, 1, k_token_stride, 0, cos_stride, sin_stride,
+            target_stride, eps, N, NOPE, K_WEIGHT, STORE, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+
+
+def _norm_rope_args(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rms_norm_rope's x as rows [T, H, D], cos, sin (``_rope_rows``), the weight as fp32 (x
+    itself as a dummy pointer without one) and the store's target and rows (x and cos, not
+    read, without one), checked for ``op``."""
+    heads, cos, sin = _rope_rows(op, x, cos, sin)
+    num_tokens, num_heads, dim = heads.shape
+    target, target_rows = store if store is not None else (heads, cos)  # not read without it
+    if store is not None:
+        assert num_heads == 1 and target.dim() == 2 and target.shape[1] == dim, (
+            f"{op}: store into {tuple(target.shape)} from x {tuple(x.shape)}"
+        )
+        assert target.stride(1) == 1 and target_rows.shape == (num_tokens,), (
+            f"{op}: target strides {target.stride()}, rows {tuple(target_rows.shape)}"
+        )
+    assert dim <= RMS_NORM_MAX_N, f"{op}: row of {dim} > {RMS_NORM_MAX_N} values"
+    assert weight is None or weight.shape == (dim,), f"{op}: weight {weight.shape}"
+    weight = weight.float().contiguous() if weight is not None else heads
+    return heads, cos, sin, weight, target, target_rows
+
+
 def rms_norm_rope(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -385,33 +454,63 @@ def rms_norm_rope(
     [T, rope_dim / 2]. Returns a new contiguous tensor of x's shape and dtype. ``store``
     (target [R, D] with unit column stride, rows [T]) for x [T, D]: each token's row also
     written to target[rows[t]] by the same launch."""
-    heads, cos, sin = _rope_rows("rms_norm_rope", x, cos, sin)
+    heads, cos, sin, w, target, target_rows = _norm_rope_args(
+        "rms_norm_rope", x, weight, cos, sin, store
+    )
     num_tokens, num_heads, dim = heads.shape
-    target, target_rows = store if store is not None else (heads, cos)  # not read without it
-    if store is not None:
-        assert num_heads == 1 and target.dim() == 2 and target.shape[1] == dim, (
-            f"rms_norm_rope: store into {tuple(target.shape)} from x {tuple(x.shape)}"
-        )
-        assert target.stride(1) == 1 and target_rows.shape == (num_tokens,), (
-            f"rms_norm_rope: target strides {target.stride()}, rows {tuple(target_rows.shape)}"
-        )
-    nope = dim - 2 * cos.shape[-1]
-    assert dim <= RMS_NORM_MAX_N, f"rms_norm_rope: row of {dim} > {RMS_NORM_MAX_N} values"
-    assert weight is None or weight.shape == (dim,), f"rms_norm_rope: weight {weight.shape}"
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return y
     block_m, block_n, num_warps = _rms_tiles(num_rows, dim)
-    has_weight = weight is not None
-    weight = weight.float().contiguous() if has_weight else heads  # a dummy pointer if None
     _rms_norm_rope_kernel[(triton.cdiv(num_rows, block_m),)](
-        heads, weight, cos, sin, y, target, target_rows, num_rows, num_heads, heads.stride(0),
-        heads.stride(1), cos.stride(0), sin.stride(0), target.stride(0), eps, N=dim, NOPE=nope,
-        HAS_WEIGHT=has_weight, STORE=store is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, **pdl(heads.device),
+        heads, w, cos, sin, y, target, target_rows, num_rows, num_heads, heads.stride(0),
+        heads.stride(1), cos.stride(0), sin.stride(0), target.stride(0), eps, N=dim,
+        NOPE=dim - 2 * cos.shape[-1], HAS_WEIGHT=weight is not None, STORE=store is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl(heads.device),
     )  # fmt: skip
     return y
+
+
+def rms_norm_rope_pair(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    weights: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_rope`` of x [T, ..., D] and of k [T, D] (each its own weight of ``weights``;
+    one eps, one table of angles; ``store``: k's), in one launch: x's row blocks, then k's.
+    A layer's queries and keys. x's rows come out as ``rms_norm_rope``'s; k's in tiles of
+    x's launch (the same values on the CPU; on CUDA a row's sum of squares may round apart in
+    its last bit, as k's own launch's tiles change with T and these do not)."""
+    heads, cos, sin, x_weight, _, _ = _norm_rope_args(
+        "rms_norm_rope_pair", x, weights[0], cos, sin, None
+    )
+    keys, _, _, k_weight, target, target_rows = _norm_rope_args(
+        "rms_norm_rope_pair", k, weights[1], cos, sin, store
+    )
+    num_tokens, num_heads, dim = heads.shape
+    assert k.shape == (num_tokens, dim), f"rms_norm_rope_pair: x {tuple(x.shape)}, k {k.shape}"
+    x_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return x_out, k_out
+    block_x, block_n, num_warps = _rms_tiles(num_tokens * num_heads, dim)
+    block_k = min(triton.next_power_of_2(num_tokens), block_x)
+    x_blocks = triton.cdiv(num_tokens * num_heads, block_x)
+    _rms_norm_rope_pair_kernel[(x_blocks + triton.cdiv(num_tokens, block_k),)](
+        heads, x_weight, x_out, num_tokens * num_heads, num_heads, heads.stride(0),
+        heads.stride(1), x_blocks, keys, k_weight, k_out, num_tokens, keys.stride(0), target,
+        target_rows, target.stride(0), cos, sin, cos.stride(0), sin.stride(0), eps, N=dim,
+        NOPE=dim - 2 * cos.shape[-1], X_WEIGHT=weights[0] is not None,
+        K_WEIGHT=weights[1] is not None, STORE=store is not None, BLOCK_X=block_x,
+        BLOCK_K=block_k, BLOCK_N=block_n, num_warps=num_warps, **pdl(heads.device),
+    )  # fmt: skip
+    return x_out, k_out
 
 
 @triton.jit
@@ -1020,6 +1119,7 @@ class TritonNormBackend(Backend):
 
     rms_norm = staticmethod(rms_norm)
     rms_norm_rope = staticmethod(rms_norm_rope)
+    rms_norm_rope_pair = staticmethod(rms_norm_rope_pair)
     compress_windows = staticmethod(compress_windows)
     rope_inv_freq = staticmethod(rope_inv_freq)
     rope_cos_sin = staticmethod(rope_cos_sin)

@@ -326,6 +326,38 @@ def test_rms_norm_rope_is_the_two_launches_in_one(
         assert _rel_err(fused, ref) < ROPE_BF16_TOL
 
 
+@pytest.mark.parametrize("num_tokens", ROPE_NUM_TOKENS)
+def test_rms_norm_rope_pair_is_both_launches_in_one(
+    norm_triton: ModuleType, num_tokens: int
+) -> None:
+    """A layer's q (unweighted, 64 heads) and kv (weighted, stored into a ring) in one launch
+    on CUDA in bf16: q's rows bit for bit rms_norm_rope's, kv's and its ring rows within one
+    bf16 ulp of its own launch's (kv's rows reduce in q's tiles here)."""
+    gen = torch.Generator().manual_seed(800 + num_tokens)
+    q, cos, sin = _rope_inputs(num_tokens, ROPE_SHAPES["q"], gen)
+    kv, _, _ = _rope_inputs(num_tokens, ROPE_SHAPES["kv"], gen)
+    q, kv, cos, sin = (
+        q.to("cuda", torch.bfloat16),
+        kv.to("cuda", torch.bfloat16),
+        cos.cuda(),
+        sin.cuda(),
+    )
+    weight = torch.rand(kv.shape[-1], generator=gen).cuda() + 0.5
+    rows = torch.randperm(2 * num_tokens, generator=gen)[:num_tokens].cuda()
+    ring, ring_alone = (
+        torch.zeros(2 * num_tokens, kv.shape[-1], device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    q_out, kv_out = norm_triton.rms_norm_rope_pair(
+        q, kv, (None, weight), 1e-6, cos, sin, store=(ring, rows)
+    )
+    assert torch.equal(q_out, norm_triton.rms_norm_rope(q, None, 1e-6, cos, sin))
+    alone = norm_triton.rms_norm_rope(kv, weight, 1e-6, cos, sin, store=(ring_alone, rows))
+    ulp = 2.0**-7 * alone.float().abs().clamp_min(2.0**-126)
+    assert ((kv_out.float() - alone.float()).abs() <= ulp).all()
+    assert torch.equal(ring[rows], kv_out) and ring_alone.any()
+
+
 def test_apply_rope_captures_in_cuda_graph(norm_triton: ModuleType) -> None:
     """A decode step's q rotation replays from a CUDA graph on new inputs, bit for bit."""
     gen = torch.Generator().manual_seed(600)

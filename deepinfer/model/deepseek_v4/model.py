@@ -110,14 +110,14 @@ class Attention(nn.Module):
         qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
         projected |= self.fused_q.outputs(qr)  # the modules are distinct: one map for both
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
-        q = norm.rms_norm_rope(q, None, self.eps, cos, sin)
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
         # A dense ring takes a few tokens' rows from the norm's launch (StepMetadata.ring_first).
         ring_first = meta.ring_first and isinstance(ring, torch.Tensor)
-        kv = norm.rms_norm_rope(
-            project(self.wkv, x, projected), self.kv_norm.weight, self.kv_norm.eps, cos, sin,
+        assert self.kv_norm.eps == self.eps, "q's and kv's norms share one eps (one launch)"
+        q, kv = norm.rms_norm_rope_pair(
+            q, project(self.wkv, x, projected), (None, self.kv_norm.weight), self.eps, cos, sin,
             store=(ring, meta.ring_dst) if ring_first else None,
         )  # fmt: skip
         # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
