@@ -34,9 +34,9 @@ pytest.importorskip("triton")
 
 from deepinfer.ops.attention import BACKENDS, AttentionBackend
 from deepinfer.ops.attention import torch_ref as ref
-from deepinfer.ops.triton_interpret import fix_loop_bounds
+from deepinfer.ops.triton_interpret import patch_interpreter
 
-fix_loop_bounds()
+patch_interpreter()
 
 from triton_modules import Launches, contract_mismatches, no_sm_lookup  # noqa: E402
 

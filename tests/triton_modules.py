@@ -25,7 +25,10 @@ def _reload(name: str) -> ModuleType:
 
 # Backend modules whose kernels live partly in other modules, which must be reloaded first.
 KERNEL_MODULES = {
-    "deepinfer.ops.moe.triton": ("deepinfer.ops.moe.triton_gemv",),
+    "deepinfer.ops.moe.triton": (
+        "deepinfer.ops.moe.triton_gemv",
+        "deepinfer.ops.moe.triton_router",
+    ),
     "deepinfer.ops.norm.triton": ("deepinfer.ops.norm.triton_pool",),
 }
 
@@ -33,7 +36,10 @@ KERNEL_MODULES = {
 def interpreted(name: str, interpret_before: str | None) -> Iterator[ModuleType]:
     """Yield module ``name`` reloaded with TRITON_INTERPRET=1; afterwards put TRITON_INTERPRET
     back to ``interpret_before`` (its value when the test module was collected)."""
+    from deepinfer.ops.triton_interpret import patch_interpreter
+
     os.environ["TRITON_INTERPRET"] = "1"
+    patch_interpreter()
     yield _reload(name)
     if interpret_before is None:
         os.environ.pop("TRITON_INTERPRET", None)
