@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.config import CacheConfig, KernelConfig, ModelConfig
+from deepinfer.config import CacheConfig, Config, KernelConfig
 from deepinfer.engine.cuda_graphs import context_bucket
 from deepinfer.engine.weights_loading import convert_experts_to_fp8
 from deepinfer.kv_cache.pool import KVCache
@@ -259,8 +259,9 @@ def build_model(
     weights = FAMILY.random_weights(
         args, seed, setup.device, setup.dtype, fp8_block=block, fp4_experts=fp4_experts
     )
-    if block is not None:  # the small ones dense, as the engine holds them
-        min_weights = ModelConfig().fp8_min_weights
+    if block is not None:  # the small ones dense, as the engine holds them (and as
+        # DEEPINFER_MODEL_FP8_MIN_WEIGHTS sets it for a run)
+        min_weights = Config.load().model.fp8_min_weights
         dequantize_small_fp8_linears(weights, min_weights, block, setup.dtype)
     with torch.device("meta"):
         model = FAMILY.build_model(args, kernels)
