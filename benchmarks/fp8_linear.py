@@ -15,6 +15,8 @@ per-call figure is the replay time / calls), median of ``--repeats``:
   kernel, or cuBLAS's blockwise FP8 where ``use_cublas`` picks it);
 - bf16: ``F.linear`` (cuBLAS) on the dequantized weight in bf16, the engine's path without
   ``model.fp8_weights``;
+- dense: ``ops.linear.triton.dense_linear`` on that bf16 weight (our GEMM without scales, up to
+  DENSE_MAX_ROWS rows: the engine's fused dense projections at decode);
 - scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
   Triton quantizer, W 128x128 scales; cuBLAS on SM90, CUDA >= 12.9), where torch and cuBLAS
   accept the shape; else the error, shortened. Its relative difference to the Triton output is
@@ -57,6 +59,9 @@ SHAPES = {
     "compressor_wkv": (1024, 4096),  # CSA (2 x 512); wgate alike
     "indexer_wq_b": (8192, 1024),
     "weights_proj": (64, 4096),
+    # A CSA layer's projections of x as one GEMM (FusedLinears): wq_a, wkv, the compressor's
+    # wkv and wgate, weights_proj and the indexer compressor's two (2 x 128 each).
+    "x_proj_csa": (4160, 4096),
 }
 DECODE_MAX_TOKENS = 128
 
@@ -153,7 +158,14 @@ def _measure(
         "fp8_s": _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns),
         "engine_s": _time(lambda: backend.fp8_linear(x, weight, scale), setup, ns),
         "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
+        "dense_s": None,
     }
+    if m <= fp8_triton.DENSE_MAX_ROWS:  # our GEMM on the bf16 weight, as FusedLinears runs it
+        dense = fp8_triton.dense_linear(x, w_dense)
+        ref = F.linear(x, w_dense).float()
+        diff = ((dense.float() - ref).norm() / ref.norm()).item()
+        assert diff < 1e-2, f"dense_linear: rel diff {diff:.1e} to F.linear's"
+        row["dense_s"] = _time(lambda: fp8_triton.dense_linear(x, w_dense), setup, ns)
     row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(
         x, weight, scale, ours, fp8_triton, setup, ns
     )
@@ -327,6 +339,8 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
         "fp8 Triton µs",
         "bf16 cuBLAS µs",
         "bf16 / fp8",
+        "dense Triton µs",
+        "bf16 / dense",
         "engine µs",
         "bf16 / engine",
         "scaled_mm µs",
@@ -351,6 +365,8 @@ def _table(rows: list[dict[str, Any]], ns: argparse.Namespace) -> str:
                 _us(r["fp8_s"]),
                 _us(r["bf16_s"]),
                 ratio(r["bf16_s"], r["fp8_s"]),
+                _us(r["dense_s"]),
+                ratio(r["bf16_s"], r["dense_s"]),
                 _us(r["engine_s"]),
                 ratio(r["bf16_s"], r["engine_s"]),
                 _us(r["scaled_mm_s"]),

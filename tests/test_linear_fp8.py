@@ -222,6 +222,31 @@ def test_split_k_and_quantizer_placement(linear_triton: ModuleType) -> None:
     assert torch.equal(linear_triton.fp8_linear(x, weight, scale, config=separate), b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_is_f_linear_in_one_launch(
+    linear_triton: ModuleType, dtype: torch.dtype
+) -> None:
+    """dense_linear (a weight in x's dtype, the FP8 GEMM's tiles without scales): F.linear's
+    values within the sum order's rounding (fp32: 1e-6; bf16: the output's rounding, 2^-8),
+    K split over 4 programs an SM stand-in (3 splits of 64-channel steps, and a partial last
+    step), strided x; a row's output the same alone as among 5 (the ONE_ROW path); counters
+    reset; the backend object's up to DENSE_MAX_ROWS rows and F.linear's past it."""
+    gen = torch.Generator().manual_seed(31)
+    weight = torch.randn(96, 184, generator=gen).to(dtype)
+    x = torch.randn(5, 2 * 184, generator=gen).to(dtype)[:, ::2]  # strided rows
+    out = linear_triton.dense_linear(x, weight)
+    ref = torch.nn.functional.linear(x.float(), weight.float())
+    assert out.dtype == dtype and out.shape == (5, 96)
+    assert _rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 2**-8)
+    assert torch.equal(linear_triton.dense_linear(x[2:3], weight), out[2:3])
+    assert not linear_triton.ticket_counters(x.device).any()
+    backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
+    assert torch.equal(backend.dense_linear(x, weight), out)
+    many = torch.randn(linear_triton.DENSE_MAX_ROWS + 1, 184, generator=gen).to(dtype)
+    assert torch.equal(backend.dense_linear(many, weight), torch.nn.functional.linear(many, weight))
+    assert linear_triton.dense_linear(x[:0], weight).shape == (0, 96)
+
+
 @pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +61,8 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
 class FusedLinears:
     """The linears among ``modules`` that read one input, one GEMM per kind.
 
-    Plain linears (no bias) of one dtype join as one GEMM; ``Fp8Linear``s of one block size and
+    Plain linears (no bias) of one dtype join as one GEMM (``linear``'s ``dense_linear``, or
+    F.linear without a backend); ``Fp8Linear``s of one block size and
     backend, each a whole number of block rows, as one FP8 GEMM (the input quantized once).
     Their weights (and block scales) become row blocks of one tensor: each module's are then
     views of it, so no memory is added, and ``outputs(x)`` maps each module to its column block
@@ -68,13 +71,14 @@ class FusedLinears:
     GEMM over all of them reads the same bytes once. The rest run alone (``project``).
     """
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], linear: LinearBackend | None = None) -> None:
         kinds: dict[tuple[object, ...], list[nn.Module]] = {}
         for module in modules:
             kind = _join_kind(module)
             if kind is not None:
                 kinds.setdefault(kind, []).append(module)
-        self.groups = [_Joined(group) for group in kinds.values() if len(group) > 1]
+        dense = F.linear if linear is None else linear.dense_linear
+        self.groups = [_Joined(group, dense) for group in kinds.values() if len(group) > 1]
         self.modules: tuple[nn.Module, ...] = tuple(m for g in self.groups for m in g.modules)
 
     def outputs(self, x: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
@@ -97,8 +101,11 @@ class _Joined:
     """One group of ``FusedLinears``: its modules' weights (and FP8 block scales) as row
     blocks of one tensor, the modules' parameters views of it."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(
+        self, modules: list[nn.Module], dense: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> None:
         self.modules = tuple(modules)
+        self.dense = dense
         self.sizes = [m.out_features for m in self.modules]
         self.weight = self._join("weight")
         self.scale = self._join("scale") if isinstance(self.modules[0], Fp8Linear) else None
@@ -113,14 +120,14 @@ class _Joined:
         return joined
 
     def outputs(self, x: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])
         if self.scale is None:
-            y = F.linear(x, self.weight)
+            y = self.dense(rows, self.weight)
         else:
             first = self.modules[0]
             assert isinstance(first, Fp8Linear)
-            rows = x.reshape(-1, first.in_features)
             y = first._fp8_linear(rows, self.weight, self.scale, first.block)
-            y = y.view(*x.shape[:-1], self.weight.shape[0])
+        y = y.view(*x.shape[:-1], self.weight.shape[0])
         return dict(zip(self.modules, y.split(self.sizes, dim=-1), strict=True))
 
 

@@ -3,7 +3,8 @@
 weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)] fp32 -> y [M, N] in x's dtype
 (``swiglu=(up, limit)``: of the shared expert's activation of the gate x, which a backend may
 compute where it quantizes x); and ``fp8_grouped_linear``, its block-diagonal form (x [M, G, K],
-weight [G*N, K] -> [M, G, N]).
+weight [G*N, K] -> [M, G, N]); and ``dense_linear(x, weight)``, F.linear on a weight in x's
+dtype (the fused projections of ``model.layers.FusedLinears``; Triton's own GEMM at decode).
 
 Backends, fastest first: ``deepgemm`` (DeepSeek's DeepGEMM, SM90+; chosen by auto only when it
 is installed and a probe GEMM runs right in a child process: ``deepgemm.py``), ``triton`` (CUDA:
@@ -32,7 +33,7 @@ from deepinfer.ops.registry import OpRegistry, triton_available
 
 @runtime_checkable
 class LinearBackend(Protocol):
-    """The FP8 linear of one backend object. Producer: ``BACKENDS.select`` (or
+    """The FP8 (and dense) linears of one backend object. Producer: ``BACKENDS.select`` (or
     ``ops.reference_kernels``). Consumer: ``model.layers.Fp8Linear``, through
     ``Kernels.linear``. Semantics: torch_ref.fp8_linear and torch_ref.fp8_grouped_linear."""
 
@@ -53,6 +54,8 @@ class LinearBackend(Protocol):
         weight_scale: torch.Tensor,
         block: tuple[int, int] = FP8_BLOCK,
     ) -> torch.Tensor: ...
+
+    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
 
 BACKENDS = OpRegistry("linear", LinearBackend)

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from deepinfer.ops.linear.torch_ref import FP8_BLOCK
+from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dense_linear
 from deepinfer.ops.registry import Backend
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
@@ -156,3 +156,4 @@ class DeepGEMMLinearBackend(Backend):
 
     fp8_linear = staticmethod(fp8_linear)
     fp8_grouped_linear = staticmethod(fp8_grouped_linear)
+    dense_linear = staticmethod(dense_linear)  # cuBLAS's (torch_ref's)

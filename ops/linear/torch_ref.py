@@ -19,6 +19,7 @@ x_scale [M, ceil(K/bk)], so that x[m, k] ~ q[m, k] * x_scale[m, k // bk].
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer.ops.registry import Backend
 
@@ -151,8 +152,15 @@ def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A linear on a weight in x's dtype: F.linear(x, weight); x [M, K], weight [N, K]."""
+    return F.linear(x, weight)
+
+
 class TorchRefLinearBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
+
+    dense_linear = staticmethod(dense_linear)
 
     fp8_linear = staticmethod(fp8_linear)
     fp8_grouped_linear = staticmethod(fp8_grouped_linear)

@@ -1,4 +1,5 @@
-"""FP8 block-scaled linear layers (W8A8, DeepSeek-V3/V4 style) as Triton kernels.
+"""FP8 block-scaled linear layers (W8A8, DeepSeek-V3/V4 style) as Triton kernels; and at decode
+the dense (bf16) ones through the same GEMM (``dense_linear``: no scales, no quantization).
 
 The weight stays e4m3 with one fp32 scale per (bn, bk) = (128, 128) block; the activations are
 quantized to e4m3 per token per K block (scale = amax / 448), the GEMM runs on FP8 tensor cores
@@ -53,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -61,7 +63,7 @@ from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_swiglu import swiglu
 from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
-from deepinfer.ops.triton_utils import num_sms
+from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ __all__ = [
     "TileConfig",
     "TritonLinearBackend",
     "cublas_fp8_linear",
+    "dense_linear",
     "fp8_grouped_linear",
     "fp8_linear",
     "fp8_linear_per_group",
@@ -252,6 +255,8 @@ def _gemm_kernel(
     ONE_SCALE: tl.constexpr,
     SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    DENSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[M tile, N tile] = sum over the K blocks of
@@ -273,6 +278,8 @@ def _gemm_kernel(
     were the cost of a batch-1 decode linear. (Quantizing 2-8 rows and repeating them compiles
     to more instructions than the 16 copies, so M > 1 keeps the whole tile.)
     SWIGLU (QUANTIZE_A): the input is swiglu(a, up) (up: a's strides), computed as quantized.
+    DENSE (``dense_linear``): a is x and b a weight in x's dtype, no scales: sum over the K
+    blocks of (a @ b^T)[block], the same tiles, split and ticket (ONE_ROW: x's row loaded once).
     """
     enter(PDL)
     pid = tl.program_id(0)
@@ -322,16 +329,21 @@ def _gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
-        if QUANTIZE_A:
-            a = _swiglu_input(a, up_ptrs, in_k[None, :], limit, a_ptr, SWIGLU)
-            a, a_s = _quantize_tile(a)
-            if ONE_ROW:  # [1, BLOCK_K] -> [BLOCK_M, BLOCK_K]
+        if DENSE:
+            if ONE_ROW:
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
-                a_s = tl.broadcast_to(a_s, (BLOCK_M,))
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         else:
-            a_s = tl.load(a_s_ptrs)
-        b_s = tl.load(b_s_ptrs)  # a scalar, or [1, BLOCK_N]
-        acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            if QUANTIZE_A:
+                a = _swiglu_input(a, up_ptrs, in_k[None, :], limit, a_ptr, SWIGLU)
+                a, a_s = _quantize_tile(a)
+                if ONE_ROW:  # [1, BLOCK_K] -> [BLOCK_M, BLOCK_K]
+                    a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
+                    a_s = tl.broadcast_to(a_s, (BLOCK_M,))
+            else:
+                a_s = tl.load(a_s_ptrs)
+            b_s = tl.load(b_s_ptrs)  # a scalar, or [1, BLOCK_N]
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         a_ptrs += BLOCK_K * stride_ak
         up_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -449,6 +461,37 @@ def fp8_linear(
     return out
 
 
+# dense_linear's tiles: one row of _TILE_TABLE's kind for its few rows. A bf16 weight tile is
+# twice an e4m3 one, so K steps of 64 keep four stages of four programs an SM in shared memory
+# ((16 + 64) * 64 * 2 bytes a stage).
+DENSE_TILES = TileConfig(16, 64, 1, 4, 4, True, 16, 4)
+DENSE_BLOCK_K = 64
+DENSE_MAX_ROWS = 16
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    config: TileConfig | None = None,
+    num_sms: int | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight) for a few rows (decode): x [M, K] (any strides), weight [N, K] in
+    x's dtype -> [M, N]; fp32 sums in K steps of DENSE_BLOCK_K, split K over about
+    ``programs_per_sm`` programs an SM, the splits added in order by the tile's last (one
+    launch; a row's sums do not depend on M). ``config``, ``num_sms``: as fp8_linear's."""
+    m, k = x.shape
+    assert weight.dim() == 2 and weight.shape[1] == k and weight.dtype == x.dtype, (
+        f"dense_linear: weight {tuple(weight.shape)} {weight.dtype}, x {tuple(x.shape)} {x.dtype}"
+    )
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    if m:
+        block = (DENSE_TILES.block_n, DENSE_BLOCK_K)
+        _gemm(x.unsqueeze(1), weight, None, block, out.unsqueeze(1), config, num_sms)
+    return out
+
+
 def fp8_grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -488,7 +531,7 @@ def _check_weight(
 def _gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    weight_scale: torch.Tensor,
+    weight_scale: torch.Tensor | None,
     block: tuple[int, int],
     out: torch.Tensor,
     config: TileConfig | None,
@@ -496,18 +539,22 @@ def _gemm(
     swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> None:
     """out [M, G, N] (contiguous) = each group's x [M, G, K] slice times its weight rows; M > 0.
-    ``swiglu`` (up [M, G, K] in x's strides, limit): of swiglu(x, up) instead."""
+    ``swiglu`` (up [M, G, K] in x's strides, limit): of swiglu(x, up) instead. weight_scale
+    None: a weight in x's dtype (``dense_linear``; block's bk the K step)."""
     m, groups, k = x.shape
     n = out.shape[2]
     bn, bk = block
+    dense = weight_scale is None
     num_k_blocks = triton.cdiv(k, bk)
-    config = config or pick_tile_config(m)
+    config = config or (DENSE_TILES if dense else pick_tile_config(m))
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
     num_programs = config.programs_per_sm * num_sms
     split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_programs)
     up, limit = swiglu if swiglu is not None else (x, 0.0)  # x: a pointer not read
-    if config.quantize_in_gemm:
+    if dense:
+        weight_scale = weight  # not read
+    if config.quantize_in_gemm or dense:
         a, a_scale = x, x  # a_scale is not read
         a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
         a_scale_strides = (0, 0, 0)
@@ -537,7 +584,7 @@ def _gemm(
         *a_strides[:2],
         *a_scale_strides[:2],
         *weight.stride(),
-        *weight_scale.stride(),
+        *(weight_scale.stride() if not dense else (0, 0)),
         c.stride(0),
         c.stride(1),
         c.stride(3),
@@ -552,11 +599,13 @@ def _gemm(
         BLOCK_N=config.block_n,
         BLOCK_K=bk,
         GROUP_M=config.group_m,
-        QUANTIZE_A=config.quantize_in_gemm,
-        ONE_ROW=config.quantize_in_gemm and m == 1,
+        QUANTIZE_A=config.quantize_in_gemm and not dense,
+        ONE_ROW=(config.quantize_in_gemm or dense) and m == 1,
         ONE_SCALE=bn % config.block_n == 0 and (groups == 1 or n % config.block_n == 0),
         SWIGLU=swiglu is not None and config.quantize_in_gemm,
         SPLIT_K=split_k,
+        DENSE=dense,
+        DOT_PRECISION=dot_precision(x.dtype, for_16bit="tf32"),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl(a.device),
@@ -636,6 +685,12 @@ class TritonLinearBackend(Backend):
         return fp8_linear(
             x, weight, weight_scale, block, swiglu=swiglu, config=self.config, num_sms=self.num_sms
         )
+
+    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Ours up to DENSE_MAX_ROWS rows, cuBLAS's (F.linear) above."""
+        if x.shape[0] > DENSE_MAX_ROWS:
+            return F.linear(x, weight)
+        return dense_linear(x, weight, num_sms=self.num_sms)
 
     def fp8_grouped_linear(
         self,

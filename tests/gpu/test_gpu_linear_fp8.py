@@ -103,6 +103,22 @@ def _graph_seconds(fn: Callable[[], object], calls: int = 20, repeats: int = 10)
     return sorted(times)[len(times) // 2]
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_dense_linear_on_cuda_is_f_linear(linear_triton: ModuleType, rows: int) -> None:
+    """dense_linear at a CSA layer's fused x projection (4,160 x 4,096 bf16): cuBLAS's F.linear
+    within the output's bf16 rounding (sums in another order), each row alone bit for bit its
+    row in the batch, counters reset after the split K."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight = (torch.randn(4160, 4096, generator=gen, device="cuda") * 4096**-0.5).bfloat16()
+    x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
+    out = linear_triton.dense_linear(x, weight)
+    ref = F.linear(x.float(), weight.float())
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2**-8
+    for r in range(rows):
+        assert torch.equal(linear_triton.dense_linear(x[r : r + 1], weight)[0], out[r])
+    assert not linear_triton.ticket_counters(x.device).any()
+
+
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 def test_swiglu_input_is_the_swiglu_launch_then_the_gemm(
     linear_triton: ModuleType, record_figure: Callable[[str], None], num_tokens: int

@@ -97,8 +97,8 @@ class Attention(nn.Module):
         if self.layer_type == CSA:
             indexer = self.indexer
             modules += [indexer.weights_proj, indexer.compressor.wkv, indexer.compressor.wgate]
-            self.fused_q = FusedLinears([self.wq_b, indexer.wq_b])
-        self.fused = FusedLinears(modules)
+            self.fused_q = FusedLinears([self.wq_b, indexer.wq_b], self.kernels.linear)
+        self.fused = FusedLinears(modules, self.kernels.linear)
         return len(self.fused.modules) + len(self.fused_q.modules)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

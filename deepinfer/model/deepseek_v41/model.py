@@ -268,12 +268,12 @@ class Attention(nn.Module):
         modules = [self.wq_a, self.wkv]
         if hasattr(self, "indexer"):
             modules.append(self.indexer.weights_proj)
-            self.fused_q = FusedLinears([self.wq_b, self.indexer.wq_b])
+            self.fused_q = FusedLinears([self.wq_b, self.indexer.wq_b], self.kernels.linear)
         if hasattr(self, "compressor") and not self.compresses_shared:
             modules.append(self.compressor.wkv)
             if self.ratio > 1:
                 modules.append(self.compressor.wgate)
-        self.fused = FusedLinears(modules)
+        self.fused = FusedLinears(modules, self.kernels.linear)
         return len(self.fused.modules) + len(self.fused_q.modules)
 
     def forward(
