@@ -64,7 +64,12 @@ FP8_GEMM_TYPES = {
 }  # fmt: skip
 SHARED_W2 = {"K": 2048, "BLOCKS_PER_SPLIT": 4, "SCALE_BLOCK_N": 128, "BLOCK_M": 16,
              "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "QUANTIZE_A": True, "ONE_SCALE": True,
-             "SWIGLU": True, "SPLIT_K": 4, "PDL": True}  # fmt: skip
+             "SWIGLU": True, "SPLIT_K": 4, "DENSE": False, "DOT_PRECISION": "tf32",
+             "PDL": True}  # fmt: skip
+# A dense (bf16) projection at decode through the same GEMM: a CSA layer's x projections.
+DENSE_TYPES = {**FP8_GEMM_TYPES, "b_ptr": "*bf16", "b_s_ptr": "*bf16"}
+DENSE_X_PROJ = {**SHARED_W2, "K": 4096, "BLOCKS_PER_SPLIT": 8, "BLOCK_K": 64,
+                "QUANTIZE_A": False, "SWIGLU": False, "SPLIT_K": 8, "DENSE": True}  # fmt: skip
 # The queries' and keys' norm and RoPE, the keys' with the ring's store; a CSA compressor's
 # pooling with the entries'.
 NORM_ROPE_TYPES = {
@@ -104,6 +109,10 @@ KERNELS = [
      {**SHARED_W2, "ONE_ROW": True}, 4),
     ("shared w2 with its SwiGLU, 16 rows w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
      {**SHARED_W2, "ONE_ROW": False}, 4),
+    ("dense x projection, one row w4", linear_triton._gemm_kernel, DENSE_TYPES,
+     {**DENSE_X_PROJ, "ONE_ROW": True}, 4),
+    ("dense x projection, 16 rows w4", linear_triton._gemm_kernel, DENSE_TYPES,
+     {**DENSE_X_PROJ, "ONE_ROW": False}, 4),
     ("q and kv norm + RoPE, kv into the ring d512 w8", norm_triton._rms_norm_rope_pair_kernel,
      NORM_ROPE_TYPES, {"N": 512, "NOPE": 448, "X_WEIGHT": False, "K_WEIGHT": True,
                        "STORE": True, "BLOCK_X": 4, "BLOCK_K": 1, "BLOCK_N": 512, "PDL": True}, 8),
