@@ -34,11 +34,11 @@ def ticket_counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def arrive(counter_ptr, ARRIVALS: tl.constexpr):
+def arrive(counter_ptr, ARRIVALS):
     """After this program's partial stores: its ticket from the tile's counter (the barrier
     orders every thread's stores before it; one thread takes it, release and acquire at GPU
     scope). True for the last of ARRIVALS, which then reads the partials with .cg loads and
-    calls ``depart``."""
+    calls ``depart``. ARRIVALS: a constexpr, or a runtime count (a grid axis' size)."""
     tl.debug_barrier()
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1
 

@@ -28,6 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from deepinfer.ops.attention import triton as attention_triton
 from deepinfer.ops.linear import triton as linear_triton
 from deepinfer.ops.moe import triton as moe_triton
 from deepinfer.ops.moe import triton_gemv, triton_router
@@ -82,6 +83,14 @@ GATE_ROUTE_TYPES = {
     "hash_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "counter_ptr": "*i32",
     "scale": "fp32",
 }  # fmt: skip
+# The indexer's scores with its top-k (a CSA layer at decode: 64 heads of 128, up to 2,048
+# entries).
+SELECT_TYPES = {
+    "q_ptr": "*bf16", "weights_ptr": "*bf16", "keys_ptr": "*bf16", "entry_rows_ptr": "*i32",
+    "token_req_ptr": "*i64", "num_visible_ptr": "*i32", "out_ptr": "*fp32", "cos_ptr": "*fp32",
+    "sin_ptr": "*fp32", "weight_scale": "fp32", "score_scale": "fp32", "counters_ptr": "*i32",
+    "top_ptr": "*i32",
+}  # fmt: skip
 POOL_TYPES = {
     "kv_ptr": "*bf16", "gate_ptr": "*bf16", "buf_kv_ptr": "*bf16", "buf_gate_ptr": "*bf16",
     "buf_rows_ptr": "*i64", "window_rows_ptr": "*i64", "ring_kv_ptr": "*bf16",
@@ -120,6 +129,9 @@ KERNELS = [
      GATE_ROUTE_TYPES, {"TOKENS": triton_router.GATE_MAX_TOKENS, "GATE_E": triton_router.GATE_E,
                         "GATE_D": triton_router.GATE_D, "PROGRAMS": 64, "TOP_K": 6,
                         "BLOCK_E": 256, "BLOCK_K": 8, "HASHED": False, "PDL": True}, 8),
+    ("the indexer's scores and top-k, 2,048 entries w4", attention_triton._indexer_scores_kernel,
+     SELECT_TYPES, {"D": 128, "NOPE": 64, "ROPE": True, "BLOCK_H": 64, "BLOCK_N": 64,
+                    "DOT_PRECISION": "tf32", "TOPK": True, "TOPK_BLOCK": 2048, "PDL": True}, 4),
     ("CSA pool into the entries, and the keeps d512 w8", triton_pool._compress_pool_kernel,
      POOL_TYPES, {"M": 4, "OVERLAP": True, "HAS_APE": True, "SPLIT": False, "BLOCK_S": 8,
                   "BLOCK_D": 512, "ROPE_HALF": 32, "STORE_ENTRY": True, "KEEP": True,

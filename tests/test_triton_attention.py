@@ -391,6 +391,36 @@ def test_indexer_topk_picks_the_references_entries(seed: int, num_entries: int, 
     assert torch.equal(real.sum(1), visible.sum(1).clamp(max=min(k, num_entries)))
 
 
+@pytest.mark.parametrize(("num_entries", "k"), [(150, 8), (150, 200), (40, 16)])
+def test_indexer_select_is_the_scores_then_the_topk(
+    num_entries: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """indexer_select: the top-k in the scores' launch (a token's last program of 3 or 1), the
+    rows of indexer_topk(indexer_scores(...)) bit for bit, q roped in it; tokens seeing none
+    get -1s; the ticket counters reset; past SELECT_MAX_ENTRIES the two launches alike; and
+    torch_ref's select is its own composition."""
+    gen = torch.Generator().manual_seed(num_entries + k)
+    num_q, num_heads, dim, num_keys = len(TOKEN_REQ), 4, 32, 400
+    q = torch.randn(num_q, num_heads, dim, generator=gen)
+    weights = torch.randn(num_q, num_heads, generator=gen)
+    keys = torch.randn(num_keys, dim, generator=gen)
+    entry_rows = torch.randint(0, num_keys, (2, num_entries), generator=gen)
+    token_req = torch.tensor(TOKEN_REQ)
+    num_visible = torch.tensor(NUM_VISIBLE, dtype=torch.int32).clamp(max=num_entries)
+    rope = (torch.rand(num_q, 8, generator=gen), torch.rand(num_q, 8, generator=gen))
+    args = (q, weights, keys, entry_rows, token_req, num_visible)
+    picked = {}
+    for ops in (kernels, ref):
+        scores = ops.indexer_scores(*args, 0.5, rope)
+        expected = ops.indexer_topk(scores, entry_rows, token_req, k)
+        out = picked[ops] = ops.indexer_select(*args, k, 0.5, rope)
+        assert out.dtype == entry_rows.dtype and torch.equal(out, expected), ops.__name__
+        assert (out[0] == -1).all()  # token 0 sees no entry
+    assert not kernels.ticket_counters(q.device).any()
+    monkeypatch.setattr(kernels, "SELECT_MAX_ENTRIES", num_entries - 1)
+    assert torch.equal(kernels.indexer_select(*args, k, 0.5, rope), picked[kernels])
+
+
 def test_triton_is_preferred_but_needs_cuda() -> None:
     assert BACKENDS.names == ["triton", "torch_ref"]
     assert type(BACKENDS.select("auto", torch.device("cpu"))) is ref.TorchRefAttentionBackend

@@ -1,7 +1,8 @@
 """Attention ops: sparse attention with sinks over listed keys, and the Lightning indexer's scores.
 
-A backend object (``AttentionBackend``) provides ``sparse_attention``, ``indexer_scores`` and
-``indexer_topk`` with torch_ref's signatures, and the cache writes ``store_rows`` /
+A backend object (``AttentionBackend``) provides ``sparse_attention``, ``indexer_scores``,
+``indexer_topk`` and the two as one (``indexer_select``) with torch_ref's signatures, and the
+cache writes ``store_rows`` /
 ``as_stored`` with ``kv_fp8.py``'s. Backends, fastest first: ``triton`` (CUDA), ``torch_ref``
 (the oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why). A key
 source is dense rows or packed FP8 rows (``kv_fp8.py``, cache.kv_dtype = "fp8").
@@ -48,6 +49,19 @@ class AttentionBackend(Protocol):
 
     def indexer_topk(
         self, scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
+    ) -> torch.Tensor: ...
+
+    def indexer_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        entry_rows: torch.Tensor,
+        token_req: torch.Tensor,
+        num_visible: torch.Tensor,
+        k: int,
+        weight_scale: float = 1.0,
+        q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def store_rows(

@@ -118,11 +118,32 @@ def indexer_topk(
     return torch.where(values == float("-inf"), -1, rows)
 
 
+def indexer_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    num_visible: torch.Tensor,
+    k: int,
+    weight_scale: float = 1.0,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The indexer's pick: ``indexer_topk(indexer_scores(...), entry_rows, token_req, k)``,
+    [T, min(k, N)] rows of the indexer-key pool (one launch on Triton for a few thousand
+    entries)."""
+    scores = indexer_scores(
+        q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope
+    )
+    return indexer_topk(scores, entry_rows, token_req, k)
+
+
 class TorchRefAttentionBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
     sparse_attention = staticmethod(sparse_attention)
     indexer_scores = staticmethod(indexer_scores)
     indexer_topk = staticmethod(indexer_topk)
+    indexer_select = staticmethod(indexer_select)
     store_rows = staticmethod(store_rows)
     as_stored = staticmethod(as_stored)

@@ -61,6 +61,7 @@ from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows, KVSource
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_rope import rotate, rotate_pair
+from deepinfer.ops.triton_tickets import arrive, depart, ticket_counters
 from deepinfer.ops.triton_utils import dot_precision, num_sms
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -884,15 +885,24 @@ def _indexer_scores_kernel(
     num_entries,
     weight_scale,
     score_scale,
+    counters_ptr,
+    top_ptr,
+    top_k,
+    stride_top,
     D: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(N, BLOCK_N)): the scores of one token over one block of its entries.
+    TOPK (``indexer_select``): then a ticket a token (``triton_tickets``); the token's last
+    program reads its row of scores back and stores its top_k best entries to top
+    (``_topk_row``, a row of up to TOPK_BLOCK entries).
 
     out [T, N] fp32 contiguous. Entries at or past num_visible[t] are neither looked up in
     entry_rows nor loaded from keys (their rows may be garbage): they score -inf. ROPE: q's
@@ -942,6 +952,20 @@ def _indexer_scores_kernel(
         tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=n < num_entries)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < num_entries)
+    if TOPK:  # noqa: SIM102 - a constexpr branch: without it, no ticket is taken
+        if arrive(counters_ptr + t, tl.num_programs(1)):
+            row = tl.arange(0, TOPK_BLOCK)
+            every = tl.load(
+                out_ptr + t * num_entries + row,
+                mask=row < num_entries,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            _topk_row(
+                every, t, num_entries, top_k, entry_rows_ptr, token_req_ptr, top_ptr,
+                stride_entry_b, stride_entry_n, stride_top, TOPK_BLOCK,
+            )  # fmt: skip
+            depart(counters_ptr + t)
 
 
 def indexer_scores(
@@ -965,6 +989,28 @@ def indexer_scores(
     Returns [T, N] fp32: sum_h weights[t, h] * relu(q[t, h] . keys[entry]) * Di^-0.5, -inf where
     n >= num_visible[t].
     """
+    num_q, num_entries = q.shape[0], entry_rows.shape[1]
+    out = torch.empty((num_q, num_entries), dtype=torch.float32, device=q.device)
+    if num_q == 0 or num_entries == 0:
+        return out
+    _scores(q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope, out)
+    return out
+
+
+def _scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    num_visible: torch.Tensor,
+    weight_scale: float,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor,
+    top: tuple[torch.Tensor, int] | None = None,
+) -> None:
+    """indexer_scores' launch into out [T, N] (T, N > 0); ``top`` (rows [T, min(k, N)], k):
+    with the top-k in it (``indexer_select``)."""
     num_q, num_heads, dim = q.shape
     num_entries = entry_rows.shape[1]
     assert dim >= 16 and dim & (dim - 1) == 0, (
@@ -973,9 +1019,6 @@ def indexer_scores(
     assert keys.dtype == q.dtype and keys.shape[1] == dim and keys.stride(1) == 1, (
         f"keys {tuple(keys.shape)} {keys.dtype} strides {keys.stride()} vs q {tuple(q.shape)}"
     )
-    out = torch.empty((num_q, num_entries), dtype=torch.float32, device=q.device)
-    if num_q == 0 or num_entries == 0:
-        return out
     q = q if q.stride(2) == 1 else q.contiguous()
     token_req, num_visible = token_req.contiguous(), num_visible.contiguous()  # read at [t]
     cos, sin = q_rope if q_rope is not None else (out, out)  # not read without ROPE
@@ -990,6 +1033,7 @@ def indexer_scores(
     # spills below 16 warps (ptxas -v, sm_90).
     block_n = 64
     num_warps = 16 if q.dtype == torch.float32 else 4
+    top_rows, k = top if top is not None else (out, 0)  # out: a pointer not read
     _indexer_scores_kernel[(num_q, triton.cdiv(num_entries, block_n))](
         q,
         weights,
@@ -1013,16 +1057,21 @@ def indexer_scores(
         num_entries,
         float(weight_scale),
         dim**-0.5,
+        ticket_counters(q.device),
+        top_rows,
+        k,
+        top_rows.stride(0),
         D=dim,
         NOPE=dim - rope_dim,
         ROPE=q_rope is not None,
         BLOCK_H=max(triton.next_power_of_2(num_heads), 16),
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
+        TOPK=top is not None,
+        TOPK_BLOCK=_topk_block(num_entries) if top is not None else 16,
         num_warps=num_warps,
         **pdl(q.device),
     )
-    return out
 
 
 # indexer_topk holds a token's scores in one program's registers up to this many entries (a
@@ -1031,21 +1080,12 @@ TOPK_MAX_ENTRIES = 16384
 
 
 @triton.jit
-def _indexer_topk_kernel(
-    scores_ptr,
-    entry_rows_ptr,
-    token_req_ptr,
-    out_ptr,
-    num_entries,
-    k,
-    stride_st,
-    stride_entry_b,
-    stride_entry_n,
-    stride_ot,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid (T,): one token's k best entries, ties to the lower column, in column order.
+def _topk_row(
+    scores, t, num_entries, k, entry_rows_ptr, token_req_ptr, out_ptr, stride_entry_b,
+    stride_entry_n, stride_ot, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Token t's k best of its scores [BLOCK] (-inf past num_entries), ties to the lower column,
+    stored in column order as rows of entry_rows to out's row t.
 
     Scores become keys that order as unsigned integers (a negative score's bits all flip, a
     positive one's sign bit sets; -inf is 0x007FFFFF, columns past N are 0, below every score).
@@ -1053,11 +1093,8 @@ def _indexer_topk_kernel(
     the entries above it are taken, then the first tied ones up to k, and each is stored at its
     rank among the taken columns (a prefix sum).
     """
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK)
     in_row = n < num_entries
-    scores = tl.load(scores_ptr + t * stride_st + n, mask=in_row, other=float("-inf"))
     bits = scores.to(tl.uint32, bitcast=True)
     keys = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     keys = tl.where(in_row, keys, 0)
@@ -1077,6 +1114,32 @@ def _indexer_topk_kernel(
     tl.store(out_ptr + t * stride_ot + slot, rows.to(out_ptr.dtype.element_ty), mask=take)
 
 
+@triton.jit
+def _indexer_topk_kernel(
+    scores_ptr,
+    entry_rows_ptr,
+    token_req_ptr,
+    out_ptr,
+    num_entries,
+    k,
+    stride_st,
+    stride_entry_b,
+    stride_entry_n,
+    stride_ot,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (T,): one token's k best entries (``_topk_row``)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    scores = tl.load(scores_ptr + t * stride_st + n, mask=n < num_entries, other=float("-inf"))
+    _topk_row(
+        scores, t, num_entries, k, entry_rows_ptr, token_req_ptr, out_ptr, stride_entry_b,
+        stride_entry_n, stride_ot, BLOCK,
+    )  # fmt: skip
+
+
 def indexer_topk(
     scores: torch.Tensor, entry_rows: torch.Tensor, token_req: torch.Tensor, k: int
 ) -> torch.Tensor:
@@ -1093,7 +1156,7 @@ def indexer_topk(
     assert scores.dtype == torch.float32 and scores.stride(1) == 1, (
         f"indexer_topk: scores {scores.dtype} strides {scores.stride()}"
     )
-    block = max(16, triton.next_power_of_2(num_entries))
+    block = _topk_block(num_entries)
     _indexer_topk_kernel[(num_q,)](
         scores,
         entry_rows,
@@ -1112,6 +1175,51 @@ def indexer_topk(
     return out
 
 
+def _topk_block(num_entries: int) -> int:
+    """The block of a row's keys that the top-k holds (indexer_topk's and indexer_select's)."""
+    return max(16, triton.next_power_of_2(num_entries))
+
+
+# indexer_select runs the top-k in the scores' launch (a token's last program) up to this many
+# entries (a context of 8K tokens at CSA's ratio 4: 16 keys a thread at the scores' 4 warps)
+# and tokens (decode and verify steps: the top-k's registers, 168 a thread at sm_90 against the
+# scores' ~75 alone, would cut the programs an SM of a prefill's many).
+SELECT_MAX_ENTRIES = 2048
+SELECT_MAX_TOKENS = 64
+
+
+def indexer_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    num_visible: torch.Tensor,
+    k: int,
+    weight_scale: float = 1.0,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``indexer_topk(indexer_scores(...), entry_rows, token_req, k)`` (torch_ref's
+    indexer_select): up to SELECT_MAX_ENTRIES entries in one launch, the top-k in each token's
+    last scores program (a ticket a token), up to SELECT_MAX_TOKENS tokens; past either, the
+    two launches."""
+    num_q, num_entries = q.shape[0], entry_rows.shape[1]
+    if num_entries > SELECT_MAX_ENTRIES or num_q > SELECT_MAX_TOKENS:
+        scores = indexer_scores(
+            q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope
+        )
+        return indexer_topk(scores, entry_rows, token_req, k)
+    top = torch.empty((num_q, min(k, num_entries)), dtype=entry_rows.dtype, device=q.device)
+    if num_q == 0 or top.shape[1] == 0:
+        return top
+    scores = torch.empty((num_q, num_entries), dtype=torch.float32, device=q.device)
+    _scores(
+        q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope, scores,
+        top=(top, top.shape[1]),
+    )  # fmt: skip
+    return top
+
+
 class TritonAttentionBackend(Backend):
     """This module's kernels on one CUDA device (or the interpreter's CPU). ``num_sms``: the SMs
     that sparse_attention's splits fill; ``config``: tiles for every call instead of
@@ -1119,6 +1227,7 @@ class TritonAttentionBackend(Backend):
 
     indexer_scores = staticmethod(indexer_scores)
     indexer_topk = staticmethod(indexer_topk)
+    indexer_select = staticmethod(indexer_select)
     store_rows = staticmethod(store_rows)
     as_stored = staticmethod(as_stored)
 

@@ -256,6 +256,25 @@ def test_indexer_scores_scale_weights_and_rope_q_in_the_kernel(
     assert torch.equal(fused, unfused)
 
 
+def test_indexer_select_is_the_scores_then_the_topk(attention_triton: ModuleType) -> None:
+    """indexer_select at decode (64 tokens of 8 requests, V4-Flash's 64 heads of 128, bf16, 1,024
+    entries, within SELECT_MAX_ENTRIES: one launch, the top-k in each token's last
+    program): the rows of indexer_topk(indexer_scores(...)) bit for bit, ten times over (the
+    ticket orders every program's scores before the last one reads them); counters reset."""
+    gen = torch.Generator().manual_seed(5)
+    q, weights, keys, *index = (t.cuda() for t in _indexer_inputs(64, gen))
+    q, keys, weights = q.bfloat16(), keys.bfloat16(), weights.bfloat16()
+    entries = attention_triton.SELECT_MAX_ENTRIES // 2  # a context of 4K tokens
+    entry_rows, token_req, num_visible = index[0][:, :entries], index[1], index[2]
+    index = [entry_rows, token_req, num_visible.clamp(max=entries)]
+    scores = attention_triton.indexer_scores(q, weights, keys, *index, weight_scale=0.125)
+    expected = attention_triton.indexer_topk(scores, entry_rows, token_req, 512)
+    for _ in range(10):
+        picked = attention_triton.indexer_select(q, weights, keys, *index, 512, 0.125)
+        assert torch.equal(picked, expected)
+    assert not attention_triton.ticket_counters(q.device).any()
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
 def test_store_rows_gathers_its_rows_in_the_launch(
     attention_triton: ModuleType, packed: bool

@@ -162,8 +162,7 @@ class Indexer(nn.Module):
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         weights = project(self.weights_proj, x, projected)  # [T, Hi], scaled by Hi^-0.5 in the op
         entry_rows, visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]
-        scores = self.kernels.attention.indexer_scores(
-            q, weights, pool, entry_rows, meta.token_req, visible, self.n_heads**-0.5,
+        return self.kernels.attention.indexer_select(
+            q, weights, pool, entry_rows, meta.token_req, visible, self.topk, self.n_heads**-0.5,
             batch.rope["compress"],
-        )  # [T, N], q roped in the scores' launch  # fmt: skip
-        return self.kernels.attention.indexer_topk(scores, entry_rows, meta.token_req, self.topk)
+        )  # q roped in the scores' launch, the top-k after them in it  # fmt: skip
