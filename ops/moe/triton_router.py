@@ -41,6 +41,7 @@ MAX_EXPERTS = 4096  # a program's block of scores
 GATE_MAX_TOKENS = 8
 GATE_E = 4
 GATE_D = 256
+GATE_WARPS = 8
 
 
 @triton.jit
@@ -114,13 +115,14 @@ def _gate_route_kernel(
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HASHED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p: logits[:, GATE_E experts from p * GATE_E] = x @ w.T for up to TOKENS tokens
-    (fp32 sums over D in GATE_D tiles, in the same order for any T; rounded to x's dtype, as
-    F.linear's output), stored; the last program to arrive routes every token from them."""
+    (fp32 products accumulated in a [TOKENS, GATE_E, GATE_D] tile over D, summed once at the
+    end: the same order for any T; rounded to x's dtype, as F.linear's output), stored; the
+    last program to arrive routes every token from them."""
     enter(PDL)
     tokens = tl.arange(0, TOKENS)
     experts = tl.program_id(0) * GATE_E + tl.arange(0, GATE_E)
     token_mask, expert_mask = tokens < num_tokens, experts < num_experts
-    acc = tl.zeros([TOKENS, GATE_E], dtype=tl.float32)
+    acc = tl.zeros([TOKENS, GATE_E, GATE_D], dtype=tl.float32)
     for d0 in range(0, channels, GATE_D):
         d = d0 + tl.arange(0, GATE_D)
         x = tl.load(
@@ -133,8 +135,8 @@ def _gate_route_kernel(
             mask=expert_mask[:, None] & (d < channels)[None, :],
             other=0.0,
         ).to(tl.float32)  # [GATE_E, GATE_D]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    logits = acc.to(x_ptr.dtype.element_ty)
+        acc += x[:, None, :] * w[None, :, :]  # products summed once, after the loop
+    logits = tl.sum(acc, axis=2).to(x_ptr.dtype.element_ty)
     at = tokens[:, None] * num_experts + experts[None, :]
     tl.store(logits_ptr + at, logits, mask=token_mask[:, None] & expert_mask[None, :])
     if arrive(counter_ptr, PROGRAMS):
@@ -210,10 +212,13 @@ def gate_route(
     hash_ids: torch.Tensor | None,
     top_k: int,
     scale: float,
+    *,
+    tiles: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(F.linear(x, weight), ...)``: x [T, D], weight [E, D] of x's dtype. Up to
     ``GATE_MAX_TOKENS`` tokens (decode) in one launch: ``GATE_E`` experts' logits a program,
-    the last to arrive routing every token; more, cuBLAS's GEMM then ``route``."""
+    the last to arrive routing every token; more, cuBLAS's GEMM then ``route``. ``tiles``
+    (GATE_E, GATE_D, warps) instead of the module's (for tuning)."""
     num_tokens, dim = x.shape
     num_experts = weight.shape[0]
     if num_tokens > GATE_MAX_TOKENS:
@@ -230,14 +235,16 @@ def gate_route(
     weight = weight.contiguous()
     logits = torch.empty(num_tokens, num_experts, dtype=x.dtype, device=x.device)
     hashed = hash_ids is not None
-    programs = triton.cdiv(num_experts, GATE_E)
+    gate_e, gate_d, num_warps = tiles or (GATE_E, GATE_D, GATE_WARPS)
+    programs = triton.cdiv(num_experts, gate_e)
     assert programs <= MAX_TICKET_TILES, f"gate_route: {programs} programs"
     block_e = triton.next_power_of_2(num_experts)
     _gate_route_kernel[(programs,)](
         x, weight, logits, bias if not hashed else x, hash_ids if hashed else x, weights, ids,
         ticket_counters(x.device), num_tokens, num_experts, dim, x.stride(0),
-        hash_ids.stride(0) if hashed else 0, scale, TOKENS=GATE_MAX_TOKENS, GATE_E=GATE_E,
-        GATE_D=GATE_D, PROGRAMS=programs, TOP_K=top_k, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), HASHED=hashed, num_warps=8, **pdl(x.device),
+        hash_ids.stride(0) if hashed else 0, scale, TOKENS=GATE_MAX_TOKENS, GATE_E=gate_e,
+        GATE_D=gate_d, PROGRAMS=programs, TOP_K=top_k, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), HASHED=hashed, num_warps=num_warps,
+        **pdl(x.device),
     )  # fmt: skip
     return weights, ids
