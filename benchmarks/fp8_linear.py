@@ -15,8 +15,8 @@ per-call figure is the replay time / calls), median of ``--repeats``:
   kernel, or cuBLAS's blockwise FP8 where ``use_cublas`` picks it);
 - bf16: ``F.linear`` (cuBLAS) on the dequantized weight in bf16, the engine's path without
   ``model.fp8_weights``;
-- dense: ``ops.linear.triton.dense_linear`` on that bf16 weight (our GEMM without scales, up to
-  DENSE_MAX_ROWS rows: the engine's fused dense projections at decode);
+- dense: ``ops.linear.triton.dense_linear`` on that bf16 weight (our GEMM without scales; the
+  engine's fused dense projections up to DENSE_MAX_ROWS rows), timed up to 16 rows;
 - scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
   Triton quantizer, W 128x128 scales; cuBLAS on SM90, CUDA >= 12.9), where torch and cuBLAS
   accept the shape; else the error, shortened. Its relative difference to the Triton output is
@@ -64,6 +64,7 @@ SHAPES = {
     "x_proj_csa": (4160, 4096),
 }
 DECODE_MAX_TOKENS = 128
+DENSE_BENCH_ROWS = 16  # dense_linear timed up to this many rows
 
 
 def main() -> None:
@@ -160,7 +161,7 @@ def _measure(
         "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
         "dense_s": None,
     }
-    if m <= fp8_triton.DENSE_MAX_ROWS:  # our GEMM on the bf16 weight, as FusedLinears runs it
+    if m <= DENSE_BENCH_ROWS:  # our GEMM on the bf16 weight (FusedLinears' up to DENSE_MAX_ROWS)
         dense = fp8_triton.dense_linear(x, w_dense)
         ref = F.linear(x, w_dense).float()
         diff = ((dense.float() - ref).norm() / ref.norm()).item()

@@ -466,7 +466,10 @@ def fp8_linear(
 # ((16 + 64) * 64 * 2 bytes a stage).
 DENSE_TILES = TileConfig(16, 64, 1, 4, 4, True, 16, 4)
 DENSE_BLOCK_K = 64
-DENSE_MAX_ROWS = 16
+# The backend's rows for it: one. H100, graph replays (benchmarks/fp8_linear.py): a CSA
+# layer's x projections (4,160 x 4,096) 10.2 µs against cuBLAS's 11.7 at one row, 18.0
+# against 10.2 at four; wq_a and wkv alone 1.06x and 1.16x at one row.
+DENSE_MAX_ROWS = 1
 
 
 def dense_linear(
@@ -687,7 +690,7 @@ class TritonLinearBackend(Backend):
         )
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Ours up to DENSE_MAX_ROWS rows, cuBLAS's (F.linear) above."""
+        """Ours up to DENSE_MAX_ROWS rows (one: batch-1 decode), cuBLAS's (F.linear) above."""
         if x.shape[0] > DENSE_MAX_ROWS:
             return F.linear(x, weight)
         return dense_linear(x, weight, num_sms=self.num_sms)
