@@ -28,11 +28,6 @@ NUM_EXPERTS, TOP_K, SCALE = 256, 6, 1.5
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tokens", default="1,32,128,512,4096")
-    ap.add_argument(
-        "--gate",
-        help="also the router with its GEMM (gate_route, up to GATE_MAX_TOKENS tokens) against "
-        "cuBLAS then route, at these tiles: GATE_E,GATE_D,warps;... (the module's first)",
-    )
     ns = ap.parse_args()
     setup = make_setup(tiny=False)  # exits without CUDA
     from deepinfer.ops.moe import torch_ref
@@ -53,8 +48,6 @@ def main() -> None:
             print(
                 f"  T={num_tokens:5} {kind:5}: torch {ref_s * 1e6:.1f} µs, ours {ours_s * 1e6:.1f}"
             )
-    if ns.gate:
-        print(_gate_table(ns, setup))
     headers = ["tokens", "layer", "torch_ref µs", "triton µs", "torch / triton", "timed as"]
     print()
     print(table(headers, rows))
@@ -68,43 +61,6 @@ def main() -> None:
             "MoE router, torch vs one launch", SCRIPT, setup, notes, [markdown(headers, rows)]
         )
     )
-
-
-def _gate_table(ns: argparse.Namespace, setup: object) -> str:
-    """gate_route at each --gate tile against F.linear (cuBLAS) then route, V4-Flash's gate
-    [256, 4096] bf16, the tokens of --tokens up to GATE_MAX_TOKENS; the same experts checked."""
-    import torch.nn.functional as F
-
-    from deepinfer.ops.moe import triton_router
-
-    device = setup.device  # type: ignore[attr-defined]
-    gen = torch.Generator(device=device).manual_seed(1)
-    weight = (torch.randn(NUM_EXPERTS, 4096, generator=gen, device=device) * 0.05).bfloat16()
-    bias = torch.randn(NUM_EXPERTS, generator=gen, device=device) * 0.1
-    module = (triton_router.GATE_E, triton_router.GATE_D, triton_router.GATE_WARPS)
-    tiles = [module] + [
-        tuple(int(v) for v in t.split(",")) for t in ns.gate.split(";") if t.strip()
-    ]
-    args = (bias, None, TOP_K, SCALE)
-    rows = []
-    for num_tokens in (int(v) for v in ns.tokens.split(",") if v.strip()):
-        if num_tokens > triton_router.GATE_MAX_TOKENS:
-            continue
-        x = torch.randn(num_tokens, 4096, generator=gen, device=device).bfloat16()
-        ref_s, _ = kernel_seconds(lambda x=x: triton_router.route(F.linear(x, weight), *args))
-        ref_ids = triton_router.route(F.linear(x, weight), *args)[1].sort(-1).values
-        for tile in tiles:
-            ids = triton_router.gate_route(x, weight, *args, tiles=tile)[1].sort(-1).values
-            same = bool((ids == ref_ids).all())
-            ours_s, _ = kernel_seconds(
-                lambda x=x, t=tile: triton_router.gate_route(x, weight, *args, tiles=t)
-            )
-            rows.append([num_tokens, str(tile), ref_s * 1e6, ours_s * 1e6, ref_s / ours_s, same])
-            print(f"  gate T={num_tokens} {tile}: cuBLAS + route {ref_s * 1e6:.1f} µs, "
-                  f"ours {ours_s * 1e6:.1f} µs")  # fmt: skip
-    headers = ["tokens", "tiles (E, D, warps)", "cuBLAS + route µs", "gate_route µs", "ratio",
-               "same experts"]  # fmt: skip
-    return markdown(headers, rows)
 
 
 if __name__ == "__main__":

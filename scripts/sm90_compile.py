@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from deepinfer.ops.attention import triton as attention_triton
 from deepinfer.ops.linear import triton as linear_triton
 from deepinfer.ops.moe import triton as moe_triton
-from deepinfer.ops.moe import triton_gemv, triton_router
+from deepinfer.ops.moe import triton_gemv
 from deepinfer.ops.norm import triton as norm_triton
 from deepinfer.ops.norm import triton_pool
 
@@ -78,11 +78,6 @@ NORM_ROPE_TYPES = {
     "k_weight_ptr": "*fp32", "k_out_ptr": "*bf16", "target_ptr": "*bf16",
     "target_rows_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32",
 }  # fmt: skip
-GATE_ROUTE_TYPES = {
-    "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*bf16", "bias_ptr": "*fp32",
-    "hash_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "counter_ptr": "*i32",
-    "scale": "fp32",
-}  # fmt: skip
 # The indexer's scores with its top-k (a CSA layer at decode: 64 heads of 128, up to 2,048
 # entries).
 SELECT_TYPES = {
@@ -104,7 +99,7 @@ POOL_TYPES = {
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
 # (ops/moe/triton.py's _MXFP4_GEMV), hc_post with and without the next entry's mix, and the
 # kernels that took a neighbour's launch in (SwiGLU, the ring's and the entries' stores, the
-# router's GEMM).
+# indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
@@ -125,10 +120,6 @@ KERNELS = [
     ("q and kv norm + RoPE, kv into the ring d512 w8", norm_triton._rms_norm_rope_pair_kernel,
      NORM_ROPE_TYPES, {"N": 512, "NOPE": 448, "X_WEIGHT": False, "K_WEIGHT": True,
                        "STORE": True, "BLOCK_X": 4, "BLOCK_K": 1, "BLOCK_N": 512, "PDL": True}, 8),
-    ("the router with its GEMM, 256 experts w8", triton_router._gate_route_kernel,
-     GATE_ROUTE_TYPES, {"TOKENS": triton_router.GATE_MAX_TOKENS, "GATE_E": triton_router.GATE_E,
-                        "GATE_D": triton_router.GATE_D, "PROGRAMS": 64, "TOP_K": 6,
-                        "BLOCK_E": 256, "BLOCK_K": 8, "HASHED": False, "PDL": True}, 8),
     ("the indexer's scores and top-k, 2,048 entries w4", attention_triton._indexer_scores_kernel,
      SELECT_TYPES, {"D": 128, "NOPE": 64, "ROPE": True, "BLOCK_H": 64, "BLOCK_N": 64,
                     "DOT_PRECISION": "tf32", "TOPK": True, "TOPK_BLOCK": 2048, "PDL": True}, 4),

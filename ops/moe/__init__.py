@@ -1,11 +1,11 @@
 """MoE ops: routed experts with clamped SwiGLU. A backend object (``MoEBackend``) provides
-``fused_moe``, ``swiglu`` and the router, after its GEMM (``route``) or with it
-(``gate_route``), with torch_ref's signatures; expert weights are dense tensors, packed MXFP4
-(``Mxfp4Weight``, as the checkpoints ship them) or FP8 128 x 128 blocks (``Fp8ExpertWeight``,
-converted at load for a backend whose ``fp8_experts`` is set). Backends, in auto's order:
-``triton`` (CUDA: grouped GEMMs or a program a pair, MXFP4 dequantized in registers),
-``deepgemm`` (DeepSeek's grouped FP8 GEMMs on FP8 experts: twice the packed bytes, so auto
-reaches it only where Triton is absent; ``deepgemm.py``), ``torch_ref`` (the oracle)."""
+``fused_moe``, ``swiglu`` and the router after its GEMM (``route``) with torch_ref's
+signatures; expert weights are dense tensors, packed MXFP4 (``Mxfp4Weight``, as the
+checkpoints ship them) or FP8 128 x 128 blocks (``Fp8ExpertWeight``, converted at load for a
+backend whose ``fp8_experts`` is set). Backends, in auto's order: ``triton`` (CUDA: grouped
+GEMMs or a program a pair, MXFP4 dequantized in registers), ``deepgemm`` (DeepSeek's grouped
+FP8 GEMMs on FP8 experts: twice the packed bytes, so auto reaches it only where Triton is
+absent; ``deepgemm.py``), ``torch_ref`` (the oracle)."""
 
 from __future__ import annotations
 
@@ -52,16 +52,6 @@ class MoEBackend(Protocol):
     def route(
         self,
         logits: torch.Tensor,
-        bias: torch.Tensor | None,
-        hash_ids: torch.Tensor | None,
-        top_k: int,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def gate_route(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
         bias: torch.Tensor | None,
         hash_ids: torch.Tensor | None,
         top_k: int,

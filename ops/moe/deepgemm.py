@@ -37,7 +37,7 @@ from deepinfer.ops.linear.deepgemm import is_available
 from deepinfer.ops.moe import torch_ref
 from deepinfer.ops.moe.torch_ref import ExpertWeight, Fp8ExpertWeight, swiglu
 from deepinfer.ops.moe.triton import align_by_expert
-from deepinfer.ops.moe.triton_router import gate_route, route
+from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 
 BLOCK_M = 128  # DeepGEMM's M alignment of the contiguous layout on SM90
@@ -113,7 +113,6 @@ class DeepGEMMMoEBackend(Backend):
     fp8_experts = True
     swiglu = staticmethod(swiglu)
     route = staticmethod(route)
-    gate_route = staticmethod(gate_route)
 
     def __init__(self, device: torch.device, parallel: ParallelContext | None = None) -> None:
         super().__init__(device, parallel)

@@ -136,18 +136,6 @@ class ExpertParallelMoEBackend(Backend):
         """The inner backend's router: every rank routes its own tokens over all experts."""
         return self.inner.route(logits, bias, hash_ids, top_k, scale)
 
-    def gate_route(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        hash_ids: torch.Tensor | None,
-        top_k: int,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inner backend's router with its GEMM (the gate's weight is every rank's)."""
-        return self.inner.gate_route(x, weight, bias, hash_ids, top_k, scale)
-
     @property
     def fp8_experts(self) -> bool:
         """The inner backend's expert format (the loader converts this rank's share)."""

@@ -222,19 +222,6 @@ def route(
     return weights * scale, ids
 
 
-def gate_route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    hash_ids: torch.Tensor | None,
-    top_k: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router with its GEMM: ``route(F.linear(x, weight), ...)``; x [T, D], weight [E, D]
-    (one launch at decode on Triton)."""
-    return route(F.linear(x, weight), bias, hash_ids, top_k, scale)
-
-
 def _expert_matrix(w: ExpertWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, Mxfp4Weight | Fp8ExpertWeight):
         return w.expert(expert).to(dtype)
@@ -278,4 +265,3 @@ class TorchRefMoEBackend(Backend):
     fused_moe = staticmethod(fused_moe)
     swiglu = staticmethod(swiglu)
     route = staticmethod(route)
-    gate_route = staticmethod(gate_route)

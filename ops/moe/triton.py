@@ -64,7 +64,7 @@ from deepinfer.ops.moe.torch_ref import (
     Mxfp4Weight,
 )
 from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe, store_output
-from deepinfer.ops.moe.triton_router import gate_route, route
+from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_swiglu import swiglu as swiglu_tile
@@ -884,7 +884,6 @@ class TritonMoEBackend(Backend):
 
     swiglu = staticmethod(swiglu)
     route = staticmethod(route)
-    gate_route = staticmethod(gate_route)
 
     def __init__(
         self,

@@ -378,34 +378,6 @@ def test_swiglu_is_the_reference(
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8])
-def test_gate_route_on_cuda_is_the_gemm_then_the_router(num_tokens: int) -> None:
-    """The router with its GEMM in one launch at decode, V4-Flash's gate ([256, 4096] bf16, top
-    6): torch_ref.gate_route's experts (cuBLAS's GEMM; as sets, except where the 6th and 7th
-    biased scores are within 2e-2, the logits being rounded to bf16 from sums in two orders)
-    and its weights within 2e-2 (one bf16 ulp of a logit moves a weight ~4e-3); each token's
-    routing alone bit for bit its routing in the batch."""
-    router = compiled("deepinfer.ops.moe.triton_router")
-    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    x = torch.randn(num_tokens, 4096, generator=gen, device="cuda").bfloat16()
-    weight = (torch.randn(256, 4096, generator=gen, device="cuda") * 0.05).bfloat16()
-    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
-    weights, ids = router.gate_route(x, weight, bias, None, TOP_K, 2.5)
-    ref_weights, ref_ids = torch_ref.gate_route(x, weight, bias, None, TOP_K, 2.5)
-    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
-    same = (ids.gather(1, order) == ref_ids.gather(1, ref_order)).all(-1)
-    if not same.all():
-        logits = torch.nn.functional.linear(x, weight).float()
-        top = (torch.nn.functional.softplus(logits).sqrt() + bias)[~same].topk(TOP_K + 1).values
-        assert (top[:, -2] - top[:, -1] < 2e-2).all(), "experts differ without a near tie"
-    torch.testing.assert_close(
-        weights.gather(1, order)[same], ref_weights.gather(1, ref_order)[same], rtol=2e-2, atol=0
-    )
-    for t in range(num_tokens):
-        alone_weights, alone_ids = router.gate_route(x[t : t + 1], weight, bias, None, TOP_K, 2.5)
-        assert torch.equal(alone_ids[0], ids[t]) and torch.equal(alone_weights[0], weights[t])
-
-
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 def test_router_on_cuda_picks_the_reference_experts(num_tokens: int) -> None:
     """The one-launch router at V4-Flash's 256 experts, top 6, bf16 logits: the experts of

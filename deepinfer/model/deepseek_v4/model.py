@@ -21,6 +21,7 @@ p and the embedding of token p + 1, and predicts token p + 2 (``mtp.py`` drives 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kv_cache.pool import KVCache
@@ -146,8 +147,8 @@ class Attention(nn.Module):
 
 class Gate(nn.Module):
     """Router: sqrt(softplus) scores; top-k by scores + bias (selection only) or by the token
-    id's hash table; weights = the chosen scores renormalised and scaled. The MoE backend's
-    ``gate_route``: its GEMM, then torch_ref.route (one launch at decode on Triton)."""
+    id's hash table; weights = the chosen scores renormalised and scaled. After its GEMM, the
+    MoE backend's ``route`` (torch_ref.route says how; one launch on Triton)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, moe_ops: MoEBackend) -> None:
         super().__init__()
@@ -166,11 +167,12 @@ class Gate(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        route = self.moe_ops.gate_route
+        logits = F.linear(x, self.weight)  # [T, E]
         if self.is_hash:
-            hash_ids = self.tid2eid[input_ids]
-            return route(x, self.weight, None, hash_ids, self.topk, self.route_scale)
-        return route(x, self.weight, self.bias, None, self.topk, self.route_scale)
+            return self.moe_ops.route(
+                logits, None, self.tid2eid[input_ids], self.topk, self.route_scale
+            )
+        return self.moe_ops.route(logits, self.bias, None, self.topk, self.route_scale)
 
 
 class Experts(nn.Module):
