@@ -26,7 +26,8 @@ With one split the attention kernel applies the sink and writes the output itsel
 visible entries only write -inf. ``indexer_topk`` runs one program per token that holds its
 scores in registers and finds the k-th largest by a 32-step bit search (no sort), then writes
 the chosen rows in column order: one launch where torch took a sort, a gather and two
-elementwise kernels.
+elementwise kernels. ``indexer_select`` runs that top-k in the scores' launch at decode (a
+token's last scores program, by ticket: ``triton_tickets``).
 
 An FP8 KV cache (cache.kv_dtype = "fp8", ``kv_fp8.py``) gives packed sources. The attention
 kernel reads their rows itself (``_load_bytes``: a row as [tiles, 64] channels under one scale

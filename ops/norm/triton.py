@@ -5,7 +5,9 @@ in fp32 whatever the input dtype; only the outputs that torch_ref returns in x's
 back. Runs on CUDA; the CPU tests run the same kernels through Triton's interpreter.
 
 apply_rope is one launch reading x once and writing a new tensor once: the program that rotates
-a row's rope slice also copies its nope columns, so no torch.cat follows.
+a row's rope slice also copies its nope columns, so no torch.cat follows. rms_norm_rope is the
+norm and the rotation in one launch; rms_norm_rope_pair runs it for a layer's queries and keys
+in one launch (``_norm_rope_block`` a program).
 
 hc_pre is two launches and never reads a value back to the host, so it captures in a CUDA graph:
 
