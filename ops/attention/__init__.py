@@ -2,10 +2,10 @@
 
 A backend object (``AttentionBackend``) provides ``sparse_attention``, ``indexer_scores``,
 ``indexer_topk`` and the two as one (``indexer_select``) with torch_ref's signatures, and the
-cache writes ``store_rows`` /
-``as_stored`` with ``kv_fp8.py``'s. Backends, fastest first: ``triton`` (CUDA), ``torch_ref``
-(the oracle). ``flashmla.py`` is a yardstick, not a backend (its module docstring says why). A key
-source is dense rows or packed FP8 rows (``kv_fp8.py``, cache.kv_dtype = "fp8").
+cache writes ``store_rows`` / ``as_stored`` with ``kv_fp8.py``'s. Backends, fastest first:
+``triton`` (CUDA), ``torch_ref`` (the oracle). ``flashmla.py`` is a yardstick, not a backend (its
+module docstring says why). A key source is dense rows or packed FP8 rows (``kv_fp8.py``,
+cache.kv_dtype = "fp8").
 """
 
 from __future__ import annotations

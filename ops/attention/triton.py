@@ -1008,10 +1008,10 @@ def _scores(
     weight_scale: float,
     q_rope: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor,
-    top: tuple[torch.Tensor, int] | None = None,
+    top: torch.Tensor | None = None,
 ) -> None:
-    """indexer_scores' launch into out [T, N] (T, N > 0); ``top`` (rows [T, min(k, N)], k):
-    with the top-k in it (``indexer_select``)."""
+    """indexer_scores' launch into out [T, N] (T, N > 0); ``top`` (rows [T, k], k <= N): with
+    each token's top-k in it (``indexer_select``)."""
     num_q, num_heads, dim = q.shape
     num_entries = entry_rows.shape[1]
     assert dim >= 16 and dim & (dim - 1) == 0, (
@@ -1034,7 +1034,7 @@ def _scores(
     # spills below 16 warps (ptxas -v, sm_90).
     block_n = 64
     num_warps = 16 if q.dtype == torch.float32 else 4
-    top_rows, k = top if top is not None else (out, 0)  # out: a pointer not read
+    top_rows = top if top is not None else out  # out: a pointer not read
     _indexer_scores_kernel[(num_q, triton.cdiv(num_entries, block_n))](
         q,
         weights,
@@ -1060,7 +1060,7 @@ def _scores(
         dim**-0.5,
         ticket_counters(q.device),
         top_rows,
-        k,
+        top_rows.shape[1] if top is not None else 0,
         top_rows.stride(0),
         D=dim,
         NOPE=dim - rope_dim,
@@ -1215,8 +1215,7 @@ def indexer_select(
         return top
     scores = torch.empty((num_q, num_entries), dtype=torch.float32, device=q.device)
     _scores(
-        q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope, scores,
-        top=(top, top.shape[1]),
+        q, weights, keys, entry_rows, token_req, num_visible, weight_scale, q_rope, scores, top
     )  # fmt: skip
     return top
 

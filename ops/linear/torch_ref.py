@@ -160,7 +160,6 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class TorchRefLinearBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
-    dense_linear = staticmethod(dense_linear)
-
     fp8_linear = staticmethod(fp8_linear)
     fp8_grouped_linear = staticmethod(fp8_grouped_linear)
+    dense_linear = staticmethod(dense_linear)

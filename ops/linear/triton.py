@@ -555,8 +555,8 @@ def _gemm(
     num_programs = config.programs_per_sm * num_sms
     split_k = _split_k(num_tiles * groups, num_k_blocks, config.max_split_k, num_programs)
     up, limit = swiglu if swiglu is not None else (x, 0.0)  # x: a pointer not read
-    if dense:
-        weight_scale = weight  # not read
+    # Dense: the weight stands in for its scales, a pointer not read.
+    scale, scale_strides = (weight, (0, 0)) if dense else (weight_scale, weight_scale.stride())
     if config.quantize_in_gemm or dense:
         a, a_scale = x, x  # a_scale is not read
         a_strides = (x.stride(0), x.stride(2), x.stride(1))  # (m, k, group)
@@ -578,7 +578,7 @@ def _gemm(
         up,
         a_scale,
         weight,
-        weight_scale,
+        scale,
         c,
         out,
         ticket_counters(x.device),
@@ -587,7 +587,7 @@ def _gemm(
         *a_strides[:2],
         *a_scale_strides[:2],
         *weight.stride(),
-        *(weight_scale.stride() if not dense else (0, 0)),
+        *scale_strides,
         c.stride(0),
         c.stride(1),
         c.stride(3),

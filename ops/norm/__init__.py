@@ -5,11 +5,10 @@ A backend object (``NormBackend``) provides ``rms_norm``, ``apply_rope``, ``rms_
 compressor's step: its windows' entries, pooled as torch_ref's ``gated_pool`` says, and its
 rings kept, from ``CompressRows``) with torch_ref's signatures; the RoPE tables
 (``rope_inv_freq``, ``rope_cos_sin``: built once per step, not per layer) stay torch, so every
-backend re-exports them from torch_ref. Backends,
-fastest first: ``triton`` (CUDA: RMSNorm and RoPE one launch each, a layer's queries' and
-keys' norm and RoPE one together, hc_pre two launches with Sinkhorn in registers, hc_head the
-same two without it, hc_post one; compress_windows as ``triton_pool.py`` says), ``torch_ref``
-(the oracle).
+backend re-exports them from torch_ref. Backends, fastest first: ``triton`` (CUDA: RMSNorm
+and RoPE one launch each, a layer's queries' and keys' norm and RoPE one together, hc_pre two
+launches with Sinkhorn in registers, hc_head the same two without it, hc_post one;
+compress_windows as ``triton_pool.py`` says), ``torch_ref`` (the oracle).
 """
 
 from __future__ import annotations

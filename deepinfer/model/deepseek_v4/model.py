@@ -115,7 +115,7 @@ class Attention(nn.Module):
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
         # A dense ring takes a few tokens' rows from the norm's launch (StepMetadata.ring_first).
         ring_first = meta.ring_first and isinstance(ring, torch.Tensor)
-        assert self.kv_norm.eps == self.eps, "q's and kv's norms share one eps (one launch)"
+        # q's and kv's norms in one launch, with one eps: both are args.rms_norm_eps.
         q, kv = norm.rms_norm_rope_pair(
             q, project(self.wkv, x, projected), (None, self.kv_norm.weight), self.eps, cos, sin,
             store=(ring, meta.ring_dst) if ring_first else None,
