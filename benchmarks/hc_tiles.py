@@ -2,6 +2,7 @@
 
     bash scripts/gpu_bench.sh benchmarks/hc_tiles.py [--tokens 1,128,8192] [--json PATH]
     bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --post-pre 1,32,128,256 [--mix-blocks 32,64]
+    bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --collapse 1,2,32,128 [--layouts "0,0;1,8"]
 
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
@@ -81,9 +82,22 @@ def main() -> None:
         "launch) for each HC_POST_MIX_BLOCK_D in --mix-blocks",
     )
     ap.add_argument("--mix-blocks", default="32,64,128")
+    ap.add_argument(
+        "--collapse",
+        default="",
+        help="instead of the sweep: at these token counts, a sub-layer's exit and the next "
+        "entry (hc_post_pre, block_norm on) for each collapse layout in --layouts",
+    )
+    ap.add_argument(
+        "--layouts",
+        default="0,0;1,0;0,8;1,8;1,4;1,16",
+        help="apart,warps pairs: the Sinkhorn in its own program (HC_SINKHORN_APART_MAX_TOKENS "
+        "= T when 1) and one token's collapse in one program of that many warps "
+        "(HC_ONE_TOKEN_COLLAPSE_WARPS, 0: split over programs)",
+    )
     ap.add_argument("--json", help="write every figure here")
     ns = ap.parse_args()
-    if ns.post_pre:
+    if ns.post_pre or ns.collapse:
         post_pre(ns)
         return
     setup = make_setup(tiny=False)  # exits without CUDA
@@ -187,10 +201,14 @@ def post_pre(ns: argparse.Namespace) -> None:
     hc = (ITERS, EPS, 1e-6)
     blocks = parse_ints(ns.mix_blocks)
     names = ["hc_post + hc_pre", *(f"hc_post_pre d{b}" for b in blocks)]
+    layouts = [tuple(int(v) for v in pair.split(",")) for pair in ns.layouts.split(";")]
+    if ns.collapse:
+        names = [f"apart {a} w{w}" for a, w in layouts]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     limit, block = ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D
-    for num_tokens in parse_ints(ns.post_pre):
+    collapse = ours.HC_SINKHORN_APART_MAX_TOKENS, ours.HC_ONE_TOKEN_COLLAPSE_WARPS
+    for num_tokens in parse_ints(ns.collapse or ns.post_pre):
         x = torch.randn((num_tokens, HC, DIM), generator=gen, device=setup.device).bfloat16()
         out = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
         post = torch.rand((num_tokens, HC), generator=gen, device=setup.device) * 2
@@ -198,17 +216,25 @@ def post_pre(ns: argparse.Namespace) -> None:
         run = functools.partial(
             ours.hc_post_pre, out, x, post, comb, fn, scale, base, *hc, block_norm=norm
         )
-        ours.HC_POST_MIX_MAX_TOKENS = -1
+        if not ns.collapse:
+            ours.HC_POST_MIX_MAX_TOKENS = -1
         reference = [t.float() for t in run()]
         # x read twice and written once, out read, the block input written, fn read once.
         bytes_ = 3 * x.numel() * 2 + 2 * out.numel() * 2 + fn.numel() * 4
         row: dict = {"tokens": num_tokens, "bound_s": bytes_ / bandwidth, "us": {}}
-        for name, mix_block in zip(names, [None, *blocks], strict=True):
-            ours.HC_POST_MIX_MAX_TOKENS = -1 if mix_block is None else max(limit, num_tokens)
-            ours.HC_POST_MIX_BLOCK_D = mix_block or block
+        for index, name in enumerate(names):
+            if ns.collapse:  # the engine's exit and entry, each collapse layout
+                apart, warps = layouts[index]
+                ours.HC_SINKHORN_APART_MAX_TOKENS = num_tokens if apart else 0
+                ours.HC_ONE_TOKEN_COLLAPSE_WARPS = warps
+            else:
+                mix_block = [None, *blocks][index]
+                ours.HC_POST_MIX_MAX_TOKENS = -1 if mix_block is None else max(limit, num_tokens)
+                ours.HC_POST_MIX_BLOCK_D = mix_block or block
             row["us"][name] = candidate_us(run, reference, 1e-4)
             print(f"  T={num_tokens:5} {name}: {row['us'][name]}")
         ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D = limit, block
+        ours.HC_SINKHORN_APART_MAX_TOKENS, ours.HC_ONE_TOKEN_COLLAPSE_WARPS = collapse
         rows.append(row)
         write_json(ns.json, payload)
         release()
@@ -217,13 +243,16 @@ def post_pre(ns: argparse.Namespace) -> None:
     print()
     print(
         results_block(
-            "A sub-layer's exit and the next entry: three launches or two (µs per call)",
+            "A sub-layer's exit and the next entry: "
+            + ("collapse layouts" if ns.collapse else "three launches or two")
+            + " (µs per call)",
             SCRIPT,
             setup,
             [
                 f"{device_name(setup)}; x [T, {HC}, {DIM}] bf16, fn [{mix}, {HC * DIM}] fp32, "
-                f"{ITERS} Sinkhorn iterations, block_norm on. d: HC_POST_MIX_BLOCK_D. Copy "
-                f"bandwidth {bandwidth / 1e12:.3f} TB/s.",
+                f"{ITERS} Sinkhorn iterations, block_norm on. d: HC_POST_MIX_BLOCK_D; apart: "
+                f"the Sinkhorn in its own program, w: one token's collapse in one program of "
+                f"w warps (0: split). Copy bandwidth {bandwidth / 1e12:.3f} TB/s.",
             ],
             [markdown(headers, body)],
         )

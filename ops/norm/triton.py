@@ -108,6 +108,14 @@ HC_ONE_TOKEN_BLOCK_K = 128
 # (hc_tiles.py --iters 1,20: 24.8 µs at T = 1 with IEEE division, 16.6 approximate, 14.2 with
 # one iteration; the mixes within 2e-7 of each other).
 HC_SINKHORN_PRECISE_DIV = False
+# Up to this many tokens, a token's Sinkhorn (and post gates) runs in a program of its own, beside
+# the programs that collapse its D slices with pre alone: the collapse and its row norm no longer
+# wait behind the 20 iterations.
+HC_SINKHORN_APART_MAX_TOKENS = 256
+# One token: the collapse in one program of this many warps, the row one tile held in registers
+# and normalised there (no ticket, no second pass over the row); 0: D split over programs as
+# _split_d says, HC_SINKHORN_WARPS each.
+HC_ONE_TOKEN_COLLAPSE_WARPS = 0
 # apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
 ROPE_BLOCK_D = 1024
@@ -587,6 +595,52 @@ def _sinkhorn_div(num, den, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _hc_post_comb(
+    rows,
+    stream_mask,
+    is_split,
+    i,
+    j,
+    inv_rms,
+    scale_ptr,
+    base_ptr,
+    post_ptr,
+    comb_ptr,
+    t,
+    writer,
+    hc_eps,
+    HC: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    PRECISE_DIV: tl.constexpr,
+):
+    """A token's post gates and its Sinkhorn-balanced comb from the mix's partial rows, stored
+    where ``writer``."""
+    is_stream = i < HC
+    is_comb = is_stream[:, None] & (j < HC)[None, :]
+    comb_cols = 2 * HC + i[:, None] * HC + j[None, :]  # [HC_PAD, HC_PAD] into a partials row
+    post_w = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0), axis=0)
+    comb_mask = is_split[:, None, None] & is_comb[None]
+    comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=comb_mask, other=0.0)
+    comb_w = tl.sum(comb_w, axis=0)
+    post_b = tl.load(base_ptr + HC + i, mask=is_stream, other=0.0)
+    comb_b = tl.load(base_ptr + comb_cols, mask=is_comb, other=0.0)
+    post = 2 * tl.sigmoid(post_w * inv_rms * tl.load(scale_ptr + 1) + post_b)
+    logits = comb_w * inv_rms * tl.load(scale_ptr + 2) + comb_b
+    logits = tl.where((j < HC)[None, :], logits, float("-inf"))  # padded rows stay finite
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = _sinkhorn_div(e, tl.sum(e, axis=1)[:, None], PRECISE_DIV)  # softmax over each row
+    comb = tl.where(is_comb, comb + hc_eps, 0.0)
+    # first pass: columns only
+    comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
+    for _ in range(SINKHORN_ITERS - 1):
+        comb = _sinkhorn_div(comb, tl.sum(comb, axis=1)[:, None] + hc_eps, PRECISE_DIV)
+        comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
+    tl.store(post_ptr + t * HC + i, post, mask=is_stream & writer)
+    comb_ptrs = comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :]
+    tl.store(comb_ptrs, comb, mask=is_comb & writer)
+
+
+@triton.jit
 def _hc_sinkhorn_collapse_kernel(
     x_ptr,
     partials_ptr,
@@ -610,6 +664,7 @@ def _hc_sinkhorn_collapse_kernel(
     SHIFTED: tl.constexpr,
     HEAD: tl.constexpr,
     NORM: tl.constexpr,
+    APART: tl.constexpr,
     D_PROGRAMS: tl.constexpr,
     D_PROGRAMS_PAD: tl.constexpr,
     D_ROW: tl.constexpr,
@@ -626,21 +681,33 @@ def _hc_sinkhorn_collapse_kernel(
 ):
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
     collapse of the slice. The program holding the first slice writes post and comb.
+    APART: the token's D_PROGRAMS collapse programs compute pre alone, and one more program
+    (the grid's last on axis 1) the post gates and Sinkhorn, at the same time.
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
     token's own pre goes to pre_out [T, hc]. HEAD: a hyper-connection head (``hc_head``): the
     mix is pre's alone (scale [1]), and there is no post, comb or Sinkhorn.
-    NORM: the block input RMS-normalised in place (weight norm_w, eps block_eps) over the
-    rounded values, as torch_ref's rms_norm of the collapse: each program adds its slice's
-    squares; with one program a token it normalises its row after a barrier, else the token's
-    last program (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order and
-    normalises the whole row, read back from L2 (ops/triton_tickets.py)."""
+    NORM: the block input RMS-normalised (weight norm_w, eps block_eps) over the rounded
+    values, as torch_ref's rms_norm of the collapse. One program a token with the row in one
+    tile normalises it in registers; one program looping over D adds its slices' squares and
+    normalises the stored row after a barrier; else each program adds its slice's squares and
+    the token's last (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order
+    and normalises the whole row, read back from L2 (ops/triton_tickets.py)."""
     enter(PDL)
     t = tl.program_id(0)
+    program = tl.program_id(1)
     i = tl.arange(0, HC_PAD)  # stream, and comb's row
     j = tl.arange(0, HC_PAD)  # comb's column
     is_stream = i < HC
-    is_comb = is_stream[:, None] & (j < HC)[None, :]
-    comb_cols = 2 * HC + i[:, None] * HC + j[None, :]  # [HC_PAD, HC_PAD] into a partials row
+    # The slice's first tile, loaded before the mixes so that its latency hides under theirs
+    # (the Sinkhorn program's is past the row: masked off).
+    t64 = t.to(tl.int64)
+    d_begin = program * D_PER_PROGRAM
+    d = d_begin + tl.arange(0, BLOCK_D)
+    x_rows = x_ptr + (t64 * HC + i[:, None]) * dim
+    x = tl.load(x_rows + d[None, :], mask=is_stream[:, None] & (d < dim)[None, :], other=0.0)
+    ONE_TILE: tl.constexpr = D_PROGRAMS == 1 and D_PER_PROGRAM == BLOCK_D
+    if NORM and ONE_TILE:
+        norm_w = tl.load(norm_w_ptr + d, mask=d < dim, other=0.0)
 
     splits = tl.arange(0, SPLIT_PAD)
     is_split = splits < SPLIT_K
@@ -654,82 +721,84 @@ def _hc_sinkhorn_collapse_kernel(
     pre = tl.sigmoid(pre_w * inv_rms * tl.load(scale_ptr) + pre_b) + hc_eps
 
     if not HEAD:
-        post_w = tl.load(rows[:, None] + HC + i[None, :], mask=stream_mask, other=0.0)
-        post_w = tl.sum(post_w, axis=0)
-        comb_mask = is_split[:, None, None] & is_comb[None]
-        comb_w = tl.load(rows[:, None, None] + comb_cols[None, :, :], mask=comb_mask, other=0.0)
-        comb_w = tl.sum(comb_w, axis=0)
-        post_b = tl.load(base_ptr + HC + i, mask=is_stream, other=0.0)
-        comb_b = tl.load(base_ptr + comb_cols, mask=is_comb, other=0.0)
-        post = 2 * tl.sigmoid(post_w * inv_rms * tl.load(scale_ptr + 1) + post_b)
-        logits = comb_w * inv_rms * tl.load(scale_ptr + 2) + comb_b
-        logits = tl.where((j < HC)[None, :], logits, float("-inf"))  # padded rows stay finite
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        comb = _sinkhorn_div(e, tl.sum(e, axis=1)[:, None], PRECISE_DIV)  # softmax over each row
-        comb = tl.where(is_comb, comb + hc_eps, 0.0)
-        # first pass: columns only
-        comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
-        for _ in range(SINKHORN_ITERS - 1):
-            comb = _sinkhorn_div(comb, tl.sum(comb, axis=1)[:, None] + hc_eps, PRECISE_DIV)
-            comb = _sinkhorn_div(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, PRECISE_DIV)
-
-        is_first = tl.program_id(1) == 0
-        tl.store(post_ptr + t * HC + i, post, mask=is_stream & is_first)
-        comb_ptrs = comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :]
-        tl.store(comb_ptrs, comb, mask=is_comb & is_first)
+        writer = program == (D_PROGRAMS if APART else 0)
+        if APART:
+            if writer:
+                _hc_post_comb(
+                    rows, stream_mask, is_split, i, j, inv_rms, scale_ptr, base_ptr, post_ptr,
+                    comb_ptr, t, writer, hc_eps, HC, SINKHORN_ITERS, PRECISE_DIV,
+                )  # fmt: skip
+        else:
+            _hc_post_comb(
+                rows, stream_mask, is_split, i, j, inv_rms, scale_ptr, base_ptr, post_ptr,
+                comb_ptr, t, writer, hc_eps, HC, SINKHORN_ITERS, PRECISE_DIV,
+            )  # fmt: skip
         if SHIFTED:
-            tl.store(pre_out_ptr + t * HC + i, pre, mask=is_stream & is_first)
+            tl.store(pre_out_ptr + t * HC + i, pre, mask=is_stream & writer)
             pre = tl.load(prev_pre_ptr + t * HC + i, mask=is_stream, other=0.0)
 
-    t = t.to(tl.int64)
-    d_begin = tl.program_id(1) * D_PER_PROGRAM
-    squares = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
-        d = d_begin + d0 + tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        x = tl.load(
-            x_ptr + (t * HC + i[:, None]) * dim + d[None, :],
-            mask=is_stream[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [HC_PAD, BLOCK_D]
-        y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
-        y = y.to(collapsed_ptr.dtype.element_ty)
-        tl.store(collapsed_ptr + t * dim + d, y, mask=d_mask)
-        if NORM:
-            squares += tl.where(d_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
-    if NORM:
-        row_sum = tl.sum(squares, axis=0)
-        if D_PROGRAMS == 1:
-            tl.debug_barrier()  # the row's stores, by every thread, before they are read back
-            _norm_row(collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
+    if program < D_PROGRAMS:
+        out_row = collapsed_ptr + t64 * dim
+        if ONE_TILE:
+            y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0).to(collapsed_ptr.dtype.element_ty)
+            if NORM:
+                y = y.to(tl.float32)
+                row_sum = tl.sum(tl.where(d < dim, y * y, 0.0), axis=0)
+                inv_row = tl.rsqrt(row_sum / dim + block_eps)
+                y = (norm_w * (y * inv_row)).to(collapsed_ptr.dtype.element_ty)
+            tl.store(out_row + d, y, mask=d < dim)
         else:
-            tl.store(row_sumsq_ptr + t * D_PROGRAMS + tl.program_id(1), row_sum)
-            if arrive(counters_ptr + t, D_PROGRAMS):
-                programs = tl.arange(0, D_PROGRAMS_PAD)
-                sums = tl.load(
-                    row_sumsq_ptr + t * D_PROGRAMS + programs,
-                    mask=programs < D_PROGRAMS,
+            squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+                d = d_begin + d0 + tl.arange(0, BLOCK_D)
+                d_mask = d < dim
+                y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
+                y = y.to(collapsed_ptr.dtype.element_ty)
+                next_d = d + BLOCK_D  # the next tile's load before this one's store
+                next_mask = (next_d < dim) & (d0 + BLOCK_D < D_PER_PROGRAM)
+                x = tl.load(
+                    x_rows + next_d[None, :], mask=is_stream[:, None] & next_mask[None, :],
                     other=0.0,
-                    cache_modifier=".cg",
-                )
-                row_sum = tl.sum(sums, axis=0)
-                _norm_row(
-                    collapsed_ptr + t * dim, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW
-                )
-                depart(counters_ptr + t)
+                )  # fmt: skip
+                tl.store(out_row + d, y, mask=d_mask)
+                if NORM:
+                    squares += tl.where(d_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
+            if NORM:
+                row_sum = tl.sum(squares, axis=0)
+                if D_PROGRAMS == 1:
+                    tl.debug_barrier()  # the row's stores, by every thread, before they are read
+                    _norm_row(out_row, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
+                else:
+                    tl.store(row_sumsq_ptr + t * D_PROGRAMS + program, row_sum)
+                    if arrive(counters_ptr + t, D_PROGRAMS):
+                        programs = tl.arange(0, D_PROGRAMS_PAD)
+                        sums = tl.load(
+                            row_sumsq_ptr + t * D_PROGRAMS + programs,
+                            mask=programs < D_PROGRAMS,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                        row_sum = tl.sum(sums, axis=0)
+                        _norm_row(out_row, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
+                        depart(counters_ptr + t)
 
 
 @triton.jit
 def _norm_row(row_ptr, w_ptr, sum_sq, dim, eps, BLOCK_D: tl.constexpr, D_ROW: tl.constexpr):
     """row[:dim] = w * (row * rsqrt(sum_sq / dim + eps)), in place, read through L2 (.cg): the
-    rms_norm of torch_ref on a row whose squares sum to sum_sq."""
+    rms_norm of torch_ref on a row whose squares sum to sum_sq. Each tile's loads are issued
+    before the previous tile's store."""
     inv_rms = tl.rsqrt(sum_sq / dim + eps)
+    d = tl.arange(0, BLOCK_D)
+    h = tl.load(row_ptr + d, mask=d < dim, other=0.0, cache_modifier=".cg")
+    w = tl.load(w_ptr + d, mask=d < dim, other=0.0)
     for d0 in tl.range(0, D_ROW, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        h = tl.load(row_ptr + d, mask=d_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        w = tl.load(w_ptr + d, mask=d_mask, other=0.0)
-        tl.store(row_ptr + d, (w * (h * inv_rms)).to(row_ptr.dtype.element_ty), mask=d_mask)
+        y = (w * (h.to(tl.float32) * inv_rms)).to(row_ptr.dtype.element_ty)
+        next_d = d + BLOCK_D
+        h = tl.load(row_ptr + next_d, mask=next_d < dim, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + next_d, mask=next_d < dim, other=0.0)
+        tl.store(row_ptr + d, y, mask=d < dim)
 
 
 def hc_pre(
@@ -856,7 +925,13 @@ def _hc_pre(
     partials, sumsq, split_k = _hc_mix(x, fn, num_sms) if mix is None else mix
     m_pad = partials.shape[-1]
 
-    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+    num_warps = HC_SINKHORN_WARPS
+    if num_tokens == 1 and HC_ONE_TOKEN_COLLAPSE_WARPS:  # one program, the row one tile
+        block_d = d_per_program = triton.next_power_of_2(dim)
+        num_d_programs, num_warps = 1, HC_ONE_TOKEN_COLLAPSE_WARPS
+    else:
+        block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+    apart = not head and num_tokens <= HC_SINKHORN_APART_MAX_TOKENS
     if block_norm is not None:
         norm_weight, block_eps = block_norm[0].float().contiguous(), float(block_norm[1])
         assert norm_weight.shape == (dim,), f"hc_pre: norm weight {tuple(norm_weight.shape)}"
@@ -866,7 +941,7 @@ def _hc_pre(
             row_sumsq = post.new_empty(num_tokens, num_d_programs)
     else:
         norm_weight, block_eps, row_sumsq = post, 0.0, post  # not read
-    _hc_sinkhorn_collapse_kernel[(num_tokens, num_d_programs)](
+    _hc_sinkhorn_collapse_kernel[(num_tokens, num_d_programs + apart)](
         x,
         partials,
         sumsq,
@@ -889,6 +964,7 @@ def _hc_pre(
         SHIFTED=shifted,
         HEAD=head,
         NORM=block_norm is not None,
+        APART=apart,
         D_PROGRAMS=num_d_programs,
         D_PROGRAMS_PAD=triton.next_power_of_2(num_d_programs),
         D_ROW=triton.cdiv(dim, block_d) * block_d,
@@ -901,7 +977,7 @@ def _hc_pre(
         PRECISE_DIV=HC_SINKHORN_PRECISE_DIV,
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=HC_SINKHORN_WARPS,
+        num_warps=num_warps,
         **pdl(x.device),
     )
     return post, comb, collapsed, pre_out
