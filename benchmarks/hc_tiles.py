@@ -2,7 +2,7 @@
 
     bash scripts/gpu_bench.sh benchmarks/hc_tiles.py [--tokens 1,128,8192] [--json PATH]
     bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --post-pre 1,32,128,256 [--mix-blocks 32,64]
-    bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --collapse 1,2,32,128 [--layouts "0,0;1,8"]
+    bash scripts/gpu_bench.sh benchmarks/hc_tiles.py --collapse 1,2,32,128
 
 hc_pre of ops/norm/triton.py on x [T, 4, 4096] bf16 with fp32 mixing weights [24, 16384] and 20
 Sinkhorn iterations (V4-Flash), for each candidate of the module's tile attributes: the mix
@@ -86,14 +86,8 @@ def main() -> None:
         "--collapse",
         default="",
         help="instead of the sweep: at these token counts, a sub-layer's exit and the next "
-        "entry (hc_post_pre, block_norm on) for each collapse layout in --layouts",
-    )
-    ap.add_argument(
-        "--layouts",
-        default="0,0;1,0;0,8;1,8;1,4;1,16",
-        help="apart,warps pairs: the Sinkhorn in its own program (HC_SINKHORN_APART_MAX_TOKENS "
-        "= T when 1) and one token's collapse in one program of that many warps "
-        "(HC_ONE_TOKEN_COLLAPSE_WARPS, 0: split over programs)",
+        "entry (hc_post_pre, block_norm on) with the Sinkhorn in the collapse programs and in "
+        "a program of its own (HC_SINKHORN_APART_MAX_TOKENS)",
     )
     ap.add_argument("--json", help="write every figure here")
     ns = ap.parse_args()
@@ -201,13 +195,12 @@ def post_pre(ns: argparse.Namespace) -> None:
     hc = (ITERS, EPS, 1e-6)
     blocks = parse_ints(ns.mix_blocks)
     names = ["hc_post + hc_pre", *(f"hc_post_pre d{b}" for b in blocks)]
-    layouts = [tuple(int(v) for v in pair.split(",")) for pair in ns.layouts.split(";")]
     if ns.collapse:
-        names = [f"apart {a} w{w}" for a, w in layouts]
+        names = ["Sinkhorn in the collapse programs", "Sinkhorn apart"]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     limit, block = ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D
-    collapse = ours.HC_SINKHORN_APART_MAX_TOKENS, ours.HC_ONE_TOKEN_COLLAPSE_WARPS
+    apart = ours.HC_SINKHORN_APART_MAX_TOKENS
     for num_tokens in parse_ints(ns.collapse or ns.post_pre):
         x = torch.randn((num_tokens, HC, DIM), generator=gen, device=setup.device).bfloat16()
         out = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
@@ -224,9 +217,7 @@ def post_pre(ns: argparse.Namespace) -> None:
         row: dict = {"tokens": num_tokens, "bound_s": bytes_ / bandwidth, "us": {}}
         for index, name in enumerate(names):
             if ns.collapse:  # the engine's exit and entry, each collapse layout
-                apart, warps = layouts[index]
-                ours.HC_SINKHORN_APART_MAX_TOKENS = num_tokens if apart else 0
-                ours.HC_ONE_TOKEN_COLLAPSE_WARPS = warps
+                ours.HC_SINKHORN_APART_MAX_TOKENS = num_tokens if index else 0
             else:
                 mix_block = [None, *blocks][index]
                 ours.HC_POST_MIX_MAX_TOKENS = -1 if mix_block is None else max(limit, num_tokens)
@@ -234,7 +225,7 @@ def post_pre(ns: argparse.Namespace) -> None:
             row["us"][name] = candidate_us(run, reference, 1e-4)
             print(f"  T={num_tokens:5} {name}: {row['us'][name]}")
         ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D = limit, block
-        ours.HC_SINKHORN_APART_MAX_TOKENS, ours.HC_ONE_TOKEN_COLLAPSE_WARPS = collapse
+        ours.HC_SINKHORN_APART_MAX_TOKENS = apart
         rows.append(row)
         write_json(ns.json, payload)
         release()
@@ -250,9 +241,8 @@ def post_pre(ns: argparse.Namespace) -> None:
             setup,
             [
                 f"{device_name(setup)}; x [T, {HC}, {DIM}] bf16, fn [{mix}, {HC * DIM}] fp32, "
-                f"{ITERS} Sinkhorn iterations, block_norm on. d: HC_POST_MIX_BLOCK_D; apart: "
-                f"the Sinkhorn in its own program, w: one token's collapse in one program of "
-                f"w warps (0: split). Copy bandwidth {bandwidth / 1e12:.3f} TB/s.",
+                f"{ITERS} Sinkhorn iterations, block_norm on. d: HC_POST_MIX_BLOCK_D. Copy "
+                f"bandwidth {bandwidth / 1e12:.3f} TB/s.",
             ],
             [markdown(headers, body)],
         )

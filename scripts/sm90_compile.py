@@ -78,6 +78,19 @@ NORM_ROPE_TYPES = {
     "k_weight_ptr": "*fp32", "k_out_ptr": "*bf16", "target_ptr": "*bf16",
     "target_rows_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32",
 }  # fmt: skip
+# hc_pre's collapse with the block norm at one token: eight programs of a 512-channel slice
+# (the last by ticket normalises the row) and the Sinkhorn's program beside them.
+COLLAPSE_TYPES = {
+    "x_ptr": "*bf16", "partials_ptr": "*fp32", "sumsq_ptr": "*fp32", "scale_ptr": "*fp32",
+    "base_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "collapsed_ptr": "*bf16",
+    "prev_pre_ptr": "*fp32", "pre_out_ptr": "*fp32", "norm_w_ptr": "*fp32",
+    "row_sumsq_ptr": "*fp32", "counters_ptr": "*i32", "hc_eps": "fp32", "norm_eps": "fp32",
+    "block_eps": "fp32",
+}  # fmt: skip
+COLLAPSE = {"SHIFTED": False, "HEAD": False, "NORM": True, "APART": True, "D_PROGRAMS": 8,
+            "D_PROGRAMS_PAD": 8, "D_ROW": 4096, "HC": 4, "HC_PAD": 4, "M_PAD": 32,
+            "SPLIT_K": 32, "SPLIT_PAD": 32, "SINKHORN_ITERS": 20, "PRECISE_DIV": False,
+            "BLOCK_D": 512, "D_PER_PROGRAM": 512, "PDL": True}  # fmt: skip
 # The indexer's scores with its top-k (a CSA layer at decode: 64 heads of 128, up to 2,048
 # entries).
 SELECT_TYPES = {
@@ -97,7 +110,8 @@ POOL_TYPES = {
 }  # fmt: skip
 
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV), hc_post with and without the next entry's mix, and the
+# (ops/moe/triton.py's _MXFP4_GEMV), hc_post with and without the next entry's mix, hc_pre's
+# collapse, and the
 # kernels that took a neighbour's launch in (SwiGLU, the ring's and the entries' stores, the
 # indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
@@ -109,6 +123,8 @@ KERNELS = [
      {**HC_POST, "BLOCK_D": 128, "D_PER_PROGRAM": 128, "MIX": True}, 8),
     ("hc_post d512 w4", norm_triton._hc_post_kernel, HC_POST_TYPES,
      {**HC_POST, "BLOCK_D": 512, "D_PER_PROGRAM": 512, "MIX": False}, 4),
+    ("hc_pre's collapse, the Sinkhorn apart, d512 w1", norm_triton._hc_sinkhorn_collapse_kernel,
+     COLLAPSE_TYPES, COLLAPSE, 1),
     ("shared w2 with its SwiGLU, one row w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
      {**SHARED_W2, "ONE_ROW": True}, 4),
     ("shared w2 with its SwiGLU, 16 rows w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,

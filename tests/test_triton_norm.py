@@ -288,49 +288,37 @@ def test_hc_pre_normalises_the_block_input_in_the_same_launch(
     assert torch.equal(ref[-1], torch_ref.rms_norm(unnormed, *block_norm))
 
 
-# (HC_SINKHORN_APART_MAX_TOKENS, HC_ONE_TOKEN_COLLAPSE_WARPS): the Sinkhorn in a program of its
-# own; one token's row in one program and one tile; both.
-COLLAPSE_LAYOUTS = [(64, 0), (0, 4), (64, 4)]  # against (0, 0)
-
-
-@pytest.mark.parametrize(("apart", "warps"), COLLAPSE_LAYOUTS, ids=["apart", "one_tile", "both"])
 @pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), [(1, 40, 1000), (3, 40, 4)])
-def test_hc_pre_collapse_layouts_give_the_split_layouts_values(
+def test_hc_pre_sinkhorn_apart_gives_the_same_values(
     norm_triton: ModuleType,
     small_tiles: None,
     monkeypatch: pytest.MonkeyPatch,
     num_tokens: int,
     dim: int,
     num_sms: int,
-    apart: int,
-    warps: int,
 ) -> None:
-    """The Sinkhorn apart from the collapse, and one token's row in one tile: pre, post, comb
-    and the unnormalised block input bit for bit the split layout's (the same arithmetic, other
-    programs), the normalised one within FP32_TOL of torch_ref's (its row sum in one order)."""
+    """The Sinkhorn in a program of its own (HC_SINKHORN_APART_MAX_TOKENS), shifted, with and
+    without the block norm, and unshifted: every output bit for bit the one-launch layout's
+    (the same arithmetic in other programs), and within FP32_TOL of torch_ref's."""
     monkeypatch.setattr(norm_triton, "_num_sms", lambda device: num_sms)
     gen = torch.Generator().manual_seed(num_tokens * 1000 + dim + 5)
     x, fn, scale, base = _hc_inputs(num_tokens, dim, gen)
     prev = torch.rand(num_tokens, HC, generator=gen)
     block_norm = (1 + 0.5 * torch.randn(dim, generator=gen), 1e-5)
-    args = (x, prev, fn, scale, base, 20, 1e-6, EPS)
-    monkeypatch.setattr(norm_triton, "HC_SINKHORN_APART_MAX_TOKENS", 0)
-    monkeypatch.setattr(norm_triton, "HC_ONE_TOKEN_COLLAPSE_WARPS", 0)
-    split = norm_triton.hc_pre_shifted(*args)
-    monkeypatch.setattr(norm_triton, "HC_SINKHORN_APART_MAX_TOKENS", apart)
-    monkeypatch.setattr(norm_triton, "HC_ONE_TOKEN_COLLAPSE_WARPS", warps)
-    names = ("pre", "post", "comb", "block input")
-    for name, o, s in zip(names, norm_triton.hc_pre_shifted(*args), split, strict=True):
-        assert torch.equal(o, s), name
-    normed = norm_triton.hc_pre_shifted(*args, block_norm=block_norm)
-    ref = torch_ref.hc_pre_shifted(*args, block_norm=block_norm)
-    assert _rel_err(normed[-1], ref[-1]) < FP32_TOL
-    for o, s in zip(normed[:-1], split[:-1], strict=True):
-        assert torch.equal(o, s)
-    post, comb, collapsed = norm_triton.hc_pre(x, fn, scale, base, 20, 1e-6, EPS)
-    assert torch.equal(post, split[1]) and torch.equal(comb, split[2])
-    expected = torch_ref.hc_pre(x, fn, scale, base, 20, 1e-6, EPS)[2]
-    assert _rel_err(collapsed, expected) < FP32_TOL
+    calls = [
+        ("hc_pre_shifted", (x, prev, fn, scale, base, 20, 1e-6, EPS), None),
+        ("hc_pre_shifted", (x, prev, fn, scale, base, 20, 1e-6, EPS), block_norm),
+        ("hc_pre", (x, fn, scale, base, 20, 1e-6, EPS), None),
+    ]
+    for name, args, norm in calls:
+        monkeypatch.setattr(norm_triton, "HC_SINKHORN_APART_MAX_TOKENS", 0)
+        together = getattr(norm_triton, name)(*args, block_norm=norm)
+        monkeypatch.setattr(norm_triton, "HC_SINKHORN_APART_MAX_TOKENS", num_tokens)
+        apart = getattr(norm_triton, name)(*args, block_norm=norm)
+        ref = getattr(torch_ref, name)(*args, block_norm=norm)
+        for o, t, r in zip(apart, together, ref, strict=True):
+            assert torch.equal(o, t), name
+            assert _rel_err(o, r) < FP32_TOL, name
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "num_sms"), HC_CASES)

@@ -112,10 +112,6 @@ HC_SINKHORN_PRECISE_DIV = False
 # the programs that collapse its D slices with pre alone: the collapse and its row norm no longer
 # wait behind the 20 iterations.
 HC_SINKHORN_APART_MAX_TOKENS = 256
-# One token: the collapse in one program of this many warps, the row one tile held in registers
-# and normalised there (no ticket, no second pass over the row); 0: D split over programs as
-# _split_d says, HC_SINKHORN_WARPS each.
-HC_ONE_TOKEN_COLLAPSE_WARPS = 0
 # apply_rope: nope columns per tile (V4's 448 are one tile of 512) and row values per program
 # (8 heads of 512, 16 per thread at 8 warps); the CPU tests shrink them to reach the loops.
 ROPE_BLOCK_D = 1024
@@ -686,12 +682,11 @@ def _hc_sinkhorn_collapse_kernel(
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
     token's own pre goes to pre_out [T, hc]. HEAD: a hyper-connection head (``hc_head``): the
     mix is pre's alone (scale [1]), and there is no post, comb or Sinkhorn.
-    NORM: the block input RMS-normalised (weight norm_w, eps block_eps) over the rounded
-    values, as torch_ref's rms_norm of the collapse. One program a token with the row in one
-    tile normalises it in registers; one program looping over D adds its slices' squares and
-    normalises the stored row after a barrier; else each program adds its slice's squares and
-    the token's last (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order
-    and normalises the whole row, read back from L2 (ops/triton_tickets.py)."""
+    NORM: the block input RMS-normalised in place (weight norm_w, eps block_eps) over the
+    rounded values, as torch_ref's rms_norm of the collapse: each program adds its slice's
+    squares; with one program a token it normalises its row after a barrier, else the token's
+    last program (a ticket, as the FP8 GEMM's split K) adds the D_PROGRAMS sums in order and
+    normalises the whole row, read back from L2 (ops/triton_tickets.py)."""
     enter(PDL)
     t = tl.program_id(0)
     program = tl.program_id(1)
@@ -705,9 +700,6 @@ def _hc_sinkhorn_collapse_kernel(
     d = d_begin + tl.arange(0, BLOCK_D)
     x_rows = x_ptr + (t64 * HC + i[:, None]) * dim
     x = tl.load(x_rows + d[None, :], mask=is_stream[:, None] & (d < dim)[None, :], other=0.0)
-    ONE_TILE: tl.constexpr = D_PROGRAMS == 1 and D_PER_PROGRAM == BLOCK_D
-    if NORM and ONE_TILE:
-        norm_w = tl.load(norm_w_ptr + d, mask=d < dim, other=0.0)
 
     splits = tl.arange(0, SPLIT_PAD)
     is_split = splits < SPLIT_K
@@ -739,48 +731,38 @@ def _hc_sinkhorn_collapse_kernel(
 
     if program < D_PROGRAMS:
         out_row = collapsed_ptr + t64 * dim
-        if ONE_TILE:
-            y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0).to(collapsed_ptr.dtype.element_ty)
+        squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
+            d = d_begin + d0 + tl.arange(0, BLOCK_D)
+            d_mask = d < dim
+            y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
+            y = y.to(collapsed_ptr.dtype.element_ty)
+            next_d = d + BLOCK_D  # the next tile's load before this one's store
+            next_mask = (next_d < dim) & (d0 + BLOCK_D < D_PER_PROGRAM)
+            x = tl.load(
+                x_rows + next_d[None, :], mask=is_stream[:, None] & next_mask[None, :], other=0.0
+            )
+            tl.store(out_row + d, y, mask=d_mask)
             if NORM:
-                y = y.to(tl.float32)
-                row_sum = tl.sum(tl.where(d < dim, y * y, 0.0), axis=0)
-                inv_row = tl.rsqrt(row_sum / dim + block_eps)
-                y = (norm_w * (y * inv_row)).to(collapsed_ptr.dtype.element_ty)
-            tl.store(out_row + d, y, mask=d < dim)
-        else:
-            squares = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for d0 in tl.range(0, D_PER_PROGRAM, BLOCK_D):
-                d = d_begin + d0 + tl.arange(0, BLOCK_D)
-                d_mask = d < dim
-                y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
-                y = y.to(collapsed_ptr.dtype.element_ty)
-                next_d = d + BLOCK_D  # the next tile's load before this one's store
-                next_mask = (next_d < dim) & (d0 + BLOCK_D < D_PER_PROGRAM)
-                x = tl.load(
-                    x_rows + next_d[None, :], mask=is_stream[:, None] & next_mask[None, :],
-                    other=0.0,
-                )  # fmt: skip
-                tl.store(out_row + d, y, mask=d_mask)
-                if NORM:
-                    squares += tl.where(d_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
-            if NORM:
-                row_sum = tl.sum(squares, axis=0)
-                if D_PROGRAMS == 1:
-                    tl.debug_barrier()  # the row's stores, by every thread, before they are read
+                squares += tl.where(d_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
+        if NORM:
+            row_sum = tl.sum(squares, axis=0)
+            if D_PROGRAMS == 1:
+                tl.debug_barrier()  # the row's stores, by every thread, before they are read
+                _norm_row(out_row, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
+            else:
+                tl.store(row_sumsq_ptr + t * D_PROGRAMS + program, row_sum)
+                if arrive(counters_ptr + t, D_PROGRAMS):
+                    programs = tl.arange(0, D_PROGRAMS_PAD)
+                    sums = tl.load(
+                        row_sumsq_ptr + t * D_PROGRAMS + programs,
+                        mask=programs < D_PROGRAMS,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    row_sum = tl.sum(sums, axis=0)
                     _norm_row(out_row, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
-                else:
-                    tl.store(row_sumsq_ptr + t * D_PROGRAMS + program, row_sum)
-                    if arrive(counters_ptr + t, D_PROGRAMS):
-                        programs = tl.arange(0, D_PROGRAMS_PAD)
-                        sums = tl.load(
-                            row_sumsq_ptr + t * D_PROGRAMS + programs,
-                            mask=programs < D_PROGRAMS,
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                        row_sum = tl.sum(sums, axis=0)
-                        _norm_row(out_row, norm_w_ptr, row_sum, dim, block_eps, BLOCK_D, D_ROW)
-                        depart(counters_ptr + t)
+                    depart(counters_ptr + t)
 
 
 @triton.jit
@@ -925,12 +907,7 @@ def _hc_pre(
     partials, sumsq, split_k = _hc_mix(x, fn, num_sms) if mix is None else mix
     m_pad = partials.shape[-1]
 
-    num_warps = HC_SINKHORN_WARPS
-    if num_tokens == 1 and HC_ONE_TOKEN_COLLAPSE_WARPS:  # one program, the row one tile
-        block_d = d_per_program = triton.next_power_of_2(dim)
-        num_d_programs, num_warps = 1, HC_ONE_TOKEN_COLLAPSE_WARPS
-    else:
-        block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
+    block_d, d_per_program, num_d_programs = _split_d(num_tokens, dim, num_sms)
     apart = not head and num_tokens <= HC_SINKHORN_APART_MAX_TOKENS
     if block_norm is not None:
         norm_weight, block_eps = block_norm[0].float().contiguous(), float(block_norm[1])
@@ -977,7 +954,7 @@ def _hc_pre(
         PRECISE_DIV=HC_SINKHORN_PRECISE_DIV,
         BLOCK_D=block_d,
         D_PER_PROGRAM=d_per_program,
-        num_warps=num_warps,
+        num_warps=HC_SINKHORN_WARPS,
         **pdl(x.device),
     )
     return post, comb, collapsed, pre_out
