@@ -491,10 +491,41 @@ def test_bits_upcast_ptx_gives_the_dequantized_values(moe_triton: ModuleType) ->
     text = moe_triton._MXFP4_BITS_ASM.value
     for s in range(129):
         for w in range(4):
-            regs = _run_ptx(text, {"$8": int(words[s, w]) & 0xFFFFFFFF, "$9": s})
+            factor = (s + 126) * 0x00800080  # _mxfp4_bits's, once a scale group
+            regs = _run_ptx(text, {"$8": int(words[s, w]) & 0xFFFFFFFF, "$9": factor})
             got = torch.tensor([regs[f"${j}"] for j in range(8)], dtype=torch.int32)
             values = got.to(torch.int16).view(torch.bfloat16).float()
             assert torch.equal(values, expected[s, 8 * w : 8 * w + 8]), (s, w, values)
+
+
+def test_bits_pair_order_is_one_order_for_weights_and_activations(moe_triton: ModuleType) -> None:
+    """The bits path's pair order, three ways: ``_in_pair_order`` (the upcast's eight codes of
+    each word joined as the kernels multiply them; interpreted), the activations' reorder
+    launch, and torch's ``pair_order`` all put input 8w + j at 8w + 2 (j % 4) + j // 4."""
+    import triton
+    import triton.language as tl
+
+    gemv = sys.modules["deepinfer.ops.moe.triton_gemv"]
+
+    @triton.jit
+    def probe(out_ptr, ROWS: tl.constexpr, W: tl.constexpr):  # interpreted: module lookups work
+        rows = tl.arange(0, ROWS)[:, None]
+        base = (rows * W + tl.arange(0, W)[None, :]) * 8  # code j of word w: input 8w + j
+        out = sys.modules["deepinfer.ops.moe.triton"]._in_pair_order(
+            base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7
+        )
+        tl.store(out_ptr + rows * 8 * W + tl.arange(0, 8 * W)[None, :], out)
+
+    inputs = torch.arange(3 * 64).reshape(3, 64)
+    joined = torch.empty(4, 64, dtype=torch.int32)
+    probe[(1,)](joined, ROWS=4, W=8)
+    expected = gemv.pair_order(torch.arange(4 * 64).reshape(4, 64))
+    assert torch.equal(joined.long(), expected)
+    assert expected[0, :8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    x = inputs.float()
+    assert torch.equal(gemv.reorder_pair_order(x), gemv.pair_order(x))
+    positions = (lambda i: (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4)(torch.arange(64))
+    assert torch.equal(gemv.pair_order(inputs)[:, positions], inputs)
 
 
 def test_bits_upcast_only_on_weights_whose_scale_bytes_were_measured_in_range(

@@ -63,7 +63,13 @@ from deepinfer.ops.moe.torch_ref import (
     Fp8ExpertWeight,
     Mxfp4Weight,
 )
-from deepinfer.ops.moe.triton_gemv import GemvConfig, decode_moe, store_output
+from deepinfer.ops.moe.triton_gemv import (
+    GemvConfig,
+    decode_moe,
+    pair_order_index,
+    reorder_pair_order,
+    store_output,
+)
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
 from deepinfer.ops.triton_pdl import enter, pdl
@@ -258,22 +264,23 @@ def _e2m1_values(codes, DTYPE: tl.constexpr):
     return bits.to(tl.float32, bitcast=True).to(DTYPE)
 
 
-# Eight e2m1 codes of a 32-bit word (code j at bits 4j..4j+3: input 8w + j) and the word's scale
-# byte s -> eight bf16 values. For codes j and j + 4 (16 bits apart) one shift puts both
-# magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves (exponent field
-# e, the mantissa's top bit m) and another both signs at bit 15: the bf16 is the e2m1 value
+# Eight e2m1 codes of a 32-bit word (code j at bits 4j..4j+3: input 8w + j) and the factor of the
+# word's scale byte s -> eight bf16 values. For codes j and j + 4 (16 bits apart) one shift puts
+# both magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves (exponent
+# field e, the mantissa's top bit m) and another both signs at bit 15: the bf16 is the e2m1 value
 # times 2 ** -126 exactly (code 1, 0.5, becomes the subnormal 2 ** -127). One bf16x2 multiply by
-# 2 ** (s - 1), exponent field s + 126 in each half ((s + 126) << 7), makes it the weight
-# e2m1 * 2 ** (s - 127). Exact for scale bytes 0 to 128 (weights under 12 in magnitude): a byte
-# over 128 needs a factor past bf16's largest power of two, so bits_upcast is for checkpoints
-# whose scale bytes are checked to stay at or under 128 (V4's experts: |w| << 1). It also needs
-# the bf16 multiply to keep subnormal inputs (PTX: mul.bf16x2 has no flush-to-zero);
-# tests/gpu/test_gpu_triton_moe.py's bits test would see a code 1 flushed to 0.
+# 2 ** (s - 1), exponent field s + 126 in each half ($9 = (s + 126) * 0x00800080, computed once a
+# scale group), makes it the weight e2m1 * 2 ** (s - 127). Exact for scale bytes 0 to 128
+# (weights under 12 in magnitude): a byte over 128 needs a factor past bf16's largest power of
+# two, so bits_upcast is for checkpoints whose scale bytes are checked to stay at or under 128
+# (V4's experts: |w| << 1). It also needs the bf16 multiply to keep subnormal inputs (PTX:
+# mul.bf16x2 has no flush-to-zero); tests/gpu/test_gpu_triton_moe.py's bits test would see a code
+# 1 flushed to 0. Each register p_j holds codes j (low half) and j + 4 (high half): the kernels
+# take the weights in that pair order (``_in_pair_order``), so the registers go to the MMA as they
+# are, with no repacking of halves.
 _MXFP4_BITS_ASM = tl.constexpr("""
 {
-.reg .b32 sc, t, m, s, p0, p1, p2, p3;
-add.u32 t, $9, 126;
-mul.lo.u32 sc, t, 0x00800080;
+.reg .b32 m, s, p0, p1, p2, p3;
 shl.b32 m, $8, 6; shl.b32 s, $8, 12; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
 or.b32 p0, m, s;
 shl.b32 m, $8, 2; shl.b32 s, $8, 8; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
@@ -281,10 +288,10 @@ or.b32 p1, m, s;
 shr.b32 m, $8, 2; shl.b32 s, $8, 4; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
 or.b32 p2, m, s;
 shr.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; and.b32 s, $8, 0x80008000; or.b32 p3, m, s;
-mul.rn.bf16x2 p0, p0, sc;
-mul.rn.bf16x2 p1, p1, sc;
-mul.rn.bf16x2 p2, p2, sc;
-mul.rn.bf16x2 p3, p3, sc;
+mul.rn.bf16x2 p0, p0, $9;
+mul.rn.bf16x2 p1, p1, $9;
+mul.rn.bf16x2 p2, p2, $9;
+mul.rn.bf16x2 p3, p3, $9;
 mov.b32 {$0, $4}, p0;
 mov.b32 {$1, $5}, p1;
 mov.b32 {$2, $6}, p2;
@@ -296,23 +303,32 @@ mov.b32 {$3, $7}, p3;
 @triton.jit
 def _mxfp4_bits(words, scales):
     """words [BN, W] uint32 (W = BLOCK_K / 8), scales [BN, W / 4] uint8 -> [BN, 8 W] bf16, the
-    weights in input order (``_MXFP4_BITS_ASM``; compiled only: the interpreter has no PTX)."""
+    weights in pair order (``_in_pair_order``; ``_MXFP4_BITS_ASM``; compiled only: the
+    interpreter has no PTX)."""
     rows: tl.constexpr = words.shape[0]
     num_words: tl.constexpr = words.shape[1]
-    word_scales = tl.broadcast_to(scales.to(tl.uint32)[:, :, None], (rows, num_words // 4, 4))
+    factors = (scales.to(tl.uint32) + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
+    word_factors = tl.broadcast_to(factors[:, :, None], (rows, num_words // 4, 4))
     v = tl.inline_asm_elementwise(
         _MXFP4_BITS_ASM,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words, word_scales.reshape(rows, num_words)],
+        [words, word_factors.reshape(rows, num_words)],
         dtype=(tl.bfloat16,) * 8,
         is_pure=True,
         pack=1,
     )
-    # [rows, W, 2, 2, 2]: index (h, q, r) holds code 4h + 2q + r of the word, so the reshape
-    # puts code j of word w at input 8w + j
-    low = tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6]))
-    high = tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7]))
-    return tl.join(low, high).reshape(rows, num_words * 8)
+    return _in_pair_order(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7])
+
+
+@triton.jit
+def _in_pair_order(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight [rows, W] tensors, v_j holding code j of each word -> [rows, 8 W]: code j of word w
+    at 8w + 2 (j % 4) + j // 4 (``pair_order_index``), so that codes j and j + 4, one register
+    of ``_MXFP4_BITS_ASM``, sit side by side as the MMA's operand pairs them. The activations
+    the weights meet (x, h) are read in the same order."""
+    f0 = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [rows, W, 2, 2]: (p, q) holds v[2p + q]
+    f1 = tl.join(tl.join(v4, v6), tl.join(v5, v7))
+    return tl.join(f0, f1).reshape(v0.shape[0], v0.shape[1] * 8)  # (p, q, b): v[2p + q + 4b]
 
 
 @triton.jit
@@ -387,7 +403,8 @@ def _gate_up_kernel(
     N = I, K = D. Padding rows gather nothing (A rows of zeros) and store swiglu(0, 0) = 0, so
     every row of a used block is written and the down kernel reads h without a row mask.
     W_FP4: w1, w3 are packed bytes with scales s1, s3 (strides stride_s*); else s1, s3 unused.
-    BITS: w1, w3 are the packed bytes' int32 words (strides in words; TileConfig.bits_upcast).
+    BITS: w1, w3 are the packed bytes' int32 words (strides in words; TileConfig.bits_upcast),
+    x is in their pair order (``pair_order``), and h is stored in it for the down kernel.
     """
     enter(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
@@ -494,7 +511,8 @@ def _gate_up_kernel(
     h = swiglu_tile(gate, up, limit)
 
     offs_hn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
+    h_cols = pair_order_index(offs_hn) if W_FP4 and BITS else offs_hn  # as the down kernel reads
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + h_cols[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=offs_hn[None, :] < N)
 
 
@@ -720,8 +738,9 @@ def fused_moe(
     whole_tiles = dim % config.block_k == inter % config.block_k == 0
     compiled_bf16 = x.dtype == torch.bfloat16 and x.is_cuda
     bits = config.bits_upcast and bits_exact and whole_tiles and compiled_bf16
-    if bits:
+    if bits:  # the words, and x in the order their upcast yields the weights
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
+        x = reorder_pair_order(x)
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
     launch = {

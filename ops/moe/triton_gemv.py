@@ -69,8 +69,11 @@ __all__ = [
     "down",
     "gate_up",
     "nibble_major",
+    "pair_order",
+    "pair_order_index",
     "pick_block_k",
     "reorder_nibble_major",
+    "reorder_pair_order",
     "store_output",
 ]
 
@@ -107,6 +110,14 @@ def pick_block_k(block_k: int, k: int) -> int:
 def _nibble_major_index(i):
     """Where input i (32g + 8w + j) sits in h's nibble-major order: 32g + 4j + w."""
     return (i // 32) * 32 + (i % 8) * 4 + (i % 32) // 8
+
+
+@triton.jit
+def pair_order_index(i):
+    """Where input i (8w + j) sits in the grouped kernels' bits pair order (``triton.py``'s
+    ``_in_pair_order``): 8w + 2 (j % 4) + j // 4, so that inputs j and j + 4 of each 8 are
+    side by side."""
+    return (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4
 
 
 @triton.jit
@@ -355,26 +366,38 @@ def decode_moe(
 
 @triton.jit
 def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):  # fmt: skip
-    """Row t of x to row t of out in h's nibble-major order (``nibble_major``)."""
+                    PAIR_ORDER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Row t of x to row t of out in h's nibble-major order (``nibble_major``), or PAIR_ORDER in
+    the grouped kernels' pair order (``pair_order``)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     in_d = d < D
     row = tl.load(x_ptr + t * stride_x + d, mask=in_d)
-    tl.store(out_ptr + t * D + _nibble_major_index(d), row, mask=in_d)
+    target = pair_order_index(d) if PAIR_ORDER else _nibble_major_index(d)
+    tl.store(out_ptr + t * D + target, row, mask=in_d)
 
 
 def reorder_nibble_major(x: torch.Tensor) -> torch.Tensor:
     """``nibble_major(x)`` for x [T, D] in one launch (the decode step's graph keeps it in the
     programmatic-launch chain)."""
+    return _reorder(x, pair_order=False)
+
+
+def reorder_pair_order(x: torch.Tensor) -> torch.Tensor:
+    """``pair_order(x)`` for x [T, D] in one launch (the grouped kernels' bits path)."""
+    return _reorder(x, pair_order=True)
+
+
+def _reorder(x: torch.Tensor, pair_order: bool) -> torch.Tensor:
     assert x.stride(1) == 1 and x.shape[1] % MXFP4_BLOCK == 0, f"x {tuple(x.shape)}"
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _reorder_kernel[(x.shape[0],)](
-            x, out, x.stride(0), D=x.shape[1], BLOCK=block, num_warps=4, **pdl(x.device)
-        )
+            x, out, x.stride(0), D=x.shape[1], BLOCK=block, PAIR_ORDER=pair_order, num_warps=4,
+            **pdl(x.device),
+        )  # fmt: skip
     return out
 
 
@@ -384,6 +407,13 @@ def nibble_major(x: torch.Tensor) -> torch.Tensor:
     groups = x.shape[-1] // MXFP4_BLOCK
     grouped = x.reshape(*x.shape[:-1], groups, 4, 8)
     return grouped.transpose(-1, -2).reshape(x.shape).contiguous()
+
+
+def pair_order(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with each 8 inputs in the grouped kernels' pair order (``pair_order_index``):
+    inputs 0, 4, 1, 5, 2, 6, 3, 7."""
+    eights = x.reshape(*x.shape[:-1], x.shape[-1] // 8, 2, 4)
+    return eights.transpose(-1, -2).reshape(x.shape).contiguous()
 
 
 def _operand(w: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
