@@ -66,7 +66,6 @@ from deepinfer.ops.moe.torch_ref import (
 from deepinfer.ops.moe.triton_gemv import (
     GemvConfig,
     decode_moe,
-    pair_order_index,
     reorder_pair_order,
     store_output,
 )
@@ -510,9 +509,11 @@ def _gate_up_kernel(
 
     h = swiglu_tile(gate, up, limit)
 
+    if W_FP4 and BITS:  # h in the pair order the down kernel reads, permuted before the store
+        h = tl.reshape(h, (BLOCK_M, BLOCK_N // 8, 2, 4))  # (w, b, i): input 8w + 4b + i
+        h = tl.reshape(tl.permute(h, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N))  # at 8w + 2i + b
     offs_hn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_cols = pair_order_index(offs_hn) if W_FP4 and BITS else offs_hn  # as the down kernel reads
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + h_cols[None, :] * stride_hn
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=offs_hn[None, :] < N)
 
 
