@@ -25,8 +25,10 @@ One row of partials (M = (2 + hc) * hc mix columns, padded to a power of two):
 
 Decode (T = 1) splits K over up to 64 programs so that many SMs read the 1.5 MB of fn, each
 multiplying on the CUDA cores (a tl.dot tile would be 16 tokens with one used), and splits D over
-several programs in the second kernel; each of those recomputes the 4x4 Sinkhorn (a few hundred
-flops) rather than staging it through memory. Prefill tiles tokens for tl.dot.
+several programs in the second kernel. Up to HC_SINKHORN_APART_MAX_TOKENS tokens one more program
+a token computes the post gates and the 4x4 Sinkhorn (20 iterations of in-warp reductions) while
+the others collapse their D slices with pre alone; above it each program recomputes the Sinkhorn
+rather than staging it through memory. Prefill tiles tokens for tl.dot.
 
 Loop trip counts (K per split, D per program, Sinkhorn iterations, apply_rope's nope width,
 gated_pool's slots) are constexpr: the interpreter cannot loop to a runtime bound under numpy 2,
