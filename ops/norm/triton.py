@@ -678,9 +678,9 @@ def _hc_sinkhorn_collapse_kernel(
     PDL: tl.constexpr,
 ):
     """One token, one slice of D: the mix, its gates and Sinkhorn in registers, then the
-    collapse of the slice. The program holding the first slice writes post and comb.
-    APART: the token's D_PROGRAMS collapse programs compute pre alone, and one more program
-    (the grid's last on axis 1) the post gates and Sinkhorn, at the same time.
+    collapse of the slice. The program holding the first slice writes post and comb (and, when
+    SHIFTED, pre). APART: the token's D_PROGRAMS collapse programs compute pre alone, and one
+    more program (the grid's last on axis 1) computes and writes those, at the same time.
     SHIFTED: the slice collapses with the previous sub-layer's pre (prev_pre [T, hc]) and this
     token's own pre goes to pre_out [T, hc]. HEAD: a hyper-connection head (``hc_head``): the
     mix is pre's alone (scale [1]), and there is no post, comb or Sinkhorn.
