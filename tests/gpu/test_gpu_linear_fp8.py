@@ -357,3 +357,36 @@ def test_engine_on_fp8_weights(fp8_dir: Path, record_figure: Callable[[str], Non
         f"tokens identical for {same_prefix / len(prompts):.1f} of 32 on average"
     )
     assert agreement > FP8_TOP1_FLOOR
+
+
+def test_engine_on_fp8_weights_gives_the_same_tokens_run_to_run(
+    tmp_path: Path, record_figure: Callable[[str], None]
+) -> None:
+    """The quantized tiny checkpoint (FP8 linears, FP4 experts) on FP8 weights in bf16: a second
+    engine instance, and the first one again, give the first run's greedy tokens and logprobs
+    bit for bit (W8A8 magnifies any difference in summation order, so this is where a kernel
+    that depends on more than its inputs would show)."""
+    folder = make_tiny_model(tmp_path / "quantized", seed=1, quantized=True)
+    common = {"model": folder, "device": "cuda", "dtype": "bfloat16", "max_model_len": 1024}
+    common.update(gpu_memory_utilization=0.1, fp8_weights=True, fp8_min_weights=0)
+    rng = random.Random(1)
+    prompts = [
+        [rng.randrange(1000, 100000) for _ in range(rng.randrange(20, 90))] for _ in range(4)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+
+    def run(llm: LLM) -> list[tuple[list[int], object]]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    first_llm = LLM(**common)
+    first, again = run(first_llm), run(first_llm)
+    del first_llm
+    second = run(LLM(**common))
+    same_again = sum(a == b for a, b in zip(first, again, strict=True))
+    same_second = sum(a == b for a, b in zip(first, second, strict=True))
+    record_figure(
+        f"bf16 engine on FP8 weights, quantized tiny: the same instance again {same_again}/4, "
+        f"a second instance {same_second}/4 requests bit-identical (tokens and logprobs)"
+    )
+    assert same_again == same_second == len(prompts)
