@@ -195,8 +195,9 @@ def post_pre(ns: argparse.Namespace) -> None:
     hc = (ITERS, EPS, 1e-6)
     blocks = parse_ints(ns.mix_blocks)
     names = ["hc_post + hc_pre", *(f"hc_post_pre d{b}" for b in blocks)]
-    if ns.collapse:
+    if ns.collapse:  # and at one Sinkhorn iteration: how much of the path the 19 others are
         names = ["Sinkhorn in the collapse programs", "Sinkhorn apart"]
+        names += [f"{n}, 1 iteration" for n in names]
     rows: list[dict] = []
     payload = {**header(setup), "script": SCRIPT, "bandwidth_Bps": bandwidth, "rows": rows}
     limit, block = ours.HC_POST_MIX_MAX_TOKENS, ours.HC_POST_MIX_BLOCK_D
@@ -206,18 +207,24 @@ def post_pre(ns: argparse.Namespace) -> None:
         out = torch.randn((num_tokens, DIM), generator=gen, device=setup.device).bfloat16()
         post = torch.rand((num_tokens, HC), generator=gen, device=setup.device) * 2
         comb = torch.rand((num_tokens, HC, HC), generator=gen, device=setup.device).softmax(-1)
-        run = functools.partial(
-            ours.hc_post_pre, out, x, post, comb, fn, scale, base, *hc, block_norm=norm
-        )
+        runs = [
+            functools.partial(
+                ours.hc_post_pre, out, x, post, comb, fn, scale, base, iters, *hc[1:],
+                block_norm=norm,
+            )
+            for iters in (hc[0], 1)
+        ]  # fmt: skip
         if not ns.collapse:
             ours.HC_POST_MIX_MAX_TOKENS = -1
-        reference = [t.float() for t in run()]
+        references = [[t.float() for t in run()] for run in runs]
         # x read twice and written once, out read, the block input written, fn read once.
         bytes_ = 3 * x.numel() * 2 + 2 * out.numel() * 2 + fn.numel() * 4
         row: dict = {"tokens": num_tokens, "bound_s": bytes_ / bandwidth, "us": {}}
         for index, name in enumerate(names):
+            run, reference = runs[0], references[0]
             if ns.collapse:  # the engine's exit and entry, each collapse layout
-                ours.HC_SINKHORN_APART_MAX_TOKENS = num_tokens if index else 0
+                ours.HC_SINKHORN_APART_MAX_TOKENS = num_tokens if index % 2 else 0
+                run, reference = runs[index // 2], references[index // 2]
             else:
                 mix_block = [None, *blocks][index]
                 ours.HC_POST_MIX_MAX_TOKENS = -1 if mix_block is None else max(limit, num_tokens)
