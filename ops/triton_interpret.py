@@ -13,8 +13,7 @@ def patch_interpreter() -> None:
 
     - a runtime loop bound becomes an int by int(array of shape [1]), which numpy >= 2.4
       refuses (triton-lang/triton#9171); squeeze first, as the upstream fix does. The attention
-      kernels loop over runtime key counts, the router's GEMM over its channels and its last
-      program over the tokens (constexpr bounds would compile per count);
+      kernels loop over runtime key counts (constexpr bounds would compile per count);
     - ``x.to(tl.bfloat16)`` from fp32 truncates the mantissa; CUDA rounds to nearest even, as
       torch does, so the cast goes through torch;
     - ``tl.dot`` of bf16 operands multiplies the integers that hold them (the interpreter keeps

@@ -524,7 +524,8 @@ def test_bits_pair_order_is_one_order_for_weights_and_activations(moe_triton: Mo
     assert expected[0, :8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     x = inputs.float()
     assert torch.equal(gemv.reorder_pair_order(x), gemv.pair_order(x))
-    positions = (lambda i: (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4)(torch.arange(64))
+    i = torch.arange(64)
+    positions = (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4
     assert torch.equal(gemv.pair_order(inputs)[:, positions], inputs)
 
 

@@ -322,7 +322,7 @@ def _mxfp4_bits(words, scales):
 @triton.jit
 def _in_pair_order(v0, v1, v2, v3, v4, v5, v6, v7):
     """Eight [rows, W] tensors, v_j holding code j of each word -> [rows, 8 W]: code j of word w
-    at 8w + 2 (j % 4) + j // 4 (``pair_order_index``), so that codes j and j + 4, one register
+    at 8w + 2 (j % 4) + j // 4 (``triton_gemv.pair_order``), so that codes j and j + 4, one register
     of ``_MXFP4_BITS_ASM``, sit side by side as the MMA's operand pairs them. The activations
     the weights meet (x, h) are read in the same order."""
     f0 = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [rows, W, 2, 2]: (p, q) holds v[2p + q]

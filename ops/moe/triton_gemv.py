@@ -70,7 +70,6 @@ __all__ = [
     "gate_up",
     "nibble_major",
     "pair_order",
-    "pair_order_index",
     "pick_block_k",
     "reorder_nibble_major",
     "reorder_pair_order",
@@ -113,7 +112,7 @@ def _nibble_major_index(i):
 
 
 @triton.jit
-def pair_order_index(i):
+def _pair_order_index(i):
     """Where input i (8w + j) sits in the grouped kernels' bits pair order (``triton.py``'s
     ``_in_pair_order``): 8w + 2 (j % 4) + j // 4, so that inputs j and j + 4 of each 8 are
     side by side."""
@@ -374,7 +373,7 @@ def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constex
     d = tl.arange(0, BLOCK)
     in_d = d < D
     row = tl.load(x_ptr + t * stride_x + d, mask=in_d)
-    target = pair_order_index(d) if PAIR_ORDER else _nibble_major_index(d)
+    target = _pair_order_index(d) if PAIR_ORDER else _nibble_major_index(d)
     tl.store(out_ptr + t * D + target, row, mask=in_d)
 
 
@@ -410,7 +409,7 @@ def nibble_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def pair_order(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] with each 8 inputs in the grouped kernels' pair order (``pair_order_index``):
+    """x [..., D] with each 8 inputs in the grouped kernels' pair order (``_pair_order_index``):
     inputs 0, 4, 1, 5, 2, 6, 3, 7."""
     eights = x.reshape(*x.shape[:-1], x.shape[-1] // 8, 2, 4)
     return eights.transpose(-1, -2).reshape(x.shape).contiguous()

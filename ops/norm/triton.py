@@ -716,13 +716,7 @@ def _hc_sinkhorn_collapse_kernel(
 
     if not HEAD:
         writer = program == (D_PROGRAMS if APART else 0)
-        if APART:
-            if writer:
-                _hc_post_comb(
-                    rows, stream_mask, is_split, i, j, inv_rms, scale_ptr, base_ptr, post_ptr,
-                    comb_ptr, t, writer, hc_eps, HC, SINKHORN_ITERS, PRECISE_DIV,
-                )  # fmt: skip
-        else:
+        if writer | (not APART):  # apart, only its own program computes them
             _hc_post_comb(
                 rows, stream_mask, is_split, i, j, inv_rms, scale_ptr, base_ptr, post_ptr,
                 comb_ptr, t, writer, hc_eps, HC, SINKHORN_ITERS, PRECISE_DIV,
