@@ -50,9 +50,10 @@ from deepinfer.ops.moe import quantize_mxfp4
 
 SCRIPT = "moe_fp4.py"
 
-# (block_m, block_n, block_k, group_m, num_warps, num_stages[, fast_math[, bits_upcast]]); BLOCK_K
-# a multiple of 32; fast_math 1 unless given (0: the upcast's NaN handling of scale 255, the slow
-# path); bits_upcast 0 unless given (1: TileConfig.bits_upcast, named "... bits").
+# (block_m, block_n, block_k, group_m, num_warps, num_stages[, fast_math[, bits_upcast[,
+# gluon]]]); BLOCK_K a multiple of 32; fast_math 1 unless given (0: the upcast's NaN handling of
+# scale 255, the slow path); bits_upcast 0 unless given (1: TileConfig.bits_upcast, named "...
+# bits"); gluon 0 unless given (1: TileConfig.gluon, gluon.py's tile only).
 CANDIDATES = [
     (16, 64, 128, 1, 4, 3, 0),
     (16, 64, 128, 1, 4, 3),
@@ -112,7 +113,7 @@ def _name(config: object) -> str:
     if type(config).__name__ == "GemvConfig":
         return "gemv {}x{} w{} down {}x{} w{}".format(*tiles)
     name = "{}x{}x{} g{} w{} s{}".format(*tiles) + " nan-checked" * (not config.fast_math)
-    return name + " bits" * config.bits_upcast
+    return name + " bits" * config.bits_upcast + " gluon" * config.gluon
 
 
 def main() -> None:
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         help="candidates instead of the built-in list: m,n,k,group,warps,stages[,"
-        "fast_math[,bits_upcast]];... (BLOCK_K a multiple of 32)",
+        "fast_math[,bits_upcast[,gluon]]];... (BLOCK_K a multiple of 32)",
     )
     ap.add_argument(
         "--gemv",

@@ -27,9 +27,11 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interprete
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from deepinfer.ops.attention import triton as attention_triton
 from deepinfer.ops.linear import triton as linear_triton
+from deepinfer.ops.moe import gluon as moe_gluon
 from deepinfer.ops.moe import triton as moe_triton
 from deepinfer.ops.moe import triton_gemv
 from deepinfer.ops.norm import triton as norm_triton
@@ -109,12 +111,23 @@ POOL_TYPES = {
     "prev_dst_ptr": "*i64",
 }  # fmt: skip
 
+# The grouped MoE's Gluon kernels (ops/moe/gluon.py): their one tile, V4-Flash's shapes.
+GLUON_TYPES = {
+    "x_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*u8", "s3_ptr": "*u8",
+    "h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*u8", "pair_out_ptr": "*bf16",
+    "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+    "limit": "fp32",
+}  # fmt: skip
+
 # (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV), hc_post with and without the next entry's mix, hc_pre's
-# collapse, and the
-# kernels that took a neighbour's launch in (SwiGLU, the ring's and the entries' stores, the
-# indexer's top-k), and the GEMM's dense mode.
+# (ops/moe/triton.py's _MXFP4_GEMV), the grouped Gluon kernels, hc_post with and without the
+# next entry's mix, hc_pre's collapse, and the kernels that took a neighbour's launch in
+# (SwiGLU, the ring's and the entries' stores, the indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
+    ("grouped gate/up, Gluon 16x64x128 w4", moe_gluon._gate_up_kernel, GLUON_TYPES,
+     {"N": 2048, "K": 4096, "TOP_K": 6}, 4),
+    ("grouped down, Gluon 16x64x128 w4", moe_gluon._down_kernel, GLUON_TYPES,
+     {"N": 4096, "K": 2048}, 4),
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
@@ -192,7 +205,9 @@ def compile_sm90(
         and name not in constexprs
         and (name.endswith("_ptr") or name.startswith("stride"))
     }
-    source = ASTSource(kernel, signature, constexprs, aligned)
+    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
+        kernel, signature, constexprs, aligned
+    )
     options = {"num_warps": num_warps, "num_stages": num_stages}
     compiled = triton.compile(source, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -220,9 +235,17 @@ def loop_instructions(sass: str) -> int:
     return sum(start <= a <= end for a in addresses)
 
 
+# The Gluon kernels at the decode tile, beside the Triton ones.
+GLUON_LOOPS = {
+    "gate/up decode": (moe_gluon._gate_up_kernel, {"N": 2048, "K": 4096, "TOP_K": 6}),
+    "down decode": (moe_gluon._down_kernel, {"N": 4096, "K": 2048}),
+}
+
+
 def grouped_loops() -> None:
-    """--loops: the grouped kernels' K loops, the scaled dot's upcast against the bits one."""
-    print("grouped MoE, instructions a thread per K step (scaled dot / bits upcast):")
+    """--loops: the grouped kernels' K loops, the scaled dot's upcast against the bits one (and,
+    at the decode tile, Gluon's)."""
+    print("grouped MoE, instructions a thread per K step (scaled dot / bits upcast / Gluon):")
     for name, kernel, n, k, (bm, bn, bk, warps, stages) in LOOPS:
         counts = []
         for bits in (False, True):
@@ -234,9 +257,14 @@ def grouped_loops() -> None:
             constexprs = {c: v for c, v in constexprs.items() if c in kernel.arg_names}
             _, sass = compile_sm90(kernel, types, constexprs, warps, stages, aligned=True)
             counts.append(loop_instructions(sass))
+        gluon = GLUON_LOOPS.get(name)
+        if gluon is not None and (bm, bn, bk, warps) == moe_gluon.TILE:
+            kernel, constexprs = gluon
+            _, sass = compile_sm90(kernel, GLUON_TYPES, constexprs, warps, aligned=True)
+            counts.append(loop_instructions(sass))
         weights = (2 if "gate" in name else 1) * bn * bk // (warps * 32)
         per_weight = " / ".join(f"{c / weights:.1f}" for c in counts)
-        print(f"  {name} {bm}x{bn}x{bk} w{warps}: {counts[0]} / {counts[1]} for {weights} "
+        print(f"  {name} {bm}x{bn}x{bk} w{warps}: {' / '.join(map(str, counts))} for {weights} "
               f"weights a thread ({per_weight} a weight)")  # fmt: skip
 
 

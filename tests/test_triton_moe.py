@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import subprocess
 import sys
@@ -443,7 +444,7 @@ def test_decode_gemv_token_output_is_bitwise_the_same_alone_or_batched(
 
 
 def _run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
-    """The integer and bf16x2 PTX of ``_MXFP4_BITS_ASM`` evaluated on the CPU: registers as
+    """The integer and bf16x2 PTX of ``MXFP4_BITS_ASM`` evaluated on the CPU: registers as
     Python ints (32 bits; outputs 16), mul.rn.bf16x2 as two bf16 products rounded by torch."""
 
     def bf16x2(a: int, b: int) -> int:
@@ -477,7 +478,7 @@ def _run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
 
 
 def test_bits_upcast_ptx_gives_the_dequantized_values(moe_triton: ModuleType) -> None:
-    """TileConfig.bits_upcast's PTX (``_MXFP4_BITS_ASM``, which the interpreter cannot run),
+    """TileConfig.bits_upcast's PTX (``MXFP4_BITS_ASM``, which the interpreter cannot run),
     evaluated op by op: every code of every word, at each scale byte it is exact for (0 to 128),
     gives dequantize_mxfp4's value bit for bit. The GPU test adds what this cannot see: the
     hardware's bf16 multiply on subnormal inputs."""
@@ -488,7 +489,7 @@ def test_bits_upcast_ptx_gives_the_dequantized_values(moe_triton: ModuleType) ->
     packed[0, :, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE])
     expected = torch_ref.dequantize_mxfp4(packed, scales)[0]  # [129, 32] fp32
     words = packed.view(torch.int32)[0]  # [129, 4]: code j of word w is input 8w + j
-    text = moe_triton._MXFP4_BITS_ASM.value
+    text = sys.modules["deepinfer.ops.moe.mxfp4_bits"].MXFP4_BITS_ASM.value
     for s in range(129):
         for w in range(4):
             factor = (s + 126) * 0x00800080  # _mxfp4_bits's, once a scale group
@@ -596,11 +597,12 @@ def test_router_is_the_reference(
 
 def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
     """scripts/sm90_compile.py builds decode's kernels (the MoE's gate/up and down a program
-    a pair, hc_post with and without the next mix, hc_pre's collapse, the shared w2 with its
-    SwiGLU, a dense projection through the same GEMM, the queries' and keys' norm with the
-    ring's store, the indexer's scores with its top-k, the pools with the entries' store and
-    the keeps) for sm_90 with Triton's compiler and bundled ptxas, no GPU needed: each compiles (the
-    interpreter accepts code the compiler rejects) and spills nothing."""
+    a pair, the grouped MoE's two Gluon kernels, hc_post with and without the next mix,
+    hc_pre's collapse, the shared w2 with its SwiGLU, a dense projection through the same GEMM,
+    the queries' and keys' norm with the ring's store, the indexer's scores with its top-k, the
+    pools with the entries' store and the keeps) for sm_90 with Triton's compiler and bundled
+    ptxas, no GPU needed: each compiles (the interpreter accepts code the compiler rejects) and
+    spills nothing."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
@@ -611,4 +613,21 @@ def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(" registers, stack 0, local 0") == 13, result.stdout
+    assert result.stdout.count(" registers, stack 0, local 0") == 15, result.stdout
+
+
+def test_gluon_mma_order_puts_each_input_where_its_weight_lands() -> None:
+    """gluon.py's activation order: thread t's word 4t + i, register j = jl + 2 jh, half b holds
+    input 32 t + 8 i + 4 b + 2 jh + jl (code j + 4 b of word 4 t + i), which wgmma's A operand
+    puts at K = 32 i + 16 jh + 8 jl + 2 t + b; mma_order must put that input there, in every
+    128-input tile, and be a permutation."""
+    from deepinfer.ops.moe import gluon as moe_gluon
+
+    x = torch.arange(2 * 512).reshape(2, 512)
+    out = moe_gluon.mma_order(x)
+    for t, i, b, jh, jl in itertools.product(range(4), range(4), range(2), range(2), range(2)):
+        source = 32 * t + 8 * i + 4 * b + 2 * jh + jl
+        position = 32 * i + 16 * jh + 8 * jl + 2 * t + b
+        for tile in range(4):
+            assert out[1, 128 * tile + position] == x[1, 128 * tile + source]
+    assert torch.equal(out.sort(dim=1).values, x)

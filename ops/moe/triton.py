@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.moe import gluon as moe_gluon
+from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
 from deepinfer.ops.moe.torch_ref import (
     MXFP4_BLOCK,
     ExpertWeight,
@@ -99,7 +101,9 @@ class TileConfig:
     (benchmarks/RESULTS.md, 2026-12-06); False is the slow path, kept for measuring it.
     bits_upcast (MXFP4 weights, compiled bf16): instead of the scaled dot, each 32-bit word's
     eight codes become bf16 values in registers by shifts and masks (``_mxfp4_bits``), and the
-    product runs transposed, the weights as the MMA's register operand.
+    product runs transposed, the weights as the MMA's register operand. gluon (with
+    bits_upcast, on Hopper, at gluon.py's one tile): the two GEMMs are gluon.py's, whose upcast
+    lands in wgmma's register operand without the pass through shared memory.
     """
 
     block_m: int
@@ -110,6 +114,7 @@ class TileConfig:
     num_stages: int
     fast_math: bool = True
     bits_upcast: bool = False
+    gluon: bool = False
 
 
 # bf16/fp16, keyed by the number of pairs T * k (first row whose bound is >= T * k). Decode is
@@ -141,6 +146,8 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # 2,092, the prefill tile at T = 4096 4,593 against 4,937.
 _MXFP4_BITS_UPCAST = True
 BITS_MAX_SCALE = 128
+# Where the bits tiles are gluon.py's one tile (the decode row), its kernels take them on Hopper.
+_MXFP4_GLUON = True
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
@@ -185,7 +192,8 @@ def pick_tile_config(
     if packed and num_pairs > _MXFP4_PREFILL_PAIRS:
         config = _MXFP4_PREFILL_TILES
     if packed and dtype == torch.bfloat16 and _MXFP4_BITS_UPCAST:
-        config = replace(config, bits_upcast=True)
+        gluon = _MXFP4_GLUON and _tile(config) == moe_gluon.TILE
+        config = replace(config, bits_upcast=True, gluon=gluon)
     if dtype == torch.float32:
         return TileConfig(
             block_m=min(config.block_m, 64),
@@ -196,6 +204,10 @@ def pick_tile_config(
             num_stages=2,
         )
     return config
+
+
+def _tile(config: TileConfig) -> tuple[int, int, int, int]:
+    return config.block_m, config.block_n, config.block_k, config.num_warps
 
 
 def align_by_expert(
@@ -263,53 +275,17 @@ def _e2m1_values(codes, DTYPE: tl.constexpr):
     return bits.to(tl.float32, bitcast=True).to(DTYPE)
 
 
-# Eight e2m1 codes of a 32-bit word (code j at bits 4j..4j+3: input 8w + j) and the factor of the
-# word's scale byte s -> eight bf16 values. For codes j and j + 4 (16 bits apart) one shift puts
-# both magnitudes (exponent and mantissa bits, 3) at bf16 bits 6..8 of their halves (exponent
-# field e, the mantissa's top bit m) and another both signs at bit 15: the bf16 is the e2m1 value
-# times 2 ** -126 exactly (code 1, 0.5, becomes the subnormal 2 ** -127). One bf16x2 multiply by
-# 2 ** (s - 1), exponent field s + 126 in each half ($9 = (s + 126) * 0x00800080, computed once a
-# scale group), makes it the weight e2m1 * 2 ** (s - 127). Exact for scale bytes 0 to 128
-# (weights under 12 in magnitude): a byte over 128 needs a factor past bf16's largest power of
-# two, so bits_upcast is for checkpoints whose scale bytes are checked to stay at or under 128
-# (V4's experts: |w| << 1). It also needs the bf16 multiply to keep subnormal inputs (PTX:
-# mul.bf16x2 has no flush-to-zero); tests/gpu/test_gpu_triton_moe.py's bits test would see a code
-# 1 flushed to 0. Each register p_j holds codes j (low half) and j + 4 (high half): the kernels
-# take the weights in that pair order (``_in_pair_order``), so the registers go to the MMA as they
-# are, with no repacking of halves.
-_MXFP4_BITS_ASM = tl.constexpr("""
-{
-.reg .b32 m, s, p0, p1, p2, p3;
-shl.b32 m, $8, 6; shl.b32 s, $8, 12; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
-or.b32 p0, m, s;
-shl.b32 m, $8, 2; shl.b32 s, $8, 8; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
-or.b32 p1, m, s;
-shr.b32 m, $8, 2; shl.b32 s, $8, 4; and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000;
-or.b32 p2, m, s;
-shr.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; and.b32 s, $8, 0x80008000; or.b32 p3, m, s;
-mul.rn.bf16x2 p0, p0, $9;
-mul.rn.bf16x2 p1, p1, $9;
-mul.rn.bf16x2 p2, p2, $9;
-mul.rn.bf16x2 p3, p3, $9;
-mov.b32 {$0, $4}, p0;
-mov.b32 {$1, $5}, p1;
-mov.b32 {$2, $6}, p2;
-mov.b32 {$3, $7}, p3;
-}
-""")
-
-
 @triton.jit
 def _mxfp4_bits(words, scales):
     """words [BN, W] uint32 (W = BLOCK_K / 8), scales [BN, W / 4] uint8 -> [BN, 8 W] bf16, the
-    weights in pair order (``_in_pair_order``; ``_MXFP4_BITS_ASM``; compiled only: the
+    weights in pair order (``_in_pair_order``; ``MXFP4_BITS_ASM``; compiled only: the
     interpreter has no PTX)."""
     rows: tl.constexpr = words.shape[0]
     num_words: tl.constexpr = words.shape[1]
     factors = (scales.to(tl.uint32) + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
     word_factors = tl.broadcast_to(factors[:, :, None], (rows, num_words // 4, 4))
     v = tl.inline_asm_elementwise(
-        _MXFP4_BITS_ASM,
+        MXFP4_BITS_ASM,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         [words, word_factors.reshape(rows, num_words)],
         dtype=(tl.bfloat16,) * 8,
@@ -323,7 +299,7 @@ def _mxfp4_bits(words, scales):
 def _in_pair_order(v0, v1, v2, v3, v4, v5, v6, v7):
     """Eight [rows, W] tensors, v_j holding code j of each word -> [rows, 8 W]: code j of word w
     at 8w + 2 (j % 4) + j // 4 (``triton_gemv.pair_order``), so that codes j and j + 4, one register
-    of ``_MXFP4_BITS_ASM``, sit side by side as the MMA's operand pairs them. The activations
+    of ``MXFP4_BITS_ASM``, sit side by side as the MMA's operand pairs them. The activations
     the weights meet (x, h) are read in the same order."""
     f0 = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [rows, W, 2, 2]: (p, q) holds v[2p + q]
     f1 = tl.join(tl.join(v4, v6), tl.join(v5, v7))
@@ -741,6 +717,17 @@ def fused_moe(
     bits = config.bits_upcast and bits_exact and whole_tiles and compiled_bf16
     if bits:  # the words, and x in the order their upcast yields the weights
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
+    gluon = config.gluon and _tile(config) == moe_gluon.TILE and moe_gluon.runs_on(x.device)
+    if bits and gluon:
+        sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
+        flat_weights = topk_weights.reshape(-1)
+        h = moe_gluon.gate_up(
+            moe_gluon.mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
+            top_k, limit,
+        )  # fmt: skip
+        pair_out = moe_gluon.down(h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs)
+        return _combine(pair_out, out, residual, top_k)
+    if bits:
         x = reorder_pair_order(x)
     sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
@@ -810,6 +797,15 @@ def fused_moe(
         **pdl(h.device),
     )
 
+    return _combine(pair_out, out, residual, top_k)
+
+
+def _combine(
+    pair_out: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
+    """out [T, D] = the sum of each token's k rows of pair_out [T * k, D] in slot order (fp32),
+    plus residual."""
+    num_tokens, dim = out.shape
     pair_out = pair_out.view(num_tokens, top_k, dim)  # [T, k, D]
     block_d = min(triton.next_power_of_2(dim), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
@@ -830,7 +826,7 @@ def fused_moe(
 
 def _bits_exact(w: ExpertWeight) -> bool:
     """Whether the bits upcast gives w's exact values: MXFP4 whose largest scale byte was
-    measured at or under BITS_MAX_SCALE (``_MXFP4_BITS_ASM``)."""
+    measured at or under BITS_MAX_SCALE (``MXFP4_BITS_ASM``)."""
     return isinstance(w, Mxfp4Weight) and w.max_scale is not None and w.max_scale <= BITS_MAX_SCALE
 
 

@@ -227,6 +227,57 @@ def test_mxfp4_matches_the_fp32_reference_on_its_values(
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("num_tokens", [40, 128, 600])
+def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
+    moe_triton: ModuleType,
+    mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
+    ieee_fp32: None,
+    record_figure: Callable[[str], None],
+    num_tokens: int,
+) -> None:
+    """The decode row's tiles (240 to 3,600 pairs), whose GEMMs are gluon.py's on Hopper:
+    within BF16_TOL of the fp32 reference on the dequantized weights, and close to the Triton
+    bits path on the same tiles (the same bf16 products, summed in another order); with a
+    residual, and replayed from a CUDA graph on new inputs bit for bit. A value in the wrong K
+    position, a lost pair or a wrong h column would be far outside."""
+    packed, dense = mxfp4_experts
+    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=40 + num_tokens)
+    tiles = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, True)
+    assert tiles.gluon and tiles.bits_upcast
+    out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=tiles)
+    ref = _reference_fp32(x, dense, topk_ids, topk_weights)
+    triton_bits = dataclasses.replace(tiles, gluon=False)
+    bits_out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=triton_bits)
+    err, bits_err = _rel_err(out, ref), _rel_err(bits_out, ref)
+    between = _rel_err(out, bits_out.float())
+    residual = torch.randn_like(x)
+    with_residual = moe_triton.fused_moe(
+        x, *packed, topk_ids, topk_weights, LIMIT, config=tiles, residual=residual
+    )
+    expected = (out.float() + residual.float()).bfloat16()
+    record_figure(
+        f"triton fused_moe MXFP4 Gluon E=256 T={num_tokens}: rel err {err:.2e} (Triton bits "
+        f"path {bits_err:.2e}; < {BF16_TOL}); Gluon vs Triton bits {between:.2e}"
+    )
+    assert err < BF16_TOL and between < BF16_TOL
+    assert (with_residual.float() - expected.float()).abs().max() <= 2**-6 * expected.abs().max()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    new_x, new_ids, new_weights = _batch(num_tokens, 256, torch.bfloat16, seed=50 + num_tokens)
+    x.copy_(new_x)
+    topk_ids.copy_(new_ids)
+    topk_weights.copy_(new_weights)
+    graph.replay()
+    assert torch.equal(replayed, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
+
+
 def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: ModuleType) -> None:
     """A tiny model's experts (D = 64, I = 32: rows shorter than the bits loop's 128-input K
     tile) under a bits_upcast config: the kernels take the scaled dot instead, bitwise the

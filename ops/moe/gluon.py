@@ -1,0 +1,338 @@
+"""The grouped MoE's packed-expert GEMMs at decode sizes in Gluon: the weights' upcast lands in
+the registers of wgmma's A operand, with no pass through shared memory.
+
+Triton's grouped kernels (triton.py, ``TileConfig.bits_upcast``) upcast each 32-bit word of
+e2m1 codes to bf16 in registers, then Triton moves the values into the MMA's operand layout
+through shared memory (a store, a barrier and ldmatrix a K step). Here the layouts are written
+out, so the words are loaded where their values must end up:
+
+    wgmma's A operand (bf16, k_width 2), one warp's 16 rows, per 16 K:
+        lane 4 g + t holds rows g and g + 8, K pairs {2t, 2t + 1} and {2t + 8, 2t + 9}
+    over a 128-input K tile, a thread holds 16 pairs a row: K = 32 i + 16 jh + 8 jl + 2 t + b
+
+Thread t loads the four words 4t .. 4t + 3 of each of its rows (16 contiguous bytes; every
+word of scale group t, one scale byte). ``MXFP4_BITS_ASM`` turns word 4t + i into four
+registers, register j (= jl + 2 jh) holding codes j and j + 4 (b = 0, 1): exactly the thread's
+pairs at K = 32 i + 16 jh + 8 jl + 2 t + b. So the weights are in the MMA's K order when their
+activations are in the same order, ``mma_order``: position 32 i + 16 jh + 8 jl + 2 t + b of
+each 128 holds input 32 t + 8 i + 4 b + 2 jh + jl. x is copied into it once a call, and the
+gate/up kernel stores h in it for the down kernel.
+
+    x [T, D] --mma_order--> x' --_gate_up_kernel--> h [blocks * 16, I] (mma order)
+      --_down_kernel--> pair_out [T * k, D] (natural order, routing weight applied)
+
+The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. One
+tile: 16 pairs an M block (the MMA's N), 64 weight rows (one warpgroup's M), K tiles of 128,
+4 warps. The next K tile's words are loaded before the current one's MMAs.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
+
+__all__ = ["TILE", "down", "gate_up", "mma_order", "runs_on"]
+
+# The one tile: (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them.
+TILE = (16, 64, 128, 4)
+BLOCK_M = gl.constexpr(TILE[0])  # pairs an M block: the MMA's N
+BLOCK_N = gl.constexpr(TILE[1])  # weight rows a program: one warpgroup's M
+BLOCK_K = gl.constexpr(TILE[2])  # inputs a K step
+NUM_WARPS = gl.constexpr(TILE[3])
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels run on ``device``: a Hopper GPU (wgmma is SM90's)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def mma_order(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a multiple of 128) with each 128 inputs in the MMA's K order: input
+    32 t + 8 i + 4 b + 2 jh + jl at 32 i + 16 jh + 8 jl + 2 t + b."""
+    shape = x.shape
+    tiles = x.reshape(*shape[:-1], shape[-1] // BLOCK_K, 4, 4, 2, 2, 2)  # (t, i, b, jh, jl)
+    lead = tuple(range(len(shape)))  # the leading dims and the tile index
+    return tiles.permute(*lead, lead[-1] + 2, lead[-1] + 4, lead[-1] + 5, lead[-1] + 1,
+                         lead[-1] + 3).reshape(shape).contiguous()  # fmt: skip
+
+
+@gluon.constexpr_function
+def _words_layout():
+    """[64 rows, 4 (t), 4 (i)] words: thread 4 g + t of warp w holds rows 16 w + g (+ 8) and
+    words 4 t .. 4 t + 3 (i in registers, the fastest: one 16-byte load a row)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[BLOCK_N, 4, 4],
+    )
+
+
+@gluon.constexpr_function
+def _mma_layout():
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+
+
+@gluon.jit
+def _upcast(words, scales):
+    """words [64, 4, 4] uint32 in _words_layout, scales [64, 4] uint8 (the slice without i) ->
+    [64, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
+    factors = (scales.to(gl.uint32) + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
+    factors = gl.broadcast(gl.expand_dims(factors, 2), words)[0]
+    v = gl.inline_asm_elementwise(
+        MXFP4_BITS_ASM,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [words, factors],
+        dtype=(gl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    # (t, i) then b, jl, jh as the joins add them; K = 32 i + 16 jh + 8 jl + 2 t + b.
+    low = gl.join(gl.join(v[0], v[4]), gl.join(v[1], v[5]))  # jh = 0: [64, 4, 4, 2 b, 2 jl]
+    high = gl.join(gl.join(v[2], v[6]), gl.join(v[3], v[7]))  # jh = 1
+    a = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [64, i, jh, jl, t, b]
+    a = gl.reshape(a, (BLOCK_N, BLOCK_K))
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(), k_width=2)
+    return gl.convert_layout(a, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn):
+    """This program's 64 weight rows in the first K tile: the offsets of words 4 t + i [64, 4,
+    4] (in words) and of scale bytes t [64, 4]."""
+    words: gl.constexpr = _words_layout()
+    scales: gl.constexpr = gl.SliceLayout(2, words)
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, scales))
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words)))
+    s_offs = expert * stride_se + gl.expand_dims(rows * stride_sn, 1) + gl.expand_dims(t, 0)
+    w_rows = expert * stride_we + gl.expand_dims(rows * stride_wn, 1) + gl.expand_dims(t, 0) * 4
+    return gl.expand_dims(w_rows, 2) + gl.expand_dims(gl.expand_dims(i, 0), 1), s_offs
+
+
+@gluon.jit
+def _load_words(w_ptr, s_ptr, w_offs, s_offs):
+    return gl.load(w_ptr + w_offs).to(gl.uint32, bitcast=True), gl.load(s_ptr + s_offs)
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _gate_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_blocks,
+    limit,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_hm,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    TOP_K: gl.constexpr,
+):
+    """h[the block's rows, mma order of this program's 64 features] = swiglu(x w1^T, x w3^T),
+    for x' (``mma_order``) and w1, w3 as int32 words [E, N, K / 8] with scale bytes [E, N,
+    K / 32]. Padding rows read zeros and store swiglu(0, 0) = 0."""
+    mma: gl.constexpr = _mma_layout()
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, BLOCK_K], gl.bfloat16
+    )
+
+    num_tiles_n: gl.constexpr = N // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_tiles_n
+    pid_n = pid % num_tiles_n
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    if expert < 0:
+        return
+
+    # The block's 16 pairs, their tokens and x' rows.
+    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    pair_ids = gl.load(sorted_pair_ids_ptr + offs_xm)
+    is_pair = gl.expand_dims(pair_ids < num_pairs, 1)
+    token_ids = (pair_ids // TOP_K).to(gl.int64)
+    offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    x_ptrs = x_ptr + gl.expand_dims(token_ids * stride_xt, 1) + gl.expand_dims(offs_xk, 0)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
+
+    w_offs, s_offs = _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn)
+
+    gate = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
+    up = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
+    w1, s1 = _load_words(w1_ptr, s1_ptr, w_offs, s_offs)
+    w3, s3 = _load_words(w3_ptr, s3_ptr, w_offs, s_offs)
+    for k in range(0, K, BLOCK_K):
+        # The next tile's words in flight while this one is multiplied (the last step reads
+        # the first tile again rather than past the row).
+        next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
+        next_w = w_offs + next_k // 8
+        next_s = s_offs + next_k // 32
+        w1_next, s1_next = _load_words(w1_ptr, s1_ptr, next_w, next_s)
+        w3_next, s3_next = _load_words(w3_ptr, s3_ptr, next_w, next_s)
+        xt = gl.load(x_ptrs + k, mask=is_pair, other=0.0)
+        x_smem.store(xt)
+        fence_async_shared()
+        gl.thread_barrier()
+        xs = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
+        gate = warpgroup_mma(_upcast(w1, s1), xs, gate, is_async=True)
+        up = warpgroup_mma(_upcast(w3, s3), xs, up, is_async=True)
+        gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+        gl.thread_barrier()  # every warp's MMA done reading x before the next store
+        w1, s1, w3, s3 = w1_next, s1_next, w3_next, s3_next
+
+    gate = gl.minimum(gate, limit)
+    up = gl.minimum(gl.maximum(up, -limit), limit)
+    h = gate / (1.0 + gl.exp(-gate)) * up  # [64 features, 16 pairs]
+
+    # Feature f = 128 c + q, q = 32 t + 8 i + 4 b + 2 jh + jl, stored at 128 c + mma position.
+    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    q = f % BLOCK_K
+    pos = (f - q) + 32 * ((q // 8) % 4) + 16 * ((q // 2) % 2) + 8 * (q % 2) + 2 * (q // 32)
+    pos = pos + (q // 4) % 2
+    offs_hm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    h_ptrs = h_ptr + gl.expand_dims(offs_hm.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
+    gl.store(h_ptrs, h.to(gl.bfloat16))
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _down_kernel(
+    h_ptr,
+    w2_ptr,
+    s2_ptr,
+    pair_out_ptr,
+    topk_weights_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_blocks,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    N: gl.constexpr,
+    K: gl.constexpr,
+):
+    """pair_out[pair, this program's 64 outputs] = topk_weight[pair] * h[row] w2^T, h in mma
+    order, w2 as int32 words [E, N, K / 8] with scale bytes [E, N, K / 32]."""
+    mma: gl.constexpr = _mma_layout()
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, BLOCK_K], gl.bfloat16
+    )
+
+    num_tiles_n: gl.constexpr = N // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_tiles_n
+    pid_n = pid % num_tiles_n
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    if expert < 0:
+        return
+
+    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    h_ptrs = h_ptr + gl.expand_dims(offs_xm.to(gl.int64) * stride_hm, 1)
+    h_ptrs = h_ptrs + gl.expand_dims(offs_xk, 0)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
+
+    w_offs, s_offs = _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn)
+
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
+    w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
+    for k in range(0, K, BLOCK_K):
+        next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
+        w2_next, s2_next = _load_words(w2_ptr, s2_ptr, w_offs + next_k // 8, s_offs + next_k // 32)
+        h_smem.store(gl.load(h_ptrs + k))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(_upcast(w2, s2), h_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        w2, s2 = w2_next, s2_next
+
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    pair_ids = gl.load(sorted_pair_ids_ptr + offs_m)
+    is_pair = pair_ids < num_pairs
+    routing = gl.load(topk_weights_ptr + pair_ids, mask=is_pair, other=0.0)
+    acc = acc * gl.expand_dims(routing.to(gl.float32), 0)
+    offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    out_ptrs = pair_out_ptr + gl.expand_dims(pair_ids.to(gl.int64) * stride_om, 0)
+    out_ptrs = out_ptrs + gl.expand_dims(offs_on, 1)
+    gl.store(out_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(is_pair, 0))
+
+
+def gate_up(
+    x_mma: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    s1: torch.Tensor,
+    s3: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_pairs: int,
+    top_k: int,
+    limit: float,
+) -> torch.Tensor:
+    """h [num_blocks * 16, I] bf16 in mma order: each block's pairs through swiglu(x w1^T,
+    x w3^T). x_mma [T, D] bf16 in mma order; w1, w3 int32 words [E, I, D / 8]; s1, s3 scale
+    bytes [E, I, D / 32]."""
+    _, inter, words = w1.shape
+    dim = words * 8
+    num_blocks = block_expert.numel()
+    assert inter % BLOCK_K == 0 and dim % BLOCK_K == 0, f"I {inter}, D {dim}"
+    assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
+    assert w1.stride(2) == 1 and s1.stride(2) == 1 and x_mma.stride(1) == 1
+    h = torch.empty((num_blocks * BLOCK_M, inter), dtype=torch.bfloat16, device=x_mma.device)
+    _gate_up_kernel[(num_blocks * (inter // BLOCK_N),)](
+        x_mma, w1, w3, s1, s3, h, sorted_pair_ids, block_expert, num_pairs, num_blocks,
+        float(limit), x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        h.stride(0), N=inter, K=dim, TOP_K=top_k, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return h
+
+
+def down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_pairs: int,
+) -> torch.Tensor:
+    """pair_out [num_pairs, D] bf16: each pair's h row (mma order) times w2^T, times its
+    routing weight. w2 int32 words [E, D, I / 8]; s2 scale bytes [E, D, I / 32]; topk_weights
+    [num_pairs] fp32."""
+    _, dim, words = w2.shape
+    inter = words * 8
+    num_blocks = block_expert.numel()
+    assert dim % BLOCK_N == 0 and inter % BLOCK_K == 0, f"D {dim}, I {inter}"
+    assert w2.stride(2) == 1 and s2.stride(2) == 1 and h.stride(1) == 1
+    pair_out = torch.empty((num_pairs, dim), dtype=torch.bfloat16, device=h.device)
+    _down_kernel[(num_blocks * (dim // BLOCK_N),)](
+        h, w2, s2, pair_out, topk_weights, sorted_pair_ids, block_expert, num_pairs, num_blocks,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
+        N=dim, K=inter, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return pair_out
