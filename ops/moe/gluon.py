@@ -181,15 +181,16 @@ def _gate_up_kernel(
     up = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     w1, s1 = _load_words(w1_ptr, s1_ptr, w_offs, s_offs)
     w3, s3 = _load_words(w3_ptr, s3_ptr, w_offs, s_offs)
+    xt = gl.load(x_ptrs, mask=is_pair, other=0.0)
     for k in range(0, K, BLOCK_K):
-        # The next tile's words in flight while this one is multiplied (the last step reads
-        # the first tile again rather than past the row).
+        # The next tile's words and x in flight while this one is multiplied (the last step
+        # reads the first tile again rather than past the row).
         next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
         next_w = w_offs + next_k // 8
         next_s = s_offs + next_k // 32
         w1_next, s1_next = _load_words(w1_ptr, s1_ptr, next_w, next_s)
         w3_next, s3_next = _load_words(w3_ptr, s3_ptr, next_w, next_s)
-        xt = gl.load(x_ptrs + k, mask=is_pair, other=0.0)
+        xt_next = gl.load(x_ptrs + next_k, mask=is_pair, other=0.0)
         x_smem.store(xt)
         fence_async_shared()
         gl.thread_barrier()
@@ -198,7 +199,7 @@ def _gate_up_kernel(
         up = warpgroup_mma(_upcast(w3, s3), xs, up, is_async=True)
         gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
         gl.thread_barrier()  # every warp's MMA done reading x before the next store
-        w1, s1, w3, s3 = w1_next, s1_next, w3_next, s3_next
+        w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
 
     gate = gl.minimum(gate, limit)
     up = gl.minimum(gl.maximum(up, -limit), limit)
@@ -260,16 +261,18 @@ def _down_kernel(
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
-    for k in range(0, K, BLOCK_K):
+    ht = gl.load(h_ptrs)
+    for k in range(0, K, BLOCK_K):  # as the gate/up kernel's loop
         next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
         w2_next, s2_next = _load_words(w2_ptr, s2_ptr, w_offs + next_k // 8, s_offs + next_k // 32)
-        h_smem.store(gl.load(h_ptrs + k))
+        ht_next = gl.load(h_ptrs + next_k)
+        h_smem.store(ht)
         fence_async_shared()
         gl.thread_barrier()
         acc = warpgroup_mma(_upcast(w2, s2), h_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
-        w2, s2 = w2_next, s2_next
+        w2, s2, ht = w2_next, s2_next, ht_next
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     pair_ids = gl.load(sorted_pair_ids_ptr + offs_m)
