@@ -125,9 +125,9 @@ GLUON_TYPES = {
 # (SwiGLU, the ring's and the entries' stores, the indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
     ("grouped gate/up, Gluon 16x64x128 w4", moe_gluon._gate_up_kernel, GLUON_TYPES,
-     {"N": 2048, "K": 4096, "TOP_K": 6}, 4),
+     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64}, 4),
     ("grouped down, Gluon 16x64x128 w4", moe_gluon._down_kernel, GLUON_TYPES,
-     {"N": 4096, "K": 2048}, 4),
+     {"N": 4096, "K": 2048, "BLOCK_N": 64}, 4),
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
@@ -258,8 +258,9 @@ def grouped_loops() -> None:
             _, sass = compile_sm90(kernel, types, constexprs, warps, stages, aligned=True)
             counts.append(loop_instructions(sass))
         gluon = GLUON_LOOPS.get(name)
-        if gluon is not None and (bm, bn, bk, warps) == moe_gluon.TILE:
+        if gluon is not None and (bm, bn, bk, warps) in moe_gluon.TILES:
             kernel, constexprs = gluon
+            constexprs = {**constexprs, "BLOCK_N": bn}
             _, sass = compile_sm90(kernel, GLUON_TYPES, constexprs, warps, aligned=True)
             counts.append(loop_instructions(sass))
         weights = (2 if "gate" in name else 1) * bn * bk // (warps * 32)

@@ -21,9 +21,10 @@ gate/up kernel stores h in it for the down kernel.
     x [T, D] --mma_order--> x' --_gate_up_kernel--> h [blocks * 16, I] (mma order)
       --_down_kernel--> pair_out [T * k, D] (natural order, routing weight applied)
 
-The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. One
-tile: 16 pairs an M block (the MMA's N), 64 weight rows (one warpgroup's M), K tiles of 128,
-4 warps. The next K tile's words are loaded before the current one's MMAs.
+The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. Tiles
+(``TILES``): 16 pairs an M block (the MMA's N), K steps of 128, and 64 or 128 weight rows (one
+warpgroup's M, or two warpgroups sharing the activations' tile). The next K step's words and
+activations are loaded before the current one's MMAs.
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
 
-__all__ = ["TILE", "down", "gate_up", "mma_order", "runs_on"]
+__all__ = ["TILES", "down", "gate_up", "mma_order", "runs_on"]
 
-# The one tile: (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them.
-TILE = (16, 64, 128, 4)
-BLOCK_M = gl.constexpr(TILE[0])  # pairs an M block: the MMA's N
-BLOCK_N = gl.constexpr(TILE[1])  # weight rows a program: one warpgroup's M
-BLOCK_K = gl.constexpr(TILE[2])  # inputs a K step
-NUM_WARPS = gl.constexpr(TILE[3])
+# The tiles, (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them: 16
+# pairs an M block (the MMA's N), K steps of 128 inputs, and 16 weight rows a warp (the MMA's M:
+# one warpgroup of 4 warps takes 64 rows, two take 128 and share the activations' tile).
+TILES = ((16, 64, 128, 4), (16, 128, 128, 8))
+BLOCK_M = gl.constexpr(16)
+BLOCK_K = gl.constexpr(128)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -65,29 +66,37 @@ def mma_order(x: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.constexpr_function
-def _words_layout():
-    """[64 rows, 4 (t), 4 (i)] words: thread 4 g + t of warp w holds rows 16 w + g (+ 8) and
-    words 4 t .. 4 t + 3 (i in registers, the fastest: one 16-byte load a row)."""
+def _words_layout(block_n):
+    """[block_n rows, 4 (t), 4 (i)] words: thread 4 g + t of warp w holds rows 16 w + g (+ 8)
+    and words 4 t .. 4 t + 3 (i in registers, the fastest: one 16-byte load a row)."""
+    warps = [[16 << j, 0, 0] for j in range((block_n // 16).bit_length() - 1)]
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        warp_bases=warps,
         block_bases=[],
-        shape=[BLOCK_N, 4, 4],
+        shape=[block_n, 4, 4],
     )
 
 
 @gluon.constexpr_function
-def _mma_layout():
+def _mma_layout(block_n):
+    """The accumulator's layout: block_n weight rows, 16 a warp, by 16 pairs."""
     return gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+        version=[3, 0], warps_per_cta=[block_n // 16, 1], instr_shape=[16, 16, 16]
     )
 
 
+@gluon.constexpr_function
+def _x_layout(block_n):
+    """The activations' tile [16 pairs, 128 inputs]: 8 contiguous inputs a thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [block_n // 16, 1], [1, 0])
+
+
 @gluon.jit
-def _upcast(words, scales):
-    """words [64, 4, 4] uint32 in _words_layout, scales [64, 4] uint8 (the slice without i) ->
-    [64, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
+def _upcast(words, scales, BLOCK_N: gl.constexpr):
+    """words [BLOCK_N, 4, 4] uint32 in _words_layout, scales [BLOCK_N, 4] uint8 (the slice
+    without i) -> [BLOCK_N, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
     factors = (scales.to(gl.uint32) + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
     factors = gl.broadcast(gl.expand_dims(factors, 2), words)[0]
     v = gl.inline_asm_elementwise(
@@ -99,19 +108,21 @@ def _upcast(words, scales):
         pack=1,
     )
     # (t, i) then b, jl, jh as the joins add them; K = 32 i + 16 jh + 8 jl + 2 t + b.
-    low = gl.join(gl.join(v[0], v[4]), gl.join(v[1], v[5]))  # jh = 0: [64, 4, 4, 2 b, 2 jl]
+    low = gl.join(gl.join(v[0], v[4]), gl.join(v[1], v[5]))  # jh = 0: [BN, 4, 4, 2 b, 2 jl]
     high = gl.join(gl.join(v[2], v[6]), gl.join(v[3], v[7]))  # jh = 1
-    a = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [64, i, jh, jl, t, b]
+    a = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [BN, i, jh, jl, t, b]
     a = gl.reshape(a, (BLOCK_N, BLOCK_K))
-    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(), k_width=2)
+    layout: gl.constexpr = gl.DotOperandLayout(0, _mma_layout(BLOCK_N), k_width=2)
     return gl.convert_layout(a, layout, assert_trivial=True)
 
 
 @gluon.jit
-def _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn):
-    """This program's 64 weight rows in the first K tile: the offsets of words 4 t + i [64, 4,
-    4] (in words) and of scale bytes t [64, 4]."""
-    words: gl.constexpr = _words_layout()
+def _weight_offsets(
+    expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: gl.constexpr
+):
+    """This program's BLOCK_N weight rows in the first K tile: the offsets of words 4 t + i
+    [BLOCK_N, 4, 4] (in words) and of scale bytes t [BLOCK_N, 4]."""
+    words: gl.constexpr = _words_layout(BLOCK_N)
     scales: gl.constexpr = gl.SliceLayout(2, words)
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, scales))
@@ -148,12 +159,13 @@ def _gate_up_kernel(
     N: gl.constexpr,
     K: gl.constexpr,
     TOP_K: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
-    """h[the block's rows, mma order of this program's 64 features] = swiglu(x w1^T, x w3^T),
+    """h[the block's rows, mma order of this program's BLOCK_N features] = swiglu(x w1^T, x w3^T),
     for x' (``mma_order``) and w1, w3 as int32 words [E, N, K / 8] with scale bytes [E, N,
     K / 32]. Padding rows read zeros and store swiglu(0, 0) = 0."""
-    mma: gl.constexpr = _mma_layout()
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    mma: gl.constexpr = _mma_layout(BLOCK_N)
+    x_layout: gl.constexpr = _x_layout(BLOCK_N)
     x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, BLOCK_K], gl.bfloat16
     )
@@ -175,7 +187,9 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + gl.expand_dims(token_ids * stride_xt, 1) + gl.expand_dims(offs_xk, 0)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
 
-    w_offs, s_offs = _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn)
+    w_offs, s_offs = _weight_offsets(
+        expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N
+    )
 
     gate = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     up = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
@@ -195,15 +209,15 @@ def _gate_up_kernel(
         fence_async_shared()
         gl.thread_barrier()
         xs = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
-        gate = warpgroup_mma(_upcast(w1, s1), xs, gate, is_async=True)
-        up = warpgroup_mma(_upcast(w3, s3), xs, up, is_async=True)
+        gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
+        up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
         gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
         gl.thread_barrier()  # every warp's MMA done reading x before the next store
         w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
 
     gate = gl.minimum(gate, limit)
     up = gl.minimum(gl.maximum(up, -limit), limit)
-    h = gate / (1.0 + gl.exp(-gate)) * up  # [64 features, 16 pairs]
+    h = gate / (1.0 + gl.exp(-gate)) * up  # [BLOCK_N features, 16 pairs]
 
     # Feature f = 128 c + q, q = 32 t + 8 i + 4 b + 2 jh + jl, stored at 128 c + mma position.
     f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -234,11 +248,12 @@ def _down_kernel(
     stride_om,
     N: gl.constexpr,
     K: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
-    """pair_out[pair, this program's 64 outputs] = topk_weight[pair] * h[row] w2^T, h in mma
+    """pair_out[pair, this program's BLOCK_N outputs] = topk_weight[pair] * h[row] w2^T, h in mma
     order, w2 as int32 words [E, N, K / 8] with scale bytes [E, N, K / 32]."""
-    mma: gl.constexpr = _mma_layout()
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    mma: gl.constexpr = _mma_layout(BLOCK_N)
+    x_layout: gl.constexpr = _x_layout(BLOCK_N)
     x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, BLOCK_K], gl.bfloat16
     )
@@ -257,7 +272,9 @@ def _down_kernel(
     h_ptrs = h_ptrs + gl.expand_dims(offs_xk, 0)
     h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
 
-    w_offs, s_offs = _weight_offsets(expert, pid_n, stride_we, stride_wn, stride_se, stride_sn)
+    w_offs, s_offs = _weight_offsets(
+        expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N
+    )
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
@@ -269,7 +286,7 @@ def _down_kernel(
         h_smem.store(ht)
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(_upcast(w2, s2), h_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), h_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         w2, s2, ht = w2_next, s2_next, ht_next
@@ -296,6 +313,7 @@ def gate_up(
     num_pairs: int,
     top_k: int,
     limit: float,
+    block_n: int,
 ) -> torch.Tensor:
     """h [num_blocks * 16, I] bf16 in mma order: each block's pairs through swiglu(x w1^T,
     x w3^T). x_mma [T, D] bf16 in mma order; w1, w3 int32 words [E, I, D / 8]; s1, s3 scale
@@ -303,14 +321,14 @@ def gate_up(
     _, inter, words = w1.shape
     dim = words * 8
     num_blocks = block_expert.numel()
-    assert inter % BLOCK_K == 0 and dim % BLOCK_K == 0, f"I {inter}, D {dim}"
+    assert inter % block_n == 0 and dim % BLOCK_K == 0, f"I {inter}, D {dim}"
     assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
     assert w1.stride(2) == 1 and s1.stride(2) == 1 and x_mma.stride(1) == 1
     h = torch.empty((num_blocks * BLOCK_M, inter), dtype=torch.bfloat16, device=x_mma.device)
-    _gate_up_kernel[(num_blocks * (inter // BLOCK_N),)](
+    _gate_up_kernel[(num_blocks * (inter // block_n),)](
         x_mma, w1, w3, s1, s3, h, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         float(limit), x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        h.stride(0), N=inter, K=dim, TOP_K=top_k, num_warps=NUM_WARPS,
+        h.stride(0), N=inter, K=dim, TOP_K=top_k, BLOCK_N=block_n, num_warps=block_n // 16,
     )  # fmt: skip
     return h
 
@@ -323,6 +341,7 @@ def down(
     sorted_pair_ids: torch.Tensor,
     block_expert: torch.Tensor,
     num_pairs: int,
+    block_n: int,
 ) -> torch.Tensor:
     """pair_out [num_pairs, D] bf16: each pair's h row (mma order) times w2^T, times its
     routing weight. w2 int32 words [E, D, I / 8]; s2 scale bytes [E, D, I / 32]; topk_weights
@@ -330,12 +349,12 @@ def down(
     _, dim, words = w2.shape
     inter = words * 8
     num_blocks = block_expert.numel()
-    assert dim % BLOCK_N == 0 and inter % BLOCK_K == 0, f"D {dim}, I {inter}"
+    assert dim % block_n == 0 and inter % BLOCK_K == 0, f"D {dim}, I {inter}"
     assert w2.stride(2) == 1 and s2.stride(2) == 1 and h.stride(1) == 1
     pair_out = torch.empty((num_pairs, dim), dtype=torch.bfloat16, device=h.device)
-    _down_kernel[(num_blocks * (dim // BLOCK_N),)](
+    _down_kernel[(num_blocks * (dim // block_n),)](
         h, w2, s2, pair_out, topk_weights, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        N=dim, K=inter, num_warps=NUM_WARPS,
+        N=dim, K=inter, BLOCK_N=block_n, num_warps=block_n // 16,
     )  # fmt: skip
     return pair_out

@@ -192,7 +192,7 @@ def pick_tile_config(
     if packed and num_pairs > _MXFP4_PREFILL_PAIRS:
         config = _MXFP4_PREFILL_TILES
     if packed and dtype == torch.bfloat16 and _MXFP4_BITS_UPCAST:
-        gluon = _MXFP4_GLUON and _tile(config) == moe_gluon.TILE
+        gluon = _MXFP4_GLUON and _tile(config) in moe_gluon.TILES
         config = replace(config, bits_upcast=True, gluon=gluon)
     if dtype == torch.float32:
         return TileConfig(
@@ -717,15 +717,17 @@ def fused_moe(
     bits = config.bits_upcast and bits_exact and whole_tiles and compiled_bf16
     if bits:  # the words, and x in the order their upcast yields the weights
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
-    gluon = config.gluon and _tile(config) == moe_gluon.TILE and moe_gluon.runs_on(x.device)
+    gluon = config.gluon and _tile(config) in moe_gluon.TILES and moe_gluon.runs_on(x.device)
     if bits and gluon:
         sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
         flat_weights = topk_weights.reshape(-1)
         h = moe_gluon.gate_up(
             moe_gluon.mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
-            top_k, limit,
+            top_k, limit, config.block_n,
         )  # fmt: skip
-        pair_out = moe_gluon.down(h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs)
+        pair_out = moe_gluon.down(
+            h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs, config.block_n
+        )
         return _combine(pair_out, out, residual, top_k)
     if bits:
         x = reorder_pair_order(x)
