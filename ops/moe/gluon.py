@@ -93,6 +93,21 @@ def _x_layout(block_n):
     return gl.BlockedLayout([1, 8], [2, 16], [block_n // 16, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def _x_smem_layout():
+    """The activations' tile in shared memory, wgmma's B operand (K contiguous)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+
+
+@gluon.jit
+def _program(block_expert_ptr, N: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(M block, N tile, expert) of this program; the expert is negative past the last block."""
+    num_tiles_n: gl.constexpr = N // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_tiles_n
+    return pid_m, pid % num_tiles_n, gl.load(block_expert_ptr + pid_m).to(gl.int64)
+
+
 @gluon.jit
 def _upcast(words, scales, BLOCK_N: gl.constexpr):
     """words [BLOCK_N, 4, 4] uint32 in _words_layout, scales [BLOCK_N, 4] uint8 (the slice
@@ -166,15 +181,7 @@ def _gate_up_kernel(
     K / 32]. Padding rows read zeros and store swiglu(0, 0) = 0."""
     mma: gl.constexpr = _mma_layout(BLOCK_N)
     x_layout: gl.constexpr = _x_layout(BLOCK_N)
-    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, BLOCK_K], gl.bfloat16
-    )
-
-    num_tiles_n: gl.constexpr = N // BLOCK_N
-    pid = gl.program_id(0)
-    pid_m = pid // num_tiles_n
-    pid_n = pid % num_tiles_n
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    pid_m, pid_n, expert = _program(block_expert_ptr, N, BLOCK_N)
     if expert < 0:
         return
 
@@ -185,7 +192,7 @@ def _gate_up_kernel(
     token_ids = (pair_ids // TOP_K).to(gl.int64)
     offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     x_ptrs = x_ptr + gl.expand_dims(token_ids * stride_xt, 1) + gl.expand_dims(offs_xk, 0)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
 
     w_offs, s_offs = _weight_offsets(
         expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N
@@ -254,15 +261,7 @@ def _down_kernel(
     order, w2 as int32 words [E, N, K / 8] with scale bytes [E, N, K / 32]."""
     mma: gl.constexpr = _mma_layout(BLOCK_N)
     x_layout: gl.constexpr = _x_layout(BLOCK_N)
-    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, BLOCK_K], gl.bfloat16
-    )
-
-    num_tiles_n: gl.constexpr = N // BLOCK_N
-    pid = gl.program_id(0)
-    pid_m = pid // num_tiles_n
-    pid_n = pid % num_tiles_n
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    pid_m, pid_n, expert = _program(block_expert_ptr, N, BLOCK_N)
     if expert < 0:
         return
 
@@ -270,7 +269,7 @@ def _down_kernel(
     offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     h_ptrs = h_ptr + gl.expand_dims(offs_xm.to(gl.int64) * stride_hm, 1)
     h_ptrs = h_ptrs + gl.expand_dims(offs_xk, 0)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], x_smem_layout)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
 
     w_offs, s_offs = _weight_offsets(
         expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N

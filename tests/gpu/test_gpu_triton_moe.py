@@ -261,21 +261,29 @@ def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     )
     assert err < BF16_TOL and between < BF16_TOL
     assert (with_residual.float() - expected.float()).abs().max() <= 2**-6 * expected.abs().max()
+    _replays_on_new_inputs(moe_triton, packed, num_tokens, seeds=(40 + num_tokens, 50))
 
+
+def _replays_on_new_inputs(
+    moe_triton: ModuleType, packed: list, num_tokens: int, seeds: tuple[int, int]
+) -> None:
+    """fused_moe on ``packed`` captured in a CUDA graph, replayed on a second batch: the
+    eager result on that batch, bit for bit."""
+    x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=seeds[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
         moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
-    new_x, new_ids, new_weights = _batch(num_tokens, 256, torch.bfloat16, seed=50 + num_tokens)
+        out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+    new_x, new_ids, new_weights = _batch(num_tokens, 256, torch.bfloat16, seed=seeds[1])
     x.copy_(new_x)
     topk_ids.copy_(new_ids)
     topk_weights.copy_(new_weights)
     graph.replay()
-    assert torch.equal(replayed, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
+    assert torch.equal(out, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
 
 
 def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: ModuleType) -> None:
@@ -303,22 +311,7 @@ def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: Module
 def test_mxfp4_captures_in_a_cuda_graph(
     moe_triton: ModuleType, mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts]
 ) -> None:
-    packed, _ = mxfp4_experts
-    x, topk_ids, topk_weights = _batch(8, 256, torch.bfloat16, seed=20)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
-    new_x, new_ids, new_weights = _batch(8, 256, torch.bfloat16, seed=21)
-    x.copy_(new_x)
-    topk_ids.copy_(new_ids)
-    topk_weights.copy_(new_weights)
-    graph.replay()
-    assert torch.equal(out, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
+    _replays_on_new_inputs(moe_triton, mxfp4_experts[0], 8, seeds=(20, 21))
 
 
 def test_mxfp4_decode_gemv_in_fp32_is_the_reference(
