@@ -44,8 +44,9 @@ __all__ = ["TILES", "down", "gate_up", "mma_order", "runs_on"]
 
 # The tiles, (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them: 16
 # pairs an M block (the MMA's N), K steps of 128 inputs, and 16 weight rows a warp (the MMA's M:
-# one warpgroup of 4 warps takes 64 rows, two take 128 and share the activations' tile).
-TILES = ((16, 64, 128, 4), (16, 128, 128, 8))
+# one warpgroup of 4 warps takes 64 rows; two or four take 128 or 256 and share the
+# activations' tile).
+TILES = ((16, 64, 128, 4), (16, 128, 128, 8), (16, 256, 128, 16))
 BLOCK_M = gl.constexpr(16)
 BLOCK_K = gl.constexpr(128)
 
