@@ -275,11 +275,11 @@ def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
 ) -> None:
     def pick(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> object:
         """The tiles, the bits upcast aside (on for every packed bf16 row) and Gluon's kernels
-        (on for the packed decode row, the tile they take)."""
+        (on for the packed decode row, the tile they take, where the table turns them on)."""
         config = moe_triton.pick_tile_config(num_pairs, dtype, packed)
         assert config.bits_upcast == (packed and dtype == torch.bfloat16), (num_pairs, dtype)
         decode_row = packed and dtype == torch.bfloat16 and num_pairs <= 4096
-        assert config.gluon == decode_row, (num_pairs, dtype)
+        assert config.gluon == (decode_row and moe_triton._MXFP4_GLUON), (num_pairs, dtype)
         return dataclasses.replace(config, bits_upcast=False, gluon=False)
 
     decode = pick(6, torch.bfloat16)

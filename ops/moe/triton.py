@@ -146,8 +146,9 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 # 2,092, the prefill tile at T = 4096 4,593 against 4,937.
 _MXFP4_BITS_UPCAST = True
 BITS_MAX_SCALE = 128
-# Where the bits tiles are gluon.py's one tile (the decode row), its kernels take them on Hopper.
-_MXFP4_GLUON = True
+# Where the bits tiles are one of gluon.py's (the decode row), its kernels take them on Hopper.
+# Off until they have run on a GPU (benchmarks/RESULTS.md): TileConfig.gluon asks for them.
+_MXFP4_GLUON = False
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /

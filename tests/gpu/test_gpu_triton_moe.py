@@ -235,7 +235,7 @@ def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     record_figure: Callable[[str], None],
     num_tokens: int,
 ) -> None:
-    """The decode row's tiles (240 to 3,600 pairs), whose GEMMs are gluon.py's on Hopper:
+    """The decode row's tiles (240 to 3,600 pairs) with TileConfig.gluon, the GEMMs gluon.py's:
     within BF16_TOL of the fp32 reference on the dequantized weights, and close to the Triton
     bits path on the same tiles (the same bf16 products, summed in another order); with a
     residual, and replayed from a CUDA graph on new inputs bit for bit. A value in the wrong K
@@ -243,7 +243,8 @@ def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     packed, dense = mxfp4_experts
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=40 + num_tokens)
     tiles = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, True)
-    assert tiles.gluon and tiles.bits_upcast
+    assert tiles.bits_upcast and (tiles.block_m, tiles.block_n, tiles.block_k) == (16, 64, 128)
+    tiles = dataclasses.replace(tiles, gluon=True)
     out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=tiles)
     ref = _reference_fp32(x, dense, topk_ids, topk_weights)
     triton_bits = dataclasses.replace(tiles, gluon=False)
@@ -261,29 +262,30 @@ def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     )
     assert err < BF16_TOL and between < BF16_TOL
     assert (with_residual.float() - expected.float()).abs().max() <= 2**-6 * expected.abs().max()
-    _replays_on_new_inputs(moe_triton, packed, num_tokens, seeds=(40 + num_tokens, 50))
+    run = functools.partial(moe_triton.fused_moe, limit=LIMIT, config=tiles)
+    _replays_on_new_inputs(run, packed, num_tokens, seeds=(40 + num_tokens, 50))
 
 
 def _replays_on_new_inputs(
-    moe_triton: ModuleType, packed: list, num_tokens: int, seeds: tuple[int, int]
+    run: Callable, packed: list, num_tokens: int, seeds: tuple[int, int]
 ) -> None:
-    """fused_moe on ``packed`` captured in a CUDA graph, replayed on a second batch: the
-    eager result on that batch, bit for bit."""
+    """``run`` (fused_moe with its limit, and tiles) on ``packed`` captured in a CUDA graph,
+    replayed on a second batch: the eager result on that batch, bit for bit."""
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=seeds[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
-        moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+        run(x, *packed, topk_ids, topk_weights)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT)
+        out = run(x, *packed, topk_ids, topk_weights)
     new_x, new_ids, new_weights = _batch(num_tokens, 256, torch.bfloat16, seed=seeds[1])
     x.copy_(new_x)
     topk_ids.copy_(new_ids)
     topk_weights.copy_(new_weights)
     graph.replay()
-    assert torch.equal(out, moe_triton.fused_moe(new_x, *packed, new_ids, new_weights, LIMIT))
+    assert torch.equal(out, run(new_x, *packed, new_ids, new_weights))
 
 
 def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: ModuleType) -> None:
@@ -311,7 +313,8 @@ def test_mxfp4_bits_tiles_over_short_rows_take_the_scaled_dot(moe_triton: Module
 def test_mxfp4_captures_in_a_cuda_graph(
     moe_triton: ModuleType, mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts]
 ) -> None:
-    _replays_on_new_inputs(moe_triton, mxfp4_experts[0], 8, seeds=(20, 21))
+    run = functools.partial(moe_triton.fused_moe, limit=LIMIT)
+    _replays_on_new_inputs(run, mxfp4_experts[0], 8, seeds=(20, 21))
 
 
 def test_mxfp4_decode_gemv_in_fp32_is_the_reference(
