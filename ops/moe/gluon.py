@@ -22,8 +22,8 @@ gate/up kernel stores h in it for the down kernel.
       --_down_kernel--> pair_out [T * k, D] (natural order, routing weight applied)
 
 The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. Tiles
-(``TILES``): 16 pairs an M block (the MMA's N), K steps of 128, and 64 or 128 weight rows (one
-warpgroup's M, or two warpgroups sharing the activations' tile). The next K step's words and
+(``TILES``): 16 pairs an M block (the MMA's N), K steps of 128, and 64, 128 or 256 weight rows
+(one warpgroup's M, or two or four warpgroups sharing the activations' tile). The next K step's words and
 activations are loaded before the current one's MMAs.
 """
 
