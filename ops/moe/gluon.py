@@ -23,8 +23,8 @@ gate/up kernel stores h in it for the down kernel.
 
 The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. Tiles
 (``TILES``): 16 pairs an M block (the MMA's N), K steps of 128, and 64, 128 or 256 weight rows
-(one warpgroup's M, or two or four warpgroups sharing the activations' tile). The next K step's words and
-activations are loaded before the current one's MMAs.
+(one warpgroup's M, or two or four warpgroups sharing the activations' tile). The next K
+step's words and activations are loaded before the current one's MMAs.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def mma_order(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] (D a multiple of 128) with each 128 inputs in the MMA's K order: input
     32 t + 8 i + 4 b + 2 jh + jl at 32 i + 16 jh + 8 jl + 2 t + b."""
     shape = x.shape
-    tiles = x.reshape(*shape[:-1], shape[-1] // BLOCK_K, 4, 4, 2, 2, 2)  # (t, i, b, jh, jl)
+    tiles = x.reshape(*shape[:-1], shape[-1] // BLOCK_K.value, 4, 4, 2, 2, 2)  # (t, i, b, jh, jl)
     lead = tuple(range(len(shape)))  # the leading dims and the tile index
     return tiles.permute(*lead, lead[-1] + 2, lead[-1] + 4, lead[-1] + 5, lead[-1] + 1,
                          lead[-1] + 3).reshape(shape).contiguous()  # fmt: skip
@@ -321,10 +321,10 @@ def gate_up(
     _, inter, words = w1.shape
     dim = words * 8
     num_blocks = block_expert.numel()
-    assert inter % block_n == 0 and dim % BLOCK_K == 0, f"I {inter}, D {dim}"
+    assert inter % block_n == 0 and dim % BLOCK_K.value == 0, f"I {inter}, D {dim}"
     assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
     assert w1.stride(2) == 1 and s1.stride(2) == 1 and x_mma.stride(1) == 1
-    h = torch.empty((num_blocks * BLOCK_M, inter), dtype=torch.bfloat16, device=x_mma.device)
+    h = torch.empty((num_blocks * BLOCK_M.value, inter), dtype=torch.bfloat16, device=x_mma.device)
     _gate_up_kernel[(num_blocks * (inter // block_n),)](
         x_mma, w1, w3, s1, s3, h, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         float(limit), x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
@@ -349,7 +349,7 @@ def down(
     _, dim, words = w2.shape
     inter = words * 8
     num_blocks = block_expert.numel()
-    assert dim % block_n == 0 and inter % BLOCK_K == 0, f"D {dim}, I {inter}"
+    assert dim % block_n == 0 and inter % BLOCK_K.value == 0, f"D {dim}, I {inter}"
     assert w2.stride(2) == 1 and s2.stride(2) == 1 and h.stride(1) == 1
     pair_out = torch.empty((num_pairs, dim), dtype=torch.bfloat16, device=h.device)
     _down_kernel[(num_blocks * (dim // block_n),)](

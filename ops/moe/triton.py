@@ -147,8 +147,10 @@ _MXFP4_PREFILL_TILES = TileConfig(128, 64, 64, 8, 4, 4)
 _MXFP4_BITS_UPCAST = True
 BITS_MAX_SCALE = 128
 # Where the bits tiles are one of gluon.py's (the decode row), its kernels take them on Hopper.
-# Off until they have run on a GPU (benchmarks/RESULTS.md): TileConfig.gluon asks for them.
-_MXFP4_GLUON = False
+# H100, 2026-12-07 (benchmarks/RESULTS.md, moe_fp4.py): T = 48 / 128 / 512 (288 to 3,072 pairs)
+# 1,290 / 1,747 / 1,892 µs against the Triton bits kernels' 1,468 / 1,978 / 2,287, at the same
+# tile; 128 weight rows a program within 1%, 256 slower.
+_MXFP4_GLUON = True
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
