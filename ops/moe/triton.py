@@ -721,7 +721,7 @@ def fused_moe(
     if bits:  # the words, and x in the order their upcast yields the weights
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     gluon = config.gluon and _tile(config) in moe_gluon.TILES and moe_gluon.runs_on(x.device)
-    if bits and gluon:
+    if bits and gluon and dim % config.block_n == inter % config.block_n == 0:
         sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
         flat_weights = topk_weights.reshape(-1)
         h = moe_gluon.gate_up(
