@@ -619,11 +619,12 @@ def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
     assert result.stdout.count(" registers, stack 0, local 0") == 15, result.stdout
 
 
-def test_gluon_mma_order_puts_each_input_where_its_weight_lands() -> None:
+def test_gluon_mma_order_puts_each_input_where_its_weight_lands(moe_triton: ModuleType) -> None:
     """gluon.py's activation order: thread t's word 4t + i, register j = jl + 2 jh, half b holds
     input 32 t + 8 i + 4 b + 2 jh + jl (code j + 4 b of word 4 t + i), which wgmma's A operand
     puts at K = 32 i + 16 jh + 8 jl + 2 t + b; mma_order must put that input there, in every
-    128-input tile, and be a permutation."""
+    128-input tile, and be a permutation; the engine's one-launch copy (``reorder_mma_order``)
+    writes the same."""
     from deepinfer.ops.moe import gluon as moe_gluon
 
     x = torch.arange(2 * 512).reshape(2, 512)
@@ -634,3 +635,5 @@ def test_gluon_mma_order_puts_each_input_where_its_weight_lands() -> None:
         for tile in range(4):
             assert out[1, 128 * tile + position] == x[1, 128 * tile + source]
     assert torch.equal(out.sort(dim=1).values, x)
+    gemv = sys.modules["deepinfer.ops.moe.triton_gemv"]  # the engine's launch, interpreted
+    assert torch.equal(gemv.reorder_mma_order(x.float()), out.float())

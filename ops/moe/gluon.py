@@ -15,7 +15,8 @@ word of scale group t, one scale byte). ``MXFP4_BITS_ASM`` turns word 4t + i int
 registers, register j (= jl + 2 jh) holding codes j and j + 4 (b = 0, 1): exactly the thread's
 pairs at K = 32 i + 16 jh + 8 jl + 2 t + b. So the weights are in the MMA's K order when their
 activations are in the same order, ``mma_order``: position 32 i + 16 jh + 8 jl + 2 t + b of
-each 128 holds input 32 t + 8 i + 4 b + 2 jh + jl. x is copied into it once a call, and the
+each 128 holds input 32 t + 8 i + 4 b + 2 jh + jl. x is copied into it once a call (one
+launch, triton_gemv.py's ``reorder_mma_order``; ``mma_order`` is its torch statement), and the
 gate/up kernel stores h in it for the down kernel.
 
     x [T, D] --mma_order--> x' --_gate_up_kernel--> h [blocks * 16, I] (mma order)

@@ -68,6 +68,7 @@ from deepinfer.ops.moe.torch_ref import (
 from deepinfer.ops.moe.triton_gemv import (
     GemvConfig,
     decode_moe,
+    reorder_mma_order,
     reorder_pair_order,
     store_output,
 )
@@ -720,12 +721,12 @@ def fused_moe(
     bits = config.bits_upcast and bits_exact and whole_tiles and compiled_bf16
     if bits:  # the words, and x in the order their upcast yields the weights
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
+    sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
+    flat_weights = topk_weights.reshape(-1)  # [T * k]
     gluon = config.gluon and _tile(config) in moe_gluon.TILES and moe_gluon.runs_on(x.device)
     if bits and gluon and dim % config.block_n == inter % config.block_n == 0:
-        sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
-        flat_weights = topk_weights.reshape(-1)
         h = moe_gluon.gate_up(
-            moe_gluon.mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
+            reorder_mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
             top_k, limit, config.block_n,
         )  # fmt: skip
         pair_out = moe_gluon.down(
@@ -734,7 +735,6 @@ def fused_moe(
         return _combine(pair_out, out, residual, top_k)
     if bits:
         x = reorder_pair_order(x)
-    sorted_pair_ids, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
     num_blocks = block_expert.numel()
     launch = {
         "BLOCK_M": config.block_m,
@@ -780,7 +780,6 @@ def fused_moe(
     )
 
     pair_out = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)  # [T * k, D]
-    flat_weights = topk_weights.reshape(-1)  # [T * k]
     grid = (num_blocks * triton.cdiv(dim, config.block_n),)
     _down_kernel[grid](
         h,

@@ -71,6 +71,7 @@ __all__ = [
     "nibble_major",
     "pair_order",
     "pick_block_k",
+    "reorder_mma_order",
     "reorder_nibble_major",
     "reorder_pair_order",
     "store_output",
@@ -117,6 +118,15 @@ def _pair_order_index(i):
     ``_in_pair_order``): 8w + 2 (j % 4) + j // 4, so that inputs j and j + 4 of each 8 are
     side by side."""
     return (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4
+
+
+@triton.jit
+def _mma_order_index(i):
+    """Where input i (32t + 8i' + 4b + 2jh + jl of its 128) sits in gluon.py's ``mma_order``:
+    32i' + 16jh + 8jl + 2t + b, the K order of wgmma's register operand."""
+    q = i % 128
+    position = 32 * ((q // 8) % 4) + 16 * ((q // 2) % 2) + 8 * (q % 2) + 2 * (q // 32)
+    return i - q + position + (q // 4) % 2
 
 
 @triton.jit
@@ -363,38 +373,54 @@ def decode_moe(
     return down(h, (w2, s2), topk_ids, topk_weights, x.dtype, config, residual)
 
 
+# The orders _reorder_kernel writes (its ORDER).
+_NIBBLE_MAJOR, _PAIR_ORDER, _MMA_ORDER = 0, 1, 2
+
+
 @triton.jit
 def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr,
-                    PAIR_ORDER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Row t of x to row t of out in h's nibble-major order (``nibble_major``), or PAIR_ORDER in
-    the grouped kernels' pair order (``pair_order``)."""
+                    ORDER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Row t of x to row t of out in h's nibble-major order (``nibble_major``, ORDER 0), the
+    grouped kernels' pair order (``pair_order``, 1) or gluon.py's ``mma_order`` (2)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     in_d = d < D
     row = tl.load(x_ptr + t * stride_x + d, mask=in_d)
-    target = _pair_order_index(d) if PAIR_ORDER else _nibble_major_index(d)
+    if ORDER == 2:
+        target = _mma_order_index(d)
+    elif ORDER == 1:
+        target = _pair_order_index(d)
+    else:
+        target = _nibble_major_index(d)
     tl.store(out_ptr + t * D + target, row, mask=in_d)
 
 
 def reorder_nibble_major(x: torch.Tensor) -> torch.Tensor:
     """``nibble_major(x)`` for x [T, D] in one launch (the decode step's graph keeps it in the
     programmatic-launch chain)."""
-    return _reorder(x, pair_order=False)
+    return _reorder(x, _NIBBLE_MAJOR)
 
 
 def reorder_pair_order(x: torch.Tensor) -> torch.Tensor:
     """``pair_order(x)`` for x [T, D] in one launch (the grouped kernels' bits path)."""
-    return _reorder(x, pair_order=True)
+    return _reorder(x, _PAIR_ORDER)
 
 
-def _reorder(x: torch.Tensor, pair_order: bool) -> torch.Tensor:
+def reorder_mma_order(x: torch.Tensor) -> torch.Tensor:
+    """gluon.py's ``mma_order(x)`` for x [T, D] (D a multiple of 128) in one launch (its
+    kernels' activations)."""
+    assert x.shape[1] % 128 == 0, f"x {tuple(x.shape)}: not whole 128-input K steps"
+    return _reorder(x, _MMA_ORDER)
+
+
+def _reorder(x: torch.Tensor, order: int) -> torch.Tensor:
     assert x.stride(1) == 1 and x.shape[1] % MXFP4_BLOCK == 0, f"x {tuple(x.shape)}"
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _reorder_kernel[(x.shape[0],)](
-            x, out, x.stride(0), D=x.shape[1], BLOCK=block, PAIR_ORDER=pair_order, num_warps=4,
+            x, out, x.stride(0), D=x.shape[1], BLOCK=block, ORDER=order, num_warps=4,
             **pdl(x.device),
         )  # fmt: skip
     return out
