@@ -30,6 +30,8 @@ step's words and activations are loaded before the current one's MMAs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,6 +54,7 @@ BLOCK_M = gl.constexpr(16)
 BLOCK_K = gl.constexpr(128)
 
 
+@functools.cache
 def runs_on(device: torch.device) -> bool:
     """Whether these kernels run on ``device``: a Hopper GPU (wgmma is SM90's)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
