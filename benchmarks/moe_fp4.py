@@ -51,15 +51,18 @@ from deepinfer.ops.moe import quantize_mxfp4
 SCRIPT = "moe_fp4.py"
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages[, fast_math[, bits_upcast[,
-# gluon]]]); BLOCK_K a multiple of 32; fast_math 1 unless given (0: the upcast's NaN handling of
-# scale 255, the slow path); bits_upcast 0 unless given (1: TileConfig.bits_upcast, named "...
-# bits"); gluon 0 unless given (1: TileConfig.gluon, gluon.py's tile only).
+# gluon[, ring]]]]); BLOCK_K a multiple of 32; fast_math 1 unless given (0: the upcast's NaN
+# handling of scale 255, the slow path); bits_upcast 0 unless given (1: TileConfig.bits_upcast,
+# named "... bits"); gluon 0 unless given (1: TileConfig.gluon, gluon.py's tile only); ring 0
+# unless given (TileConfig.ring: K steps in flight through shared memory, named "... ringN").
 CANDIDATES = [
     (16, 64, 128, 1, 4, 3, 0),
     (16, 64, 128, 1, 4, 3),
     (16, 64, 128, 1, 4, 3, 1, 1),
     (16, 64, 128, 1, 4, 3, 1, 1, 1),
     (16, 128, 128, 1, 8, 3, 1, 1, 1),
+    (16, 64, 128, 1, 4, 3, 1, 1, 1, 3),
+    (16, 64, 128, 1, 4, 3, 1, 1, 1, 4),
     (16, 64, 256, 1, 4, 3),
     (16, 128, 128, 1, 4, 4),
     (16, 32, 256, 1, 4, 4),
@@ -116,7 +119,8 @@ def _name(config: object) -> str:
     if type(config).__name__ == "GemvConfig":
         return "gemv {}x{} w{} down {}x{} w{}".format(*tiles)
     name = "{}x{}x{} g{} w{} s{}".format(*tiles) + " nan-checked" * (not config.fast_math)
-    return name + " bits" * config.bits_upcast + " gluon" * config.gluon
+    name += " bits" * config.bits_upcast + " gluon" * config.gluon
+    return name + f" ring{config.ring}" * bool(config.ring)
 
 
 def main() -> None:
@@ -127,7 +131,7 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         help="candidates instead of the built-in list: m,n,k,group,warps,stages[,"
-        "fast_math[,bits_upcast[,gluon]]];... (BLOCK_K a multiple of 32)",
+        "fast_math[,bits_upcast[,gluon[,ring]]]];... (BLOCK_K a multiple of 32)",
     )
     ap.add_argument(
         "--gemv",

@@ -118,16 +118,24 @@ GLUON_TYPES = {
     "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
     "limit": "fp32",
 }  # fmt: skip
+# With a ring (TileConfig.ring) the kernels read the scale bytes as int32 words of four.
+GLUON_RING_TYPES = {**GLUON_TYPES, "s1_ptr": "*i32", "s3_ptr": "*i32", "s2_ptr": "*i32"}
 
-# (name, kernel, argument types, constexprs, num_warps): the engine's program-a-pair tiles
-# (ops/moe/triton.py's _MXFP4_GEMV), the grouped Gluon kernels, hc_post with and without the
+# (name, kernel, argument types, constexprs, num_warps[, aligned]): the engine's program-a-pair
+# tiles (ops/moe/triton.py's _MXFP4_GEMV), the grouped Gluon kernels (with a ring: built as the
+# JIT sees the engine's tensors, 16-byte aligned, since cp.async copies 16 bytes), hc_post with
+# and without the
 # next entry's mix, hc_pre's collapse, and the kernels that took a neighbour's launch in
 # (SwiGLU, the ring's and the entries' stores, the indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
     ("grouped gate/up, Gluon 16x64x128 w4", moe_gluon._gate_up_kernel, GLUON_TYPES,
-     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64}, 4),
+     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64, "RING": 0}, 4),
     ("grouped down, Gluon 16x64x128 w4", moe_gluon._down_kernel, GLUON_TYPES,
-     {"N": 4096, "K": 2048, "BLOCK_N": 64}, 4),
+     {"N": 4096, "K": 2048, "BLOCK_N": 64, "RING": 0}, 4),
+    ("grouped gate/up, Gluon 16x64x128 w4 ring 3", moe_gluon._gate_up_kernel, GLUON_RING_TYPES,
+     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64, "RING": 3}, 4, True),
+    ("grouped down, Gluon 16x64x128 w4 ring 3", moe_gluon._down_kernel, GLUON_RING_TYPES,
+     {"N": 4096, "K": 2048, "BLOCK_N": 64, "RING": 3}, 4, True),
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
@@ -240,12 +248,14 @@ GLUON_LOOPS = {
     "gate/up decode": (moe_gluon._gate_up_kernel, {"N": 2048, "K": 4096, "TOP_K": 6}),
     "down decode": (moe_gluon._down_kernel, {"N": 4096, "K": 2048}),
 }
+GLUON_RINGS = (0, 3, 4)
 
 
 def grouped_loops() -> None:
     """--loops: the grouped kernels' K loops, the scaled dot's upcast against the bits one (and,
     at the decode tile, Gluon's)."""
-    print("grouped MoE, instructions a thread per K step (scaled dot / bits upcast / Gluon):")
+    rings = " / ".join(f"Gluon ring {ring}" if ring else "Gluon" for ring in GLUON_RINGS)
+    print(f"grouped MoE, instructions a thread per K step (scaled dot / bits upcast / {rings}):")
     for name, kernel, n, k, (bm, bn, bk, warps, stages) in LOOPS:
         counts = []
         for bits in (False, True):
@@ -260,9 +270,11 @@ def grouped_loops() -> None:
         gluon = GLUON_LOOPS.get(name)
         if gluon is not None and (bm, bn, bk, warps) in moe_gluon.TILES:
             kernel, constexprs = gluon
-            constexprs = {**constexprs, "BLOCK_N": bn}
-            _, sass = compile_sm90(kernel, GLUON_TYPES, constexprs, warps, aligned=True)
-            counts.append(loop_instructions(sass))
+            for ring in GLUON_RINGS:
+                types = GLUON_RING_TYPES if ring else GLUON_TYPES
+                constexprs = {**constexprs, "BLOCK_N": bn, "RING": ring}
+                _, sass = compile_sm90(kernel, types, constexprs, warps, aligned=True)
+                counts.append(loop_instructions(sass))
         weights = (2 if "gate" in name else 1) * bn * bk // (warps * 32)
         per_weight = " / ".join(f"{c / weights:.1f}" for c in counts)
         print(f"  {name} {bm}x{bn}x{bk} w{warps}: {' / '.join(map(str, counts))} for {weights} "
@@ -271,9 +283,9 @@ def grouped_loops() -> None:
 
 def main() -> int:
     failed = 0
-    for name, kernel, types, constexprs, num_warps in KERNELS:
+    for name, kernel, types, constexprs, num_warps, *aligned in KERNELS:
         try:
-            usage, _ = compile_sm90(kernel, types, constexprs, num_warps)
+            usage, _ = compile_sm90(kernel, types, constexprs, num_warps, aligned=bool(aligned))
         except Exception as error:  # a compile error: reported, then the exit status
             print(f"{name}: FAILED to compile: {str(error).splitlines()[-1][:200]}")
             failed += 1

@@ -35,6 +35,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
@@ -115,9 +116,9 @@ def _program(block_expert_ptr, N: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _upcast(words, scales, BLOCK_N: gl.constexpr):
-    """words [BLOCK_N, 4, 4] uint32 in _words_layout, scales [BLOCK_N, 4] uint8 (the slice
-    without i) -> [BLOCK_N, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
-    factors = (scales.to(gl.uint32) + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
+    """words [BLOCK_N, 4, 4] uint32 in _words_layout, scales [BLOCK_N, 4] uint32 bytes (the
+    slice without i) -> [BLOCK_N, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
+    factors = (scales + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
     factors = gl.broadcast(gl.expand_dims(factors, 2), words)[0]
     v = gl.inline_asm_elementwise(
         MXFP4_BITS_ASM,
@@ -154,7 +155,47 @@ def _weight_offsets(
 
 @gluon.jit
 def _load_words(w_ptr, s_ptr, w_offs, s_offs):
-    return gl.load(w_ptr + w_offs).to(gl.uint32, bitcast=True), gl.load(s_ptr + s_offs)
+    words = gl.load(w_ptr + w_offs).to(gl.uint32, bitcast=True)
+    return words, gl.load(s_ptr + s_offs).to(gl.uint32)
+
+
+@gluon.constexpr_function
+def _ring_layout(rank):
+    """A stage of a ring in shared memory (rank: a stage's), unswizzled: each thread reads back
+    what it copied."""
+    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+
+
+@gluon.jit
+def _ring_issue(w_smem, s_smem, w_ptr, s_ptr, w_offs, s_word_offs, stage, k, valid):
+    """cp.async of one K step's words (16 bytes a row a thread) and its rows' scale words (the
+    4 bytes of the step, each thread a copy of its own) into ``stage``; zeros where not valid."""
+    w_mask = gl.full(w_offs.shape, valid, gl.int1, w_offs.type.layout)
+    s_mask = gl.full(s_word_offs.shape, valid, gl.int1, s_word_offs.type.layout)
+    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptr + w_offs + k // 8, w_mask)
+    async_copy.async_copy_global_to_shared(
+        s_smem.index(stage), s_ptr + s_word_offs + k // 128, s_mask
+    )
+
+
+@gluon.jit
+def _scale_words(s_offs):
+    """The ring's scale offsets: s_offs (the scale bytes t of a row, in an int32 view's units
+    when the ring is on) less t, each row's word of four scale bytes for all four threads."""
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, s_offs.type.layout))
+    return s_offs - gl.expand_dims(t, 0)
+
+
+@gluon.jit
+def _ring_words(w_smem, s_smem, stage, BLOCK_N: gl.constexpr):
+    """One K step's words [BLOCK_N, 4, 4] and scale bytes [BLOCK_N, 4] (byte t of its row's
+    scale word for thread t) from ``stage`` of the ring, as _load_words gives them."""
+    words: gl.constexpr = _words_layout(BLOCK_N)
+    scales: gl.constexpr = gl.SliceLayout(2, words)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, scales))
+    w = w_smem.index(stage).load(words).to(gl.uint32, bitcast=True)
+    s = s_smem.index(stage).load(scales).to(gl.uint32, bitcast=True)
+    return w, (s >> gl.expand_dims(8 * t, 0).to(gl.uint32)) & 0xFF
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -180,6 +221,7 @@ def _gate_up_kernel(
     K: gl.constexpr,
     TOP_K: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    RING: gl.constexpr,
 ):
     """h[the block's rows, mma order of this program's BLOCK_N features] = swiglu(x w1^T, x w3^T),
     for x' (``mma_order``) and w1, w3 as int32 words [E, N, K / 8] with scale bytes [E, N,
@@ -197,7 +239,6 @@ def _gate_up_kernel(
     token_ids = (pair_ids // TOP_K).to(gl.int64)
     offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     x_ptrs = x_ptr + gl.expand_dims(token_ids * stride_xt, 1) + gl.expand_dims(offs_xk, 0)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
 
     w_offs, s_offs = _weight_offsets(
         expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N
@@ -205,27 +246,67 @@ def _gate_up_kernel(
 
     gate = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     up = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
-    w1, s1 = _load_words(w1_ptr, s1_ptr, w_offs, s_offs)
-    w3, s3 = _load_words(w3_ptr, s3_ptr, w_offs, s_offs)
-    xt = gl.load(x_ptrs, mask=is_pair, other=0.0)
-    for k in range(0, K, BLOCK_K):
-        # The next tile's words and x in flight while this one is multiplied (the last step
-        # reads the first tile again rather than past the row).
-        next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
-        next_w = w_offs + next_k // 8
-        next_s = s_offs + next_k // 32
-        w1_next, s1_next = _load_words(w1_ptr, s1_ptr, next_w, next_s)
-        w3_next, s3_next = _load_words(w3_ptr, s3_ptr, next_w, next_s)
-        xt_next = gl.load(x_ptrs + next_k, mask=is_pair, other=0.0)
-        x_smem.store(xt)
-        fence_async_shared()
-        gl.thread_barrier()
-        xs = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
-        gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
-        up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
-        gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
-        gl.thread_barrier()  # every warp's MMA done reading x before the next store
-        w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
+    if RING == 0:
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
+        w1, s1 = _load_words(w1_ptr, s1_ptr, w_offs, s_offs)
+        w3, s3 = _load_words(w3_ptr, s3_ptr, w_offs, s_offs)
+        xt = gl.load(x_ptrs, mask=is_pair, other=0.0)
+        for k in range(0, K, BLOCK_K):
+            # The next tile's words and x in flight while this one is multiplied (the last
+            # step reads the first tile again rather than past the row).
+            next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
+            next_w = w_offs + next_k // 8
+            next_s = s_offs + next_k // 32
+            w1_next, s1_next = _load_words(w1_ptr, s1_ptr, next_w, next_s)
+            w3_next, s3_next = _load_words(w3_ptr, s3_ptr, next_w, next_s)
+            xt_next = gl.load(x_ptrs + next_k, mask=is_pair, other=0.0)
+            x_smem.store(xt)
+            fence_async_shared()
+            gl.thread_barrier()
+            xs = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
+            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
+            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
+            gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+            gl.thread_barrier()  # every warp's MMA done reading x before the next store
+            w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
+    else:
+        # RING K steps in flight: stage j % RING holds step j's words, scale words and x.
+        x_ring = gl.allocate_shared_memory(
+            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout()
+        )
+        w1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
+        w3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
+        s1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
+        s3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
+        s_words = _scale_words(s_offs)
+        for j in gl.static_range(RING - 1):
+            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, j, j * BLOCK_K, True)
+            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, j, j * BLOCK_K, True)
+            async_copy.async_copy_global_to_shared(x_ring.index(j), x_ptrs + j * BLOCK_K, is_pair)
+            async_copy.commit_group()
+        for k in range(0, K, BLOCK_K):
+            step = k // BLOCK_K
+            async_copy.wait_group(RING - 2)  # this thread's copies of this step landed
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's x copy landed; every MMA of step - 1 done
+            ahead = k + (RING - 1) * BLOCK_K
+            valid = ahead < K
+            ahead = gl.multiple_of(ahead % K, BLOCK_K)
+            stage = (step + RING - 1) % RING
+            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, stage, ahead, valid)
+            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, stage, ahead, valid)
+            async_copy.async_copy_global_to_shared(
+                x_ring.index(stage), x_ptrs + ahead, is_pair & valid
+            )
+            async_copy.commit_group()
+            stage = step % RING
+            w1, s1 = _ring_words(w1_ring, s1_ring, stage, BLOCK_N)
+            w3, s3 = _ring_words(w3_ring, s3_ring, stage, BLOCK_N)
+            xs = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
+            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
+            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
+            gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+        async_copy.wait_group(0)
 
     gate = gl.minimum(gate, limit)
     up = gl.minimum(gl.maximum(up, -limit), limit)
@@ -261,6 +342,7 @@ def _down_kernel(
     N: gl.constexpr,
     K: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    RING: gl.constexpr,
 ):
     """pair_out[pair, this program's BLOCK_N outputs] = topk_weight[pair] * h[row] w2^T, h in mma
     order, w2 as int32 words [E, N, K / 8] with scale bytes [E, N, K / 32]."""
@@ -274,26 +356,58 @@ def _down_kernel(
     offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     h_ptrs = h_ptr + gl.expand_dims(offs_xm.to(gl.int64) * stride_hm, 1)
     h_ptrs = h_ptrs + gl.expand_dims(offs_xk, 0)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
-
     w_offs, s_offs = _weight_offsets(
         expert, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N
     )
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
-    w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
-    ht = gl.load(h_ptrs)
-    for k in range(0, K, BLOCK_K):  # as the gate/up kernel's loop
-        next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
-        w2_next, s2_next = _load_words(w2_ptr, s2_ptr, w_offs + next_k // 8, s_offs + next_k // 32)
-        ht_next = gl.load(h_ptrs + next_k)
-        h_smem.store(ht)
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), h_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()
-        w2, s2, ht = w2_next, s2_next, ht_next
+    if RING == 0:
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
+        w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
+        ht = gl.load(h_ptrs)
+        for k in range(0, K, BLOCK_K):  # as the gate/up kernel's loop
+            next_k = gl.multiple_of((k + BLOCK_K) % K, BLOCK_K)
+            next_w = w_offs + next_k // 8
+            w2_next, s2_next = _load_words(w2_ptr, s2_ptr, next_w, s_offs + next_k // 32)
+            ht_next = gl.load(h_ptrs + next_k)
+            h_smem.store(ht)
+            fence_async_shared()
+            gl.thread_barrier()
+            hs = h_smem.permute((1, 0))
+            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), hs, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            w2, s2, ht = w2_next, s2_next, ht_next
+    else:  # as the gate/up kernel's ring
+        h_ring = gl.allocate_shared_memory(
+            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout()
+        )
+        w2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
+        s2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
+        s_words = _scale_words(s_offs)
+        for j in gl.static_range(RING - 1):
+            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, j, j * BLOCK_K, True)
+            async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
+            async_copy.commit_group()
+        for k in range(0, K, BLOCK_K):
+            step = k // BLOCK_K
+            async_copy.wait_group(RING - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            ahead = k + (RING - 1) * BLOCK_K
+            valid = ahead < K
+            ahead = gl.multiple_of(ahead % K, BLOCK_K)
+            stage = (step + RING - 1) % RING
+            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, stage, ahead, valid)
+            h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
+            async_copy.async_copy_global_to_shared(h_ring.index(stage), h_ptrs + ahead, h_mask)
+            async_copy.commit_group()
+            stage = step % RING
+            w2, s2 = _ring_words(w2_ring, s2_ring, stage, BLOCK_N)
+            hs = h_ring.index(stage).permute((1, 0))
+            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), hs, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.wait_group(0)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     pair_ids = gl.load(sorted_pair_ids_ptr + offs_m)
@@ -304,6 +418,13 @@ def _down_kernel(
     out_ptrs = pair_out_ptr + gl.expand_dims(pair_ids.to(gl.int64) * stride_om, 0)
     out_ptrs = out_ptrs + gl.expand_dims(offs_on, 1)
     gl.store(out_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(is_pair, 0))
+
+
+def _scale_view(scales: torch.Tensor, ring: int) -> torch.Tensor:
+    """The scale bytes as the kernels read them: bytes, or (the ring) int32 words of four, one a
+    row a K step of 128."""
+    assert ring == 0 or ring >= 2, f"ring {ring}: 0 (registers) or at least 2 stages"
+    return scales.view(torch.int32) if ring else scales
 
 
 def gate_up(
@@ -318,21 +439,25 @@ def gate_up(
     top_k: int,
     limit: float,
     block_n: int,
+    ring: int = 0,
 ) -> torch.Tensor:
     """h [num_blocks * 16, I] bf16 in mma order: each block's pairs through swiglu(x w1^T,
     x w3^T). x_mma [T, D] bf16 in mma order; w1, w3 int32 words [E, I, D / 8]; s1, s3 scale
-    bytes [E, I, D / 32]."""
+    bytes [E, I, D / 32]. ring: K steps in flight through shared memory (0: the next one, in
+    registers)."""
     _, inter, words = w1.shape
     dim = words * 8
     num_blocks = block_expert.numel()
     assert inter % block_n == 0 and dim % BLOCK_K.value == 0, f"I {inter}, D {dim}"
     assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
     assert w1.stride(2) == 1 and s1.stride(2) == 1 and x_mma.stride(1) == 1
+    s1, s3 = _scale_view(s1, ring), _scale_view(s3, ring)
     h = torch.empty((num_blocks * BLOCK_M.value, inter), dtype=torch.bfloat16, device=x_mma.device)
     _gate_up_kernel[(num_blocks * (inter // block_n),)](
         x_mma, w1, w3, s1, s3, h, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         float(limit), x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        h.stride(0), N=inter, K=dim, TOP_K=top_k, BLOCK_N=block_n, num_warps=block_n // 16,
+        h.stride(0), N=inter, K=dim, TOP_K=top_k, BLOCK_N=block_n, RING=ring,
+        num_warps=block_n // 16,
     )  # fmt: skip
     return h
 
@@ -346,19 +471,21 @@ def down(
     block_expert: torch.Tensor,
     num_pairs: int,
     block_n: int,
+    ring: int = 0,
 ) -> torch.Tensor:
     """pair_out [num_pairs, D] bf16: each pair's h row (mma order) times w2^T, times its
     routing weight. w2 int32 words [E, D, I / 8]; s2 scale bytes [E, D, I / 32]; topk_weights
-    [num_pairs] fp32."""
+    [num_pairs] fp32. ring as gate_up's."""
     _, dim, words = w2.shape
     inter = words * 8
     num_blocks = block_expert.numel()
     assert dim % block_n == 0 and inter % BLOCK_K.value == 0, f"D {dim}, I {inter}"
     assert w2.stride(2) == 1 and s2.stride(2) == 1 and h.stride(1) == 1
+    s2 = _scale_view(s2, ring)
     pair_out = torch.empty((num_pairs, dim), dtype=torch.bfloat16, device=h.device)
     _down_kernel[(num_blocks * (dim // block_n),)](
         h, w2, s2, pair_out, topk_weights, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        N=dim, K=inter, BLOCK_N=block_n, num_warps=block_n // 16,
+        N=dim, K=inter, BLOCK_N=block_n, RING=ring, num_warps=block_n // 16,
     )  # fmt: skip
     return pair_out

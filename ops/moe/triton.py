@@ -104,7 +104,9 @@ class TileConfig:
     eight codes become bf16 values in registers by shifts and masks (``_mxfp4_bits``), and the
     product runs transposed, the weights as the MMA's register operand. gluon (with
     bits_upcast, on Hopper, at gluon.py's one tile): the two GEMMs are gluon.py's, whose upcast
-    lands in wgmma's register operand without the pass through shared memory.
+    lands in wgmma's register operand without the pass through shared memory. ring (gluon):
+    K steps in flight through a ring of that many stages in shared memory, filled by cp.async;
+    0: the next step's words prefetched in registers.
     """
 
     block_m: int
@@ -116,6 +118,7 @@ class TileConfig:
     fast_math: bool = True
     bits_upcast: bool = False
     gluon: bool = False
+    ring: int = 0
 
 
 # bf16/fp16, keyed by the number of pairs T * k (first row whose bound is >= T * k). Decode is
@@ -727,11 +730,12 @@ def fused_moe(
     if bits and gluon and dim % config.block_n == inter % config.block_n == 0:
         h = moe_gluon.gate_up(
             reorder_mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
-            top_k, limit, config.block_n,
+            top_k, limit, config.block_n, config.ring,
         )  # fmt: skip
         pair_out = moe_gluon.down(
-            h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs, config.block_n
-        )
+            h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs, config.block_n,
+            config.ring,
+        )  # fmt: skip
         return _combine(pair_out, out, residual, top_k)
     if bits:
         x = reorder_pair_order(x)

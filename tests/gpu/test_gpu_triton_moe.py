@@ -227,25 +227,35 @@ def test_mxfp4_matches_the_fp32_reference_on_its_values(
     assert err < BF16_TOL
 
 
-@pytest.mark.parametrize("num_tokens", [40, 128, 600])
+@pytest.mark.parametrize(
+    ("num_tokens", "ring"), [(40, 0), (128, 0), (600, 0), (40, 3), (128, 4), (600, 3)]
+)
 def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     moe_triton: ModuleType,
     mxfp4_experts: tuple[list[torch_ref.Mxfp4Weight], Experts],
     ieee_fp32: None,
     record_figure: Callable[[str], None],
     num_tokens: int,
+    ring: int,
 ) -> None:
     """The decode row's tiles (240 to 3,600 pairs) with TileConfig.gluon, the GEMMs gluon.py's:
     within BF16_TOL of the fp32 reference on the dequantized weights, and close to the Triton
     bits path on the same tiles (the same bf16 products, summed in another order); with a
     residual, and replayed from a CUDA graph on new inputs bit for bit. A value in the wrong K
-    position, a lost pair or a wrong h column would be far outside."""
+    position, a lost pair or a wrong h column would be far outside. ring: the K steps through a
+    shared-memory ring, the same products in the same order as the register prefetch's, so
+    its output bit for bit."""
     packed, dense = mxfp4_experts
     x, topk_ids, topk_weights = _batch(num_tokens, 256, torch.bfloat16, seed=40 + num_tokens)
     tiles = moe_triton.pick_tile_config(num_tokens * TOP_K, torch.bfloat16, True)
     assert tiles.bits_upcast and (tiles.block_m, tiles.block_n, tiles.block_k) == (16, 64, 128)
-    tiles = dataclasses.replace(tiles, gluon=True)
+    tiles = dataclasses.replace(tiles, gluon=True, ring=ring)
     out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=tiles)
+    if ring:
+        registers = dataclasses.replace(tiles, ring=0)
+        assert torch.equal(
+            out, moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=registers)
+        )
     ref = _reference_fp32(x, dense, topk_ids, topk_weights)
     triton_bits = dataclasses.replace(tiles, gluon=False)
     bits_out = moe_triton.fused_moe(x, *packed, topk_ids, topk_weights, LIMIT, config=triton_bits)
@@ -257,8 +267,8 @@ def test_mxfp4_gluon_matches_the_reference_and_the_triton_bits_path(
     )
     expected = (out.float() + residual.float()).bfloat16()
     record_figure(
-        f"triton fused_moe MXFP4 Gluon E=256 T={num_tokens}: rel err {err:.2e} (Triton bits "
-        f"path {bits_err:.2e}; < {BF16_TOL}); Gluon vs Triton bits {between:.2e}"
+        f"triton fused_moe MXFP4 Gluon ring {ring} E=256 T={num_tokens}: rel err {err:.2e} "
+        f"(Triton bits path {bits_err:.2e}; < {BF16_TOL}); Gluon vs Triton bits {between:.2e}"
     )
     assert err < BF16_TOL and between < BF16_TOL
     assert (with_residual.float() - expected.float()).abs().max() <= 2**-6 * expected.abs().max()
