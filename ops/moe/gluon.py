@@ -284,28 +284,28 @@ def _gate_up_kernel(
             _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             async_copy.async_copy_global_to_shared(x_ring.index(j), x_ptrs + j * BLOCK_K, is_pair)
             async_copy.commit_group()
+        stage = 0  # step k's stage; the stage before it is the one to fill
         for k in range(0, K, BLOCK_K):
-            step = k // BLOCK_K
             async_copy.wait_group(RING - 2)  # this thread's copies of this step landed
             fence_async_shared()
             gl.thread_barrier()  # every thread's x copy landed; every MMA of step - 1 done
             ahead = k + (RING - 1) * BLOCK_K
             valid = ahead < K
             ahead = gl.multiple_of(ahead % K, BLOCK_K)
-            stage = (step + RING - 1) % RING
-            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, stage, ahead, valid)
-            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, stage, ahead, valid)
+            behind = gl.where(stage == 0, RING - 1, stage - 1)
+            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, behind, ahead, valid)
+            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, behind, ahead, valid)
             async_copy.async_copy_global_to_shared(
-                x_ring.index(stage), x_ptrs + ahead, is_pair & valid
+                x_ring.index(behind), x_ptrs + ahead, is_pair & valid
             )
             async_copy.commit_group()
-            stage = step % RING
             w1, s1 = _ring_words(w1_ring, s1_ring, stage, BLOCK_N)
             w3, s3 = _ring_words(w3_ring, s3_ring, stage, BLOCK_N)
             xs = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
             gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
             up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
             gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+            stage = gl.where(stage == RING - 1, 0, stage + 1)
         async_copy.wait_group(0)
 
     gate = gl.minimum(gate, limit)
@@ -389,24 +389,24 @@ def _down_kernel(
             _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
             async_copy.commit_group()
+        stage = 0  # step k's stage; the stage before it is the one to fill
         for k in range(0, K, BLOCK_K):
-            step = k // BLOCK_K
             async_copy.wait_group(RING - 2)
             fence_async_shared()
             gl.thread_barrier()
             ahead = k + (RING - 1) * BLOCK_K
             valid = ahead < K
             ahead = gl.multiple_of(ahead % K, BLOCK_K)
-            stage = (step + RING - 1) % RING
-            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, stage, ahead, valid)
+            behind = gl.where(stage == 0, RING - 1, stage - 1)
+            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, behind, ahead, valid)
             h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
-            async_copy.async_copy_global_to_shared(h_ring.index(stage), h_ptrs + ahead, h_mask)
+            async_copy.async_copy_global_to_shared(h_ring.index(behind), h_ptrs + ahead, h_mask)
             async_copy.commit_group()
-            stage = step % RING
             w2, s2 = _ring_words(w2_ring, s2_ring, stage, BLOCK_N)
             hs = h_ring.index(stage).permute((1, 0))
             acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), hs, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            stage = gl.where(stage == RING - 1, 0, stage + 1)
         async_copy.wait_group(0)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
