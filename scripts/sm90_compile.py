@@ -129,13 +129,13 @@ GLUON_RING_TYPES = {**GLUON_TYPES, "s1_ptr": "*i32", "s3_ptr": "*i32", "s2_ptr":
 # (SwiGLU, the ring's and the entries' stores, the indexer's top-k), and the GEMM's dense mode.
 KERNELS = [
     ("grouped gate/up, Gluon 16x64x128 w4", moe_gluon._gate_up_kernel, GLUON_TYPES,
-     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64, "RING": 0}, 4),
+     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_M": 16, "BLOCK_N": 64, "RING": 0}, 4),
     ("grouped down, Gluon 16x64x128 w4", moe_gluon._down_kernel, GLUON_TYPES,
-     {"N": 4096, "K": 2048, "BLOCK_N": 64, "RING": 0}, 4),
+     {"N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64, "RING": 0}, 4),
     ("grouped gate/up, Gluon 16x64x128 w4 ring 3", moe_gluon._gate_up_kernel, GLUON_RING_TYPES,
-     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_N": 64, "RING": 3}, 4, True),
+     {"N": 2048, "K": 4096, "TOP_K": 6, "BLOCK_M": 16, "BLOCK_N": 64, "RING": 3}, 4, True),
     ("grouped down, Gluon 16x64x128 w4 ring 3", moe_gluon._down_kernel, GLUON_RING_TYPES,
-     {"N": 4096, "K": 2048, "BLOCK_N": 64, "RING": 3}, 4, True),
+     {"N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64, "RING": 3}, 4, True),
     ("gate/up a pair 32x256 w4", triton_gemv._gate_up_kernel, GATE_TYPES,
      {**GATE, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
     ("down a slot 16x2048 w8", triton_gemv._down_kernel, DOWN_TYPES,
@@ -272,7 +272,7 @@ def grouped_loops() -> None:
             kernel, constexprs = gluon
             for ring in GLUON_RINGS:
                 types = GLUON_RING_TYPES if ring else GLUON_TYPES
-                constexprs = {**constexprs, "BLOCK_N": bn, "RING": ring}
+                constexprs = {**constexprs, "BLOCK_M": bm, "BLOCK_N": bn, "RING": ring}
                 _, sass = compile_sm90(kernel, types, constexprs, warps, aligned=True)
                 counts.append(loop_instructions(sass))
         weights = (2 if "gate" in name else 1) * bn * bk // (warps * 32)

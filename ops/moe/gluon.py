@@ -19,13 +19,18 @@ each 128 holds input 32 t + 8 i + 4 b + 2 jh + jl. x is copied into it once a ca
 launch, triton_gemv.py's ``reorder_mma_order``; ``mma_order`` is its torch statement), and the
 gate/up kernel stores h in it for the down kernel.
 
-    x [T, D] --mma_order--> x' --_gate_up_kernel--> h [blocks * 16, I] (mma order)
+    x [T, D] --mma_order--> x' --_gate_up_kernel--> h [blocks * block_m, I] (mma order)
       --_down_kernel--> pair_out [T * k, D] (natural order, routing weight applied)
 
 The alignment, the M blocks and the combine are triton.py's; only the two GEMMs differ. Tiles
-(``TILES``): 16 pairs an M block (the MMA's N), K steps of 128, and 64, 128 or 256 weight rows
-(one warpgroup's M, or two or four warpgroups sharing the activations' tile). The next K
-step's words and activations are loaded before the current one's MMAs.
+(``TILES``): 16, 64 or 128 pairs an M block (the MMA's N), K steps of 128, and 64, 128 or 256
+weight rows (one warpgroup's M, or two or four warpgroups sharing the activations' tile).
+
+The K steps are fetched ahead in one of two ways (TileConfig.ring): the next step's words and
+activations loaded into registers before the current step's MMAs (ring 0), or ring - 1 steps
+in flight through a ring of shared-memory stages filled by cp.async, each thread copying the
+16 bytes of words (and the scale word) it later reads back itself, so only the activations'
+tile, which every warp's MMA reads, needs the stage's barrier.
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
 
 __all__ = ["TILES", "down", "gate_up", "mma_order", "runs_on"]
 
-# The tiles, (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them: 16
-# pairs an M block (the MMA's N), K steps of 128 inputs, and 16 weight rows a warp (the MMA's M:
-# one warpgroup of 4 warps takes 64 rows; two or four take 128 or 256 and share the
-# activations' tile).
-TILES = ((16, 64, 128, 4), (16, 128, 128, 8), (16, 256, 128, 16))
-BLOCK_M = gl.constexpr(16)
+# The tiles, (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them:
+# block_m pairs an M block (the MMA's N: 16 at decode, 64 or 128 at prefill), K steps of 128
+# inputs, and 16 weight rows a warp (the MMA's M: one warpgroup of 4 warps takes 64 rows; two
+# or four take 128 or 256 and share the activations' tile).
+TILES = tuple(
+    (block_m, block_n, 128, block_n // 16)
+    for block_m in (16, 64, 128)
+    for block_n in (64, 128, 256)
+)
 BLOCK_K = gl.constexpr(128)
 
 
@@ -86,23 +94,23 @@ def _words_layout(block_n):
 
 
 @gluon.constexpr_function
-def _mma_layout(block_n):
-    """The accumulator's layout: block_n weight rows, 16 a warp, by 16 pairs."""
+def _mma_layout(block_n, block_m):
+    """The accumulator's layout: block_n weight rows, 16 a warp, by block_m pairs."""
     return gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[block_n // 16, 1], instr_shape=[16, 16, 16]
+        version=[3, 0], warps_per_cta=[block_n // 16, 1], instr_shape=[16, block_m, 16]
     )
 
 
 @gluon.constexpr_function
 def _x_layout(block_n):
-    """The activations' tile [16 pairs, 128 inputs]: 8 contiguous inputs a thread."""
+    """The activations' tile [block_m pairs, 128 inputs]: 8 contiguous inputs a thread."""
     return gl.BlockedLayout([1, 8], [2, 16], [block_n // 16, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _x_smem_layout():
+def _x_smem_layout(block_m):
     """The activations' tile in shared memory, wgmma's B operand (K contiguous)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
 
 
 @gluon.jit
@@ -115,7 +123,7 @@ def _program(block_expert_ptr, N: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _upcast(words, scales, BLOCK_N: gl.constexpr):
+def _upcast(words, scales, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """words [BLOCK_N, 4, 4] uint32 in _words_layout, scales [BLOCK_N, 4] uint32 bytes (the
     slice without i) -> [BLOCK_N, BLOCK_K] bf16 in wgmma's A operand layout, K in mma order."""
     factors = (scales + 126) * 0x00800080  # 2 ** (s - 1) in both bf16 halves
@@ -133,7 +141,7 @@ def _upcast(words, scales, BLOCK_N: gl.constexpr):
     high = gl.join(gl.join(v[2], v[6]), gl.join(v[3], v[7]))  # jh = 1
     a = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [BN, i, jh, jl, t, b]
     a = gl.reshape(a, (BLOCK_N, BLOCK_K))
-    layout: gl.constexpr = gl.DotOperandLayout(0, _mma_layout(BLOCK_N), k_width=2)
+    layout: gl.constexpr = gl.DotOperandLayout(0, _mma_layout(BLOCK_N, BLOCK_M), k_width=2)
     return gl.convert_layout(a, layout, assert_trivial=True)
 
 
@@ -220,13 +228,14 @@ def _gate_up_kernel(
     N: gl.constexpr,
     K: gl.constexpr,
     TOP_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     RING: gl.constexpr,
 ):
     """h[the block's rows, mma order of this program's BLOCK_N features] = swiglu(x w1^T, x w3^T),
     for x' (``mma_order``) and w1, w3 as int32 words [E, N, K / 8] with scale bytes [E, N,
     K / 32]. Padding rows read zeros and store swiglu(0, 0) = 0."""
-    mma: gl.constexpr = _mma_layout(BLOCK_N)
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M)
     x_layout: gl.constexpr = _x_layout(BLOCK_N)
     pid_m, pid_n, expert = _program(block_expert_ptr, N, BLOCK_N)
     if expert < 0:
@@ -247,7 +256,7 @@ def _gate_up_kernel(
     gate = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     up = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     if RING == 0:
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M))
         w1, s1 = _load_words(w1_ptr, s1_ptr, w_offs, s_offs)
         w3, s3 = _load_words(w3_ptr, s3_ptr, w_offs, s_offs)
         xt = gl.load(x_ptrs, mask=is_pair, other=0.0)
@@ -264,15 +273,15 @@ def _gate_up_kernel(
             fence_async_shared()
             gl.thread_barrier()
             xs = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
-            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
-            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
+            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N, BLOCK_M), xs, gate, is_async=True)
+            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N, BLOCK_M), xs, up, is_async=True)
             gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
             gl.thread_barrier()  # every warp's MMA done reading x before the next store
             w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
     else:
         # RING K steps in flight: stage j % RING holds step j's words, scale words and x.
         x_ring = gl.allocate_shared_memory(
-            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout()
+            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
         w1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
         w3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
@@ -302,8 +311,8 @@ def _gate_up_kernel(
             w1, s1 = _ring_words(w1_ring, s1_ring, stage, BLOCK_N)
             w3, s3 = _ring_words(w3_ring, s3_ring, stage, BLOCK_N)
             xs = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
-            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N), xs, gate, is_async=True)
-            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N), xs, up, is_async=True)
+            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N, BLOCK_M), xs, gate, is_async=True)
+            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N, BLOCK_M), xs, up, is_async=True)
             gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
             stage = gl.where(stage == RING - 1, 0, stage + 1)
         async_copy.wait_group(0)
@@ -341,12 +350,13 @@ def _down_kernel(
     stride_om,
     N: gl.constexpr,
     K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     RING: gl.constexpr,
 ):
     """pair_out[pair, this program's BLOCK_N outputs] = topk_weight[pair] * h[row] w2^T, h in mma
     order, w2 as int32 words [E, N, K / 8] with scale bytes [E, N, K / 32]."""
-    mma: gl.constexpr = _mma_layout(BLOCK_N)
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M)
     x_layout: gl.constexpr = _x_layout(BLOCK_N)
     pid_m, pid_n, expert = _program(block_expert_ptr, N, BLOCK_N)
     if expert < 0:
@@ -362,7 +372,7 @@ def _down_kernel(
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
     if RING == 0:
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout())
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M))
         w2, s2 = _load_words(w2_ptr, s2_ptr, w_offs, s_offs)
         ht = gl.load(h_ptrs)
         for k in range(0, K, BLOCK_K):  # as the gate/up kernel's loop
@@ -374,13 +384,13 @@ def _down_kernel(
             fence_async_shared()
             gl.thread_barrier()
             hs = h_smem.permute((1, 0))
-            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), hs, acc, is_async=True)
+            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N, BLOCK_M), hs, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
             w2, s2, ht = w2_next, s2_next, ht_next
     else:  # as the gate/up kernel's ring
         h_ring = gl.allocate_shared_memory(
-            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout()
+            gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
         w2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
         s2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
@@ -404,7 +414,7 @@ def _down_kernel(
             async_copy.commit_group()
             w2, s2 = _ring_words(w2_ring, s2_ring, stage, BLOCK_N)
             hs = h_ring.index(stage).permute((1, 0))
-            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N), hs, acc, is_async=True)
+            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N, BLOCK_M), hs, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             stage = gl.where(stage == RING - 1, 0, stage + 1)
         async_copy.wait_group(0)
@@ -438,10 +448,11 @@ def gate_up(
     num_pairs: int,
     top_k: int,
     limit: float,
+    block_m: int,
     block_n: int,
     ring: int = 0,
 ) -> torch.Tensor:
-    """h [num_blocks * 16, I] bf16 in mma order: each block's pairs through swiglu(x w1^T,
+    """h [num_blocks * block_m, I] bf16 in mma order: each block's pairs through swiglu(x w1^T,
     x w3^T). x_mma [T, D] bf16 in mma order; w1, w3 int32 words [E, I, D / 8]; s1, s3 scale
     bytes [E, I, D / 32]. ring: K steps in flight through shared memory (0: the next one, in
     registers)."""
@@ -452,11 +463,11 @@ def gate_up(
     assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
     assert w1.stride(2) == 1 and s1.stride(2) == 1 and x_mma.stride(1) == 1
     s1, s3 = _scale_view(s1, ring), _scale_view(s3, ring)
-    h = torch.empty((num_blocks * BLOCK_M.value, inter), dtype=torch.bfloat16, device=x_mma.device)
+    h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x_mma.device)
     _gate_up_kernel[(num_blocks * (inter // block_n),)](
         x_mma, w1, w3, s1, s3, h, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         float(limit), x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        h.stride(0), N=inter, K=dim, TOP_K=top_k, BLOCK_N=block_n, RING=ring,
+        h.stride(0), N=inter, K=dim, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, RING=ring,
         num_warps=block_n // 16,
     )  # fmt: skip
     return h
@@ -470,6 +481,7 @@ def down(
     sorted_pair_ids: torch.Tensor,
     block_expert: torch.Tensor,
     num_pairs: int,
+    block_m: int,
     block_n: int,
     ring: int = 0,
 ) -> torch.Tensor:
@@ -486,6 +498,6 @@ def down(
     _down_kernel[(num_blocks * (dim // block_n),)](
         h, w2, s2, pair_out, topk_weights, sorted_pair_ids, block_expert, num_pairs, num_blocks,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        N=dim, K=inter, BLOCK_N=block_n, RING=ring, num_warps=block_n // 16,
+        N=dim, K=inter, BLOCK_M=block_m, BLOCK_N=block_n, RING=ring, num_warps=block_n // 16,
     )  # fmt: skip
     return pair_out

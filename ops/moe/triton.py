@@ -730,11 +730,11 @@ def fused_moe(
     if bits and gluon and dim % config.block_n == inter % config.block_n == 0:
         h = moe_gluon.gate_up(
             reorder_mma_order(x), w1, w3, s1, s3, sorted_pair_ids, block_expert, num_pairs,
-            top_k, limit, config.block_n, config.ring,
+            top_k, limit, config.block_m, config.block_n, config.ring,
         )  # fmt: skip
         pair_out = moe_gluon.down(
-            h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs, config.block_n,
-            config.ring,
+            h, w2, s2, flat_weights, sorted_pair_ids, block_expert, num_pairs, config.block_m,
+            config.block_n, config.ring,
         )  # fmt: skip
         return _combine(pair_out, out, residual, top_k)
     if bits:
