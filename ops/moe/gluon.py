@@ -102,6 +102,12 @@ def _mma_layout(block_n, block_m):
 
 
 @gluon.constexpr_function
+def _a_layout(block_n, block_m):
+    """wgmma's register A operand: the upcast weights [block_n rows, 128 inputs]."""
+    return gl.DotOperandLayout(0, _mma_layout(block_n, block_m), k_width=2)
+
+
+@gluon.constexpr_function
 def _x_layout(block_n):
     """The activations' tile [block_m pairs, 128 inputs]: 8 contiguous inputs a thread."""
     return gl.BlockedLayout([1, 8], [2, 16], [block_n // 16, 1], [1, 0])
@@ -141,8 +147,7 @@ def _upcast(words, scales, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     high = gl.join(gl.join(v[2], v[6]), gl.join(v[3], v[7]))  # jh = 1
     a = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [BN, i, jh, jl, t, b]
     a = gl.reshape(a, (BLOCK_N, BLOCK_K))
-    layout: gl.constexpr = gl.DotOperandLayout(0, _mma_layout(BLOCK_N, BLOCK_M), k_width=2)
-    return gl.convert_layout(a, layout, assert_trivial=True)
+    return gl.convert_layout(a, _a_layout(BLOCK_N, BLOCK_M), assert_trivial=True)
 
 
 @gluon.jit
@@ -279,7 +284,10 @@ def _gate_up_kernel(
             gl.thread_barrier()  # every warp's MMA done reading x before the next store
             w1, s1, w3, s3, xt = w1_next, s1_next, w3_next, s3_next, xt_next
     else:
-        # RING K steps in flight: stage j % RING holds step j's words, scale words and x.
+        # The ring: stage j % RING holds step j's words, scale words and x, RING - 2 steps
+        # ahead. Each MMA runs while the next operand is upcast: gate(k) beside up's
+        # upcast, up(k) beside the next step's gate upcast. up(k) still reads stage k while
+        # step k + 1 fills, so the copies run RING - 2 steps ahead, not RING - 1.
         x_ring = gl.allocate_shared_memory(
             gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
@@ -288,33 +296,39 @@ def _gate_up_kernel(
         s1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
         s3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
         s_words = _scale_words(s_offs)
-        for j in gl.static_range(RING - 1):
+        for j in gl.static_range(RING - 2):
             _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             async_copy.async_copy_global_to_shared(x_ring.index(j), x_ptrs + j * BLOCK_K, is_pair)
             async_copy.commit_group()
-        stage = 0  # step k's stage; the stage before it is the one to fill
+        a3 = gl.zeros((BLOCK_N, BLOCK_K), gl.bfloat16, layout=_a_layout(BLOCK_N, BLOCK_M))
+        stage = 0  # step k's stage
+        fill = RING - 2  # the stage step k + RING - 2 fills
         for k in range(0, K, BLOCK_K):
-            async_copy.wait_group(RING - 2)  # this thread's copies of this step landed
+            async_copy.wait_group(RING - 3)  # this thread's copies of this step landed
             fence_async_shared()
-            gl.thread_barrier()  # every thread's x copy landed; every MMA of step - 1 done
-            ahead = k + (RING - 1) * BLOCK_K
+            gl.thread_barrier()  # every thread's x copy landed; step k - 2's MMAs done
+            ahead = k + (RING - 2) * BLOCK_K
             valid = ahead < K
             ahead = gl.multiple_of(ahead % K, BLOCK_K)
-            behind = gl.where(stage == 0, RING - 1, stage - 1)
-            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, behind, ahead, valid)
-            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, behind, ahead, valid)
+            _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, fill, ahead, valid)
+            _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, fill, ahead, valid)
             async_copy.async_copy_global_to_shared(
-                x_ring.index(behind), x_ptrs + ahead, is_pair & valid
+                x_ring.index(fill), x_ptrs + ahead, is_pair & valid
             )
             async_copy.commit_group()
-            w1, s1 = _ring_words(w1_ring, s1_ring, stage, BLOCK_N)
-            w3, s3 = _ring_words(w3_ring, s3_ring, stage, BLOCK_N)
             xs = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
-            gate = warpgroup_mma(_upcast(w1, s1, BLOCK_N, BLOCK_M), xs, gate, is_async=True)
-            up = warpgroup_mma(_upcast(w3, s3, BLOCK_N, BLOCK_M), xs, up, is_async=True)
-            gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+            w1, s1 = _ring_words(w1_ring, s1_ring, stage, BLOCK_N)
+            a1 = _upcast(w1, s1, BLOCK_N, BLOCK_M)
+            gate = warpgroup_mma(a1, xs, gate, is_async=True)
+            gate, up, a3 = warpgroup_mma_wait(num_outstanding=1, deps=(gate, up, a3))  # up(k-1)
+            w3, s3 = _ring_words(w3_ring, s3_ring, stage, BLOCK_N)
+            a3 = _upcast(w3, s3, BLOCK_N, BLOCK_M)
+            up = warpgroup_mma(a3, xs, up, is_async=True)
+            gate, up, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(gate, up, a1))  # gate(k)
             stage = gl.where(stage == RING - 1, 0, stage + 1)
+            fill = gl.where(fill == RING - 1, 0, fill + 1)
+        gate, up, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up, a3))
         async_copy.wait_group(0)
 
     gate = gl.minimum(gate, limit)
@@ -388,35 +402,39 @@ def _down_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
             w2, s2, ht = w2_next, s2_next, ht_next
-    else:  # as the gate/up kernel's ring
+    else:  # as the gate/up kernel's ring, each MMA waited for: with one operand a step,
+        # overlapping it with the next upcast would need that operand in two sets of
+        # registers, and the compiler keeps one (it overwrote the registers the MMA in
+        # flight reads)
         h_ring = gl.allocate_shared_memory(
             gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
         w2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
         s2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
         s_words = _scale_words(s_offs)
-        for j in gl.static_range(RING - 1):
+        for j in gl.static_range(RING - 2):
             _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
             async_copy.commit_group()
-        stage = 0  # step k's stage; the stage before it is the one to fill
+        stage = 0
+        fill = RING - 2
         for k in range(0, K, BLOCK_K):
-            async_copy.wait_group(RING - 2)
+            async_copy.wait_group(RING - 3)
             fence_async_shared()
             gl.thread_barrier()
-            ahead = k + (RING - 1) * BLOCK_K
+            ahead = k + (RING - 2) * BLOCK_K
             valid = ahead < K
             ahead = gl.multiple_of(ahead % K, BLOCK_K)
-            behind = gl.where(stage == 0, RING - 1, stage - 1)
-            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, behind, ahead, valid)
+            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, fill, ahead, valid)
             h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
-            async_copy.async_copy_global_to_shared(h_ring.index(behind), h_ptrs + ahead, h_mask)
+            async_copy.async_copy_global_to_shared(h_ring.index(fill), h_ptrs + ahead, h_mask)
             async_copy.commit_group()
             w2, s2 = _ring_words(w2_ring, s2_ring, stage, BLOCK_N)
             hs = h_ring.index(stage).permute((1, 0))
             acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N, BLOCK_M), hs, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             stage = gl.where(stage == RING - 1, 0, stage + 1)
+            fill = gl.where(fill == RING - 1, 0, fill + 1)
         async_copy.wait_group(0)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
@@ -433,7 +451,7 @@ def _down_kernel(
 def _scale_view(scales: torch.Tensor, ring: int) -> torch.Tensor:
     """The scale bytes as the kernels read them: bytes, or (the ring) int32 words of four, one a
     row a K step of 128."""
-    assert ring == 0 or ring >= 2, f"ring {ring}: 0 (registers) or at least 2 stages"
+    assert ring == 0 or ring >= 3, f"ring {ring}: 0 (registers) or at least 3 stages"
     return scales.view(torch.int32) if ring else scales
 
 
