@@ -161,9 +161,19 @@ def _weight_offsets(
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, scales))
     i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words)))
-    s_offs = expert * stride_se + gl.expand_dims(rows * stride_sn, 1) + gl.expand_dims(t, 0)
+    s_rows = _scale_rows(expert, pid_n, stride_se, stride_sn, BLOCK_N)
+    s_offs = gl.expand_dims(s_rows, 1) + gl.expand_dims(t, 0)
     w_rows = expert * stride_we + gl.expand_dims(rows * stride_wn, 1) + gl.expand_dims(t, 0) * 4
     return gl.expand_dims(w_rows, 2) + gl.expand_dims(gl.expand_dims(i, 0), 1), s_offs
+
+
+@gluon.jit
+def _scale_rows(expert, pid_n, stride_se, stride_sn, BLOCK_N: gl.constexpr):
+    """The offsets of this program's BLOCK_N rows of scales [BLOCK_N] (a thread's two rows,
+    shared by the four threads t of a row)."""
+    layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _words_layout(BLOCK_N)))
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    return expert * stride_se + rows * stride_sn
 
 
 @gluon.jit
@@ -182,7 +192,7 @@ def _ring_layout(rank):
 @gluon.jit
 def _ring_issue(w_smem, s_smem, w_ptr, s_ptr, w_offs, s_word_offs, stage, k, valid):
     """cp.async of one K step's words (16 bytes a row a thread) and its rows' scale words (the
-    4 bytes of the step, each thread a copy of its own) into ``stage``; zeros where not valid."""
+    4 bytes of the step, one a row) into ``stage``; zeros where not valid."""
     w_mask = gl.full(w_offs.shape, valid, gl.int1, w_offs.type.layout)
     s_mask = gl.full(s_word_offs.shape, valid, gl.int1, s_word_offs.type.layout)
     async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptr + w_offs + k // 8, w_mask)
@@ -192,23 +202,16 @@ def _ring_issue(w_smem, s_smem, w_ptr, s_ptr, w_offs, s_word_offs, stage, k, val
 
 
 @gluon.jit
-def _scale_words(s_offs):
-    """The ring's scale offsets: s_offs (the scale bytes t of a row, in an int32 view's units
-    when the ring is on) less t, each row's word of four scale bytes for all four threads."""
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, s_offs.type.layout))
-    return s_offs - gl.expand_dims(t, 0)
-
-
-@gluon.jit
 def _ring_words(w_smem, s_smem, stage, BLOCK_N: gl.constexpr):
     """One K step's words [BLOCK_N, 4, 4] and scale bytes [BLOCK_N, 4] (byte t of its row's
-    scale word for thread t) from ``stage`` of the ring, as _load_words gives them."""
+    scale word for thread t) from ``stage`` of the ring, as _load_words gives them. The words
+    are the thread's own copies; the scale words another thread's (the stage's barrier)."""
     words: gl.constexpr = _words_layout(BLOCK_N)
     scales: gl.constexpr = gl.SliceLayout(2, words)
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, scales))
     w = w_smem.index(stage).load(words).to(gl.uint32, bitcast=True)
-    s = s_smem.index(stage).load(scales).to(gl.uint32, bitcast=True)
-    return w, (s >> gl.expand_dims(8 * t, 0).to(gl.uint32)) & 0xFF
+    s = s_smem.index(stage).load(gl.SliceLayout(1, scales)).to(gl.uint32, bitcast=True)
+    return w, (gl.expand_dims(s, 1) >> gl.expand_dims(8 * t, 0).to(gl.uint32)) & 0xFF
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -293,9 +296,9 @@ def _gate_up_kernel(
         )
         w1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
         w3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
-        s1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
-        s3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
-        s_words = _scale_words(s_offs)
+        s1_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N], _ring_layout(1))
+        s3_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N], _ring_layout(1))
+        s_words = _scale_rows(expert, pid_n, stride_se, stride_sn, BLOCK_N)
         for j in gl.static_range(RING - 2):
             _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, j, j * BLOCK_K, True)
@@ -410,8 +413,8 @@ def _down_kernel(
             gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
         w2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4, 4], _ring_layout(3))
-        s2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N, 4], _ring_layout(2))
-        s_words = _scale_words(s_offs)
+        s2_ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N], _ring_layout(1))
+        s_words = _scale_rows(expert, pid_n, stride_se, stride_sn, BLOCK_N)
         for j in gl.static_range(RING - 2):
             _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, j, j * BLOCK_K, True)
             async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
