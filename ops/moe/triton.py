@@ -155,6 +155,9 @@ BITS_MAX_SCALE = 128
 # 1,290 / 1,747 / 1,892 µs against the Triton bits kernels' 1,468 / 1,978 / 2,287, at the same
 # tile; 128 weight rows a program within 1%, 256 slower.
 _MXFP4_GLUON = True
+# Its K steps through a ring of this many shared-memory stages (TileConfig.ring; 0: the next
+# step prefetched in registers, as measured above).
+_MXFP4_GLUON_RING = 0
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
@@ -200,7 +203,8 @@ def pick_tile_config(
         config = _MXFP4_PREFILL_TILES
     if packed and dtype == torch.bfloat16 and _MXFP4_BITS_UPCAST:
         gluon = _MXFP4_GLUON and _tile(config) in moe_gluon.TILES
-        config = replace(config, bits_upcast=True, gluon=gluon)
+        ring = _MXFP4_GLUON_RING if gluon else 0
+        config = replace(config, bits_upcast=True, gluon=gluon, ring=ring)
     if dtype == torch.float32:
         return TileConfig(
             block_m=min(config.block_m, 64),
