@@ -275,12 +275,14 @@ def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
 ) -> None:
     def pick(num_pairs: int, dtype: torch.dtype, packed: bool = False) -> object:
         """The tiles, the bits upcast aside (on for every packed bf16 row) and Gluon's kernels
-        (on for the packed decode row, the tile they take, where the table turns them on)."""
+        (on for the packed decode row, the tile they take, where the table turns them on, with
+        the engine's ring; off the GPU the prefill rows are the Triton kernels')."""
         config = moe_triton.pick_tile_config(num_pairs, dtype, packed)
         assert config.bits_upcast == (packed and dtype == torch.bfloat16), (num_pairs, dtype)
         decode_row = packed and dtype == torch.bfloat16 and num_pairs <= 4096
         assert config.gluon == (decode_row and moe_triton._MXFP4_GLUON), (num_pairs, dtype)
-        return dataclasses.replace(config, bits_upcast=False, gluon=False)
+        assert config.ring == (moe_triton._MXFP4_GLUON_RING if config.gluon else 0)
+        return dataclasses.replace(config, bits_upcast=False, gluon=False, ring=0)
 
     decode = pick(6, torch.bfloat16)
     assert pick(3072, torch.bfloat16, packed=True) == decode != pick(3072, torch.bfloat16)
@@ -297,6 +299,31 @@ def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
     )
     # fp32 (parity) runs keep their own small tiles whatever the row.
     assert pick(49152, torch.float32, packed=True).block_k == 32
+
+
+def test_mxfp4_tiles_past_the_decode_row_are_gluons_on_hopper(
+    moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Hopper the packed bf16 rows past the decode row take gluon.py's prefill tiles (64
+    pairs a block up to 16,384 pairs, then 128 x 128 on 8 warps), each one of gluon.TILES, with
+    the engine's ring; the decode row keeps its tile; fp16, fp32 and dense weights keep the
+    Triton rows."""
+    from deepinfer.ops.moe import gluon as moe_gluon
+
+    elsewhere = {
+        n: moe_triton.pick_tile_config(n, torch.bfloat16, True) for n in (4097, 16384, 16385)
+    }
+    monkeypatch.setattr(moe_triton, "_on_hopper", lambda: True)
+    for num_pairs, rows in ((4097, (64, 64)), (16384, (64, 64)), (16385, (128, 128))):
+        config = moe_triton.pick_tile_config(num_pairs, torch.bfloat16, True)
+        assert (config.block_m, config.block_n) == rows, num_pairs
+        assert config.gluon and config.bits_upcast and config.ring == moe_triton._MXFP4_GLUON_RING
+        assert moe_triton._tile(config) in moe_gluon.TILES
+        assert config != elsewhere[num_pairs]
+    decode = moe_triton.pick_tile_config(4096, torch.bfloat16, True)
+    assert (decode.block_m, decode.gluon) == (16, True)
+    for dtype, packed in ((torch.float16, True), (torch.float32, True), (torch.bfloat16, False)):
+        assert not moe_triton.pick_tile_config(49152, dtype, packed).gluon
 
 
 def _random_mxfp4(gen: torch.Generator, rows: int, cols: int) -> torch_ref.Mxfp4Weight:
@@ -600,12 +627,12 @@ def test_router_is_the_reference(
 
 def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
     """scripts/sm90_compile.py builds decode's kernels (the MoE's gate/up and down a program
-    a pair, the grouped MoE's two Gluon kernels with and without a ring, hc_post with and
-    without the next mix, hc_pre's collapse, the shared w2 with its SwiGLU, a dense projection
-    through the same GEMM, the queries' and keys' norm with the ring's store, the indexer's
-    scores with its top-k, the pools with the entries' store and the keeps) for sm_90 with
-    Triton's compiler and bundled ptxas, no GPU needed: each compiles (the interpreter accepts
-    code the compiler rejects) and spills nothing."""
+    a pair, the grouped MoE's Gluon kernels with and without a ring and at the prefill tile,
+    hc_post with and without the next mix, hc_pre's collapse, the shared w2 with its SwiGLU, a
+    dense projection through the same GEMM, the queries' and keys' norm with the ring's store,
+    the indexer's scores with its top-k, the pools with the entries' store and the keeps) for
+    sm_90 with Triton's compiler and bundled ptxas, no GPU needed: each compiles (the
+    interpreter accepts code the compiler rejects) and spills nothing."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
@@ -616,7 +643,7 @@ def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(" registers, stack 0, local 0") == 17, result.stdout
+    assert result.stdout.count(" registers, stack 0, local 0") == 19, result.stdout
 
 
 def test_gluon_mma_order_puts_each_input_where_its_weight_lands(moe_triton: ModuleType) -> None:

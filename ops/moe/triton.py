@@ -156,8 +156,18 @@ BITS_MAX_SCALE = 128
 # tile; 128 weight rows a program within 1%, 256 slower.
 _MXFP4_GLUON = True
 # Its K steps through a ring of this many shared-memory stages (TileConfig.ring; 0: the next
-# step prefetched in registers, as measured above).
-_MXFP4_GLUON_RING = 0
+# step prefetched in registers). H100, 2026-12-07 (RESULTS.md, seventh session): T = 48 / 128 /
+# 512 1,248 / 1,710 / 1,810 µs against the register prefetch's 1,292 / 1,780 / 1,892; rings of
+# 4 and 5 within 2% of 3.
+_MXFP4_GLUON_RING = 3
+# Past the decode row on Hopper, Gluon's prefill tiles (first row whose bound is >= T * k), with
+# the ring. H100, same run: T = 2,048 (12,288 pairs) 64 x 64 on 4 warps 2,555 µs against the
+# Triton bits row's 3,001; T = 8,192 (49,152) 128 x 128 on 8 warps 7,420 against 8,547 (64 x 64:
+# 8,768; 128 x 64 on 4 warps: 7,896).
+_MXFP4_GLUON_PREFILL: tuple[tuple[int, TileConfig], ...] = (
+    (_MXFP4_PREFILL_PAIRS, TileConfig(64, 64, 128, 1, 4, 3)),
+    (1 << 62, TileConfig(128, 128, 128, 1, 8, 3)),
+)
 # MXFP4 experts at decode: a program a pair (triton_gemv.py) up to this many pairs. H200,
 # 2026-12-06 (benchmarks/RESULTS.md, moe_gemv.py): gate/up 32 x 256 is the best tile or within 5%
 # of it at T = 1, 4, 16 (38.6 / 114.7 / 381.8 µs), down 8 x 1024 the best at each (35.9 / 78.4 /
@@ -183,6 +193,14 @@ _MXFP4_GEMV = GemvConfig(
 SWIGLU_BLOCK = 1024
 
 
+def _on_hopper() -> bool:
+    """Whether the current CUDA device runs gluon.py's kernels (its prefill tiles are chosen
+    only there: elsewhere the Triton kernels keep their own rows)."""
+    return torch.cuda.is_available() and moe_gluon.runs_on(
+        torch.device("cuda", torch.cuda.current_device())
+    )
+
+
 def pick_tile_config(
     num_pairs: int, dtype: torch.dtype, packed: bool = False
 ) -> TileConfig | GemvConfig:
@@ -202,6 +220,8 @@ def pick_tile_config(
     if packed and num_pairs > _MXFP4_PREFILL_PAIRS:
         config = _MXFP4_PREFILL_TILES
     if packed and dtype == torch.bfloat16 and _MXFP4_BITS_UPCAST:
+        if _MXFP4_GLUON and num_pairs > _MXFP4_DECODE_PAIRS and _on_hopper():
+            config = next(config for bound, config in _MXFP4_GLUON_PREFILL if num_pairs <= bound)
         gluon = _MXFP4_GLUON and _tile(config) in moe_gluon.TILES
         ring = _MXFP4_GLUON_RING if gluon else 0
         config = replace(config, bits_upcast=True, gluon=gluon, ring=ring)
