@@ -214,6 +214,28 @@ def _ring_words(w_smem, s_smem, stage, BLOCK_N: gl.constexpr):
     return w, (gl.expand_dims(s, 1) >> gl.expand_dims(8 * t, 0).to(gl.uint32)) & 0xFF
 
 
+@gluon.jit
+def _down_ring_step(
+    w_ring, s_ring, h_ring, w_ptr, s_ptr, w_offs, s_words, h_ptrs, k, stage,
+    K: gl.constexpr, RING: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+):  # fmt: skip
+    """The down ring's step k in ``stage``: wait for its copies, start step k + RING - 2's
+    into the stage two behind (its MMA retired), and return step k's upcast operand."""
+    async_copy.wait_group(RING - 3)  # this thread's copies of step k landed
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's copies of h landed; step k - 2's MMA retired
+    ahead = k + (RING - 2) * BLOCK_K
+    valid = ahead < K
+    ahead = gl.multiple_of(ahead % K, BLOCK_K)
+    fill = (stage + RING - 2) % RING
+    _ring_issue(w_ring, s_ring, w_ptr, s_ptr, w_offs, s_words, fill, ahead, valid)
+    h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
+    async_copy.async_copy_global_to_shared(h_ring.index(fill), h_ptrs + ahead, h_mask)
+    async_copy.commit_group()
+    w, scales = _ring_words(w_ring, s_ring, stage, BLOCK_N)
+    return _upcast(w, scales, BLOCK_N, BLOCK_M)
+
+
 @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
     x_ptr,
@@ -405,10 +427,13 @@ def _down_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
             w2, s2, ht = w2_next, s2_next, ht_next
-    else:  # as the gate/up kernel's ring, each MMA waited for: with one operand a step,
-        # overlapping it with the next upcast would need that operand in two sets of
-        # registers, and the compiler keeps one (it overwrote the registers the MMA in
-        # flight reads)
+    else:
+        # As the gate/up kernel's ring. From 64 pairs a block each MMA runs beside the next
+        # step's upcast; with one operand a step that takes two sets of registers, so the loop
+        # takes two steps, each MMA its own instruction (with one, the compiler put the next
+        # step's words into the registers the MMA in flight reads). At 16 pairs the MMA is
+        # short and the second set would cost programs an SM (127 registers, not 70): each
+        # MMA is waited for.
         h_ring = gl.allocate_shared_memory(
             gl.bfloat16, [RING, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M)
         )
@@ -420,24 +445,37 @@ def _down_kernel(
             async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
             async_copy.commit_group()
         stage = 0
-        fill = RING - 2
-        for k in range(0, K, BLOCK_K):
-            async_copy.wait_group(RING - 3)
-            fence_async_shared()
-            gl.thread_barrier()
-            ahead = k + (RING - 2) * BLOCK_K
-            valid = ahead < K
-            ahead = gl.multiple_of(ahead % K, BLOCK_K)
-            _ring_issue(w2_ring, s2_ring, w2_ptr, s2_ptr, w_offs, s_words, fill, ahead, valid)
-            h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
-            async_copy.async_copy_global_to_shared(h_ring.index(fill), h_ptrs + ahead, h_mask)
-            async_copy.commit_group()
-            w2, s2 = _ring_words(w2_ring, s2_ring, stage, BLOCK_N)
-            hs = h_ring.index(stage).permute((1, 0))
-            acc = warpgroup_mma(_upcast(w2, s2, BLOCK_N, BLOCK_M), hs, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            stage = gl.where(stage == RING - 1, 0, stage + 1)
-            fill = gl.where(fill == RING - 1, 0, fill + 1)
+        if BLOCK_M == 16:
+            for k in range(0, K, BLOCK_K):
+                a = _down_ring_step(
+                    w2_ring, s2_ring, h_ring, w2_ptr, s2_ptr, w_offs, s_words, h_ptrs, k, stage,
+                    K, RING, BLOCK_N, BLOCK_M,
+                )  # fmt: skip
+                hs = h_ring.index(stage).permute((1, 0))
+                acc = warpgroup_mma(a, hs, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                stage = gl.where(stage == RING - 1, 0, stage + 1)
+        else:
+            gl.static_assert(K % (2 * BLOCK_K) == 0, "the ring's down loop takes two K steps")
+            a_odd = gl.zeros((BLOCK_N, BLOCK_K), gl.bfloat16, layout=_a_layout(BLOCK_N, BLOCK_M))
+            for k in range(0, K, 2 * BLOCK_K):
+                a_even = _down_ring_step(
+                    w2_ring, s2_ring, h_ring, w2_ptr, s2_ptr, w_offs, s_words, h_ptrs, k, stage,
+                    K, RING, BLOCK_N, BLOCK_M,
+                )  # fmt: skip
+                hs = h_ring.index(stage).permute((1, 0))
+                acc = warpgroup_mma(a_even, hs, acc, is_async=True)
+                acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))  # step k - 1
+                stage = gl.where(stage == RING - 1, 0, stage + 1)
+                a_odd = _down_ring_step(
+                    w2_ring, s2_ring, h_ring, w2_ptr, s2_ptr, w_offs, s_words, h_ptrs, k + BLOCK_K,
+                    stage, K, RING, BLOCK_N, BLOCK_M,
+                )  # fmt: skip
+                hs = h_ring.index(stage).permute((1, 0))
+                acc = warpgroup_mma(a_odd, hs, acc, is_async=True)
+                acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))  # step k
+                stage = gl.where(stage == RING - 1, 0, stage + 1)
+            acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
         async_copy.wait_group(0)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
