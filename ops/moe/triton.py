@@ -163,7 +163,8 @@ _MXFP4_GLUON_RING = 3
 # Past the decode row on Hopper, Gluon's prefill tiles (first row whose bound is >= T * k), with
 # the ring. H100, same run: T = 2,048 (12,288 pairs) 64 x 64 on 4 warps 2,555 µs against the
 # Triton bits row's 3,001; T = 8,192 (49,152) 128 x 128 on 8 warps 7,420 against 8,547 (64 x 64:
-# 8,768; 128 x 64 on 4 warps: 7,896).
+# 8,768; 128 x 64 on 4 warps: 7,896); with the down kernel's MMA beside its next upcast, 7,180
+# (64 x 64: 7,962).
 _MXFP4_GLUON_PREFILL: tuple[tuple[int, TileConfig], ...] = (
     (_MXFP4_PREFILL_PAIRS, TileConfig(64, 64, 128, 1, 4, 3)),
     (1 << 62, TileConfig(128, 128, 128, 1, 8, 3)),
