@@ -215,19 +215,26 @@ def _ring_words(w_smem, s_smem, stage, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _ring_step(k, stage, K: gl.constexpr, RING: gl.constexpr):
+    """Step k of a ring (in ``stage``) begins: wait for this thread's copies of it, then the
+    barrier (every thread's copies landed; step k - 2's MMAs retired, so its stage refills).
+    Returns the step to copy next (k + RING - 2, wrapped), whether it is one, and its stage."""
+    async_copy.wait_group(RING - 3)
+    fence_async_shared()
+    gl.thread_barrier()
+    ahead = k + (RING - 2) * BLOCK_K
+    valid = ahead < K
+    return gl.multiple_of(ahead % K, BLOCK_K), valid, (stage + RING - 2) % RING
+
+
+@gluon.jit
 def _down_ring_step(
     w_ring, s_ring, h_ring, w_ptr, s_ptr, w_offs, s_words, h_ptrs, k, stage,
     K: gl.constexpr, RING: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
 ):  # fmt: skip
     """The down ring's step k in ``stage``: wait for its copies, start step k + RING - 2's
     into the stage two behind (its MMA retired), and return step k's upcast operand."""
-    async_copy.wait_group(RING - 3)  # this thread's copies of step k landed
-    fence_async_shared()
-    gl.thread_barrier()  # every thread's copies of h landed; step k - 2's MMA retired
-    ahead = k + (RING - 2) * BLOCK_K
-    valid = ahead < K
-    ahead = gl.multiple_of(ahead % K, BLOCK_K)
-    fill = (stage + RING - 2) % RING
+    ahead, valid, fill = _ring_step(k, stage, K, RING)
     _ring_issue(w_ring, s_ring, w_ptr, s_ptr, w_offs, s_words, fill, ahead, valid)
     h_mask = gl.full(h_ptrs.shape, valid, gl.int1, h_ptrs.type.layout)
     async_copy.async_copy_global_to_shared(h_ring.index(fill), h_ptrs + ahead, h_mask)
@@ -328,14 +335,8 @@ def _gate_up_kernel(
             async_copy.commit_group()
         a3 = gl.zeros((BLOCK_N, BLOCK_K), gl.bfloat16, layout=_a_layout(BLOCK_N, BLOCK_M))
         stage = 0  # step k's stage
-        fill = RING - 2  # the stage step k + RING - 2 fills
         for k in range(0, K, BLOCK_K):
-            async_copy.wait_group(RING - 3)  # this thread's copies of this step landed
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's x copy landed; step k - 2's MMAs done
-            ahead = k + (RING - 2) * BLOCK_K
-            valid = ahead < K
-            ahead = gl.multiple_of(ahead % K, BLOCK_K)
+            ahead, valid, fill = _ring_step(k, stage, K, RING)
             _ring_issue(w1_ring, s1_ring, w1_ptr, s1_ptr, w_offs, s_words, fill, ahead, valid)
             _ring_issue(w3_ring, s3_ring, w3_ptr, s3_ptr, w_offs, s_words, fill, ahead, valid)
             async_copy.async_copy_global_to_shared(
@@ -352,7 +353,6 @@ def _gate_up_kernel(
             up = warpgroup_mma(a3, xs, up, is_async=True)
             gate, up, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(gate, up, a1))  # gate(k)
             stage = gl.where(stage == RING - 1, 0, stage + 1)
-            fill = gl.where(fill == RING - 1, 0, fill + 1)
         gate, up, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up, a3))
         async_copy.wait_group(0)
 
