@@ -105,8 +105,9 @@ class TileConfig:
     product runs transposed, the weights as the MMA's register operand. gluon (with
     bits_upcast, on Hopper, at gluon.py's one tile): the two GEMMs are gluon.py's, whose upcast
     lands in wgmma's register operand without the pass through shared memory. ring (gluon):
-    K steps in flight through a ring of that many stages in shared memory, filled by cp.async;
-    0: the next step's words prefetched in registers.
+    the K steps through a ring of that many shared-memory stages (at least 3) filled by
+    cp.async ring - 2 steps ahead, each MMA beside the next step's upcast; 0: the next step's
+    words prefetched in registers.
     """
 
     block_m: int
