@@ -1,5 +1,5 @@
-"""The grouped MoE's packed-expert GEMMs at decode sizes in Gluon: the weights' upcast lands in
-the registers of wgmma's A operand, with no pass through shared memory.
+"""The grouped MoE's packed-expert GEMMs on Hopper in Gluon: the weights' upcast lands in the
+registers of wgmma's A operand, with no pass through shared memory.
 
 Triton's grouped kernels (triton.py, ``TileConfig.bits_upcast``) upcast each 32-bit word of
 e2m1 codes to bf16 in registers, then Triton moves the values into the MMA's operand layout
@@ -27,10 +27,12 @@ The alignment, the M blocks and the combine are triton.py's; only the two GEMMs 
 weight rows (one warpgroup's M, or two or four warpgroups sharing the activations' tile).
 
 The K steps are fetched ahead in one of two ways (TileConfig.ring): the next step's words and
-activations loaded into registers before the current step's MMAs (ring 0), or ring - 1 steps
-in flight through a ring of shared-memory stages filled by cp.async, each thread copying the
-16 bytes of words (and the scale word) it later reads back itself, so only the activations'
-tile, which every warp's MMA reads, needs the stage's barrier.
+activations loaded into registers before the current step's MMAs (ring 0), or through a ring
+of shared-memory stages filled by cp.async ring - 2 steps ahead. There each thread copies the
+16 bytes of words it later reads back itself; a row's scale word and the activations' tile,
+read by other threads and by every warp's MMA, are shared through the step's barrier. Each MMA
+runs beside the next upcast (gate's beside up's; down's, from 64 pairs a block, beside the
+next step's), so a stage refills only once the MMAs two steps back have retired.
 """
 
 from __future__ import annotations
@@ -184,8 +186,8 @@ def _load_words(w_ptr, s_ptr, w_offs, s_offs):
 
 @gluon.constexpr_function
 def _ring_layout(rank):
-    """A stage of a ring in shared memory (rank: a stage's), unswizzled: each thread reads back
-    what it copied."""
+    """A stage of a ring in shared memory (rank: a stage's), unswizzled: the words come back
+    in the layout they were copied from."""
     return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
 
