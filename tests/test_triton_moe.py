@@ -301,6 +301,17 @@ def test_mxfp4_tiles_decode_up_to_4096_pairs_and_taller_ones_past_16384(
     assert pick(49152, torch.float32, packed=True).block_k == 32
 
 
+def test_gluon_down_ring_falls_back_where_its_two_step_loop_does_not_fit() -> None:
+    """From 64 pairs a block the down kernel's ring loop takes two K steps of 128 (it asserts
+    I % 256 == 0 at compile time): an odd count of steps runs the register prefetch instead; the
+    decode tile's one-step loop and the gate/up kernel keep the ring."""
+    from deepinfer.ops.moe.gluon import down_ring
+
+    assert down_ring(3, 128, 2048) == down_ring(3, 64, 256) == 3
+    assert down_ring(3, 128, 384) == down_ring(4, 64, 128) == 0
+    assert down_ring(3, 16, 384) == 3 and down_ring(0, 128, 384) == 0
+
+
 def test_mxfp4_tiles_past_the_decode_row_are_gluons_on_hopper(
     moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:

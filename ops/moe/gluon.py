@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
 
-__all__ = ["TILES", "down", "gate_up", "mma_order", "runs_on"]
+__all__ = ["TILES", "down", "down_ring", "gate_up", "mma_order", "runs_on"]
 
 # The tiles, (block_m, block_n, block_k, num_warps) as triton.py's TileConfig names them:
 # block_m pairs an M block (the MMA's N: 16 at decode, 64 or 128 at prefill), K steps of 128
@@ -447,7 +447,7 @@ def _down_kernel(
             async_copy.async_copy_global_to_shared(h_ring.index(j), h_ptrs + j * BLOCK_K)
             async_copy.commit_group()
         stage = 0
-        if BLOCK_M == 16:
+        if BLOCK_M == 16:  # (down_ring: the launcher's side of this choice)
             for k in range(0, K, BLOCK_K):
                 a = _down_ring_step(
                     w2_ring, s2_ring, h_ring, w2_ptr, s2_ptr, w_offs, s_words, h_ptrs, k, stage,
@@ -489,6 +489,14 @@ def _down_kernel(
     out_ptrs = pair_out_ptr + gl.expand_dims(pair_ids.to(gl.int64) * stride_om, 0)
     out_ptrs = out_ptrs + gl.expand_dims(offs_on, 1)
     gl.store(out_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(is_pair, 0))
+
+
+def down_ring(ring: int, block_m: int, inter: int) -> int:
+    """The down kernel's ring for a tile of ``block_m`` pairs over I = ``inter`` inputs: from 64
+    pairs its ring loop takes two K steps, so where I holds an odd number of them (I / 128 odd:
+    no V4 model) it runs the register prefetch (0) instead."""
+    two_steps = block_m != 16
+    return 0 if ring and two_steps and inter % (2 * BLOCK_K.value) else ring
 
 
 def _scale_view(scales: torch.Tensor, ring: int) -> torch.Tensor:
@@ -548,12 +556,13 @@ def down(
 ) -> torch.Tensor:
     """pair_out [num_pairs, D] bf16: each pair's h row (mma order) times w2^T, times its
     routing weight. w2 int32 words [E, D, I / 8]; s2 scale bytes [E, D, I / 32]; topk_weights
-    [num_pairs] fp32. ring as gate_up's."""
+    [num_pairs] fp32. ring as gate_up's (``down_ring``: where it applies)."""
     _, dim, words = w2.shape
     inter = words * 8
     num_blocks = block_expert.numel()
     assert dim % block_n == 0 and inter % BLOCK_K.value == 0, f"D {dim}, I {inter}"
     assert w2.stride(2) == 1 and s2.stride(2) == 1 and h.stride(1) == 1
+    ring = down_ring(ring, block_m, inter)
     s2 = _scale_view(s2, ring)
     pair_out = torch.empty((num_pairs, dim), dtype=torch.bfloat16, device=h.device)
     _down_kernel[(num_blocks * (dim // block_n),)](
