@@ -251,8 +251,12 @@ async def test_timing_tokens_cache_json_and_plots(
     assert m["tpot"]["mean_ms"] == pytest.approx(70 / 15, abs=NOMINAL_TOL_MS / 15)
     for q in r["requests"]:
         assert q["tpot_s"] == pytest.approx((q["e2el_s"] - q["ttft_s"]) / 15, rel=1e-9)
-    # All 8 in flight at once: concurrency = Σ E2E / wall ≈ 8 (wall adds the usage tail).
-    assert 5.0 < r["concurrency"] <= 8.0
+    # All 8 in flight at once: concurrency = Σ E2E / wall, at most 8. The wall adds the usage
+    # tail and, on a loaded 2-core machine, the client's own start-up (4.97 seen under the full
+    # suite), so the bound below only rules out requests run one after another (~1).
+    e2e_sum = sum(q["e2el_s"] for q in r["requests"])
+    assert r["concurrency"] == pytest.approx(e2e_sum / r["duration"], rel=1e-9)
+    assert 3.0 < r["concurrency"] <= 8.0
     assert r["max_concurrent_requests"] == 8
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "p90_e2el_ms"):
         assert key in r  # vLLM's flat keys
