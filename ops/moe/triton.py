@@ -103,7 +103,7 @@ class TileConfig:
     bits_upcast (MXFP4 weights, compiled bf16): instead of the scaled dot, each 32-bit word's
     eight codes become bf16 values in registers by shifts and masks (``_mxfp4_bits``), and the
     product runs transposed, the weights as the MMA's register operand. gluon (with
-    bits_upcast, on Hopper, at gluon.py's one tile): the two GEMMs are gluon.py's, whose upcast
+    bits_upcast, on Hopper, at one of gluon.TILES): the two GEMMs are gluon.py's, whose upcast
     lands in wgmma's register operand without the pass through shared memory. ring (gluon):
     the K steps through a ring of that many shared-memory stages (at least 3) filled by
     cp.async ring - 2 steps ahead, each MMA beside the next step's upcast; 0: the next step's
