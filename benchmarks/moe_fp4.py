@@ -71,6 +71,8 @@ CANDIDATES = [
     (64, 128, 128, 8, 4, 3),
     (128, 128, 64, 8, 8, 3),
     (128, 128, 128, 8, 8, 3),
+    (64, 64, 128, 1, 4, 3, 1, 1, 1, 3),
+    (128, 128, 128, 1, 8, 3, 1, 1, 1, 3),
 ]
 # A program a pair (triton_gemv.py), GemvConfig's fields: (block_n, block_k, num_warps,
 # down_block_n, down_block_k, down_num_warps); the engine's first (benchmarks/moe_gemv.py sweeps
