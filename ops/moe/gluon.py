@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from deepinfer.ops.moe.mxfp4_bits import MXFP4_BITS_ASM
+from deepinfer.ops.moe.triton_gemv import mma_order_index
 
 __all__ = ["TILES", "down", "down_ring", "gate_up", "mma_order", "runs_on"]
 
@@ -362,11 +363,9 @@ def _gate_up_kernel(
     up = gl.minimum(gl.maximum(up, -limit), limit)
     h = gate / (1.0 + gl.exp(-gate)) * up  # [BLOCK_N features, 16 pairs]
 
-    # Feature f = 128 c + q, q = 32 t + 8 i + 4 b + 2 jh + jl, stored at 128 c + mma position.
+    # Feature f stored at its mma position (the x reorder's own index, triton_gemv.py).
     f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    q = f % BLOCK_K
-    pos = (f - q) + 32 * ((q // 8) % 4) + 16 * ((q // 2) % 2) + 8 * (q % 2) + 2 * (q // 32)
-    pos = pos + (q // 4) % 2
+    pos = mma_order_index(f)
     offs_hm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     h_ptrs = h_ptr + gl.expand_dims(offs_hm.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
     gl.store(h_ptrs, h.to(gl.bfloat16))

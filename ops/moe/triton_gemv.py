@@ -68,6 +68,7 @@ __all__ = [
     "decode_moe",
     "down",
     "gate_up",
+    "mma_order_index",
     "nibble_major",
     "pair_order",
     "pick_block_k",
@@ -121,9 +122,10 @@ def _pair_order_index(i):
 
 
 @triton.jit
-def _mma_order_index(i):
+def mma_order_index(i):
     """Where input i (32t + 8i' + 4b + 2jh + jl of its 128) sits in gluon.py's ``mma_order``:
-    32i' + 16jh + 8jl + 2t + b, the K order of wgmma's register operand."""
+    32i' + 16jh + 8jl + 2t + b, the K order of wgmma's register operand (the x reorder's index
+    here, and where gluon.py's gate/up kernel stores each feature of h)."""
     q = i % 128
     position = 32 * ((q // 8) % 4) + 16 * ((q // 2) % 2) + 8 * (q % 2) + 2 * (q // 32)
     return i - q + position + (q // 4) % 2
@@ -388,7 +390,7 @@ def _reorder_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constex
     in_d = d < D
     row = tl.load(x_ptr + t * stride_x + d, mask=in_d)
     if ORDER == 2:
-        target = _mma_order_index(d)
+        target = mma_order_index(d)
     elif ORDER == 1:
         target = _pair_order_index(d)
     else:
