@@ -32,6 +32,8 @@ class Kernels:
     moe: MoEBackend
     norm: NormBackend
     sampling: SamplingBackend
+    # Work the next launches do not read runs on the device's side stream (ops/streams.py).
+    side_stream: bool = False
 
 
 def select_kernels(
@@ -40,7 +42,8 @@ def select_kernels(
     """One backend per family for ``device``. ``experts``: the expert-parallel ranks (None:
     none); the MoE backend then exchanges tokens over them (``moe/expert_parallel.py``) around
     the device's own. Attention, linears, norms and sampling run on each rank alone.
-    ``config.launch_pdl`` sets the process's Triton launches (``triton_utils.LAUNCH_PDL``)."""
+    ``config.launch_pdl`` sets the process's Triton launches (``triton_utils.LAUNCH_PDL``);
+    ``config.side_stream`` the model's forks (CUDA only)."""
     from deepinfer.ops import attention, linear, moe, norm, sampling, triton_utils
 
     triton_utils.LAUNCH_PDL = config.launch_pdl
@@ -61,6 +64,7 @@ def select_kernels(
         moe=routed,
         norm=norm.BACKENDS.select(config.norm, device),
         sampling=sampling.BACKENDS.select(config.sampling, device),
+        side_stream=config.side_stream and device.type == "cuda",
     )
 
 

@@ -10,8 +10,9 @@ tile and resets the counter for the next launch. No second launch adds the parti
 
 Users: the FP8 GEMM's split K (ops/linear/triton.py), the decode MoE's slot split
 (ops/moe/triton_gemv.py), hc_pre's row norm over D programs (ops/norm/triton.py). The counters
-are one int32 buffer a device, zero between launches, shared by those kernels: they must run on
-one stream at a time (the engine computes on one).
+are zero between launches and shared by those kernels, so two kernels that take tickets must
+not run at once on one set: a device has one set for its compute stream and one for its side
+stream (ops/streams.py), whose kernels may run beside the compute stream's.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.streams import is_side
+
 __all__ = ["MAX_TICKET_TILES", "arrive", "depart", "ticket_counters"]
 
 MAX_TICKET_TILES = 1 << 14
 
 
-@functools.cache
 def ticket_counters(device: torch.device) -> torch.Tensor:
-    """The device's ticket counters (``MAX_TICKET_TILES`` int32 zeros)."""
-    return torch.zeros(MAX_TICKET_TILES, dtype=torch.int32, device=device)
+    """The ticket counters (``MAX_TICKET_TILES`` int32 zeros) of launches on ``device``'s
+    current stream: its side stream's own set, or the compute stream's."""
+    return _counters(device)[int(is_side(device))]
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """[2, MAX_TICKET_TILES] int32 zeros: the compute stream's set, then the side stream's."""
+    return torch.zeros(2, MAX_TICKET_TILES, dtype=torch.int32, device=device)
 
 
 @triton.jit

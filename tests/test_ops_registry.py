@@ -153,3 +153,23 @@ def test_deepgemm_probe_survives_a_crashing_child_and_auto_skips_it(
     assert deepgemm.is_available(torch.device("cpu"))[0] is False
     assert LINEAR.names[0] == "deepgemm"
     assert type(LINEAR.select("auto", torch.device("cpu"))).__name__ == "TorchRefLinearBackend"
+
+
+def test_side_stream_is_off_and_in_place_on_the_cpu() -> None:
+    """kernel.side_stream is a CUDA feature: a CPU selection turns it off, and ``beside`` runs
+    the work at once, in order, with nothing to join (``ready`` passes tensors through)."""
+    from deepinfer.ops.streams import beside, ready
+
+    assert select_kernels(KernelConfig(side_stream=True), CPU).side_stream is False
+    order: list[str] = []
+
+    def work(x: torch.Tensor) -> torch.Tensor:
+        order.append("work")
+        return x + 1
+
+    pending = beside(True, CPU, work, torch.zeros(2))
+    order.append("after")
+    assert order == ["work", "after"] and pending.stream is None
+    assert torch.equal(ready(pending), torch.ones(2))
+    tensor = torch.zeros(1)
+    assert ready(tensor) is tensor and ready(None) is None

@@ -26,14 +26,17 @@ from deepinfer.ops.moe.torch_ref import (
     to_fp8_experts,
 )
 from deepinfer.ops.registry import OpRegistry, triton_available
+from deepinfer.ops.streams import Pending
 
 
 @runtime_checkable
 class MoEBackend(Protocol):
     """The routed experts of one backend object. Producer: ``BACKENDS.select`` (or
     ``ops.reference_kernels``). Consumer: the model's MoE, through ``Kernels.moe``. Semantics:
-    torch_ref's functions of the same names. A backend whose class sets ``fp8_experts = True``
-    gets the routed experts as ``Fp8ExpertWeight`` (the loader converts them)."""
+    torch_ref's functions of the same names; ``fused_moe``'s residual may be ``Pending`` (made
+    on the side stream: ops/streams.py), joined just before the launch that adds it. A backend
+    whose class sets ``fp8_experts = True`` gets the routed experts as ``Fp8ExpertWeight``
+    (the loader converts them)."""
 
     def fused_moe(
         self,
@@ -44,7 +47,7 @@ class MoEBackend(Protocol):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Pending | None = None,
     ) -> torch.Tensor: ...
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor: ...

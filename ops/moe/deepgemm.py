@@ -39,6 +39,7 @@ from deepinfer.ops.moe.torch_ref import ExpertWeight, Fp8ExpertWeight, swiglu
 from deepinfer.ops.moe.triton import align_by_expert
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.streams import Pending, ready
 
 BLOCK_M = 128  # DeepGEMM's M alignment of the contiguous layout on SM90
 Operand = tuple[torch.Tensor, torch.Tensor]  # (e4m3 values, fp32 scales)
@@ -132,7 +133,8 @@ class DeepGEMMMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Pending | None = None,
     ) -> torch.Tensor:
         out = fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, self.grouped_gemm)
+        residual = ready(residual)
         return out if residual is None else out + residual

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from deepinfer.ops.moe import MoEBackend
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.streams import Pending, ready
 
 __all__ = ["ExpertParallelMoEBackend", "combine", "pack_pairs", "route_pairs", "unpack_pairs"]
 
@@ -150,11 +151,12 @@ class ExpertParallelMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Pending | None = None,
     ) -> torch.Tensor:
         if self.parallel.world_size == 1:
             return self.inner.fused_moe(x, w1, w2, w3, topk_ids, topk_weights, limit, residual)
         out = self.exchange_moe(x, w1, w2, w3, topk_ids, topk_weights, limit)
+        residual = ready(residual)
         return out if residual is None else out + residual  # once, after the ranks' sums
 
     def exchange_moe(

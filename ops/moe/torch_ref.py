@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from deepinfer.ops.linear.torch_ref import FP8_BLOCK, dequantize_fp8, quantize_fp8, scale_to_float
 from deepinfer.ops.registry import Backend
+from deepinfer.ops.streams import Pending, ready
 
 MXFP4_BLOCK = 32  # inputs of a row that share one scale
 # e2m1 code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa. Same table as DeepSeek-V4's
@@ -236,7 +237,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     limit: float,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Pending | None = None,
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x) (+ ``residual``).
 
@@ -245,7 +246,7 @@ def fused_moe(
     topk_weights: [T, k] fp32. Experts are visited in id order and accumulated with index_add
     (the order transformers uses), so results are reproducible for a given batch. Returns
     [T, D] in x's dtype; with ``residual`` ([T, D], x's dtype: the shared expert's output) the
-    sum plus it, as two tensors in that dtype add.
+    sum plus it, as two tensors in that dtype add (a ``Pending`` one joined first).
     """
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
@@ -256,6 +257,7 @@ def fused_moe(
         h = F.linear(swiglu(gate, up, limit), _expert_matrix(w2, expert, x.dtype))
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
+    residual = ready(residual)
     return out if residual is None else out + residual
 
 

@@ -70,10 +70,12 @@ from deepinfer.ops.moe.triton_gemv import (
     decode_moe,
     reorder_mma_order,
     reorder_pair_order,
+    residual_rows,
     store_output,
 )
 from deepinfer.ops.moe.triton_router import route
 from deepinfer.ops.registry import Backend, ParallelContext
+from deepinfer.ops.streams import Pending
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_swiglu import swiglu as swiglu_tile
 from deepinfer.ops.triton_utils import dot_precision
@@ -701,7 +703,7 @@ def fused_moe(
     limit: float,
     *,
     config: TileConfig | GemvConfig | None = None,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Pending | None = None,
 ) -> torch.Tensor:
     """Sum over each token's selected experts of weight * expert(x), as torch_ref.fused_moe.
 
@@ -712,7 +714,8 @@ def fused_moe(
     dot, so they match the CPU reference to ~1e-6. config: tiles other than
     pick_tile_config's (for tuning); a GemvConfig takes triton_gemv.py's kernels (D and I
     multiples of 32). residual: [T, D] in x's dtype, added to the output in the last launch
-    (the shared expert's; as ``routed + residual`` computes), or None.
+    (the shared expert's; as ``routed + residual`` computes), or None; a ``Pending`` one (made
+    on the side stream) is joined right before that launch.
     """
     num_tokens, dim = x.shape
     num_experts, inter, _ = w1.shape
@@ -729,12 +732,8 @@ def fused_moe(
     assert w1.stride() == w3.stride(), f"w1 strides {w1.stride()} != w3 strides {w3.stride()}"
     assert not packed or s1.stride() == s3.stride(), f"scale strides {s1.stride()}, {s3.stride()}"
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
-    if residual is not None:
-        assert residual.shape == out.shape and residual.dtype == x.dtype, (
-            f"residual {tuple(residual.shape)} {residual.dtype}, x {tuple(x.shape)} {x.dtype}"
-        )
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
     if num_tokens == 0:
+        residual_rows(residual, out)  # joined all the same
         return out
 
     num_pairs = num_tokens * top_k
@@ -835,11 +834,12 @@ def fused_moe(
 
 
 def _combine(
-    pair_out: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, top_k: int
+    pair_out: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | Pending | None, top_k: int
 ) -> torch.Tensor:
     """out [T, D] = the sum of each token's k rows of pair_out [T * k, D] in slot order (fp32),
     plus residual."""
     num_tokens, dim = out.shape
+    residual = residual_rows(residual, out)
     pair_out = pair_out.view(num_tokens, top_k, dim)  # [T, k, D]
     block_d = min(triton.next_power_of_2(dim), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
@@ -954,7 +954,7 @@ class TritonMoEBackend(Backend):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         limit: float,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Pending | None = None,
     ) -> torch.Tensor:
         return fused_moe(
             x, w1, w2, w3, topk_ids, topk_weights, limit, config=self.config, residual=residual

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.moe.torch_ref import MXFP4_BLOCK
+from deepinfer.ops.streams import Pending, ready
 from deepinfer.ops.triton_pdl import enter, pdl
 from deepinfer.ops.triton_swiglu import swiglu
 from deepinfer.ops.triton_tickets import MAX_TICKET_TILES, arrive, depart, ticket_counters
@@ -75,6 +76,7 @@ __all__ = [
     "reorder_mma_order",
     "reorder_nibble_major",
     "reorder_pair_order",
+    "residual_rows",
     "store_output",
 ]
 
@@ -362,12 +364,13 @@ def decode_moe(
     topk_weights: torch.Tensor,
     limit: float,
     config: GemvConfig,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Pending | None = None,
 ) -> torch.Tensor:
     """``triton.fused_moe`` for few tokens: x [T, D]; weights ((w1, s1), (w2, s2), (w3, s3)),
     each the weight's tensor (packed bytes [E, N, K/2] or dense [E, N, K], contiguous along K)
     and its scale bytes (None when dense); topk_ids [T, k]; topk_weights [T, k] fp32;
-    residual [T, D] in x's dtype or None, added to the output. Returns [T, D] in x's dtype."""
+    residual [T, D] in x's dtype (or ``Pending``: joined before the down launch) or None, added
+    to the output. Returns [T, D] in x's dtype."""
     (w1, s1), (w2, s2), (w3, s3) = weights
     reorder = s1 is not None and 0 < config.reorder_x_tokens <= x.shape[0]
     x_in = reorder_nibble_major(x) if reorder else x
@@ -496,6 +499,21 @@ def gate_up(
     return h
 
 
+def residual_rows(
+    residual: torch.Tensor | Pending | None, out: torch.Tensor
+) -> torch.Tensor | None:
+    """The rows a MoE's last launch adds to out [T, D] (the shared expert's), or None: joined
+    from the side stream where they were made there (ops/streams.py), checked against out,
+    contiguous along D. Call it right before that launch."""
+    residual = ready(residual)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == out.dtype, (
+            f"residual {tuple(residual.shape)} {residual.dtype}, out {tuple(out.shape)} {out.dtype}"
+        )
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    return residual
+
+
 def down(
     h: torch.Tensor,
     w2: tuple[torch.Tensor, torch.Tensor | None],
@@ -503,7 +521,7 @@ def down(
     topk_weights: torch.Tensor,
     dtype: torch.dtype,
     config: GemvConfig,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Pending | None = None,
 ) -> torch.Tensor:
     """out [T, D] in ``dtype``: each token's slots' h (``gate_up``'s) through their experts' w2
     ((weight, scales) as in ``decode_moe``), weighted and added in slot order; plus
@@ -513,11 +531,7 @@ def down(
     num_tokens, top_k = topk_ids.shape
     dim, inter = w2.shape[1], h.shape[1]
     out = torch.empty((num_tokens, dim), dtype=dtype, device=h.device)
-    if residual is not None:
-        assert residual.shape == out.shape and residual.dtype == dtype, (
-            f"residual {tuple(residual.shape)} {residual.dtype}, out {tuple(out.shape)} {dtype}"
-        )
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    residual = residual_rows(residual, out)
     num_tiles = triton.cdiv(dim, config.down_block_n)
     split = num_tokens <= config.down_split_tokens and num_tokens * num_tiles <= MAX_TICKET_TILES
     if split:  # a program per slot; their rounded products meet in part

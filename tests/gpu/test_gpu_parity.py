@@ -342,3 +342,28 @@ def test_packed_fp4_experts_give_the_tokens_of_dequantized_ones(
     )
     if dtype == "float32":
         assert all(same) and diff < SELF_ATOL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_side_stream_gives_the_results_of_one_stream(
+    dtype: str, tmp_path: Path, record_figure: Callable[[str], None]
+) -> None:
+    """kernel.side_stream on vs off, decode graphs on, on the tiny checkpoint in V4-Flash's
+    formats with every linear FP8 (split-K GEMMs take tickets on both streams) and packed
+    experts: the same kernels on the same inputs, so the same tokens and logprobs, bit for bit,
+    in both dtypes."""
+    from deepinfer.model.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "quantized", seed=1, quantized=True)
+    runs = {}
+    for side in (True, False):
+        llm = _llm(folder, "cuda", dtype, side_stream=side, fp8_weights=True, fp8_min_weights=0)
+        assert llm.engine.executor.kernels.side_stream is side
+        runs[side] = _batched(llm)
+        assert llm.engine.executor.graphs.num_replays > 0, "no decode step replayed a graph"
+    diff = _max_logprob_diff(runs[True], runs[False])
+    record_figure(f"{dtype} CUDA, side stream on vs off: max |logprob diff| {diff:.2e}")
+    assert [o.outputs[0].token_ids for o in runs[True]] == [
+        o.outputs[0].token_ids for o in runs[False]
+    ]
+    assert diff == 0.0

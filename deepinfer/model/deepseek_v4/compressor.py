@@ -129,6 +129,11 @@ def compress_rows(
     )
 
 
+def _key_pool(cache: KVCache, layer_id: int) -> torch.Tensor:
+    """A CSA layer's index keys, flat: [blocks * entries per block, Di]."""
+    return cache[layer_id, "index_keys"].flatten(0, 1)
+
+
 class Indexer(nn.Module):
     """Lightning indexer: its own compressor at index_head_dim, and per-query top-k entries."""
 
@@ -141,6 +146,23 @@ class Indexer(nn.Module):
         self.weights_proj = linear(args.hidden_size, self.n_heads)
         self.compressor = Compressor(args, self.head_dim, self.ratio, kernels)
 
+    def compress(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer_id: int,
+        projected: dict[nn.Module, torch.Tensor] | None = None,
+    ) -> None:
+        """The step's windows of index keys pooled into the layer's key pool (before
+        ``forward``, which reads it). ``projected``: as ``forward``'s."""
+        meta = batch.metadata
+        assert meta is not None, "the model builds the step metadata before the layers"
+        pool = _key_pool(cache, layer_id)
+        plan = meta.compress[self.ratio]
+        state = CompressorState.of(cache, layer_id, "idx")
+        self.compressor(x, plan, state, pool, batch.rope[windows(self.ratio)], projected)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -150,15 +172,12 @@ class Indexer(nn.Module):
         layer_id: int,
         projected: dict[nn.Module, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk.
-        ``projected``: the projections of x (and wq_b's of qr) a fused GEMM computed
-        (``FusedLinears.outputs``)."""
+        """[T, k] entry-pool rows each query token attends to (-1 = none), k <= index_topk, once
+        ``compress`` has pooled the step's keys. ``projected``: the projections of x (and wq_b's
+        of qr) a fused GEMM computed (``FusedLinears.outputs``)."""
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
-        pool = cache[layer_id, "index_keys"].flatten(0, 1)  # [blocks * entries per block, Di]
-        plan = meta.compress[self.ratio]
-        state = CompressorState.of(cache, layer_id, "idx")
-        self.compressor(x, plan, state, pool, batch.rope[windows(self.ratio)], projected)
+        pool = _key_pool(cache, layer_id)
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         weights = project(self.weights_proj, x, projected)  # [T, Hi], scaled by Hi^-0.5 in the op
         entry_rows, visible = meta.entry_rows[self.ratio], meta.num_visible[self.ratio]

@@ -50,6 +50,7 @@ from deepinfer.ops.moe import (
     to_fp8_experts,
 )
 from deepinfer.ops.norm import rope_cos_sin, rope_inv_freq
+from deepinfer.ops.streams import beside
 
 # A sub-layer's hyper-connection entry (hc_pre's result): post, comb, its block input.
 HcEntry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -102,11 +103,37 @@ class Attention(nn.Module):
         self.fused = FusedLinears(modules, self.kernels.linear)
         return len(self.fused.modules) + len(self.fused_q.modules)
 
+    def compress(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        projected: dict[nn.Module, torch.Tensor],
+    ) -> None:
+        """The compressors' step: every window it closes pooled into the entry pool (and on CSA
+        layers the indexer's keys into theirs), the open windows' rows kept. A layer without
+        compression: nothing."""
+        if not self.ratio:
+            return
+        meta = batch.metadata
+        assert meta is not None, "the model builds the step metadata before the layers"
+        plan, rope = meta.compress[self.ratio], batch.rope[windows(self.ratio)]
+        pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
+        state = CompressorState.of(cache, self.layer_id, "comp")
+        self.compressor(x, plan, state, pool, rope, projected)
+        if self.layer_type == CSA:
+            self.indexer.compress(x, batch, cache, self.layer_id, projected)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
         cos, sin = batch.rope[self.rope_kind]
         norm = self.kernels.norm
         projected = self.fused.outputs(x)
+        # The compressors read only x's projections: they pool beside the queries' path.
+        pooled = beside(
+            self.ratio > 0 and self.kernels.side_stream, x.device, self.compress, x, batch, cache,
+            projected,
+        )  # fmt: skip
         qr = self.q_norm(project(self.wq_a, x, projected))  # [T, q_lora]
         projected |= self.fused_q.outputs(qr)  # the modules are distinct: one map for both
         q = project(self.wq_b, qr, projected).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
@@ -125,11 +152,9 @@ class Attention(nn.Module):
         # the ring, compressed entries.
         attention = self.kernels.attention
         sources = [(attention.as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
+        pooled.wait()
         if self.ratio:
             pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
-            state = CompressorState.of(cache, self.layer_id, "comp")
-            window_rope = batch.rope[windows(self.ratio)]
-            self.compressor(x, meta.compress[self.ratio], state, pool, window_rope, projected)
             if self.layer_type == CSA:
                 entries = self.indexer(x, qr, batch, cache, self.layer_id, projected)
             else:
@@ -304,9 +329,10 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # The shared expert runs beside the router and the routed experts' first GEMMs, and its
+        # output joins the routed sum in the MoE's last launch.
+        shared = beside(self.kernels.side_stream, x.device, self.shared_experts, x)
         weights, ids = self.gate(x, input_ids)
-        # The shared expert's output joins the routed sum in the MoE's last launch.
-        shared = self.shared_experts(x)
         return self.kernels.moe.fused_moe(
             x, *self.experts.weights(), ids, weights, self.limit, residual=shared
         )
