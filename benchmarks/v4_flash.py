@@ -166,6 +166,12 @@ def add_common_args(
             action="store_false",
             help="kernel.launch_pdl = false: no programmatic dependent launch",
         )
+        ap.add_argument(
+            "--no-side-stream",
+            dest="side_stream",
+            action="store_false",
+            help="kernel.side_stream = false: every launch on one stream",
+        )
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--seed", type=int, default=0)
@@ -222,17 +228,23 @@ def release() -> None:
 # ---- model and inputs ------------------------------------------------------------------------
 
 
-def kernel_config(backend: str, launch_pdl: bool = True) -> KernelConfig:
+def kernel_config(backend: str, **switches: bool) -> KernelConfig:
     """--backend: one name for every op family ("auto", "torch_ref", ...) or per family,
-    "attention=NAME,moe=NAME" (families left out stay "auto"); --no-launch-pdl."""
+    "attention=NAME,moe=NAME" (families left out stay "auto"); ``switches``: KernelConfig's
+    booleans (``kernel_switches``: --no-launch-pdl, --no-side-stream)."""
     families = [f.name for f in dataclasses.fields(KernelConfig) if f.default == "auto"]
     if "=" not in backend:
-        return KernelConfig(**dict.fromkeys(families, backend), launch_pdl=launch_pdl)
+        return KernelConfig(**dict.fromkeys(families, backend), **switches)
     chosen = dict(pair.split("=", 1) for pair in backend.split(","))
     bad = sorted(set(chosen) - set(families))
     if bad:
         raise SystemExit(f"--backend: unknown op families {bad}; known: {families}")
-    return KernelConfig(**chosen, launch_pdl=launch_pdl)
+    return KernelConfig(**chosen, **switches)
+
+
+def kernel_switches(ns: argparse.Namespace) -> dict[str, bool]:
+    """The kernel config's switches ``add_common_args`` parsed."""
+    return {"launch_pdl": ns.launch_pdl, "side_stream": ns.side_stream}
 
 
 def describe_kernels(kernels: Kernels) -> str:
@@ -296,13 +308,14 @@ def each_layer_model(
     measure: Callable[[str, ModelArgs, torch.nn.Module], None],
     fp4_experts: bool = False,
     fp8_linears: bool = False,
-    launch_pdl: bool = True,
+    switches: dict[str, bool] | None = None,
 ) -> str:
     """Build one model per layer type (``outer`` first: no layers), call ``measure(kind,
     cache_args, model)``, free the model before the next. ``cache_args`` shapes the inputs and
     the cache: the model's own, except for ``outer``, whose cache has one layer of every type
-    (so that its step plans are a full model's). Returns the chosen kernels, described."""
-    kernels = select_kernels(kernel_config(backend, launch_pdl), setup.device)
+    (so that its step plans are a full model's). ``switches``: ``kernel_config``'s. Returns the
+    chosen kernels, described."""
+    kernels = select_kernels(kernel_config(backend, **(switches or {})), setup.device)
     every_type = ModelArgs.from_dict(config_dict(list(LAYER_TYPES.values()), setup.tiny))
     for kind in [OUTER, *kinds]:
         args = model_args(kind, depth, setup.tiny)

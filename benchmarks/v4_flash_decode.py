@@ -58,6 +58,7 @@ from v4_flash import (
     each_layer_model,
     experts_hit,
     graph_plans,
+    kernel_switches,
     make_setup,
     parse_ints,
     parse_layers,
@@ -186,8 +187,9 @@ def main() -> None:
     for variant in variants:  # measure() reads the variant being built
         flags = weight_flags(variant)
         kernels = each_layer_model(
-            kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags, launch_pdl=ns.launch_pdl
-        )
+            kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags,
+            switches=kernel_switches(ns),
+        )  # fmt: skip
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, batches, contexts, variants, setup, kernels, bandwidth, ns)

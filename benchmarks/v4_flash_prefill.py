@@ -42,6 +42,7 @@ from v4_flash import (
     WEIGHTS,
     add_common_args,
     each_layer_model,
+    kernel_switches,
     make_setup,
     parse_ints,
     parse_layers,
@@ -134,8 +135,9 @@ def main() -> None:
 
     flags = weight_flags(ns.experts)
     kernels = each_layer_model(
-        kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags, launch_pdl=ns.launch_pdl
-    )
+        kinds, ns.depth, ns.backend, setup, ns.seed, measure, **flags,
+        switches=kernel_switches(ns),
+    )  # fmt: skip
     payload["kernels"] = kernels
     write_json(ns.json, payload)
     report(rows, kinds, prompts, chunk, setup, kernels, rate, ns)

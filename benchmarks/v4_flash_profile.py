@@ -34,6 +34,7 @@ from v4_flash import (
     decode_inputs,
     each_layer_model,
     graph_plans,
+    kernel_switches,
     make_setup,
     parse_ints,
     parse_layers,
@@ -154,7 +155,7 @@ def main() -> None:
 
     payload["kernels"] = each_layer_model(
         parse_layers(ns.layers), 1, ns.backend, setup, ns.seed, measure,
-        **weight_flags(ns.experts), launch_pdl=ns.launch_pdl,
+        **weight_flags(ns.experts), switches=kernel_switches(ns),
     )  # fmt: skip
     write_json(ns.json, payload)
 
