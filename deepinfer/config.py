@@ -269,8 +269,8 @@ class KernelConfig:
     # CUDA sm_90+: Triton kernels launch with programmatic dependent launch, each overlapping
     # its predecessor's tail (ops/triton_pdl.py). Process-wide: the last selection sets it.
     launch_pdl: bool = True
-    # CUDA: the shared expert (and the compressors) on a second stream beside the routed experts
-    # (and the queries' path), same results (ops/streams.py).
+    # CUDA decode graphs: the shared expert (and the compressors) on a second stream beside the
+    # routed experts (and the queries' path), same results (ops/streams.py).
     side_stream: bool = True
 
     def __post_init__(self) -> None:
