@@ -351,13 +351,17 @@ def test_side_stream_gives_the_results_of_one_stream(
     """kernel.side_stream on vs off, decode graphs on, on the tiny checkpoint in V4-Flash's
     formats with every linear FP8 (split-K GEMMs take tickets on both streams) and packed
     experts: the same kernels on the same inputs, so the same tokens and logprobs, bit for bit,
-    in both dtypes."""
+    in both dtypes. No prefix cache: a hit changes the rows a forward computes, and the FP8
+    GEMM's tiles follow the rows (test_gpu_linear_fp8.py's run-to-run test says so)."""
     from deepinfer.model.tiny import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "quantized", seed=1, quantized=True)
     runs = {}
     for side in (True, False):
-        llm = _llm(folder, "cuda", dtype, side_stream=side, fp8_weights=True, fp8_min_weights=0)
+        llm = _llm(
+            folder, "cuda", dtype, side_stream=side, fp8_weights=True, fp8_min_weights=0,
+            enable_prefix_caching=False,
+        )  # fmt: skip
         assert llm.engine.executor.kernels.side_stream is side
         runs[side] = _batched(llm)
         assert llm.engine.executor.graphs.num_replays > 0, "no decode step replayed a graph"
