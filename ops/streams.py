@@ -1,18 +1,18 @@
 """A second stream a device: work that the current stream's next launches do not read runs
 beside them, at the same time.
 
-At decode a layer's kernels are short and most leave the GPU's bandwidth idle (the shared
-expert's GEMMs beside the router and the routed experts' GEMVs; the compressors' pools beside
-the queries' projections). ``beside`` forks the side stream from the current one, queues the
-work there and returns a ``Pending``; ``Pending.wait`` joins it back just before the launch
-that reads the value. It forks only while a CUDA graph is captured (the decode steps): the
-graph holds the fork and the join as edges and replays both branches at once. Elsewhere
-(eager steps, the CPU, NPUs, kernel.side_stream = false) the work runs in place and ``wait``
-returns at once. The kernels and their inputs are the same either way, so
-are the results, bit for bit.
+At decode a layer's kernels are short and most leave the GPU's bandwidth idle. ``beside``
+forks the side stream from the current one, queues the work there and returns a ``Pending``;
+``Pending.wait`` joins it back just before the launch that reads the value. It forks only while
+a CUDA graph is captured (the decode steps): the graph holds the fork and the join as edges and
+replays both branches at once. Elsewhere (eager steps, the CPU, NPUs, kernel.side_stream =
+false) the work runs in place and ``wait`` returns at once. The kernels and their inputs are
+the same either way, so are the results, bit for bit. A V4 layer forks twice:
 
-    current   ──fork──► router ─► routed gate/up ──join──► routed down (+ shared)
-                  └─side──► shared w1/w3 ─► w2 ───┘
+    attention  ─► x projections ─┬─► q norm ─► wq_b ─► q/kv RoPE ──┬─► indexer ─► attention ─►
+                                 └─side─► compressors' pools ─────┘
+    MoE        ─────────────────┬─► router ─► route ─► routed gate/up ──┬─► routed down (+ shared)
+                                └─side─► shared w1/w3 ─► SwiGLU, w2 ────┘
 
 Memory: the side stream's tensors come from its own pool of the caching allocator (under
 capture, the graph's pool). A value made on the side stream is freed on the current one only
