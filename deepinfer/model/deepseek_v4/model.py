@@ -41,6 +41,7 @@ from deepinfer.model.layers import (
     step_rope,
 )
 from deepinfer.ops import Kernels, reference_kernels
+from deepinfer.ops.attention.kv_fp8 import KVSource
 from deepinfer.ops.moe import (
     MXFP4_BLOCK,
     ExpertWeight,
@@ -109,12 +110,12 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         projected: dict[nn.Module, torch.Tensor],
-    ) -> None:
+    ) -> KVSource | None:
         """The compressors' step: every window it closes pooled into the entry pool (and on CSA
-        layers the indexer's keys into theirs), the open windows' rows kept. A layer without
-        compression: nothing."""
+        layers the indexer's keys into theirs), the open windows' rows kept. Returns the entry
+        pool (flat rows, ``kv_rows``); a layer without compression: None, nothing done."""
         if not self.ratio:
-            return
+            return None
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         plan, rope = meta.compress[self.ratio], batch.rope[windows(self.ratio)]
@@ -123,6 +124,7 @@ class Attention(nn.Module):
         self.compressor(x, plan, state, pool, rope, projected)
         if self.layer_type == CSA:
             self.indexer.compress(x, batch, cache, self.layer_id, projected)
+        return pool
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Writes this step's window rows and compressed entries."""
@@ -152,9 +154,8 @@ class Attention(nn.Module):
         # the ring, compressed entries.
         attention = self.kernels.attention
         sources = [(attention.as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
-        pooled.wait()
-        if self.ratio:
-            pool = kv_rows(cache, (self.layer_id, "entries"), self.args)  # [blocks * rows, hd]
+        pool = pooled.wait()
+        if pool is not None:
             if self.layer_type == CSA:
                 entries = self.indexer(x, qr, batch, cache, self.layer_id, projected)
             else:
