@@ -81,8 +81,8 @@ def main() -> None:
     ap.add_argument(
         "--tiles",
         help="TileConfig candidates timed besides the engine's pick: block_m,block_n,group_m,"
-        "warps,stages,quantize_in_gemm(0/1),max_split_k[,programs_per_sm];... (a second table: "
-        "the best per row)",
+        "warps,stages,quantize_in_gemm(0/1),max_split_k[,programs_per_sm[,swap_ab(0/1)]];... "
+        "(a second table: the best per row)",
     )
     ap.add_argument(
         "--programs-per-sm",
@@ -100,7 +100,9 @@ def main() -> None:
     from deepinfer.ops.linear import triton as fp8_triton
 
     fields = [parse_ints(t) for t in (ns.tiles or "").split(";") if t.strip()]
-    candidates = [fp8_triton.TileConfig(*f[:5], bool(f[5]), *f[6:8]) for f in fields]
+    candidates = [
+        fp8_triton.TileConfig(*f[:5], bool(f[5]), *f[6:8], *map(bool, f[8:9])) for f in fields
+    ]
     setup = make_setup(ns.tiny)
     rows: list[dict[str, Any]] = []
     payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
@@ -195,7 +197,7 @@ def _tile_name(c: Any) -> str:
     quantize = "q-in" if c.quantize_in_gemm else "q-pass"
     return (
         f"{c.block_m}x{c.block_n} g{c.group_m} w{c.num_warps} s{c.num_stages} {quantize}"
-        f" sk{c.max_split_k} sm{c.programs_per_sm}"
+        f" sk{c.max_split_k} sm{c.programs_per_sm}{' swap' if c.swap_ab else ''}"
     )
 
 

@@ -175,10 +175,22 @@ def _config(linear_triton: ModuleType, path: str) -> object:
         "separate_quantizer": tile(16, 64, 2, 4, 2, False, 1),
         "quantize_in_gemm": tile(16, 64, 2, 4, 2, True, 1),
         "split_k": tile(16, 32, 1, 4, 2, True, 8),
+        "swap_ab": tile(16, 64, 1, 4, 2, True, 8, 1, True),
+        "swap_ab_separate_quantizer": tile(32, 64, 2, 4, 2, False, 1, 1, True),
     }[path]
 
 
-@pytest.mark.parametrize("path", ["table", "separate_quantizer", "quantize_in_gemm", "split_k"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "table",
+        "separate_quantizer",
+        "quantize_in_gemm",
+        "split_k",
+        "swap_ab",
+        "swap_ab_separate_quantizer",
+    ],
+)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 512), (5, 200, 300), (37, 130, 256)])
 def test_fp8_linear_matches_reference(
     linear_triton: ModuleType, path: str, m: int, n: int, k: int
@@ -248,7 +260,7 @@ def test_dense_linear_is_f_linear_in_one_launch(
     assert linear_triton.dense_linear(x[:0], weight).shape == (0, 96)
 
 
-@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
+@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k", "swap_ab"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5])
 def test_swiglu_input_is_the_swiglu_launch_then_the_gemm(
@@ -298,7 +310,7 @@ def test_split_k_sums_in_the_tiles_last_program(linear_triton: ModuleType) -> No
     assert torch.equal(stale[:, 32:], first[:, 32:])
 
 
-@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k"])
+@pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k", "swap_ab"])
 def test_grouped_linear_is_each_group_alone(linear_triton: ModuleType, path: str) -> None:
     """wo_a's form: 3 groups of 128 weight rows (whole block rows) on a strided x [M, G, K],
     one launch: bitwise fp8_linear on each group's rows and slice with the same tiles and split

@@ -94,6 +94,9 @@ class TileConfig:
     a separate pass; max_split_k: at most this many programs share one tile's K blocks;
     programs_per_sm: split K aims at this many programs an SM (max_split_k caps it). At one row a
     program streams its weight tile, and an SM's loads in flight are its programs' pipelines.
+    swap_ab: the MMA computes out^T = W x^T, the weight's block_n rows its M side and x's block_m
+    rows its N side. Hopper's FP8 MMA (wgmma) takes 64 rows a warp group on its M side and as few
+    as 8 on its N side, so a few tokens against a 64- or 128-row weight tile run on it whole.
     """
 
     block_m: int
@@ -104,6 +107,7 @@ class TileConfig:
     quantize_in_gemm: bool
     max_split_k: int
     programs_per_sm: int = 1
+    swap_ab: bool = False
 
 
 # Keyed by M (first row whose bound is >= M), H200 (SM90, 132 SMs, 4.8 TB/s). Decode is bound by
@@ -256,6 +260,7 @@ def _gemm_kernel(
     SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DENSE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -280,6 +285,8 @@ def _gemm_kernel(
     SWIGLU (QUANTIZE_A): the input is swiglu(a, up) (up: a's strides), computed as quantized.
     DENSE (``dense_linear``): a is x and b a weight in x's dtype, no scales: sum over the K
     blocks of (a @ b^T)[block], the same tiles, split and ticket (ONE_ROW: x's row loaded once).
+    SWAP_AB: the sums are of (b @ a^T), a [BLOCK_N, BLOCK_M] accumulator with b read as it lies
+    ([BLOCK_N, BLOCK_K], K contiguous), transposed once for the store (TileConfig.swap_ab).
     """
     enter(PDL)
     pid = tl.program_id(0)
@@ -312,15 +319,20 @@ def _gemm_kernel(
     a_offs = a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     a_ptrs = a_ptr + a_offs
     up_ptrs = up_ptr + a_offs  # read with SWIGLU only
-    b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_start + offs_k)[:, None] * stride_bk
+    # b's tile: [BLOCK_K, BLOCK_N], or with SWAP_AB [BLOCK_N, BLOCK_K] (the weight's own order).
+    if SWAP_AB:
+        b_cols, b_ks = cols[:, None], offs_k[None, :]
+    else:
+        b_cols, b_ks = cols[None, :], offs_k[:, None]
+    b_ptrs = b_ptr + b_cols * stride_bn + (k_start + b_ks) * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_asm + first_block * stride_ask
     if ONE_SCALE:
         b_s_ptrs = b_s_ptr + ((w_group * N + pid_n * BLOCK_N) // SCALE_BLOCK_N) * stride_bsn
-    else:
-        b_s_ptrs = b_s_ptr + ((w_group * N + cols) // SCALE_BLOCK_N)[None, :] * stride_bsn
+    else:  # along b's N axis: [1, BLOCK_N], or with SWAP_AB [BLOCK_N, 1]
+        b_s_ptrs = b_s_ptr + ((w_group * N + b_cols) // SCALE_BLOCK_N) * stride_bsn
     b_s_ptrs += first_block * stride_bsk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
         in_k = offs_k < K - k_start - i * BLOCK_K
         if K % BLOCK_K == 0:
@@ -328,11 +340,14 @@ def _gemm_kernel(
             b = tl.load(b_ptrs)
         else:
             a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=(b_ks + i * BLOCK_K) < K - k_start, other=0.0)
         if DENSE:
             if ONE_ROW:
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
-            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+            if SWAP_AB:
+                acc += tl.dot(b, tl.trans(a), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         else:
             if QUANTIZE_A:
                 a = _swiglu_input(a, up_ptrs, in_k[None, :], limit, a_ptr, SWIGLU)
@@ -342,14 +357,19 @@ def _gemm_kernel(
                     a_s = tl.broadcast_to(a_s, (BLOCK_M,))
             else:
                 a_s = tl.load(a_s_ptrs)
-            b_s = tl.load(b_s_ptrs)  # a scalar, or [1, BLOCK_N]
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            b_s = tl.load(b_s_ptrs)  # a scalar, or along b's N axis
+            if SWAP_AB:
+                acc += tl.dot(b, tl.trans(a)) * (b_s * a_s[None, :])
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         a_ptrs += BLOCK_K * stride_ak
         up_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         a_s_ptrs += stride_ask
         b_s_ptrs += stride_bsk
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     offs_c = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     in_c = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -608,6 +628,7 @@ def _gemm(
         SWIGLU=swiglu is not None and config.quantize_in_gemm,
         SPLIT_K=split_k,
         DENSE=dense,
+        SWAP_AB=config.swap_ab,
         DOT_PRECISION=dot_precision(x.dtype, for_16bit="tf32"),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
