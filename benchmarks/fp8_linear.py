@@ -62,6 +62,10 @@ SHAPES = {
     # A CSA layer's projections of x as one GEMM (FusedLinears): wq_a, wkv, the compressor's
     # wkv and wgate, weights_proj and the indexer compressor's two (2 x 128 each).
     "x_proj_csa": (4160, 4096),
+    # The other fused GEMMs of a decode step: the shared expert's w1 + w3, and a CSA layer's
+    # wq_b with the indexer's.
+    "shared_w13": (4096, 4096),
+    "wq_b_csa": (40960, 1024),
 }
 DECODE_MAX_TOKENS = 128
 DENSE_BENCH_ROWS = 16  # dense_linear timed up to this many rows
