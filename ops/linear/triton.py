@@ -112,16 +112,20 @@ class TileConfig:
 
 # Keyed by M (first row whose bound is >= M), H200 (SM90, 132 SMs, 4.8 TB/s). Decode is bound by
 # streaming the weight: narrow N tiles and split K give every SM a share of it, and a deep
-# pipeline keeps its loads in flight. Four programs an SM (H100, fp8_linear.py
-# --programs-per-sm: at one row 1 -> 4 took wo_b from 30.3 to 14.3 µs, shared_w2 9.2 -> 7.2,
-# wq_a 6.4 -> 6.2; 8 no better); from 17 to 64 rows 16-row tiles, 128 wide, on 8 warps
-# (fp8_linear.py --tiles: wo_b at 32 rows 31.6 µs against 75 with 64 x 64 tiles). Prefill is
-# bound by the FP8 tensor cores: 128 x 128 tiles, 8 warps. Shared memory per stage: (block_m +
-# block_n) * 128 bytes of e4m3 (+ x's bf16 tile when quantizing in the GEMM).
+# pipeline keeps its loads in flight. One row: x's row quantized once in the GEMM, four programs
+# an SM (H100, fp8_linear.py --programs-per-sm: 1 -> 4 took wo_b from 30.3 to 14.3 µs,
+# shared_w2 9.2 -> 7.2, wq_a 6.4 -> 6.2; 8 no better). From 2 to 64 rows the weight's 64-row
+# tiles on the MMA's M side (swap_ab), x quantized by its own launch, two programs an SM (H100,
+# fp8_linear.py --tiles, µs against the 16 x 128 tiles quantizing in the GEMM at 32 rows: the
+# fused x projections 11.9 against 20.5, the fused wq_b 20.8 against 32.1, wo_b 17.4 against
+# 30.7, shared_w2 9.2 against 13.2). Prefill is bound by the FP8 tensor cores: 128 x 128
+# tiles, 8 warps. Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16
+# tile when quantizing in the GEMM).
 _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     # max M  block_m, block_n, group_m, warps, stages, quantize_in_gemm, max_split_k, per SM
-    (16, TileConfig(16, 64, 1, 4, 4, True, 16, 4)),
-    (64, TileConfig(16, 128, 1, 8, 4, True, 16, 4)),
+    (1, TileConfig(16, 64, 1, 4, 4, True, 16, 4)),
+    (32, TileConfig(32, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
+    (64, TileConfig(64, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
@@ -636,15 +640,12 @@ def _gemm(
     )
 
 
-def use_cublas(m: int, n: int, k: int) -> bool:
-    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]
-    (H100 and H200, benchmarks/RESULTS.md 2026-12-06). On the large weights (N K >= 2^24: wq_b,
-    wo_b) from 2 rows (at one row ours splits K four programs an SM: wo_b 14.5 µs against
-    cuBLAS's 18 on the H100); on the small ones only from 17 to 64 rows and from 1,024 rows up:
-    elsewhere cuBLAS's ~15 µs floor loses to our kernel."""
-    if n * k < 1 << 24:
-        return 16 < m <= 64 or m >= 1024
-    return m > 1
+def use_cublas(m: int) -> bool:
+    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for an x of ``m`` rows: from 65 (H100, benchmarks/RESULTS.md 2026-12-07, ninth session). Up to 64 rows ours
+    (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows with the swapped tiles: the fused x
+    projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused x
+    projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4), on every V4-Flash weight."""
+    return m > 64
 
 
 def cublas_fp8_linear(
@@ -699,7 +700,7 @@ class TritonLinearBackend(Backend):
             self.cublas
             and tuple(block) == FP8_BLOCK
             and x.dtype in (torch.bfloat16, torch.float16)
-            and use_cublas(x.shape[0], *weight.shape)
+            and use_cublas(x.shape[0])
         ):
             try:
                 return cublas_fp8_linear(x, weight, weight_scale, swiglu)
