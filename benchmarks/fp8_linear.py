@@ -7,7 +7,10 @@
 Method. For each linear that runs on FP8 weights in V4-Flash (N x K below; the LM head stays
 bf16) and each token count M: a weight N(0, 1/K) quantized to e4m3 in 128 x 128 blocks, x bf16
 N(0, 1). Timed, as CUDA graph replays of ``--calls`` back-to-back calls (what decode runs; the
-per-call figure is the replay time / calls), median of ``--repeats``:
+per-call figure is the replay time / calls), median of ``--repeats``; with ``--cold``, one call a
+replay with the L2 cache cleared before each (``flashmla_vs_triton.kernel_seconds``), as a decode
+step meets a layer's weights (back to back, a weight of up to ~25 MB stays in the H100's 50 MB L2,
+bf16's as well as e4m3's, and the paths are timed on their latency rather than their bytes):
 
 - fp8: ``ops.linear.triton.fp8_linear`` (x quantized per token per 128 inputs, then the FP8
   GEMM; one launch at decode, two or three at prefill);
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.25e12, help="HBM bytes/s ceiling")
     ap.add_argument("--tflops", type=float, default=1430.0, help="FP8 tensor-core TFLOP/s")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--cold", action="store_true", help="a call a replay, the L2 cleared before")
     ap.add_argument("--tiny", action="store_true", help="shapes / 32; CPU + interpreter w/o CUDA")
     ap.add_argument(
         "--tiles",
@@ -109,7 +113,13 @@ def main() -> None:
     ]
     setup = make_setup(ns.tiny)
     rows: list[dict[str, Any]] = []
-    payload = {**header(setup), "bandwidth": ns.bandwidth, "tflops": ns.tflops, "rows": rows}
+    payload = {
+        **header(setup),
+        "bandwidth": ns.bandwidth,
+        "tflops": ns.tflops,
+        "cold": ns.cold,
+        "rows": rows,
+    }
     for name in names:
         n, k = SHAPES[name]
         if ns.tiny:
@@ -185,7 +195,11 @@ def _measure(
 
 def _time(fn: Any, setup: Setup, ns: argparse.Namespace) -> float:
     """Seconds per call: a CUDA graph of ns.calls calls replayed; eager on the CPU (or when
-    the capture fails)."""
+    the capture fails). ``--cold``: a graph of one call, the L2 cleared before each replay."""
+    if ns.cold and setup.device.type == "cuda":
+        from flashmla_vs_triton import kernel_seconds
+
+        return kernel_seconds(fn)[0]
 
     def calls() -> None:
         for _ in range(ns.calls):

@@ -641,10 +641,11 @@ def _gemm(
 
 
 def use_cublas(m: int) -> bool:
-    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for an x of ``m`` rows: from 65 (H100, benchmarks/RESULTS.md 2026-12-07, ninth session). Up to 64 rows ours
-    (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows with the swapped tiles: the fused x
-    projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused x
-    projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4), on every V4-Flash weight."""
+    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for an x of ``m`` rows: from 65
+    (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on every V4-Flash weight. Up to 64
+    rows ours (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows on the swapped tiles: the
+    fused x projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused
+    x projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4)."""
     return m > 64
 
 
