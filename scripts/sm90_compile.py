@@ -67,8 +67,13 @@ FP8_GEMM_TYPES = {
 }  # fmt: skip
 SHARED_W2 = {"K": 2048, "BLOCKS_PER_SPLIT": 4, "SCALE_BLOCK_N": 128, "BLOCK_M": 16,
              "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "QUANTIZE_A": True, "ONE_SCALE": True,
-             "SWIGLU": True, "SPLIT_K": 4, "DENSE": False, "DOT_PRECISION": "tf32",
-             "PDL": True}  # fmt: skip
+             "SWIGLU": True, "SPLIT_K": 4, "DENSE": False, "SWAP_AB": False,
+             "DOT_PRECISION": "tf32", "PDL": True}  # fmt: skip
+# From 2 to 32 rows: x quantized by its own launch (its SwiGLU there), the weight's 64 rows on
+# the MMA's M side and x's 32 on its N side.
+SWAPPED_W2 = {**SHARED_W2, "BLOCK_M": 32, "QUANTIZE_A": False, "SWIGLU": False, "SPLIT_K": 2,
+              "BLOCKS_PER_SPLIT": 8, "ONE_ROW": False, "SWAP_AB": True}  # fmt: skip
+QUANTIZED_TYPES = {**FP8_GEMM_TYPES, "a_ptr": "*fp8e4nv", "up_ptr": "*fp8e4nv"}
 # A dense (bf16) projection at decode through the same GEMM: a CSA layer's x projections.
 DENSE_TYPES = {**FP8_GEMM_TYPES, "b_ptr": "*bf16", "b_s_ptr": "*bf16"}
 DENSE_X_PROJ = {**SHARED_W2, "K": 4096, "BLOCKS_PER_SPLIT": 8, "BLOCK_K": 64,
@@ -154,8 +159,8 @@ KERNELS = [
      COLLAPSE_TYPES, COLLAPSE, 1),
     ("shared w2 with its SwiGLU, one row w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
      {**SHARED_W2, "ONE_ROW": True}, 4),
-    ("shared w2 with its SwiGLU, 16 rows w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
-     {**SHARED_W2, "ONE_ROW": False}, 4),
+    ("shared w2, 32 rows on swapped tiles w4", linear_triton._gemm_kernel, QUANTIZED_TYPES,
+     SWAPPED_W2, 4),
     ("dense x projection, one row w4", linear_triton._gemm_kernel, DENSE_TYPES,
      {**DENSE_X_PROJ, "ONE_ROW": True}, 4),
     ("dense x projection, 16 rows w4", linear_triton._gemm_kernel, DENSE_TYPES,

@@ -639,8 +639,9 @@ def test_router_is_the_reference(
 def test_decode_kernels_compile_for_hopper_without_spilling() -> None:
     """scripts/sm90_compile.py builds decode's kernels (the MoE's gate/up and down a program
     a pair, the grouped MoE's Gluon kernels with and without a ring and at the prefill tile,
-    hc_post with and without the next mix, hc_pre's collapse, the shared w2 with its SwiGLU, a
-    dense projection through the same GEMM, the queries' and keys' norm with the ring's store,
+    hc_post with and without the next mix, hc_pre's collapse, the shared w2 with its SwiGLU at
+    one row and on the swapped tiles at 32, a dense projection through the same GEMM, the
+    queries' and keys' norm with the ring's store,
     the indexer's scores with its top-k, the pools with the entries' store and the keeps) for
     sm_90 with Triton's compiler and bundled ptxas, no GPU needed: each compiles (the
     interpreter accepts code the compiler rejects) and spills nothing."""
