@@ -60,6 +60,9 @@ HC_POST_TYPES = {
 HC_POST = {"HC": 4, "HC_PAD": 4, "MIX_SIZE": 24, "M_PAD": 32, "PDL": True}
 
 # The shared expert's w2 at decode with its SwiGLU in the quantization (16-row tiles, split K).
+# The unit strides as the JIT specialises them (x's and the weight's along K, out's along N):
+# without them the loads are not known to be contiguous, and Triton neither vectorises them
+# nor pipelines them into shared memory (the registers reported were then 254, not 96).
 FP8_GEMM_TYPES = {
     "a_ptr": "*bf16", "up_ptr": "*bf16", "a_s_ptr": "*fp32", "b_ptr": "*fp8e4nv",
     "b_s_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16", "counters_ptr": "*i32",
@@ -68,11 +71,13 @@ FP8_GEMM_TYPES = {
 SHARED_W2 = {"K": 2048, "BLOCKS_PER_SPLIT": 4, "SCALE_BLOCK_N": 128, "BLOCK_M": 16,
              "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "QUANTIZE_A": True, "ONE_SCALE": True,
              "SWIGLU": True, "SPLIT_K": 4, "DENSE": False, "SWAP_AB": False,
-             "DOT_PRECISION": "tf32", "PDL": True}  # fmt: skip
+             "DOT_PRECISION": "tf32", "PDL": True, "stride_ak": 1, "stride_bk": 1,
+             "stride_cn": 1}  # fmt: skip
 # From 2 to 32 rows: x quantized by its own launch (its SwiGLU there), the weight's 64 rows on
 # the MMA's M side and x's 32 on its N side.
 SWAPPED_W2 = {**SHARED_W2, "BLOCK_M": 32, "QUANTIZE_A": False, "SWIGLU": False, "SPLIT_K": 2,
-              "BLOCKS_PER_SPLIT": 8, "ONE_ROW": False, "SWAP_AB": True}  # fmt: skip
+              "BLOCKS_PER_SPLIT": 8, "ONE_ROW": False, "SWAP_AB": True,
+              "stride_asm": 1}  # fmt: skip
 QUANTIZED_TYPES = {**FP8_GEMM_TYPES, "a_ptr": "*fp8e4nv", "up_ptr": "*fp8e4nv"}
 # A dense (bf16) projection at decode through the same GEMM: a CSA layer's x projections.
 DENSE_TYPES = {**FP8_GEMM_TYPES, "b_ptr": "*bf16", "b_s_ptr": "*bf16"}
@@ -158,13 +163,13 @@ KERNELS = [
     ("hc_pre's collapse, the Sinkhorn apart, d512 w1", norm_triton._hc_sinkhorn_collapse_kernel,
      COLLAPSE_TYPES, COLLAPSE, 1),
     ("shared w2 with its SwiGLU, one row w4", linear_triton._gemm_kernel, FP8_GEMM_TYPES,
-     {**SHARED_W2, "ONE_ROW": True}, 4),
+     {**SHARED_W2, "ONE_ROW": True}, 4, True),
     ("shared w2, 32 rows on swapped tiles w4", linear_triton._gemm_kernel, QUANTIZED_TYPES,
-     SWAPPED_W2, 4),
+     SWAPPED_W2, 4, True),
     ("dense x projection, one row w4", linear_triton._gemm_kernel, DENSE_TYPES,
-     {**DENSE_X_PROJ, "ONE_ROW": True}, 4),
+     {**DENSE_X_PROJ, "ONE_ROW": True}, 4, True),
     ("dense x projection, 16 rows w4", linear_triton._gemm_kernel, DENSE_TYPES,
-     {**DENSE_X_PROJ, "ONE_ROW": False}, 4),
+     {**DENSE_X_PROJ, "ONE_ROW": False}, 4, True),
     ("q and kv norm + RoPE, kv into the ring d512 w8", norm_triton._rms_norm_rope_pair_kernel,
      NORM_ROPE_TYPES, {"N": 512, "NOPE": 448, "X_WEIGHT": False, "K_WEIGHT": True,
                        "STORE": True, "BLOCK_X": 4, "BLOCK_K": 1, "BLOCK_N": 512, "PDL": True}, 8),
