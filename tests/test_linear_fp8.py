@@ -258,6 +258,8 @@ def test_dense_linear_is_f_linear_in_one_launch(
     many = torch.randn(linear_triton.DENSE_MAX_ROWS + 1, 184, generator=gen).to(dtype)
     assert torch.equal(backend.dense_linear(many, weight), torch.nn.functional.linear(many, weight))
     assert linear_triton.dense_linear(x[:0], weight).shape == (0, 96)
+    with pytest.raises(AssertionError, match="no swapped tiles"):
+        linear_triton.dense_linear(x, weight, config=_config(linear_triton, "swap_ab"))
 
 
 @pytest.mark.parametrize("path", ["separate_quantizer", "quantize_in_gemm", "split_k", "swap_ab"])

@@ -289,8 +289,9 @@ def _gemm_kernel(
     SWIGLU (QUANTIZE_A): the input is swiglu(a, up) (up: a's strides), computed as quantized.
     DENSE (``dense_linear``): a is x and b a weight in x's dtype, no scales: sum over the K
     blocks of (a @ b^T)[block], the same tiles, split and ticket (ONE_ROW: x's row loaded once).
-    SWAP_AB: the sums are of (b @ a^T), a [BLOCK_N, BLOCK_M] accumulator with b read as it lies
-    ([BLOCK_N, BLOCK_K], K contiguous), transposed once for the store (TileConfig.swap_ab).
+    SWAP_AB (not DENSE): the sums are of (b @ a^T), a [BLOCK_N, BLOCK_M] accumulator with b read
+    as it lies ([BLOCK_N, BLOCK_K], K contiguous), transposed once for the store
+    (TileConfig.swap_ab).
     """
     enter(PDL)
     pid = tl.program_id(0)
@@ -344,14 +345,11 @@ def _gemm_kernel(
             b = tl.load(b_ptrs)
         else:
             a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(b_ks + i * BLOCK_K) < K - k_start, other=0.0)
+            b = tl.load(b_ptrs, mask=b_ks < K - k_start - i * BLOCK_K, other=0.0)
         if DENSE:
             if ONE_ROW:
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
-            if SWAP_AB:
-                acc += tl.dot(b, tl.trans(a), input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         else:
             if QUANTIZE_A:
                 a = _swiglu_input(a, up_ptrs, in_k[None, :], limit, a_ptr, SWIGLU)
@@ -574,6 +572,7 @@ def _gemm(
     dense = weight_scale is None
     num_k_blocks = triton.cdiv(k, bk)
     config = config or (DENSE_TILES if dense else pick_tile_config(m))
+    assert not (dense and config.swap_ab), "dense_linear has no swapped tiles"
     num_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     num_sms = _num_sms(x.device) if num_sms is None else num_sms
     num_programs = config.programs_per_sm * num_sms
