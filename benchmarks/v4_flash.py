@@ -248,10 +248,17 @@ def kernel_switches(ns: argparse.Namespace) -> dict[str, bool]:
 
 
 def describe_kernels(kernels: Kernels) -> str:
+    """Each family's backend module ("attention=triton, ...") and the switches' values
+    ("side_stream=True")."""
     return ", ".join(
-        f"{f.name}={type(getattr(kernels, f.name)).__module__.rsplit('.', 1)[-1]}"
-        for f in dataclasses.fields(kernels)
+        f"{f.name}={_described(getattr(kernels, f.name))}" for f in dataclasses.fields(kernels)
     )
+
+
+def _described(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    return type(value).__module__.rsplit(".", 1)[-1]
 
 
 def build_model(
