@@ -70,6 +70,9 @@ SHAPES = {
     "shared_w13": (4096, 4096),
     "wq_b_csa": (40960, 1024),
 }
+# (groups, N, K) of the grouped linears: wo_a, 8 groups of 1,024 outputs over 4,096 inputs each
+# (x [M, 8, 4096]), one launch below GROUPED_SPLIT_ROWS; timed against the bf16 model's einsum.
+GROUPED_SHAPES = {"wo_a": (8, 1024, 4096)}
 DECODE_MAX_TOKENS = 128
 DENSE_BENCH_ROWS = 16  # dense_linear timed up to this many rows
 
@@ -99,9 +102,11 @@ def main() -> None:
     )
     ns = ap.parse_args()
     names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SHAPES]
+    unknown = [s for s in names if s not in SHAPES and s not in GROUPED_SHAPES]
     if unknown:
-        raise SystemExit(f"--shapes: unknown {unknown}; known {list(SHAPES)}")
+        raise SystemExit(
+            f"--shapes: unknown {unknown}; known {list(SHAPES)} and {list(GROUPED_SHAPES)}"
+        )
     if ns.tiny and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (imported)
     from deepinfer.ops.linear import torch_ref
@@ -120,7 +125,12 @@ def main() -> None:
         "cold": ns.cold,
         "rows": rows,
     }
-    for name in names:
+    grouped: list[dict[str, Any]] = []
+    payload["grouped"] = grouped
+    for name in (s for s in names if s in GROUPED_SHAPES):
+        grouped += _grouped_rows(name, fp8_triton, torch_ref, candidates, setup, ns)
+        write_json(ns.json, payload)
+    for name in (s for s in names if s in SHAPES):
         n, k = SHAPES[name]
         if ns.tiny:
             n, k = max(n // 32, 16), max(k // 32, 128)
@@ -139,18 +149,92 @@ def main() -> None:
             rows.append(row)
             write_json(ns.json, payload)
             print(
-                f"{name} M={m}: fp8 {row['fp8_s'] * 1e6:.1f} us, bf16 {row['bf16_s'] * 1e6:.1f} us"
+                f"{name} M={m}: fp8 {row['fp8_s'] * 1e6:.1f} us, engine "
+                f"{row['engine_s'] * 1e6:.1f} us, bf16 {row['bf16_s'] * 1e6:.1f} us"
             )
         del weight, scale, w_dense
         release()
-    print()
-    print(_table(rows, ns))
-    if candidates:
+    if rows:
+        print()
+        print(_table(rows, ns))
+    if candidates and rows:
         print()
         print(_sweep_table(rows, fp8_triton))
+    if grouped:
+        print()
+        print(_grouped_table(grouped, fp8_triton))
     if ns.programs_per_sm:
         print()
         print(_per_sm_table(rows, fp8_triton))
+
+
+def _grouped_rows(
+    name: str,
+    fp8_triton: Any,
+    torch_ref: Any,
+    candidates: list[Any],
+    setup: Setup,
+    ns: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """The figures of a grouped linear at each M: the backend's ``fp8_grouped_linear`` (the
+    engine's path), the bf16 einsum on the dequantized weight, and each --tiles candidate
+    through ``fp8_grouped_linear(config=...)`` (checked against the engine's output)."""
+    groups, n, k = GROUPED_SHAPES[name]
+    if ns.tiny:
+        n, k = max(n // 32, 16), max(k // 32, 128)
+    gen = torch.Generator(device=setup.device).manual_seed(groups * n + k)
+    w = torch.randn(groups * n, k, generator=gen, device=setup.device) * k**-0.5
+    weight, scale = torch_ref.quantize_fp8(w)
+    w_dense = torch_ref.dequantize_fp8(weight, scale).to(setup.dtype).view(groups, n, k)
+    del w
+    backend = fp8_triton.TritonLinearBackend(setup.device)
+    rows = []
+    for m in parse_ints(ns.tokens or ("1,32" if ns.tiny else "1,32,128,4096")):
+        x = torch.randn(m, groups, k, generator=gen, device=setup.device).to(setup.dtype)
+        ours = backend.fp8_grouped_linear(x, weight, scale)
+        ref = torch.einsum("tgi,goi->tgo", x, w_dense)
+        diff = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert diff < 5e-2, f"{name} M={m}: rel diff {diff:.1e} to the bf16 einsum"
+        row: dict[str, Any] = {
+            "shape": name, "groups": groups, "n": n, "k": k, "m": m,
+            "engine_s": _time(lambda: backend.fp8_grouped_linear(x, weight, scale), setup, ns),
+            "bf16_s": _time(lambda: torch.einsum("tgi,goi->tgo", x, w_dense), setup, ns),
+            "tiles_s": {
+                _tile_name(c): _checked_time(
+                    lambda c=c: fp8_triton.fp8_grouped_linear(x, weight, scale, config=c),
+                    ours, _tile_name(c), setup, ns,
+                )
+                for c in candidates
+            },
+        }  # fmt: skip
+        rows.append(row)
+        engine_us, bf16_us = row["engine_s"] * 1e6, row["bf16_s"] * 1e6
+        print(f"{name} M={m}: engine {engine_us:.1f} us, bf16 {bf16_us:.1f} us")
+    del weight, scale, w_dense
+    release()
+    return rows
+
+
+def _grouped_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
+    headers = ["linear", "G x N x K", "M", "engine tiles", "engine µs", "bf16 einsum µs",
+               "bf16 / engine", "best µs", "best tiles", "bf16 / best"]  # fmt: skip
+    out = []
+    for r in rows:
+        times = r["tiles_s"]
+        best = min(times, key=times.get) if times else None
+        out.append([
+            r["shape"], f"{r['groups']} x {r['n']} x {r['k']}", r["m"],
+            _grouped_engine_tiles(r, fp8_triton), _us(r["engine_s"]), _us(r["bf16_s"]),
+            ratio(r["bf16_s"], r["engine_s"]), _us(times.get(best)), best or "—",
+            ratio(r["bf16_s"], times.get(best)),
+        ])  # fmt: skip
+    return markdown(headers, out)
+
+
+def _grouped_engine_tiles(row: dict[str, Any], fp8_triton: Any) -> str:
+    if fp8_triton.split_groups(row["m"], row["n"], fp8_triton.FP8_BLOCK):
+        return "cuBLAS a group"
+    return _tile_name(fp8_triton.pick_tile_config(row["m"]))
 
 
 def _measure(
