@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,7 @@ def main() -> None:
     payload["grouped"] = grouped
     for name in (s for s in names if s in GROUPED_SHAPES):
         grouped += _grouped_rows(name, fp8_triton, torch_ref, candidates, setup, ns)
+        release()
         write_json(ns.json, payload)
     for name in (s for s in names if s in SHAPES):
         n, k = SHAPES[name]
@@ -197,11 +199,11 @@ def _grouped_rows(
         assert diff < 5e-2, f"{name} M={m}: rel diff {diff:.1e} to the bf16 einsum"
         row: dict[str, Any] = {
             "shape": name, "groups": groups, "n": n, "k": k, "m": m,
-            "engine_s": _time(lambda: backend.fp8_grouped_linear(x, weight, scale), setup, ns),
-            "bf16_s": _time(lambda: torch.einsum("tgi,goi->tgo", x, w_dense), setup, ns),
+            "engine_s": _time(partial(backend.fp8_grouped_linear, x, weight, scale), setup, ns),
+            "bf16_s": _time(partial(torch.einsum, "tgi,goi->tgo", x, w_dense), setup, ns),
             "tiles_s": {
                 _tile_name(c): _checked_time(
-                    lambda c=c: fp8_triton.fp8_grouped_linear(x, weight, scale, config=c),
+                    partial(fp8_triton.fp8_grouped_linear, x, weight, scale, config=c),
                     ours, _tile_name(c), setup, ns,
                 )
                 for c in candidates
@@ -210,8 +212,6 @@ def _grouped_rows(
         rows.append(row)
         engine_us, bf16_us = row["engine_s"] * 1e6, row["bf16_s"] * 1e6
         print(f"{name} M={m}: engine {engine_us:.1f} us, bf16 {bf16_us:.1f} us")
-    del weight, scale, w_dense
-    release()
     return rows
 
 

@@ -22,7 +22,7 @@ step() {
   timeout --signal=INT "$limit" python3 -P benchmarks/fp8_linear.py "$@" 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/$log"
 }
-step fp8_cold.log --cold --tokens 1,2,8,32,64,128,4096
-step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256 --tiles "$SWAPPED;$PLAIN"
+step fp8_cold.log --cold --tokens 1,2,8,32,64,128,4096 --json "$OUT/fp8_cold.json"
+step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256 --tiles "$SWAPPED;$PLAIN" --json "$OUT/fp8_wo_a.json"
 step fp8_few_rows.log --shapes wq_a,wo_b,shared_w2,shared_w13,x_proj_csa --tokens 2,4,8 \
-  --tiles "$FEW"
+  --tiles "$FEW" --json "$OUT/fp8_few_rows.json"

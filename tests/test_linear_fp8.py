@@ -406,8 +406,9 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     backend calls cublas_fp8_linear; where torch refuses the recipe (RuntimeError) it answers
     with our kernel, and keeps to ours from then on."""
     use = linear_triton.use_cublas
-    assert not use(1) and not use(32) and not use(64)  # ours to 64 rows (the swapped tiles)
-    assert use(65) and use(1024)
+    assert not any(use(m, 4096, 1024) for m in (1, 32, 64))  # ours to 64 rows (swapped tiles)
+    assert use(65, 4096, 1024) and use(1024, 128, 128)
+    assert not use(1024, 200, 256) and not use(1024, 256, 64)  # partial blocks: ours
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
     assert not backend.cublas  # not on the CPU
     calls: list[int] = []
@@ -420,7 +421,7 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
 
     monkeypatch.setattr(linear_triton, "cublas_fp8_linear", refused)
     backend.cublas = True
-    weight, scale = _weight(64, 256, seed=4)
+    weight, scale = _weight(128, 256, seed=4)
     x = torch.randn(80, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     backend.fp8_linear(x[:3], weight, scale)  # 3 rows: ours
     backend.fp8_linear(x.float(), weight, scale)  # fp32 (parity runs): ours

@@ -118,14 +118,20 @@ class TileConfig:
 # tiles on the MMA's M side (swap_ab), x quantized by its own launch, two programs an SM (H100,
 # fp8_linear.py --tiles, µs against the 16 x 128 tiles quantizing in the GEMM at 32 rows: the
 # fused x projections 11.9 against 20.5, the fused wq_b 20.8 against 32.1, wo_b 17.4 against
-# 30.7, shared_w2 9.2 against 13.2). Prefill is bound by the FP8 tensor cores: 128 x 128
-# tiles, 8 warps. Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16
-# tile when quantizing in the GEMM).
+# 30.7, shared_w2 9.2 against 13.2); up to 8 rows 16 of x's rows a tile (H200, 2-8 rows: wo_b
+# 11.7-13.2 µs against 14.2-17.0 on the 32-row tiles, the fused x projections 8.3-8.6 against
+# 9.5-10.3). From 65 to 128 rows the engine takes cuBLAS (use_cublas) but for the grouped wo_a,
+# where 128 x 64 swapped tiles beat the 64 x 128 ones (H200, 96 and 128 rows: 28.4 and 31.8 µs
+# against 32.1 and 35.6). Prefill is bound by the FP8 tensor cores: 128 x 128 tiles, 8 warps.
+# Shared memory per stage: (block_m + block_n) * 128 bytes of e4m3 (+ x's bf16 tile when
+# quantizing in the GEMM).
 _TILE_TABLE: tuple[tuple[int, TileConfig], ...] = (
     # max M  block_m, block_n, group_m, warps, stages, quantize_in_gemm, max_split_k, per SM
     (1, TileConfig(16, 64, 1, 4, 4, True, 16, 4)),
+    (8, TileConfig(16, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
     (32, TileConfig(32, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
     (64, TileConfig(64, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
+    (128, TileConfig(128, 64, 1, 4, 4, False, 16, 2, swap_ab=True)),
     (512, TileConfig(64, 128, 8, 4, 4, False, 4)),
     (1 << 62, TileConfig(128, 128, 8, 8, 3, False, 1)),
 )
@@ -639,13 +645,15 @@ def _gemm(
     )
 
 
-def use_cublas(m: int) -> bool:
-    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for an x of ``m`` rows: from 65
-    (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on every V4-Flash weight. Up to 64
-    rows ours (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows on the swapped tiles: the
-    fused x projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused
-    x projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4)."""
-    return m > 64
+def use_cublas(m: int, n: int, k: int) -> bool:
+    """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]:
+    from 65 rows (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on a weight of whole
+    128 x 128 blocks (cuBLAS's recipe has no partial block: on the tiny model's 32 x 64 weights
+    it answered garbage, not an error). Up to 64 rows ours (one row: wo_b 14.5 µs against
+    cuBLAS's 18; 32 rows on the swapped tiles: the fused x projections 11.9 against 15.4, wo_b
+    17.4 against 26.3); at 128 cuBLAS's (the fused x projections 16.1 against 20.2, the fused
+    wq_b 26.3 against 40.4)."""
+    return m > 64 and n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0
 
 
 def cublas_fp8_linear(
@@ -700,7 +708,7 @@ class TritonLinearBackend(Backend):
             self.cublas
             and tuple(block) == FP8_BLOCK
             and x.dtype in (torch.bfloat16, torch.float16)
-            and use_cublas(x.shape[0])
+            and use_cublas(x.shape[0], *weight.shape)
         ):
             try:
                 return cublas_fp8_linear(x, weight, weight_scale, swiglu)

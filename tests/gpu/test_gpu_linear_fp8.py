@@ -195,7 +195,7 @@ def test_backend_takes_cublas_where_faster(
     assert backend.cublas, "cuBLAS refused the blockwise recipe"
     assert out.shape == (num_tokens, n) and out.is_contiguous()
     chosen = linear_triton.cublas_fp8_linear
-    if not linear_triton.use_cublas(num_tokens):
+    if not linear_triton.use_cublas(num_tokens, *weight.shape):
         chosen = linear_triton.fp8_linear
     assert torch.equal(out, chosen(x, weight, scale))
     err_emulated = _rel_err(out, _emulated(x, weight, scale))
@@ -205,6 +205,26 @@ def test_backend_takes_cublas_where_faster(
         f"{err_emulated:.2e} vs W8A8 in fp32"
     )
     assert err_emulated < EMULATED_TOL and err_ref < W8A8_TOL
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (200, 300)])
+def test_backend_on_partial_blocks_keeps_to_ours(
+    linear_triton: ModuleType, record_figure: Callable[[str], None], n: int, k: int
+) -> None:
+    """A weight that is not whole 128 x 128 blocks (the tiny model's) at prefill rows: the
+    backend runs our kernel, within the W8A8 tolerance. (cuBLAS's blockwise recipe, asked for
+    such a shape, is recorded: it answered garbage without an error.)"""
+    weight, scale = _weight(n, k, seed=n)
+    x = _x(700, k, seed=k)
+    backend = linear_triton.TritonLinearBackend(torch.device("cuda"))
+    out = backend.fp8_linear(x, weight, scale)
+    assert torch.equal(out, linear_triton.fp8_linear(x, weight, scale))
+    assert _rel_err(out, _emulated(x, weight, scale)) < EMULATED_TOL
+    try:
+        raw = f"rel err {_rel_err(linear_triton.cublas_fp8_linear(x, weight, scale), out):.2e}"
+    except RuntimeError as error:
+        raw = f"refused ({str(error).strip().splitlines()[0][:80]})"
+    record_figure(f"cublas fp8_linear on a {n} x {k} weight (not taken by the backend): {raw}")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 128, 4096])
@@ -249,17 +269,20 @@ def test_quantizer_matches_reference_bitwise(linear_triton: ModuleType) -> None:
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
-def test_decode_row_does_not_depend_on_the_batch(linear_triton: ModuleType) -> None:
-    """A token among 2 and among 32 (one row of the tile table: one tile of x's rows on the
-    MMA's N side, the same split of K): bitwise the same. One row alone takes its own tiles;
-    deterministic mode runs every token as a batch of one (engine/deterministic.py)."""
+@pytest.mark.parametrize(("few", "many"), [(2, 8), (9, 32)])
+def test_decode_row_does_not_depend_on_the_batch(
+    linear_triton: ModuleType, few: int, many: int
+) -> None:
+    """Tokens among ``few`` and among ``many`` (one row of the tile table: one tile of x's rows
+    on the MMA's N side, the same split of K): bitwise the same. One row alone takes its own
+    tiles; deterministic mode runs every token as a batch of one (engine/deterministic.py)."""
     n, k = SHAPES["wq_a"]
     weight, scale = _weight(n, k, seed=2)
-    x = _x(32, k, seed=2)
-    assert linear_triton.pick_tile_config(2) == linear_triton.pick_tile_config(32)
+    x = _x(many, k, seed=2)
+    assert linear_triton.pick_tile_config(few) == linear_triton.pick_tile_config(many)
     batched = linear_triton.fp8_linear(x, weight, scale)
-    pair = linear_triton.fp8_linear(x[11:13], weight, scale)
-    assert torch.equal(pair, batched[11:13])
+    part = linear_triton.fp8_linear(x[many - few :], weight, scale)
+    assert torch.equal(part, batched[many - few :])
 
 
 def test_captures_in_a_cuda_graph(linear_triton: ModuleType) -> None:
