@@ -2,7 +2,7 @@
 # Issue 24's FP8 GEMM figures in one device call (carry .whl):  bash scripts/gpu_fp8_sweeps.sh
 #   1. every shape, L2 cleared before each call (--cold), the engine's path against bf16 cuBLAS;
 #   2. the grouped wo_a from 1 to 256 rows, the engine's tiles and the candidates below (warm);
-#   3. the plain linears at 2-8 rows, the swapped tiles against narrower ones (warm).
+#   3. the plain linears at 2-16 rows, the swapped tiles against narrower ones (warm).
 # Logs: $OUT/fp8_cold.log, $OUT/fp8_wo_a.log, $OUT/fp8_few_rows.log. FP8_SWEEP_LIMIT: seconds a
 # step may take (default 170).
 set -uo pipefail
@@ -23,6 +23,7 @@ step() {
     | grep -v "Loading weights" | tee "$OUT/$log"
 }
 step fp8_cold.log --cold --tokens 1,2,8,32,64,128,4096 --json "$OUT/fp8_cold.json"
-step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256 --tiles "$SWAPPED;$PLAIN" --json "$OUT/fp8_wo_a.json"
-step fp8_few_rows.log --shapes wq_a,wo_b,shared_w2,shared_w13,x_proj_csa --tokens 2,4,8 \
+step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256 --tiles "$SWAPPED;$PLAIN" \
+  --json "$OUT/fp8_wo_a.json"
+step fp8_few_rows.log --shapes wq_a,wo_b,shared_w2,shared_w13,x_proj_csa --tokens 2,4,8,12,16 \
   --tiles "$FEW" --json "$OUT/fp8_few_rows.json"
