@@ -201,7 +201,7 @@ def test_shifted_hyper_connections_match_a_reference(model: DeepseekV41, args: M
     expected = model(batch, _cache(args))
     cache, batch = _cache(args), _batch()
     batch.metadata = build_metadata(batch, cache, args)
-    batch.metadata.derive_entry_lists()
+    batch.metadata.derive_lists()
     batch.rope = step_rope(
         batch.positions, {kind: getattr(model, f"{kind}_inv_freq") for kind in ("main", "compress")}
     )

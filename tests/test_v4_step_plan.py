@@ -35,7 +35,7 @@ def _metadata(*seqs: SeqSpan) -> StepMetadata:
         logits_indices=torch.zeros(0, dtype=torch.int64),
     )
     meta = build_metadata(batch, GEOMETRY)
-    meta.derive_entry_lists()
+    meta.derive_lists()
     return meta
 
 
@@ -140,7 +140,7 @@ def test_entry_lists_of_a_graphed_step_follow_the_block_table() -> None:
     host = plan_step(seqs, geometry, decode_context=256)
     dev = split_flat(torch.from_numpy(flatten(host)), host)
     meta = metadata_views(dev, geometry)
-    meta.derive_entry_lists()
+    meta.derive_lists()
     table = meta.block_table
     for m in geometry.ratios:
         pb, ids = geometry.block_size // m, meta.entry_ids[m]
@@ -304,3 +304,40 @@ def test_a_decode_steps_keeps_replace_no_row_another_window_pools() -> None:
                     assert row // k != geometry.scratch_slot
                 checked["ring reads"] += len(reads)
     assert min(checked.values()) > 0, checked
+
+
+def test_a_long_steps_window_lists_derived_on_the_device_are_the_hosts(monkeypatch) -> None:
+    """From WINDOW_ON_DEVICE_MIN_TOKENS tokens the window lists are derived on the device
+    (WindowPlan); set to 0 and to never, the same random steps (chunks at and past their window
+    floors, several requests, trailing pads) give the same lists and every other array alike."""
+    from deepinfer.model.deepseek_v4 import step_plan
+
+    rng = np.random.default_rng(0)
+
+    def lists(seqs: list[SeqSpan], threshold: int) -> tuple[dict, StepMetadata]:
+        monkeypatch.setattr(step_plan, "WINDOW_ON_DEVICE_MIN_TOKENS", threshold)
+        host = plan_step(seqs, GEOMETRY)
+        meta = metadata_views(split_flat(torch.from_numpy(flatten(host)), host), GEOMETRY)
+        meta.derive_lists()
+        return host, meta
+
+    for _ in range(200):
+        seqs, offset = [], 0
+        for slot in range(int(rng.integers(1, 4))):
+            num = int(rng.integers(1, 40))
+            start = int(rng.integers(0, 60))
+            floor = int(rng.integers(0, start + 1)) if rng.random() < 0.5 else 0
+            pad = int(rng.integers(0, min(num, 3))) if rng.random() < 0.2 else 0
+            blocks = list(range(1 + slot * 8, 1 + slot * 8 + -(-(start + num) // 16)))
+            seqs.append(SeqSpan(offset, num, start, slot, blocks, window_floor=floor, num_pad=pad))
+            offset += num
+        host_plan, host_meta = lists(seqs, 1 << 30)
+        device_plan, device_meta = lists(seqs, 0)
+        assert device_meta.window is not None and host_meta.window is None
+        assert "win_step" not in device_plan and "win_step" in host_plan
+        assert torch.equal(device_meta.win_step_idx, host_meta.win_step_idx), seqs
+        assert torch.equal(device_meta.win_ring_idx, host_meta.win_ring_idx), seqs
+        assert device_meta.ring_first == host_meta.ring_first
+        shared = set(host_plan) & set(device_plan)
+        assert shared == {k for k in host_plan if not k.startswith("win_")}
+        assert all(np.array_equal(host_plan[k], device_plan[k]) for k in shared)

@@ -488,7 +488,7 @@ class DeepseekV4(nn.Module):
         """Run one step; returns logits [N, V] fp32 for ``batch.logits_indices``."""
         if batch.metadata is None:
             batch.metadata = build_metadata(batch, CacheGeometry.of(cache))
-        batch.metadata.derive_entry_lists()
+        batch.metadata.derive_lists()
         batch.rope = step_rope(
             batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         )

@@ -41,7 +41,9 @@ class StepMetadata:
     layer (device tensors).
 
     token_req [T]: request (batch index) of each token. win_step_idx [T, Ws] / win_ring_idx
-    [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none). ring_src /
+    [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none), uploaded
+    with the plans, or for a long step derived on the device from ``window`` (WindowPlan) by
+    ``derive_lists``. ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
     ring_first (host): they may be written before it instead, with the keys' norm: every
     request has at most the ring's margin + 1 tokens (so no query of the step reads a ring row
@@ -51,15 +53,15 @@ class StepMetadata:
     the most entries in the batch, or the graph's bound), and each entry's block in the table
     (entry_block[m], clamped to the table) and row in the block (entry_offset[m]), both of the
     plan's shapes alone; num_visible[m] [T] entries a query sees ((pos + 1) // m); compress[m]
-    the ratio's compressor plan. Derived on the device by ``derive_entry_lists`` at the start
+    the ratio's compressor plan. Derived on the device by ``derive_lists`` at the start
     of every forward (so a CUDA graph recomputes them): entry_rows[m] [B, N] entry-pool row of
     entry n of request b, and for dense ratios (HCA attends to every visible entry)
     visible_idx[m] [T, N], those rows, -1 past num_visible.
     """
 
     token_req: torch.Tensor
-    win_step_idx: torch.Tensor
-    win_ring_idx: torch.Tensor
+    win_step_idx: torch.Tensor | None
+    win_ring_idx: torch.Tensor | None
     ring_src: torch.Tensor
     ring_dst: torch.Tensor
     block_table: torch.Tensor
@@ -71,12 +73,16 @@ class StepMetadata:
     per_block: dict[int, int]  # entries per block, by ratio (host ints)
     dense_ratios: tuple[int, ...]
     ring_first: bool = False
+    window: WindowPlan | None = None
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def derive_entry_lists(self) -> None:
+    def derive_lists(self) -> None:
         """entry_rows and visible_idx from the block table, on the device (see above): a
-        gather and one add a ratio, and for dense ratios a compare, a gather and a select."""
+        gather and one add a ratio, and for dense ratios a compare, a gather and a select;
+        a long step's window lists from its WindowPlan."""
+        if self.window is not None:
+            self.win_step_idx, self.win_ring_idx = self.window.lists(self.token_req)
         for m, ids in self.entry_ids.items():
             blocks = self.block_table[:, self.entry_block[m]]  # [B, N]
             rows = torch.add(self.entry_offset[m], blocks, alpha=self.per_block[m])
@@ -84,6 +90,44 @@ class StepMetadata:
             if m in self.dense_ratios:
                 visible = ids.unsqueeze(0) < self.num_visible[m].unsqueeze(1)  # [T, N]
                 self.visible_idx[m] = torch.where(visible, rows[self.token_req], -1)
+
+
+# From this many tokens a step's window lists are derived on the device (WindowPlan) rather
+# than built on the host and uploaded: two [T, 128] int64 arrays, 16 MB at 8,192 tokens, which
+# took 7 of the host's 8 ms planning such a step (benchmarks/step_plan_host.py); below it the
+# host's arrays cost less than the derivation's dozen launches. CUDA-graph steps always upload.
+WINDOW_ON_DEVICE_MIN_TOKENS = 1024
+
+
+@dataclass
+class WindowPlan:
+    """What a long step's window lists are derived from (``_window_lists``' arithmetic in
+    torch): per token its position [T]; per request [B] its first position this step, its
+    window floor, the step row of position 0 (start - offset: position p of the step is row
+    p - row0) and its ring's first row (slot * ring size); ``step_cols`` [Ws] 0..Ws - 1 (Ws:
+    the step list's columns, min(window, the most tokens a request has))."""
+
+    positions: torch.Tensor
+    start: torch.Tensor
+    floor: torch.Tensor
+    row0: torch.Tensor
+    ring0: torch.Tensor
+    step_cols: torch.Tensor
+    window: int
+    ring_size: int
+
+    def lists(self, token_req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(win_step [T, Ws], win_ring [T, window]) as ``_window_lists`` builds them."""
+        pos = self.positions.unsqueeze(1)
+        start, floor = self.start[token_req].unsqueeze(1), self.floor[token_req].unsqueeze(1)
+        key = pos - self.step_cols
+        win_step = torch.where(
+            key >= torch.maximum(start, floor), key - self.row0[token_req].unsqueeze(1), -1
+        )
+        key = pos - torch.arange(self.window, device=pos.device)
+        old = (key < start) & (key >= floor)
+        ring_rows = self.ring0[token_req].unsqueeze(1) + key % self.ring_size
+        return win_step, torch.where(old, ring_rows, -1)
 
 
 def build_metadata(
@@ -150,15 +194,17 @@ def plan_step(
     # Graphed decode: the block table's width is fixed by the context bound as well.
     table_width = 0 if decode_context is None else -(-decode_context // geometry.block_size)
     reqs = Requests.of(seqs, table_width)
-    win_step, win_ring, ring_src, ring_dst = _window_plan(reqs, geometry)
+    ring_src, ring_dst = _ring_writes(reqs, geometry)
     host: dict[str, np.ndarray] = {
         "token_req": reqs.token_req,
-        "win_step": win_step,
-        "win_ring": win_ring,
         "ring_src": ring_src,
         "ring_dst": ring_dst,
         "block_table": reqs.table,
     }
+    if decode_context is None and reqs.token_req.shape[0] >= WINDOW_ON_DEVICE_MIN_TOKENS:
+        host.update(_window_inputs(reqs, geometry))
+    else:
+        host["win_step"], host["win_ring"] = _window_lists(reqs, geometry)
     # A pad sees what its request's last real token sees (never an entry it did not write).
     visible_pos = np.minimum(reqs.positions, reqs.real_end[reqs.token_req] - 1)
     for ratio in geometry.ratios:
@@ -187,8 +233,8 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
     one_token = most == 1 and not geometry.max_draft
     return StepMetadata(
         token_req=dev["token_req"],
-        win_step_idx=dev["win_step"],
-        win_ring_idx=dev["win_ring"],
+        win_step_idx=dev.get("win_step"),
+        win_ring_idx=dev.get("win_ring"),
         ring_src=dev["ring_src"],
         ring_dst=dev["ring_dst"],
         block_table=dev["block_table"],
@@ -207,13 +253,15 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
             and most <= geometry.ring_size - geometry.window + 1
             and dev["ring_src"].shape[0] == dev["token_req"].shape[0]  # every token kept
         ),
+        window=None if "win_step" in dev else _window_views(dev, geometry),
     )
 
 
 def _most_tokens(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> int | None:
     """The most tokens a request has this step, read from the plan's shapes (win_step has
-    min(window, that many) columns); None when it is the window or more."""
-    columns = dev["win_step"].shape[1]
+    min(window, that many) columns, as many as win_step_cols has entries); None when it is
+    the window or more."""
+    columns = dev["win_step"].shape[1] if "win_step" in dev else dev["win_step_cols"].shape[0]
     return columns if columns < geometry.window else None
 
 
@@ -232,13 +280,9 @@ _PLAN_FIELDS = (
 )
 
 
-def _window_plan(
-    reqs: Requests, geometry: CacheGeometry
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _window_lists(reqs: Requests, geometry: CacheGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Query t at position p sees keys p - j, j < window, at or after the request's floor:
-    from this step's rows when the key is new this step, else from the ring. After attention
-    each request's last ring-size tokens are written to the ring (a pad's to the scratch
-    slot's ring)."""
+    from this step's rows when the key is new this step, else from the ring."""
     window, ring = geometry.window, geometry.ring_size
     req, pos = reqs.token_req, reqs.positions
     start, floor = reqs.start[req], reqs.floor[req]
@@ -264,9 +308,42 @@ def _window_plan(
         key = pos[near, None] - cols
         old = (key < start[near, None]) & (key >= floor[near, None])
         win_ring[near] = np.where(old, reqs.slot[req[near]][:, None] * ring + key % ring, -1)
+    return win_step, win_ring
+
+
+def _window_inputs(reqs: Requests, geometry: CacheGeometry) -> dict[str, np.ndarray]:
+    """What WindowPlan derives ``_window_lists``' arrays from on the device."""
+    columns = min(geometry.window, int(reqs.num_tokens.max()))
+    return {
+        "win_pos": reqs.positions,
+        "win_start": reqs.start,
+        "win_floor": reqs.floor,
+        "win_row0": reqs.start - reqs.offset,
+        "win_ring0": reqs.slot * geometry.ring_size,
+        "win_step_cols": np.arange(columns),
+    }
+
+
+def _window_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> WindowPlan:
+    return WindowPlan(
+        positions=dev["win_pos"],
+        start=dev["win_start"],
+        floor=dev["win_floor"],
+        row0=dev["win_row0"],
+        ring0=dev["win_ring0"],
+        step_cols=dev["win_step_cols"],
+        window=geometry.window,
+        ring_size=geometry.ring_size,
+    )
+
+
+def _ring_writes(reqs: Requests, geometry: CacheGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """After attention each request's last ring-size tokens are written to the ring (a pad's
+    to the scratch slot's ring): their step rows, and their ring rows."""
+    ring, pos, req = geometry.ring_size, reqs.positions, reqs.token_req
     kept = np.flatnonzero(pos >= reqs.end[req] - ring)  # batch rows = token indices
     slot = np.where(reqs.is_pad[kept], geometry.scratch_slot, reqs.slot[req[kept]])
-    return win_step, win_ring, kept, slot * ring + pos[kept] % ring
+    return kept, slot * ring + pos[kept] % ring
 
 
 def _rows(mask: np.ndarray) -> np.ndarray | slice:

@@ -558,7 +558,7 @@ class DeepseekV41(nn.Module):
             batch.metadata = build_metadata(batch, cache, self.args)
         meta = batch.metadata
         assert isinstance(meta, StepMetadata)
-        meta.derive_entry_lists()
+        meta.derive_lists()
         batch.rope = step_rope(
             batch.positions, {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         )
@@ -638,7 +638,7 @@ class DeepseekV41(nn.Module):
         plans = meta.consumer
         if plans is None:
             return None
-        plans.derive_entry_lists()
+        plans.derive_lists()
         if meta.yoco_rows is None:
             return dataclasses.replace(batch, metadata=plans)
         assert meta.yoco_logits is not None

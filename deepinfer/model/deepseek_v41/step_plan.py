@@ -114,12 +114,11 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
         engram_history=dev.get("engram_history"),
         engram_src=dev.get("engram_src"),
     )
-    if "y.win_step" not in dev:
-        return meta
     consumer = {k[2:]: v for k, v in dev.items() if k.startswith("y.")}
+    if not consumer:
+        return meta
     if geometry.yoco_mode == "mask":  # the full plans, the consumer half's windows
-        windows = {k: consumer[k] for k in ("win_step", "win_ring")}
-        consumer = {**dev, **windows}
+        consumer = {**{k: v for k, v in dev.items() if not _is_window(k)}, **consumer}
     inner = v4_plan.metadata_views(consumer, geometry.v4)
     meta.consumer = StepMetadata(**{f: getattr(inner, f) for f in inner.__dataclass_fields__})
     meta.yoco_rows, meta.yoco_logits = dev.get("y.rows"), dev.get("y.logits")
@@ -152,7 +151,7 @@ def yoco_plan(
             for s, k in zip(seqs, keep_from, strict=True)
         ]
         plan = v4_plan.plan_step(narrowed, geometry.v4)
-        return {f"y.{k}": plan[k] for k in ("win_step", "win_ring")}
+        return {f"y.{k}": v for k, v in plan.items() if _is_window(k)}
     kept, rows, offset = [], [], 0
     for s, k in zip(seqs, keep_from, strict=True):
         start = min(max(s.start_pos, k), s.end_pos - 1)
@@ -201,3 +200,9 @@ def engram_plan(seqs: list[SeqSpan], ngram: int) -> dict[str, np.ndarray]:
     history_rows = req[:, None] * back + back + rel  # rel in [-back, 0): row of history
     src = np.where(in_step, step_rows, history_rows)
     return {"engram_history": history.ravel(), "engram_src": src}
+
+
+def _is_window(name: str) -> bool:
+    """Whether a plan array is the window's: its lists (win_step, win_ring) or what the device
+    derives them from (v4_plan.WindowPlan)."""
+    return name.startswith("win_")
