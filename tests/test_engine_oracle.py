@@ -101,6 +101,19 @@ def test_batched_chunked_preempted_match_alone(llm_hf: LLM, oracle_hf_dir: Path)
     tight.engine.scheduler.check_integrity()
 
 
+def test_window_lists_derived_on_the_device_change_nothing(
+    llm_hf: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's window lists derived on the device (step_plan.WindowPlan, for steps of
+    WINDOW_ON_DEVICE_MIN_TOKENS tokens and more; here all, decode steps' ring reads included):
+    the tokens and logprobs of the host's lists."""
+    from deepinfer.model.deepseek_v4 import step_plan
+
+    alone = _run_alone(llm_hf, _greedy())
+    monkeypatch.setattr(step_plan, "WINDOW_ON_DEVICE_MIN_TOKENS", 0)
+    _assert_same(alone, _run_alone(llm_hf, _greedy()))
+
+
 def test_seeded_sampling_is_batch_invariant(llm_hf: LLM) -> None:
     prompts = oracle_prompts()
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=NUM_NEW)
