@@ -80,6 +80,20 @@ def test_compact_equals_mask_chunked_batched_and_preempted(
     tight.engine.scheduler.check_integrity()
 
 
+def test_window_lists_derived_on_the_device_change_nothing(
+    tiny_v41_dir: Path, mask_alone: list[RequestOutput], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's window lists derived on the device (v4 step_plan.WindowPlan), the consumer
+    half's narrowed ones (mask) and its kept spans' (compact) included: the host lists'
+    tokens and logprobs."""
+    from deepinfer.model.deepseek_v4 import step_plan
+
+    monkeypatch.setattr(step_plan, "WINDOW_ON_DEVICE_MIN_TOKENS", 0)
+    for mode in ("mask", "compact"):
+        llm = _llm(tiny_v41_dir, mode, max_num_batched_tokens=37)
+        _assert_same(mask_alone, llm.generate(_prompts(), PARAMS, use_tqdm=False))
+
+
 def test_compact_against_off(tiny_v41_dir: Path, mask_alone: list[RequestOutput]) -> None:
     """An approximation by design: prompts no longer than the kept tail are exact, the others
     agree as far as they do (printed)."""
