@@ -107,6 +107,19 @@ def test_tokens_with_mtp_drafts_are_those_without(
     assert llm.engine.num_preemptions > 0
 
 
+def test_mtp_drafts_with_window_lists_derived_on_the_device(
+    tiny_dir: Path, plain: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's window lists derived on the device (step_plan.WindowPlan: a step of
+    WINDOW_ON_DEVICE_MIN_TOKENS tokens or more, here all), the MTP layer's commit and draft
+    batches included: the tokens without drafts."""
+    from deepinfer.model.deepseek_v4 import step_plan
+
+    monkeypatch.setattr(step_plan, "WINDOW_ON_DEVICE_MIN_TOKENS", 0)
+    llm = cpu_llm(tiny_dir, speculative_config=MTP)
+    assert_same_outputs(_outputs(llm), plain)
+
+
 def _mtp_pass(model, kv: KVCache, streams: torch.Tensor, tokens: list[int]):
     """The MTP layer from scratch over positions 0 .. n-1 of an empty slot: (logits at the last
     position, output streams of every position)."""

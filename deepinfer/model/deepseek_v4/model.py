@@ -519,6 +519,7 @@ class DeepseekV4(nn.Module):
         token after each position) reading the stack's ``hidden`` [T, hc, D]. Returns (logits
         [N, V] fp32 of ``batch.logits_indices``, the layer's output streams [T, hc, D])."""
         assert batch.metadata is not None, "MTP batches come with their window plans"
+        batch.metadata.derive_window_lists()
         batch.rope = step_rope(batch.positions, {"main": self.main_inv_freq})
         mtp = self.mtp[layer]
         x = mtp(hidden, self.embed(batch.input_ids), batch, cache)

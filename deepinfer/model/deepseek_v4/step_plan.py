@@ -81,8 +81,7 @@ class StepMetadata:
         """entry_rows and visible_idx from the block table, on the device (see above): a
         gather and one add a ratio, and for dense ratios a compare, a gather and a select;
         a long step's window lists from its WindowPlan."""
-        if self.window is not None:
-            self.win_step_idx, self.win_ring_idx = self.window.lists(self.token_req)
+        self.derive_window_lists()
         for m, ids in self.entry_ids.items():
             blocks = self.block_table[:, self.entry_block[m]]  # [B, N]
             rows = torch.add(self.entry_offset[m], blocks, alpha=self.per_block[m])
@@ -90,6 +89,12 @@ class StepMetadata:
             if m in self.dense_ratios:
                 visible = ids.unsqueeze(0) < self.num_visible[m].unsqueeze(1)  # [T, N]
                 self.visible_idx[m] = torch.where(visible, rows[self.token_req], -1)
+
+    def derive_window_lists(self) -> None:
+        """A long step's win_step_idx and win_ring_idx from its WindowPlan (nothing when they
+        came with the plans): what a forward reading only the window (the MTP layer) needs."""
+        if self.window is not None:
+            self.win_step_idx, self.win_ring_idx = self.window.lists(self.token_req)
 
 
 # From this many tokens a step's window lists are derived on the device (WindowPlan) rather
