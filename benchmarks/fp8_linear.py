@@ -179,8 +179,10 @@ def _grouped_rows(
     ns: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """The figures of a grouped linear at each M: the backend's ``fp8_grouped_linear`` (the
-    engine's path), the bf16 einsum on the dequantized weight, and each --tiles candidate
-    through ``fp8_grouped_linear(config=...)`` (checked against the engine's output)."""
+    engine's path), the bf16 einsum on the dequantized weight, a GEMM a group through the
+    backend's ``fp8_linear`` (``fp8_linear_per_group``: the engine's path from
+    GROUPED_SPLIT_ROWS; cuBLAS's from 65 rows, ours below), and each --tiles candidate through
+    ``fp8_grouped_linear(config=...)`` (each checked against the engine's output)."""
     groups, n, k = GROUPED_SHAPES[name]
     if ns.tiny:
         n, k = max(n // 32, 16), max(k // 32, 128)
@@ -201,6 +203,11 @@ def _grouped_rows(
             "shape": name, "groups": groups, "n": n, "k": k, "m": m,
             "engine_s": _time(partial(backend.fp8_grouped_linear, x, weight, scale), setup, ns),
             "bf16_s": _time(partial(torch.einsum, "tgi,goi->tgo", x, w_dense), setup, ns),
+            "per_group_s": None if n % fp8_triton.FP8_BLOCK[0] else _checked_time(
+                partial(fp8_triton.fp8_linear_per_group, backend.fp8_linear, x, weight, scale,
+                        fp8_triton.FP8_BLOCK),
+                ours, "a GEMM a group", setup, ns,
+            ),  # a group of whole weight blocks only
             "tiles_s": {
                 _tile_name(c): _checked_time(
                     partial(fp8_triton.fp8_grouped_linear, x, weight, scale, config=c),
@@ -217,7 +224,8 @@ def _grouped_rows(
 
 def _grouped_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
     headers = ["linear", "G x N x K", "M", "engine tiles", "engine µs", "bf16 einsum µs",
-               "bf16 / engine", "best µs", "best tiles", "bf16 / best"]  # fmt: skip
+               "bf16 / engine", "a GEMM a group µs", "best µs", "best tiles",
+               "bf16 / best"]  # fmt: skip
     out = []
     for r in rows:
         times = r["tiles_s"]
@@ -225,7 +233,8 @@ def _grouped_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
         out.append([
             r["shape"], f"{r['groups']} x {r['n']} x {r['k']}", r["m"],
             _grouped_engine_tiles(r, fp8_triton), _us(r["engine_s"]), _us(r["bf16_s"]),
-            ratio(r["bf16_s"], r["engine_s"]), _us(times.get(best)), best or "—",
+            ratio(r["bf16_s"], r["engine_s"]), _us(r["per_group_s"]), _us(times.get(best)),
+            best or "—",
             ratio(r["bf16_s"], times.get(best)),
         ])  # fmt: skip
     return markdown(headers, out)

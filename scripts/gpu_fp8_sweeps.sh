@@ -2,19 +2,22 @@
 # Issue 24's FP8 GEMM figures in one device call (carry .whl):  bash scripts/gpu_fp8_sweeps.sh
 #   1. every shape, L2 cleared before each call (--cold), the engine's path against bf16 cuBLAS;
 #   2. the grouped wo_a from 1 to 256 rows, the engine's tiles and the candidates below (warm);
-#   3. the plain linears at 2-16 rows, the swapped tiles against narrower ones (warm).
-# Logs: $OUT/fp8_cold.log, $OUT/fp8_wo_a.log, $OUT/fp8_few_rows.log. FP8_SWEEP_LIMIT: seconds a
-# step may take (default 170).
+#   3. the plain linears at 2-16 rows, the swapped tiles against narrower ones (warm);
+#   4. the decode linears at 48-64 rows, the swapped tiles' stages and programs an SM (warm).
+# Logs and JSON: $OUT/fp8_{cold,wo_a,few_rows,mid_rows}.{log,json}. FP8_SWEEP_LIMIT: seconds a
+# step may take (default 130).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-limit="${FP8_SWEEP_LIMIT:-170}"
+limit="${FP8_SWEEP_LIMIT:-130}"
 # block_m,block_n,group_m,warps,stages,quantize_in_gemm,max_split_k,programs_per_sm,swap_ab
 SWAPPED="64,64,1,4,4,0,16,2,1;128,64,1,4,4,0,16,2,1;64,128,1,4,4,0,16,2,1;64,128,1,8,4,0,16,2,1"
 SWAPPED+=";64,64,1,4,4,0,16,1,1;64,64,1,4,4,0,16,4,1;128,128,1,8,3,0,16,2,1"
 PLAIN="64,128,8,4,4,0,4,1,0;128,64,8,4,4,0,4,1,0"
 FEW="16,64,1,4,4,0,16,2,1;16,64,1,4,4,1,16,2,1;16,64,1,4,4,1,16,4,1;32,64,1,4,4,0,16,2,1"
 FEW+=";16,64,1,4,4,1,16,4,0"
+MID="64,64,1,4,4,0,16,2,1;64,64,1,4,4,0,16,4,1;64,64,1,4,3,0,16,2,1;64,64,1,4,6,0,16,2,1"
+MID+=";32,64,1,4,4,0,16,2,1;64,128,1,4,4,0,16,2,1;64,64,1,4,4,1,16,2,1"
 step() {
   local log="$1"
   shift
@@ -23,7 +26,9 @@ step() {
     | grep -v "Loading weights" | tee "$OUT/$log"
 }
 step fp8_cold.log --cold --tokens 1,2,8,32,64,128,4096 --json "$OUT/fp8_cold.json"
-step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256 --tiles "$SWAPPED;$PLAIN" \
+step fp8_wo_a.log --shapes wo_a --tokens 1,2,32,64,96,128,256,512 --tiles "$SWAPPED;$PLAIN" \
   --json "$OUT/fp8_wo_a.json"
 step fp8_few_rows.log --shapes wq_a,wo_b,shared_w2,shared_w13,x_proj_csa --tokens 2,4,8,12,16 \
   --tiles "$FEW" --json "$OUT/fp8_few_rows.json"
+step fp8_mid_rows.log --shapes x_proj_csa,shared_w13,shared_w2,wo_b --tokens 48,64 \
+  --tiles "$MID" --json "$OUT/fp8_mid_rows.json"
