@@ -409,6 +409,9 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     assert not any(use(m, 4096, 1024) for m in (1, 32, 64))  # ours to 64 rows (swapped tiles)
     assert use(65, 4096, 1024) and use(1024, 128, 128)
     assert not use(1024, 200, 256) and not use(1024, 256, 64)  # partial blocks: ours
+    partial, partial_scale = _weight(200, 256, seed=4)
+    with pytest.raises(AssertionError, match="partial blocks"):  # cuBLAS would answer garbage
+        linear_triton.cublas_fp8_linear(torch.zeros(80, 256), partial, partial_scale)
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
     assert not backend.cublas  # not on the CPU
     calls: list[int] = []

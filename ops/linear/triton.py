@@ -666,9 +666,14 @@ def cublas_fp8_linear(
     1 x 128 activation and 128 x 128 weight scales: DeepSeek's recipe): x quantized by this
     module's quantizer, whose scales have the strides (1, M) cuBLAS asks for, into M rounded up
     to 16 rows (cuBLAS has no algorithm for odd M: the padding rows are computed, then
-    dropped). ``swiglu``: as fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x, 128 x 128
-    weight blocks; raises RuntimeError where torch or cuBLAS refuses the shapes."""
+    dropped). ``swiglu``: as fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x, whole 128 x
+    128 weight blocks (asserted: cuBLAS answers a weight of partial blocks with wrong values,
+    not an error); raises RuntimeError where torch or cuBLAS refuses the shapes."""
     m = x.shape[0]
+    n, k = weight.shape
+    assert n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0, (
+        f"cuBLAS's blockwise FP8 on a {n} x {k} weight: partial blocks give wrong values"
+    )
     q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16, swiglu=swiglu)
     out = torch._scaled_mm(
         q, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype
