@@ -10,7 +10,10 @@ N(0, 1). Timed, as CUDA graph replays of ``--calls`` back-to-back calls (what de
 per-call figure is the replay time / calls), median of ``--repeats``; with ``--cold``, one call a
 replay with the L2 cache cleared before each (``flashmla_vs_triton.kernel_seconds``), as a decode
 step meets a layer's weights (back to back, a weight of up to ~25 MB stays in the H100's 50 MB L2,
-bf16's as well as e4m3's, and the paths are timed on their latency rather than their bytes):
+bf16's as well as e4m3's, and the paths are timed on their latency rather than their bytes); with
+``--rotate``, back to back but each call on its own copy of the weight, enough copies to pass
+ROTATE_BYTES (every call streams its weight from HBM, as a decode step's layers do, and no call
+pays a launch of its own):
 
 - fp8: ``ops.linear.triton.fp8_linear`` (x quantized per token per 128 inputs, then the FP8
   GEMM; one launch at decode, two or three at prefill);
@@ -39,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -89,6 +94,9 @@ def main() -> None:
     ap.add_argument("--tflops", type=float, default=1430.0, help="FP8 tensor-core TFLOP/s")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--cold", action="store_true", help="a call a replay, the L2 cleared before")
+    ap.add_argument(
+        "--rotate", action="store_true", help="each call of a replay on its own weight copy"
+    )
     ap.add_argument("--tiny", action="store_true", help="shapes / 32; CPU + interpreter w/o CUDA")
     ap.add_argument(
         "--tiles",
@@ -124,6 +132,7 @@ def main() -> None:
         "bandwidth": ns.bandwidth,
         "tflops": ns.tflops,
         "cold": ns.cold,
+        "rotate": ns.rotate,
         "rows": rows,
     }
     grouped: list[dict[str, Any]] = []
@@ -139,22 +148,22 @@ def main() -> None:
         gen = torch.Generator(device=setup.device).manual_seed(n + k)
         w = torch.randn(n, k, generator=gen, device=setup.device) * k**-0.5
         weight, scale = torch_ref.quantize_fp8(w)
-        w_dense = torch_ref.dequantize_fp8(weight, scale).to(setup.dtype)
         del w
+        copies = _copies(weight, scale, torch_ref.dequantize_fp8(weight, scale).to(setup.dtype), ns)
         for m in parse_ints(ns.tokens or ("1,32" if ns.tiny else "1,32,128,4096")):
             x = torch.randn(m, k, generator=gen, device=setup.device).to(setup.dtype)
             row = {"shape": name, "n": n, "k": k, "m": m}
             ours = fp8_triton.fp8_linear(x, weight, scale)
-            row |= _measure(x, weight, scale, w_dense, ours, fp8_triton, setup, ns)
-            row["tiles_s"] = _sweep(x, weight, scale, ours, fp8_triton, candidates, setup, ns)
-            row["per_sm_s"] = _per_sm_sweep(x, weight, scale, ours, fp8_triton, setup, ns)
+            row |= _measure(x, copies, ours, fp8_triton, setup, ns)
+            row["tiles_s"] = _sweep(x, copies, ours, fp8_triton, candidates, setup, ns)
+            row["per_sm_s"] = _per_sm_sweep(x, copies, ours, fp8_triton, setup, ns)
             rows.append(row)
             write_json(ns.json, payload)
             print(
                 f"{name} M={m}: fp8 {row['fp8_s'] * 1e6:.1f} us, engine "
                 f"{row['engine_s'] * 1e6:.1f} us, bf16 {row['bf16_s'] * 1e6:.1f} us"
             )
-        del weight, scale, w_dense
+        del weight, scale, copies
         release()
     if rows:
         print()
@@ -190,6 +199,7 @@ def _grouped_rows(
     w = torch.randn(groups * n, k, generator=gen, device=setup.device) * k**-0.5
     weight, scale = torch_ref.quantize_fp8(w)
     w_dense = torch_ref.dequantize_fp8(weight, scale).to(setup.dtype).view(groups, n, k)
+    copies = _copies(weight, scale, w_dense, ns)
     del w
     backend = fp8_triton.TritonLinearBackend(setup.device)
     rows = []
@@ -201,17 +211,24 @@ def _grouped_rows(
         assert diff < 5e-2, f"{name} M={m}: rel diff {diff:.1e} to the bf16 einsum"
         row: dict[str, Any] = {
             "shape": name, "groups": groups, "n": n, "k": k, "m": m,
-            "engine_s": _time(partial(backend.fp8_grouped_linear, x, weight, scale), setup, ns),
-            "bf16_s": _time(partial(torch.einsum, "tgi,goi->tgo", x, w_dense), setup, ns),
+            "engine_s": _time(
+                lambda o, x=x: backend.fp8_grouped_linear(x, o.weight, o.scale), copies, setup, ns
+            ),
+            "bf16_s": _time(
+                lambda o, x=x: torch.einsum("tgi,goi->tgo", x, o.dense), copies, setup, ns
+            ),
             "per_group_s": None if n % fp8_triton.FP8_BLOCK[0] else _checked_time(
-                partial(fp8_triton.fp8_linear_per_group, backend.fp8_linear, x, weight, scale,
-                        fp8_triton.FP8_BLOCK),
-                ours, "a GEMM a group", setup, ns,
+                lambda o, x=x: fp8_triton.fp8_linear_per_group(
+                    backend.fp8_linear, x, o.weight, o.scale, fp8_triton.FP8_BLOCK
+                ),
+                copies, ours, "a GEMM a group", setup, ns,
             ),  # a group of whole weight blocks only
             "tiles_s": {
                 _tile_name(c): _checked_time(
-                    partial(fp8_triton.fp8_grouped_linear, x, weight, scale, config=c),
-                    ours, _tile_name(c), setup, ns,
+                    lambda o, x=x, c=c: fp8_triton.fp8_grouped_linear(
+                        x, o.weight, o.scale, config=c
+                    ),
+                    copies, ours, _tile_name(c), setup, ns,
                 )
                 for c in candidates
             },
@@ -248,9 +265,7 @@ def _grouped_engine_tiles(row: dict[str, Any], fp8_triton: Any) -> str:
 
 def _measure(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    w_dense: torch.Tensor,
+    copies: list[Operands],
     ours: torch.Tensor,
     fp8_triton: Any,
     setup: Setup,
@@ -259,15 +274,16 @@ def _measure(
     """The figures of one (linear, M): times of the three paths, bytes/s, flop/s (``ours``:
     the engine's output, which the other paths are compared with)."""
     m, k = x.shape
+    weight, scale, w_dense = copies[0].weight, copies[0].scale, copies[0].dense
     n = weight.shape[0]
     backend = fp8_triton.TritonLinearBackend(setup.device)
     engine = backend.fp8_linear(x, weight, scale)
     diff = ((engine.float() - ours.float()).norm() / ours.float().norm()).item()
     assert diff < 1e-2, f"the backend's path: rel diff {diff:.1e} to the Triton kernel's"
     row: dict[str, Any] = {
-        "fp8_s": _time(lambda: fp8_triton.fp8_linear(x, weight, scale), setup, ns),
-        "engine_s": _time(lambda: backend.fp8_linear(x, weight, scale), setup, ns),
-        "bf16_s": _time(lambda: F.linear(x, w_dense), setup, ns),
+        "fp8_s": _time(lambda o: fp8_triton.fp8_linear(x, o.weight, o.scale), copies, setup, ns),
+        "engine_s": _time(lambda o: backend.fp8_linear(x, o.weight, o.scale), copies, setup, ns),
+        "bf16_s": _time(lambda o: F.linear(x, o.dense), copies, setup, ns),
         "dense_s": None,
     }
     if m <= DENSE_BENCH_ROWS:  # our GEMM on the bf16 weight (FusedLinears' up to DENSE_MAX_ROWS)
@@ -275,33 +291,64 @@ def _measure(
         ref = F.linear(x, w_dense).float()
         diff = ((dense.float() - ref).norm() / ref.norm()).item()
         assert diff < 1e-2, f"dense_linear: rel diff {diff:.1e} to F.linear's"
-        row["dense_s"] = _time(lambda: fp8_triton.dense_linear(x, w_dense), setup, ns)
-    row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(
-        x, weight, scale, ours, fp8_triton, setup, ns
-    )
-    row["deepgemm_s"], row["deepgemm_note"] = _deepgemm(x, weight, scale, ours, setup, ns)
+        row["dense_s"] = _time(lambda o: fp8_triton.dense_linear(x, o.dense), copies, setup, ns)
+    row["scaled_mm_s"], row["scaled_mm_note"] = _scaled_mm(x, copies, ours, fp8_triton, setup, ns)
+    row["deepgemm_s"], row["deepgemm_note"] = _deepgemm(x, copies, ours, setup, ns)
     row["fp8_bytes_per_s"] = (weight.numel() + scale.numel() * 4) / row["fp8_s"]
     row["bf16_bytes_per_s"] = w_dense.numel() * w_dense.element_size() / row["bf16_s"]
     row["fp8_flops_per_s"] = 2 * m * n * k / row["fp8_s"]
     return row
 
 
-def _time(fn: Any, setup: Setup, ns: argparse.Namespace) -> float:
-    """Seconds per call: a CUDA graph of ns.calls calls replayed; eager on the CPU (or when
-    the capture fails). ``--cold``: a graph of one call, the L2 cleared before each replay."""
+def _time(
+    fn: Callable[[Operands], Any], copies: list[Operands], setup: Setup, ns: argparse.Namespace
+) -> float:
+    """Seconds per call of ``fn(operands)``: a CUDA graph of ns.calls calls (at least one a
+    copy, call i on copies[i % len]) replayed; eager on the CPU (or when the capture fails).
+    ``--cold``: a graph of one call, the L2 cleared before each replay."""
     if ns.cold and setup.device.type == "cuda":
         from flashmla_vs_triton import kernel_seconds
 
-        return kernel_seconds(fn)[0]
+        return kernel_seconds(partial(fn, copies[0]))[0]
+    num_calls = max(ns.calls, len(copies))
 
     def calls() -> None:
-        for _ in range(ns.calls):
-            fn()
+        for i in range(num_calls):
+            fn(copies[i % len(copies)])
 
     seconds, _ = graph_time(calls, setup, ns.warmup, ns.repeats)
     if seconds is None:
         seconds = median_time(calls, setup, ns.warmup, ns.repeats)
-    return seconds / ns.calls
+    return seconds / num_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """One copy of a linear's weight as the timed paths read it: e4m3 with its 128 x 128
+    scales, and dequantized in the model dtype."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    dense: torch.Tensor
+
+
+# --rotate: copies until the e4m3 weights pass this many bytes, twice the H100's and H200's
+# 50 MB L2 (so a call's weight is never left there by the calls before it).
+ROTATE_BYTES = 100e6
+
+
+def _copies(
+    weight: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor, ns: argparse.Namespace
+) -> list[Operands]:
+    """The operands the timed calls cycle through: these, and with --rotate that many more
+    copies that together they pass ROTATE_BYTES (off CUDA one more: a smoke test)."""
+    first = Operands(weight, scale, dense)
+    if not ns.rotate:
+        return [first]
+    count = max(2, math.ceil(ROTATE_BYTES / weight.numel())) if weight.is_cuda else 2
+    return [first] + [
+        Operands(weight.clone(), scale.clone(), dense.clone()) for _ in range(count - 1)
+    ]
 
 
 def _tile_name(c: Any) -> str:
@@ -314,8 +361,7 @@ def _tile_name(c: Any) -> str:
 
 def _sweep(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
+    copies: list[Operands],
     ours: torch.Tensor,
     fp8_triton: Any,
     candidates: list[Any],
@@ -327,26 +373,30 @@ def _sweep(
     times = {}
     for config in candidates:
         times[_tile_name(config)] = _checked_time(
-            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config),
-            ours, _tile_name(config), setup, ns,
+            lambda o, config=config: fp8_triton.fp8_linear(x, o.weight, o.scale, config=config),
+            copies, ours, _tile_name(config), setup, ns,
         )  # fmt: skip
     return times
 
 
 def _checked_time(
-    run: Any, ours: torch.Tensor, label: str, setup: Setup, ns: argparse.Namespace
+    run: Callable[[Operands], torch.Tensor],
+    copies: list[Operands],
+    ours: torch.Tensor,
+    label: str,
+    setup: Setup,
+    ns: argparse.Namespace,
 ) -> float:
     """Seconds per call of ``run`` once its output is within 1e-2 of the engine's ``ours``
     (the same quantized x: only the accumulation order may differ)."""
-    diff = ((run().float() - ours.float()).norm() / ours.float().norm()).item()
+    diff = ((run(copies[0]).float() - ours.float()).norm() / ours.float().norm()).item()
     assert diff < 1e-2, f"{label}: rel diff {diff:.1e} to the engine's output"
-    return _time(run, setup, ns)
+    return _time(run, copies, setup, ns)
 
 
 def _per_sm_sweep(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
+    copies: list[Operands],
     ours: torch.Tensor,
     fp8_triton: Any,
     setup: Setup,
@@ -359,8 +409,8 @@ def _per_sm_sweep(
     for per_sm in parse_ints(ns.programs_per_sm or ""):
         config = dataclasses.replace(engine, programs_per_sm=per_sm)
         times[per_sm] = _checked_time(
-            lambda config=config: fp8_triton.fp8_linear(x, weight, scale, config=config),
-            ours, f"{per_sm} an SM", setup, ns,
+            lambda o, config=config: fp8_triton.fp8_linear(x, o.weight, o.scale, config=config),
+            copies, ours, f"{per_sm} an SM", setup, ns,
         )  # fmt: skip
     return times
 
@@ -398,8 +448,7 @@ def _sweep_table(rows: list[dict[str, Any]], fp8_triton: Any) -> str:
 
 def _scaled_mm(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
+    copies: list[Operands],
     ours: torch.Tensor,
     fp8_triton: Any,
     setup: Setup,
@@ -409,25 +458,24 @@ def _scaled_mm(
     if not setup.is_cuda:
         return None, "needs CUDA"
 
-    def run() -> torch.Tensor:
+    def run(o: Operands) -> torch.Tensor:
         q, x_scale = fp8_triton.quantize_activations(x)  # [M, Kb] strides (1, M): 1x128
         # 128x128 scales as [Kb, Nb] (the weight's transpose): scale.t() of the [Nb, Kb] table.
         return torch._scaled_mm(
-            q, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype
+            q, o.weight.t(), scale_a=x_scale, scale_b=o.scale.t(), out_dtype=x.dtype
         )
 
     try:
-        out = run()
+        out = run(copies[0])
     except (RuntimeError, ValueError, NotImplementedError) as error:
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
     diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
-    return _time(run, setup, ns), f"rel diff to Triton {diff:.1e}"
+    return _time(run, copies, setup, ns), f"rel diff to Triton {diff:.1e}"
 
 
 def _deepgemm(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
+    copies: list[Operands],
     ours: torch.Tensor,
     setup: Setup,
     ns: argparse.Namespace,
@@ -438,9 +486,9 @@ def _deepgemm(
     ok, why = deepgemm.is_available(setup.device)
     if not ok:
         return None, why
-    out = deepgemm.fp8_linear(x, weight, scale)
+    out = deepgemm.fp8_linear(x, copies[0].weight, copies[0].scale)
     diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
-    return _time(lambda: deepgemm.fp8_linear(x, weight, scale), setup, ns), (
+    return _time(lambda o: deepgemm.fp8_linear(x, o.weight, o.scale), copies, setup, ns), (
         f"rel diff to Triton {diff:.1e}"
     )
 
