@@ -153,6 +153,7 @@ def test_nodes_from_the_deploy_examples_register(cluster: Cluster) -> None:
         "model": "deepinfer-tiny",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4,
+        "temperature": 0,  # greedy: sampled, the tiny model's EOS may end the reply early
         "thinking": {"type": "disabled"},
     }
     url = f"{cluster.public}/v1/chat/completions"
