@@ -14,7 +14,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_env.sh >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 (
-  cd tests/gpu && timeout --signal=INT "${SUITE_S:-270}" python3 -P -m pytest -q -p no:cacheprovider -m gpu \
+  cd tests/gpu && timeout --signal=INT "${SUITE_S:-270}" \
+    python3 -P -m pytest -q -p no:cacheprovider -m gpu \
     test_gpu_linear_fp8.py test_gpu_parity.py test_gpu_deterministic.py \
     test_gpu_speculative.py test_gpu_v41.py --durations=8
 ) >"$OUT/suite.log" 2>&1
