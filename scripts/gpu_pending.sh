@@ -4,7 +4,9 @@
 # BEFORE_DIR: the tree before it (`git archive REV | tar -x -C .ab/NAME`), for the A/Bs.
 #   1. the engine-level GPU tests the FP8 GEMM's tiles and the cuBLAS rule touch, and V4.1 and
 #      speculative decoding (the side stream, the derived window lists): $OUT/suite.log;
-#   2. the prefill's host plans, before and after (the outer model alone, 8K and 32K prompts);
+#   2. cuBLAS's blockwise FP8 against our kernel on every tiny-model linear
+#      (benchmarks/cublas_shapes.py), then the prefill's host plans, before and after (the outer
+#      model alone, 8K and 32K prompts);
 #   3. the decode step at batch 4 (16-row swapped tiles) and 128 (wo_a's 128-row swapped tiles).
 # Each step has a time limit that keeps the call inside the device tool's 600 s (SUITE_S,
 # PREFILL_S, DECODE_S: 270, 110 and 170 by default).
@@ -21,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 ) >"$OUT/suite.log" 2>&1
 tail -25 "$OUT/suite.log"
 grep -h "top-1 agreement" "$OUT/gpu_results.txt" | cut -c1-220
+timeout 60 python3 -P benchmarks/cublas_shapes.py 2>&1 | grep "^|" | tee "$OUT/cublas_shapes.log"
 AB_ROUNDS=1 timeout "${PREFILL_S:-110}" bash scripts/gpu_ab.sh "$before" benchmarks/v4_flash_prefill.py \
   --layers "" --prompt 8192,32768 >"$OUT/prefill_ab.log" 2>&1
 grep -E "^\| plans|^== " "$OUT/prefill_ab.log"

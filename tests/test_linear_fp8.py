@@ -410,7 +410,7 @@ def test_backend_takes_cublas_where_it_is_faster_and_drops_it_when_refused(
     assert use(65, 4096, 1024) and use(1024, 128, 128)
     assert not use(1024, 200, 256) and not use(1024, 256, 64)  # partial blocks: ours
     partial, partial_scale = _weight(200, 256, seed=4)
-    with pytest.raises(AssertionError, match="partial blocks"):  # cuBLAS would answer garbage
+    with pytest.raises(AssertionError, match="partial blocks"):  # use_cublas keeps them ours
         linear_triton.cublas_fp8_linear(torch.zeros(80, 256), partial, partial_scale)
     backend = linear_triton.TritonLinearBackend(torch.device("cpu"))
     assert not backend.cublas  # not on the CPU

@@ -648,8 +648,9 @@ def _gemm(
 def use_cublas(m: int, n: int, k: int) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]:
     from 65 rows (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on a weight of whole
-    128 x 128 blocks (on the tiny model's 32 x 64 weights it ran without an error and the
-    engine's FP8 test fell to 0.11 top-1 agreement: RESULTS.md, tenth session). Up to 64 rows
+    128 x 128 blocks (with the tiny model's weights at ~720 rows it ran without an error and
+    the engine's FP8 test fell to 0.11 top-1 agreement; which linear went wrong is not pinned,
+    a plain 32 x 64 one is right: RESULTS.md, tenth session). Up to 64 rows
     ours (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows on the swapped tiles: the fused x
     projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused x
     projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4)."""
@@ -667,12 +668,12 @@ def cublas_fp8_linear(
     module's quantizer, whose scales have the strides (1, M) cuBLAS asks for, into M rounded up
     to 16 rows (cuBLAS has no algorithm for odd M: the padding rows are computed, then
     dropped). ``swiglu``: as fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x, whole 128 x
-    128 weight blocks (asserted: a weight of partial blocks gave wrong values, not an error;
-    ``use_cublas``); raises RuntimeError where torch or cuBLAS refuses the shapes."""
+    128 weight blocks (asserted: ``use_cublas`` keeps every other weight on our kernel); raises
+    RuntimeError where torch or cuBLAS refuses the shapes."""
     m = x.shape[0]
     n, k = weight.shape
     assert n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0, (
-        f"cuBLAS's blockwise FP8 on a {n} x {k} weight: partial blocks gave wrong values"
+        f"cuBLAS's blockwise FP8 on a {n} x {k} weight: taken on whole blocks only (partial blocks)"
     )
     q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16, swiglu=swiglu)
     out = torch._scaled_mm(
