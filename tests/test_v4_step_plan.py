@@ -333,7 +333,7 @@ def test_a_long_steps_window_lists_derived_on_the_device_are_the_hosts(monkeypat
             offset += num
         host_plan, host_meta = lists(seqs, 1 << 30)
         device_plan, device_meta = lists(seqs, 0)
-        assert device_meta.window is not None and host_meta.window is None
+        assert device_meta.window_plan is not None and host_meta.window_plan is None
         assert "win_step" not in device_plan and "win_step" in host_plan
         assert torch.equal(device_meta.win_step_idx, host_meta.win_step_idx), seqs
         assert torch.equal(device_meta.win_ring_idx, host_meta.win_ring_idx), seqs

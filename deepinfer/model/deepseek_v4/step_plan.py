@@ -42,7 +42,7 @@ class StepMetadata:
 
     token_req [T]: request (batch index) of each token. win_step_idx [T, Ws] / win_ring_idx
     [T, Wr]: step rows / ring rows of the window keys each query sees (-1 = none), uploaded
-    with the plans, or for a long step derived on the device from ``window`` (WindowPlan) by
+    with the plans, or for a long step derived on the device from ``window_plan`` by
     ``derive_lists``. ring_src /
     ring_dst: step rows -> ring rows written after attention (each request's last R tokens).
     ring_first (host): they may be written before it instead, with the keys' norm: every
@@ -73,7 +73,7 @@ class StepMetadata:
     per_block: dict[int, int]  # entries per block, by ratio (host ints)
     dense_ratios: tuple[int, ...]
     ring_first: bool = False
-    window: WindowPlan | None = None
+    window_plan: WindowPlan | None = None
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -93,8 +93,8 @@ class StepMetadata:
     def derive_window_lists(self) -> None:
         """A long step's win_step_idx and win_ring_idx from its WindowPlan (nothing when they
         came with the plans): what a forward reading only the window (the MTP layer) needs."""
-        if self.window is not None:
-            self.win_step_idx, self.win_ring_idx = self.window.lists(self.token_req)
+        if self.window_plan is not None:
+            self.win_step_idx, self.win_ring_idx = self.window_plan.lists(self.token_req)
 
 
 # From this many tokens a step's window lists are derived on the device (WindowPlan) rather
@@ -258,7 +258,7 @@ def metadata_views(dev: dict[str, torch.Tensor], geometry: CacheGeometry) -> Ste
             and most <= geometry.ring_size - geometry.window + 1
             and dev["ring_src"].shape[0] == dev["token_req"].shape[0]  # every token kept
         ),
-        window=None if "win_step" in dev else _window_views(dev, geometry),
+        window_plan=None if "win_step" in dev else _window_views(dev, geometry),
     )
 
 
