@@ -5,10 +5,9 @@ every FP8 linear of a model, with and without a SwiGLU input: which shapes cuBLA
 
 Without --model: the quantized tiny checkpoint (make_tiny_model(quantized=True)), every linear
 FP8. For each ``Fp8Linear`` (shared weights once): x [rows, in] bf16 N(0, 1) (and an ``up`` of
-the same shape for the SwiGLU input, limit 10), quantized by our quantizer into rows rounded
-up to 16, then ``torch._scaled_mm`` as ``ops/linear/triton.cublas_fp8_linear`` calls it (its
-whole-block check left out) against ``ops/linear/triton.fp8_linear``: the relative difference,
-or cuBLAS's refusal. CUDA only.
+the same shape for the SwiGLU input, limit 10) through ``ops/linear/triton.scaled_mm_blockwise``
+(what ``cublas_fp8_linear`` calls, without its whole-block check) against ``fp8_linear``: the
+relative difference, or cuBLAS's refusal. CUDA only.
 """
 
 from __future__ import annotations
@@ -47,13 +46,8 @@ def main() -> None:
         for label, swiglu in (("plain", None), ("swiglu", (up, 10.0))):
             weight, scale_w = module.weight, module.scale
             ours = fp8_triton.fp8_linear(x, weight, scale_w, module.block, swiglu=swiglu)
-            rows = -(-ns.rows // 16) * 16
             try:
-                q, scale = fp8_triton.quantize_activations(x, 128, rows=rows, swiglu=swiglu)
-                out = torch._scaled_mm(
-                    q, weight.t(), scale_a=scale, scale_b=scale_w.t(),
-                    out_dtype=x.dtype,
-                )[: ns.rows]  # fmt: skip
+                out = fp8_triton.scaled_mm_blockwise(x, weight, scale_w, swiglu)
                 diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
                 answer = f"rel diff {diff:.2e}"
             except RuntimeError as error:

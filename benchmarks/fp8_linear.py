@@ -23,10 +23,11 @@ pays a launch of its own):
   ``model.fp8_weights``;
 - dense: ``ops.linear.triton.dense_linear`` on that bf16 weight (our GEMM without scales; the
   engine's fused dense projections up to DENSE_MAX_ROWS rows), timed up to 16 rows;
-- scaled_mm: ``torch._scaled_mm`` with DeepSeek's blockwise recipe (x 1x128 scales from the
-  Triton quantizer, W 128x128 scales; cuBLAS on SM90, CUDA >= 12.9), where torch and cuBLAS
-  accept the shape; else the error, shortened. Its relative difference to the Triton output is
-  reported (both quantize x identically, so it is the GEMMs' accumulation only);
+- scaled_mm: ``ops.linear.triton.scaled_mm_blockwise``, ``torch._scaled_mm`` with DeepSeek's
+  blockwise recipe (x 1x128 scales from the Triton quantizer, its rows rounded up to 16; W
+  128x128 scales; cuBLAS on SM90, CUDA >= 12.9), the engine's cuBLAS path, where torch and
+  cuBLAS accept the shape; else the error, shortened. Its relative difference to the Triton
+  output is reported (both quantize x identically, so it is the GEMMs' accumulation only);
 - deepgemm: ``ops.linear.deepgemm.fp8_linear`` (the Triton quantizer, then DeepSeek's
   ``deep_gemm.fp8_gemm_nt``) when DeepGEMM is available (scripts/build_deepgemm.sh; the
   backend's own probe decides), with its relative difference to the Triton output.
@@ -459,11 +460,7 @@ def _scaled_mm(
         return None, "needs CUDA"
 
     def run(o: Operands) -> torch.Tensor:
-        q, x_scale = fp8_triton.quantize_activations(x)  # [M, Kb] strides (1, M): 1x128
-        # 128x128 scales as [Kb, Nb] (the weight's transpose): scale.t() of the [Nb, Kb] table.
-        return torch._scaled_mm(
-            q, o.weight.t(), scale_a=x_scale, scale_b=o.scale.t(), out_dtype=x.dtype
-        )
+        return fp8_triton.scaled_mm_blockwise(x, o.weight, o.scale)
 
     try:
         out = run(copies[0])

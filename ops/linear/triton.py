@@ -77,8 +77,10 @@ __all__ = [
     "fp8_linear_per_group",
     "pick_tile_config",
     "quantize_activations",
+    "scaled_mm_blockwise",
     "split_groups",
     "use_cublas",
+    "whole_blocks",
 ]
 
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
@@ -647,14 +649,20 @@ def _gemm(
 
 def use_cublas(m: int, n: int, k: int) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM beats our kernel for x [M, K] and a weight [N, K]:
-    from 65 rows (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on a weight of whole
-    128 x 128 blocks (with the tiny model's weights at ~720 rows it ran without an error and
-    the engine's FP8 test fell to 0.11 top-1 agreement; which linear went wrong is not pinned,
-    a plain 32 x 64 one is right: RESULTS.md, tenth session). Up to 64 rows
-    ours (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows on the swapped tiles: the fused x
-    projections 11.9 against 15.4, wo_b 17.4 against 26.3); at 128 cuBLAS's (the fused x
-    projections 16.1 against 20.2, the fused wq_b 26.3 against 40.4)."""
-    return m > 64 and n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0
+    from 65 rows (H100, benchmarks/RESULTS.md 2026-12-07, ninth session), on a weight of
+    ``whole_blocks``. Up to 64 rows ours (one row: wo_b 14.5 µs against cuBLAS's 18; 32 rows
+    on the swapped tiles: the fused x projections 11.9 against 15.4, wo_b 17.4 against 26.3);
+    at 128 cuBLAS's (the fused x projections 16.1 against 20.2, the fused wq_b 26.3 against
+    40.4)."""
+    return m > 64 and whole_blocks(n, k)
+
+
+def whole_blocks(n: int, k: int) -> bool:
+    """Whether a weight [N, K] is whole 128 x 128 blocks, the only weights cuBLAS's recipe is
+    given: with the tiny model's weights at ~720 rows it ran without an error and the engine's
+    FP8 test fell to 0.11 top-1 agreement (which linear went wrong is not pinned; a plain
+    32 x 64 one is right: RESULTS.md, 2026-12-07 tenth session)."""
+    return n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0
 
 
 def cublas_fp8_linear(
@@ -663,18 +671,27 @@ def cublas_fp8_linear(
     weight_scale: torch.Tensor,
     swiglu: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """fp8_linear's function through cuBLAS's blockwise FP8 GEMM (``torch._scaled_mm`` with
-    1 x 128 activation and 128 x 128 weight scales: DeepSeek's recipe): x quantized by this
-    module's quantizer, whose scales have the strides (1, M) cuBLAS asks for, into M rounded up
-    to 16 rows (cuBLAS has no algorithm for odd M: the padding rows are computed, then
-    dropped). ``swiglu``: as fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x, whole 128 x
-    128 weight blocks (asserted: ``use_cublas`` keeps every other weight on our kernel); raises
-    RuntimeError where torch or cuBLAS refuses the shapes."""
-    m = x.shape[0]
-    n, k = weight.shape
-    assert n % FP8_BLOCK[0] == 0 and k % FP8_BLOCK[1] == 0, (
-        f"cuBLAS's blockwise FP8 on a {n} x {k} weight: taken on whole blocks only (partial blocks)"
+    """fp8_linear's function through cuBLAS's blockwise FP8 GEMM, on a weight of
+    ``whole_blocks`` (asserted): ``scaled_mm_blockwise``."""
+    assert whole_blocks(*weight.shape), (
+        f"cuBLAS's blockwise FP8 on a {tuple(weight.shape)} weight of partial blocks"
     )
+    return scaled_mm_blockwise(x, weight, weight_scale, swiglu)
+
+
+def scaled_mm_blockwise(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    swiglu: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales (DeepSeek's
+    recipe), whatever the weight's shape: x quantized by this module's quantizer, whose scales
+    have the strides (1, M) cuBLAS asks for, into M rounded up to 16 rows (cuBLAS has no
+    algorithm for odd M: the padding rows are computed, then dropped). ``swiglu``: as
+    fp8_linear's, in the quantizer. CUDA, bf16 / fp16 x; raises RuntimeError where torch or
+    cuBLAS refuses the shapes. The engine calls it through ``cublas_fp8_linear``."""
+    m = x.shape[0]
     q, scale = quantize_activations(x, FP8_BLOCK[1], rows=-(-m // 16) * 16, swiglu=swiglu)
     out = torch._scaled_mm(
         q, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype

@@ -213,10 +213,10 @@ def test_backend_on_partial_blocks_keeps_to_ours(
 ) -> None:
     """A weight that is not whole 128 x 128 blocks (the tiny model's) at prefill rows: the
     backend runs our kernel, within the W8A8 tolerance, and cublas_fp8_linear refuses it. What
-    torch._scaled_mm's blockwise recipe itself answers there is recorded (an error, or its
-    distance to the W8A8 arithmetic; the engine's FP8 test fell to 0.11 top-1 agreement when
-    the tiny model's weights took it, though a plain 32 x 64 weight comes out right:
-    benchmarks/cublas_shapes.py goes through every linear)."""
+    cuBLAS's recipe itself answers there (scaled_mm_blockwise) is recorded: an error, or its
+    distance to the W8A8 arithmetic. The engine's FP8 test fell to 0.11 top-1 agreement when
+    the tiny model's weights took it, though a plain 32 x 64 weight comes out right
+    (benchmarks/cublas_shapes.py goes through every linear)."""
     weight, scale = _weight(n, k, seed=n)
     x = _x(704, k, seed=k)
     backend = linear_triton.TritonLinearBackend(torch.device("cuda"))
@@ -226,14 +226,13 @@ def test_backend_on_partial_blocks_keeps_to_ours(
     assert _rel_err(out, emulated) < EMULATED_TOL
     with pytest.raises(AssertionError, match="partial blocks"):
         linear_triton.cublas_fp8_linear(x, weight, scale)
-    q, x_scale = linear_triton.quantize_activations(x)
     try:
-        raw = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+        raw = linear_triton.scaled_mm_blockwise(x, weight, scale)
         err = ((raw.float() - emulated).norm() / emulated.norm()).item()  # nan if non-finite
         answer = f"rel err {err:.2e} to W8A8"
     except RuntimeError as error:
         answer = f"refused ({str(error).strip().splitlines()[0][:80]})"
-    record_figure(f"torch._scaled_mm blockwise on a {n} x {k} weight, 704 rows: {answer}")
+    record_figure(f"scaled_mm_blockwise on a {n} x {k} weight, 704 rows: {answer}")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 128, 4096])
