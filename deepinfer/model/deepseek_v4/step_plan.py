@@ -99,8 +99,9 @@ class StepMetadata:
 
 # From this many tokens a step's window lists are derived on the device (WindowPlan) rather
 # than built on the host and uploaded: two [T, 128] int64 arrays, 16 MB at 8,192 tokens, which
-# took 7 of the host's 8 ms planning such a step (benchmarks/step_plan_host.py); below it the
-# host's arrays cost less than the derivation's dozen launches. CUDA-graph steps always upload.
+# took 7 of the host's 8 ms planning such a step (benchmarks/step_plan_host.py). Below it the
+# arrays are small (2 MB at 1,024 tokens) and the derivation's dozen launches would cost a short
+# step more than they save (a judgement, not measured). CUDA-graph steps always upload.
 WINDOW_ON_DEVICE_MIN_TOKENS = 1024
 
 
