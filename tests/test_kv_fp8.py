@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.model.deepseek_v4 import step_plan
 from deepinfer.ops.attention import torch_ref
 from deepinfer.ops.attention.kv_fp8 import Fp8Layout, Fp8Rows
 from deepinfer.ops.norm import CompressRows
@@ -185,6 +186,42 @@ def test_engine_on_fp8_kv_gives_the_tokens_of_round_tripped_keys(
     assert tokens(again) == tokens(first)
     # The rounding is real: the unrounded cache's logprobs differ somewhere.
     assert tokens(plain) != tokens(first)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "auto"])
+def test_window_from_ring_gives_the_tokens_of_two_window_sources(
+    kv_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that reads the window from the ring alone (FlashMLA's) gets the step's keys
+    stored into the ring before attention and one list of ring rows (StepMetadata.ring_window)
+    at every decode step, the prefill keeping the two sources. The keys and their order are the
+    same, so the oracle's tokens and logprobs are equal (unpadded: -1 columns would lengthen its
+    sums, which changes fp32's rounding)."""
+    torch.set_num_threads(2)
+    prompts = ["The quick brown fox jumps over the lazy dog " * 3, "1 2 3 4 5 6 7 8 9 10 11 12"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    common = {"device": "cpu", "block_size": 16, "kv_dtype": kv_dtype}
+    two_sources = LLM(**common).generate(prompts, params, use_tqdm=False)
+
+    merged = []
+    ring_window = step_plan.StepMetadata.ring_window
+
+    def kept(meta: step_plan.StepMetadata) -> torch.Tensor:
+        merged.append(ring_window(meta))
+        return merged[-1]
+
+    monkeypatch.setattr(torch_ref.TorchRefAttentionBackend, "window_from_ring", True)
+    monkeypatch.setattr(step_plan.StepMetadata, "ring_window", kept)
+    monkeypatch.setattr(step_plan, "RING_WINDOW_COLUMNS", 1)
+    from_ring = LLM(**common).generate(prompts, params, use_tqdm=False)
+    # Decode steps (a token a request) read it: one list a step, shared by the layers.
+    assert len({id(m) for m in merged}) >= params.max_tokens - 1
+    assert all(m.dtype == torch.int32 and m.shape[0] == len(prompts) for m in merged)
+
+    def tokens(outputs):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    assert tokens(from_ring) == tokens(two_sources)
 
 
 def test_a_v41_model_refuses_fp8_kv_by_name(tiny_v41_dir: Path) -> None:

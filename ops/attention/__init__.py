@@ -24,7 +24,14 @@ from deepinfer.ops.registry import OpRegistry, triton_available
 class AttentionBackend(Protocol):
     """The attention ops of one backend object. Producer: ``BACKENDS.select`` (or
     ``ops.reference_kernels``). Consumer: the model, through ``Kernels.attention``. Shapes,
-    dtypes and semantics: torch_ref's functions of the same names."""
+    dtypes and semantics: torch_ref's functions of the same names.
+
+    window_from_ring: the backend wants a step's window keys as one list of ring rows (the
+    step's keys stored into the ring before attention, where ``StepMetadata.ring_first``
+    allows it) rather than the step's rows and the ring's as two sources (FlashMLA takes two
+    sources at most: the window and the compressed entries)."""
+
+    window_from_ring: bool
 
     def sparse_attention(
         self,

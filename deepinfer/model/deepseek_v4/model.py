@@ -142,18 +142,28 @@ class Attention(nn.Module):
         meta = batch.metadata
         assert meta is not None, "the model builds the step metadata before the layers"
         ring = kv_rows(cache, (self.layer_id, "ring"), self.args)  # [slots * ring, hd]
-        # A dense ring takes a few tokens' rows from the norm's launch (StepMetadata.ring_first).
-        ring_first = meta.ring_first and isinstance(ring, torch.Tensor)
+        attention = self.kernels.attention
+        # Where the step allows it (StepMetadata.ring_first), its keys go into the ring before
+        # attention: a dense ring's from the norm's launch; a packed ring's by their own store,
+        # for a backend that reads the window from the ring alone (window_from_ring).
+        dense_ring = isinstance(ring, torch.Tensor)
+        ring_first = meta.ring_first and (dense_ring or attention.window_from_ring)
         # q's and kv's norms in one launch, with one eps: both are args.rms_norm_eps.
         q, kv = norm.rms_norm_rope_pair(
             q, project(self.wkv, x, projected), (None, self.kv_norm.weight), self.eps, cos, sin,
-            store=(ring, meta.ring_dst) if ring_first else None,
+            store=(ring, meta.ring_dst) if ring_first and dense_ring else None,
         )  # fmt: skip
+        if ring_first and not dense_ring:
+            attention.store_rows(ring, meta.ring_dst, kv)
         # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
         # cache, so a key reads the same in its own step and later), earlier window rows from
-        # the ring, compressed entries.
-        attention = self.kernels.attention
-        sources = [(attention.as_stored(ring, kv), meta.win_step_idx), (ring, meta.win_ring_idx)]
+        # the ring, compressed entries. The first two as one list of ring rows where the
+        # backend reads the window from the ring and the ring holds the step's keys.
+        if ring_first and attention.window_from_ring:
+            sources = [(ring, meta.ring_window())]
+        else:
+            window = attention.as_stored(ring, kv)
+            sources = [(window, meta.win_step_idx), (ring, meta.win_ring_idx)]
         pool = pooled.wait()
         if pool is not None:
             if self.layer_type == CSA:

@@ -76,6 +76,7 @@ class StepMetadata:
     window_plan: WindowPlan | None = None
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     visible_idx: dict[int, torch.Tensor] = field(default_factory=dict)
+    _ring_window: torch.Tensor | None = None
 
     def derive_lists(self) -> None:
         """entry_rows and visible_idx from the block table, on the device (see above): a
@@ -93,9 +94,37 @@ class StepMetadata:
     def derive_window_lists(self) -> None:
         """A long step's win_step_idx and win_ring_idx from its WindowPlan (nothing when they
         came with the plans): what a forward reading only the window (the MTP layer) needs."""
+        self._ring_window = None  # derived again from these, by the first layer that asks
         if self.window_plan is not None:
             self.win_step_idx, self.win_ring_idx = self.window_plan.lists(self.token_req)
 
+
+    def ring_window(self) -> torch.Tensor:
+        """Each query's window keys as rows of the ring alone, for a step whose keys are in
+        the ring before attention (``ring_first``: step row s is ring row ring_dst[s]): [T, W]
+        int32, W = Ws + Wr rounded up to a multiple of RING_WINDOW_COLUMNS, -1 = none. The
+        step's keys come first, then the earlier ones, as the two lists order them (so a
+        reference walks the keys in the same order either way). Derived on the device once a
+        forward, at the first layer that asks (a CUDA graph captures it there)."""
+        assert self.ring_first, "the ring holds this step's keys only in a ring_first step"
+        if self._ring_window is None:
+            step, ring = self.win_step_idx, self.win_ring_idx
+            assert step is not None and ring is not None, "derive_lists runs first"
+            in_ring = torch.where(step >= 0, self.ring_dst[step.clamp(min=0)], -1)
+            columns = step.shape[1] + ring.shape[1]
+            pad = -columns % RING_WINDOW_COLUMNS
+            merged = torch.full(
+                (step.shape[0], columns + pad), -1, dtype=torch.int32, device=step.device
+            )
+            merged[:, : step.shape[1]] = in_ring
+            merged[:, step.shape[1] : columns] = ring
+            self._ring_window = merged
+        return self._ring_window
+
+
+# ring_window's columns are a multiple of this: FlashMLA's sparse decode reads index lists in
+# blocks of 64 (ops/attention/flashmla.py), and padding once a step spares a copy a layer.
+RING_WINDOW_COLUMNS = 64
 
 # From this many tokens a step's window lists are derived on the device (WindowPlan) rather
 # than built on the host and uploaded: two [T, 128] int64 arrays, 16 MB at 8,192 tokens, which
