@@ -3,9 +3,9 @@
 A backend object (``AttentionBackend``) provides ``sparse_attention``, ``indexer_scores``,
 ``indexer_topk`` and the two as one (``indexer_select``) with torch_ref's signatures, and the
 cache writes ``store_rows`` / ``as_stored`` with ``kv_fp8.py``'s. Backends, fastest first:
-``triton`` (CUDA), ``torch_ref`` (the oracle). ``flashmla.py`` is a yardstick, not a backend (its
-module docstring says why). A key source is dense rows or packed FP8 rows (``kv_fp8.py``,
-cache.kv_dtype = "fp8").
+``flashmla`` (DeepSeek's FlashMLA sparse decode over an FP8 cache where a call fits it, Triton
+elsewhere: ``flashmla_backend.py``; built apart, SM90), ``triton`` (CUDA), ``torch_ref`` (the
+oracle). A key source is dense rows or packed FP8 rows (``kv_fp8.py``, cache.kv_dtype = "fp8").
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.ops.attention.flashmla import is_available
 from deepinfer.ops.attention.kv_fp8 import KVSource
 from deepinfer.ops.attention.torch_ref import indexer_scores, sparse_attention
 from deepinfer.ops.registry import OpRegistry, triton_available
@@ -26,10 +27,11 @@ class AttentionBackend(Protocol):
     ``ops.reference_kernels``). Consumer: the model, through ``Kernels.attention``. Shapes,
     dtypes and semantics: torch_ref's functions of the same names.
 
-    window_from_ring: the backend wants a step's window keys as one list of ring rows (the
-    step's keys stored into the ring before attention, where ``StepMetadata.ring_first``
-    allows it) rather than the step's rows and the ring's as two sources (FlashMLA takes two
-    sources at most: the window and the compressed entries)."""
+    window_from_ring: over a packed ring, the backend wants a step's window keys as one list
+    of ring rows (the step's keys stored into the ring before attention, where
+    ``StepMetadata.ring_first`` allows it) rather than the step's rows and the ring's as two
+    sources (FlashMLA reads packed rows, and two sources at most: the window and the
+    compressed entries)."""
 
     window_from_ring: bool
 
@@ -83,6 +85,9 @@ class AttentionBackend(Protocol):
 
 
 BACKENDS = OpRegistry("attention", AttentionBackend)
+BACKENDS.register(
+    "flashmla", "deepinfer.ops.attention.flashmla_backend:FlashMLAAttentionBackend", is_available
+)
 BACKENDS.register(
     "triton", "deepinfer.ops.attention.triton:TritonAttentionBackend", triton_available
 )

@@ -1,15 +1,11 @@
 """FlashMLA's sparse attention kernels (``flash_mla``) on DeepSeek-V4 shapes, and its FP8 KV layout.
 
-An adapter, not an engine backend: the benchmark (benchmarks/flashmla_vs_triton.py) and the GPU
-test (tests/gpu/test_gpu_flashmla.py) use it to hold our sparse attention against DeepSeek's own
-kernels. It is not registered in ``BACKENDS``: FlashMLA's sparse decode reads only an FP8 KV cache
-in the layout below, which the engine's cache holds with ``cache.kv_dtype = "fp8"`` (the same
-row bytes, ``kv_fp8.py``; a block's stride r * 584 there), but our attention op takes up to
-three key sources per token (this step's new keys, the window ring, the compressed entries)
-where FlashMLA takes two (a main cache and an "extra" one); until the step's keys go through
-the ring first, it is a yardstick. The kernels are
-vendor code built apart (scripts/build_flashmla.sh): ``flash_mla`` is imported only when a
-function here runs, so this module imports everywhere; ``is_available`` says why it cannot run.
+The adapter the engine backend (``flashmla_backend.py``: FlashMLA's sparse decode where a call
+fits it, over the engine's FP8 cache parts as they lie), the benchmark
+(benchmarks/flashmla_vs_triton.py) and the GPU test (tests/gpu/test_gpu_flashmla.py) call. The
+kernels are vendor code built apart (scripts/build_flashmla.sh): ``flash_mla`` is imported
+only when a function here runs, so this module imports everywhere; ``is_available`` says why
+it cannot run.
 
 Mapping. Our op is shared-KV multi-query attention: one row of D = 512 is key and value for all
 heads, laid out ``[nope 448 | rope 64]``. FlashMLA's V4 mode ("MODEL1": d_qk = d_v = 512) is the

@@ -145,21 +145,20 @@ class Attention(nn.Module):
         attention = self.kernels.attention
         # Where the step allows it (StepMetadata.ring_first), its keys go into the ring before
         # attention: a dense ring's from the norm's launch; a packed ring's by their own store,
-        # for a backend that reads the window from the ring alone (window_from_ring).
+        # for a backend that reads a packed window from the ring alone (window_from_ring).
         dense_ring = isinstance(ring, torch.Tensor)
-        ring_first = meta.ring_first and (dense_ring or attention.window_from_ring)
+        from_ring = meta.ring_first and not dense_ring and attention.window_from_ring
+        ring_first = from_ring or (meta.ring_first and dense_ring)
         # q's and kv's norms in one launch, with one eps: both are args.rms_norm_eps.
         q, kv = norm.rms_norm_rope_pair(
             q, project(self.wkv, x, projected), (None, self.kv_norm.weight), self.eps, cos, sin,
             store=(ring, meta.ring_dst) if ring_first and dense_ring else None,
         )  # fmt: skip
-        if ring_first and not dense_ring:
-            attention.store_rows(ring, meta.ring_dst, kv)
         # Keys: this step's window rows (as the ring will hold them: FP8-rounded in an FP8
         # cache, so a key reads the same in its own step and later), earlier window rows from
-        # the ring, compressed entries. The first two as one list of ring rows where the
-        # backend reads the window from the ring and the ring holds the step's keys.
-        if ring_first and attention.window_from_ring:
+        # the ring, compressed entries; the first two as one list of ring rows from_ring.
+        if from_ring:
+            attention.store_rows(ring, meta.ring_dst, kv)
             sources = [(ring, meta.ring_window())]
         else:
             window = attention.as_stored(ring, kv)

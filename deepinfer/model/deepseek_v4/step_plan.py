@@ -98,7 +98,6 @@ class StepMetadata:
         if self.window_plan is not None:
             self.win_step_idx, self.win_ring_idx = self.window_plan.lists(self.token_req)
 
-
     def ring_window(self) -> torch.Tensor:
         """Each query's window keys as rows of the ring alone, for a step whose keys are in
         the ring before attention (``ring_first``: step row s is ring row ring_dst[s]): [T, W]

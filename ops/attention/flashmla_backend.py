@@ -1,0 +1,97 @@
+"""FlashMLA's sparse decode as the engine's attention where a call fits it; Triton elsewhere.
+
+FlashMLA's SM90 sparse decode (``flashmla.sparse_decode``) reads packed FP8 rows
+(cache.kv_dtype = "fp8": the engine's ring and entry parts hold exactly its V4 layout,
+``flashmla.py``) from at most two sources, a main cache and an "extra" one. The model gives it
+two: it asks for the window as one list of ring rows (``window_from_ring``: a decode step's keys
+go into the ring before attention, ``StepMetadata.ring_window``), and the compressed entries
+are the second. A call goes to FlashMLA when:
+
+    q              [T, H, 512] bf16 on CUDA, H in (64, 128)
+    sources        1 or 2, each packed rows of the V4 layout (448 e4m3 + 64 bf16) whose
+                   groups (blocks, ring slots) start 16-byte aligned: an even number of rows a
+                   group (FlashMLA loads a row's codes 16 bytes at a time from the group's base)
+
+and to the Triton kernels (``TritonAttentionBackend``) otherwise: a dense (bf16) cache, a
+prefill step's three sources, the tiny models' heads. A source's rows are FlashMLA's paged
+cache as they lie (row n: group n // r, slot n % r; a group's r rows of 576 bytes, then their
+r x 8 scale bytes), so no copy is made; its index lists go in as int32 padded with -1 to a
+multiple of 64 (a no-op for ``ring_window``'s). Each token is a batch row of one query
+(B = T, s_q = 1): every token has its own lists. The output's RoPE channels are rotated back
+(``out_rope``) by the norm family's ``apply_rope``, one launch.
+
+FlashMLA's arithmetic: bf16 q . k on tensor cores with fp32 accumulation, probabilities rounded
+to bf16 for the value product, over the same dequantized values our kernels read
+(tests/gpu/test_gpu_flashmla.py holds it to torch_ref within FlashMLA's own tolerances).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.ops.attention import flashmla
+from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
+from deepinfer.ops.attention.triton import TritonAttentionBackend
+from deepinfer.ops.norm.triton import apply_rope
+
+ALIGN = 16  # bytes: a group's base, for FlashMLA's 16-byte loads
+
+
+def paged_view(kv: KVSource) -> torch.Tensor | None:
+    """A source as FlashMLA's paged FP8 cache [groups, r, 1, 584] (the same bytes), or None
+    where FlashMLA cannot read it (dense rows, another layout, unaligned groups)."""
+    if not isinstance(kv, Fp8Rows) or kv.layout != flashmla.LAYOUT:
+        return None
+    data, scales = kv.data, kv.scales
+    groups, rows, data_bytes = data.shape
+    stride = data.stride(0)
+    contiguous = data.stride(1) == data_bytes and data.stride(2) == 1
+    scales_follow = (
+        scales.stride(0) == stride and scales.data_ptr() == data.data_ptr() + rows * data_bytes
+    )
+    if not contiguous or not scales_follow or stride % ALIGN or data.data_ptr() % ALIGN:
+        return None
+    row = flashmla.BYTES_PER_TOKEN
+    view = data.as_strided((groups, rows, 1, row), (stride, row, row, 1))
+    return view.view(torch.float8_e4m3fn)
+
+
+def fits(q: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
+    """Whether FlashMLA's sparse decode takes q over these sources (``paged_view``'s)."""
+    return (
+        q.is_cuda
+        and q.dtype == torch.bfloat16
+        and q.dim() == 3
+        and q.shape[1] in flashmla.SUPPORTED_HEADS
+        and q.shape[2] == flashmla.HEAD_DIM
+        and 1 <= len(caches) <= 2
+        and all(cache is not None for cache in caches)
+    )
+
+
+class FlashMLAAttentionBackend(TritonAttentionBackend):
+    """FlashMLA's sparse decode for the calls that fit it (module docstring), this device's
+    Triton kernels for the rest and for every other op."""
+
+    window_from_ring = True
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        sources: Sequence[tuple[KVSource, torch.Tensor]],
+        sinks: torch.Tensor,
+        scale: float,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        caches = [paged_view(kv) for kv, _ in sources]
+        if not fits(q, caches) or q.shape[0] == 0:
+            return super().sparse_attention(q, sources, sinks, scale, out_rope)
+        lists = [idx.unsqueeze(1) for _, idx in sources]  # [T, 1, L]: a query a batch row
+        extra = {}
+        if len(sources) == 2:
+            extra = {"extra_cache": caches[1], "extra_indices": lists[1]}
+        out = flashmla.sparse_decode(q.unsqueeze(1), caches[0], lists[0], sinks, scale, **extra)
+        out = out.squeeze(1)  # [T, H, 512]
+        return out if out_rope is None else apply_rope(out, *out_rope, num_sms=self.num_sms)

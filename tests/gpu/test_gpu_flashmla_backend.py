@@ -1,0 +1,119 @@
+"""The FlashMLA attention backend in a V4-Flash-shaped model over an FP8 KV cache.
+
+A decode step of 4 requests (1,024 tokens of context each) through three layers of V4-Flash's
+attention shapes (CSA, sliding, HCA; 64 heads of 512; 8 routed experts, to keep it small) with
+``attention = "flashmla"``: every layer's attention must go to FlashMLA (block_size 256, so
+that HCA's entries, two a block, are 16-byte aligned as FlashMLA loads them), and give what the
+Triton kernels give on the same sources (the backend with FlashMLA refused: ``fits`` false):
+
+- layer 0 sees the same inputs either way: its attention output is held to FlashMLA's own
+  decode tolerances (tests/gpu/test_gpu_flashmla.py: every element within 1e-2 absolute or
+  2.01/128 relative, cosine difference under 5e-6);
+- the logits, after three layers of random weights each fed the other's rounding, within a
+  cosine difference of 1e-4;
+- a CUDA graph of the step (the engine's decode graphs) replays the eager step's logits.
+
+Skipped where flash_mla is not importable (bash scripts/build_flashmla.sh, then
+PYTHONPATH=/tmp/flashmla-site) or the GPU is not SM90.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.ops.attention import flashmla
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+OUT_ABS_TOL, OUT_REL_TOL, COS_DIFF_TOL = 1e-2, 2.01 / 128, 5e-6
+LOGITS_COS_DIFF_TOL = 1e-4
+
+
+def _cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return (1 - 2 * (a * b).sum() / (a.square().sum() + b.square().sum())).item()
+
+
+@pytest.fixture(scope="module")
+def backend_module():
+    ok, why = flashmla.is_available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    from triton_modules import compiled
+
+    compiled("deepinfer.ops.attention.triton")
+    from deepinfer.ops.attention import flashmla_backend
+
+    return flashmla_backend
+
+
+def test_flashmla_serves_every_layer_as_triton_would(
+    backend_module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import v4_flash as bench
+
+    from deepinfer.model.deepseek_v4.args import CSA, HCA, SLIDING, ModelArgs
+
+    setup = dataclasses.replace(bench.make_setup(tiny=False), block_size=256)
+    config = {**bench.config_dict([CSA, SLIDING, HCA]), "num_local_experts": 8}
+    args = ModelArgs.from_dict(config)
+    kernels = bench.select_kernels(bench.kernel_config("attention=flashmla"), setup.device)
+    assert isinstance(kernels.attention, backend_module.FlashMLAAttentionBackend)
+    model = bench.build_model(args, kernels, setup, seed=0, fp4_experts=True, fp8_linears=True)
+
+    calls, outputs = [], []
+    decode = flashmla.sparse_decode
+    attend = backend_module.FlashMLAAttentionBackend.sparse_attention
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return decode(*a, **kw)
+
+    def kept(self, *a, **kw):
+        outputs.append(attend(self, *a, **kw))
+        return outputs[-1]
+
+    monkeypatch.setattr(flashmla, "sparse_decode", counted)
+    monkeypatch.setattr(backend_module.FlashMLAAttentionBackend, "sparse_attention", kept)
+
+    def step() -> torch.Tensor:
+        batch, cache = bench.decode_inputs(args, setup, 4, 1024, seed=1, kv_dtype="fp8")
+        with torch.inference_mode():
+            return model(batch, cache).float()
+
+    ours = step()
+    assert len(calls) == 3, f"FlashMLA ran in {len(calls)} of 3 layers"
+    first = outputs[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(backend_module, "fits", lambda q, caches: False)
+        triton = step()
+    assert len(calls) == 3  # the second run never reached FlashMLA
+    reference = outputs[3]
+    err = (first.float() - reference.float()).abs()
+    close = (err <= OUT_ABS_TOL) | (err <= OUT_REL_TOL * reference.float().abs())
+    assert close.all(), f"layer 0: {int((~close).sum())} elements out, max err {err.max():.3e}"
+    assert _cos_diff(first, reference) < COS_DIFF_TOL
+    assert _cos_diff(ours, triton) < LOGITS_COS_DIFF_TOL
+
+    batch, cache = bench.decode_inputs(args, setup, 4, 1024, seed=1, kv_dtype="fp8")
+    bench.graph_plans(batch, cache)
+    with torch.inference_mode():
+        eager = model(batch, cache).clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(batch, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = model(batch, cache)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
