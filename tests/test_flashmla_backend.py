@@ -98,12 +98,13 @@ def test_a_call_reaches_flashmla_as_its_two_caches(
         return _flashmla_model(*args, **kwargs)
 
     monkeypatch.setattr(backend_module, "fits", lambda q, caches: True)
+    monkeypatch.setattr(backend_module, "MIN_TOKENS", 1)
     monkeypatch.setattr(backend_module.flashmla, "sparse_decode", sparse_decode)
     monkeypatch.setattr(
         backend_module, "apply_rope", lambda x, c, s, num_sms: norm_ref.apply_rope(x, c, s)
     )
     backend = backend_module.FlashMLAAttentionBackend(torch.device("cpu"))
-    assert backend.window_from_ring
+    assert backend.window_from_ring(1) and not backend.window_from_ring(0)
     out = backend.sparse_attention(q, sources, sinks, 0.04, back)
     assert len(calls) == 1 and ("extra_cache" in calls[0]) == (num_sources == 2)
     dense = [(kv.gather(torch.arange(kv.num_rows)).float(), idx) for kv, idx in sources]

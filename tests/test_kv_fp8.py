@@ -209,7 +209,8 @@ def test_window_from_ring_gives_the_tokens_of_two_window_sources(
         merged.append(ring_window(meta))
         return merged[-1]
 
-    monkeypatch.setattr(torch_ref.TorchRefAttentionBackend, "window_from_ring", True)
+    always = staticmethod(lambda num_tokens: True)
+    monkeypatch.setattr(torch_ref.TorchRefAttentionBackend, "window_from_ring", always)
     monkeypatch.setattr(step_plan.StepMetadata, "ring_window", kept)
     monkeypatch.setattr(step_plan, "RING_WINDOW_COLUMNS", 1)
     from_ring = LLM(**common).generate(prompts, params, use_tqdm=False)

@@ -27,13 +27,13 @@ class AttentionBackend(Protocol):
     ``ops.reference_kernels``). Consumer: the model, through ``Kernels.attention``. Shapes,
     dtypes and semantics: torch_ref's functions of the same names.
 
-    window_from_ring: over a packed ring, the backend wants a step's window keys as one list
-    of ring rows (the step's keys stored into the ring before attention, where
-    ``StepMetadata.ring_first`` allows it) rather than the step's rows and the ring's as two
-    sources (FlashMLA reads packed rows, and two sources at most: the window and the
-    compressed entries)."""
+    ``window_from_ring(num_tokens)``: whether, over a packed ring, a step of that many tokens
+    should give its window keys as one list of ring rows (the step's keys stored into the ring
+    before attention, where ``StepMetadata.ring_first`` allows it) rather than the step's rows
+    and the ring's as two sources (FlashMLA reads packed rows, and two sources at most: the
+    window and the compressed entries)."""
 
-    window_from_ring: bool
+    def window_from_ring(self, num_tokens: int) -> bool: ...
 
     def sparse_attention(
         self,

@@ -4,19 +4,20 @@ FlashMLA's SM90 sparse decode (``flashmla.sparse_decode``) reads packed FP8 rows
 (cache.kv_dtype = "fp8": the engine's ring and entry parts hold exactly its V4 layout,
 ``flashmla.py``) from at most two sources, a main cache and an "extra" one. The model gives it
 two: it asks for the window as one list of ring rows (``window_from_ring``: a decode step's keys
-go into the ring before attention, ``StepMetadata.ring_window``), and the compressed entries
-are the second. A call goes to FlashMLA when:
+go into the ring before attention, ``StepMetadata.ring_window``, in steps of MIN_TOKENS tokens
+or more), and the compressed entries are the second. A call goes to FlashMLA when:
 
     q              [T, H, 512] bf16 on CUDA, H in (64, 128)
     sources        1 or 2, each packed rows of the V4 layout (448 e4m3 + 64 bf16) whose
                    groups (blocks, ring slots) start 16-byte aligned: an even number of rows a
                    group (FlashMLA loads a row's codes 16 bytes at a time from the group's base)
 
-and to the Triton kernels (``TritonAttentionBackend``) otherwise: a dense (bf16) cache, a
-prefill step's three sources, the tiny models' heads. A source's rows are FlashMLA's paged
-cache as they lie (row n: group n // r, slot n % r; a group's r rows of 576 bytes, then their
-r x 8 scale bytes), so no copy is made; its index lists go in as int32 padded with -1 to a
-multiple of 64 (a no-op for ``ring_window``'s). Each token is a batch row of one query
+and the step has MIN_TOKENS tokens or more (below, FlashMLA's extra launches cost more than
+its kernel saves); to the Triton kernels (``TritonAttentionBackend``) otherwise: a dense (bf16)
+cache, a prefill step's three sources, the tiny models' heads, few tokens. A source's rows are
+FlashMLA's paged cache as they lie (row n: group n // r, slot n % r; a group's r rows of 576
+bytes, then their r x 8 scale bytes), so no copy is made; its index lists go in as int32 padded
+with -1 to a multiple of 64 (a no-op for ``ring_window``'s). Each token is a batch row of one query
 (B = T, s_q = 1): every token has its own lists. The output's RoPE channels are rotated back
 (``out_rope``) by the norm family's ``apply_rope``, one launch.
 
@@ -37,6 +38,12 @@ from deepinfer.ops.attention.triton import TritonAttentionBackend
 from deepinfer.ops.norm.triton import apply_rope
 
 ALIGN = 16  # bytes: a group's base, for FlashMLA's 16-byte loads
+
+# Steps of fewer tokens stay on Triton. A CSA layer's decode step (H100, FP8 cache, 4K context,
+# graphed; benchmarks/RESULTS.md) took 0.329 ms with FlashMLA against Triton's 0.286 at batch
+# 1, the same 1.34 at 32, and 1.95 against 2.08 at 128: its call is five launches (the index
+# cast, its scheduling plan, the split kernel and their combine, the RoPE) against two.
+MIN_TOKENS = 64
 
 
 def paged_view(kv: KVSource) -> torch.Tensor | None:
@@ -75,7 +82,9 @@ class FlashMLAAttentionBackend(TritonAttentionBackend):
     """FlashMLA's sparse decode for the calls that fit it (module docstring), this device's
     Triton kernels for the rest and for every other op."""
 
-    window_from_ring = True
+    @staticmethod
+    def window_from_ring(num_tokens: int) -> bool:
+        return num_tokens >= MIN_TOKENS
 
     def sparse_attention(
         self,
@@ -86,7 +95,7 @@ class FlashMLAAttentionBackend(TritonAttentionBackend):
         out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         caches = [paged_view(kv) for kv, _ in sources]
-        if not fits(q, caches) or q.shape[0] == 0:
+        if not fits(q, caches) or q.shape[0] < MIN_TOKENS:
             return super().sparse_attention(q, sources, sinks, scale, out_rope)
         lists = [idx.unsqueeze(1) for _, idx in sources]  # [T, 1, L]: a query a batch row
         extra = {}

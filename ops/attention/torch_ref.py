@@ -141,7 +141,10 @@ def indexer_select(
 class TorchRefAttentionBackend(Backend):
     """The oracle as a backend object: this module's functions; it keeps no state."""
 
-    window_from_ring = False
+    @staticmethod
+    def window_from_ring(num_tokens: int) -> bool:
+        return False
+
     sparse_attention = staticmethod(sparse_attention)
     indexer_scores = staticmethod(indexer_scores)
     indexer_topk = staticmethod(indexer_topk)

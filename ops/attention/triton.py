@@ -1225,7 +1225,10 @@ class TritonAttentionBackend(Backend):
     that sparse_attention's splits fill; ``config``: tiles for every call instead of
     attention_config's (for tuning; None in the engine)."""
 
-    window_from_ring = False
+    @staticmethod
+    def window_from_ring(num_tokens: int) -> bool:
+        return False
+
     indexer_scores = staticmethod(indexer_scores)
     indexer_topk = staticmethod(indexer_topk)
     indexer_select = staticmethod(indexer_select)

@@ -2,16 +2,14 @@
 
 A decode step of 4 requests (1,024 tokens of context each) through three layers of V4-Flash's
 attention shapes (CSA, sliding, HCA; 64 heads of 512; 8 routed experts, to keep it small) with
-``attention = "flashmla"``: every layer's attention must go to FlashMLA (block_size 256, so
-that HCA's entries, two a block, are 16-byte aligned as FlashMLA loads them), and give what the
-Triton kernels give on the same sources (the backend with FlashMLA refused: ``fits`` false):
-
-- layer 0 sees the same inputs either way: its attention output is held to FlashMLA's own
-  decode tolerances (tests/gpu/test_gpu_flashmla.py: every element within 1e-2 absolute or
-  2.01/128 relative, cosine difference under 5e-6);
-- the logits, after three layers of random weights each fed the other's rounding, within a
-  cosine difference of 1e-4;
-- a CUDA graph of the step (the engine's decode graphs) replays the eager step's logits.
+``attention = "flashmla"`` and its token threshold lowered to 1: every layer's attention must go
+to FlashMLA (block_size 256, so that HCA's entries, two a block, are 16-byte aligned as FlashMLA
+loads them) and give, on the same sources, what the Triton kernels give (the backend with
+FlashMLA refused: ``fits`` false), within FlashMLA's own decode tolerances
+(tests/gpu/test_gpu_flashmla.py: every element within 1e-2 absolute or 2.01/128 relative, a
+cosine difference under 5e-6). The logits of the two runs are not compared: a last-bit change
+of an attention output may flip the random router's or the indexer's choices downstream.
+A CUDA graph of the step (the engine's decode graphs) replays the eager step's logits.
 
 Skipped where flash_mla is not importable (bash scripts/build_flashmla.sh, then
 PYTHONPATH=/tmp/flashmla-site) or the GPU is not SM90.
@@ -33,7 +31,6 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 OUT_ABS_TOL, OUT_REL_TOL, COS_DIFF_TOL = 1e-2, 2.01 / 128, 5e-6
-LOGITS_COS_DIFF_TOL = 1e-4
 
 
 def _cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,7 +65,7 @@ def test_flashmla_serves_every_layer_as_triton_would(
     assert isinstance(kernels.attention, backend_module.FlashMLAAttentionBackend)
     model = bench.build_model(args, kernels, setup, seed=0, fp4_experts=True, fp8_linears=True)
 
-    calls, outputs = [], []
+    calls, gaps = [], []
     decode = flashmla.sparse_decode
     attend = backend_module.FlashMLAAttentionBackend.sparse_attention
 
@@ -76,31 +73,27 @@ def test_flashmla_serves_every_layer_as_triton_would(
         calls.append(1)
         return decode(*a, **kw)
 
-    def kept(self, *a, **kw):
-        outputs.append(attend(self, *a, **kw))
-        return outputs[-1]
+    def both(self, *a, **kw):
+        ours = attend(self, *a, **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(backend_module, "fits", lambda q, caches: False)
+            triton = attend(self, *a, **kw).float()
+        err = (ours.float() - triton).abs()
+        close = (err <= OUT_ABS_TOL) | (err <= OUT_REL_TOL * triton.abs())
+        gaps.append((int((~close).sum()), err.max().item(), _cos_diff(ours, triton)))
+        return ours
 
+    monkeypatch.setattr(backend_module, "MIN_TOKENS", 1)
     monkeypatch.setattr(flashmla, "sparse_decode", counted)
-    monkeypatch.setattr(backend_module.FlashMLAAttentionBackend, "sparse_attention", kept)
-
-    def step() -> torch.Tensor:
-        batch, cache = bench.decode_inputs(args, setup, 4, 1024, seed=1, kv_dtype="fp8")
-        with torch.inference_mode():
-            return model(batch, cache).float()
-
-    ours = step()
+    monkeypatch.setattr(backend_module.FlashMLAAttentionBackend, "sparse_attention", both)
+    batch, cache = bench.decode_inputs(args, setup, 4, 1024, seed=1, kv_dtype="fp8")
+    with torch.inference_mode():
+        model(batch, cache)
     assert len(calls) == 3, f"FlashMLA ran in {len(calls)} of 3 layers"
-    first = outputs[0]
-    with monkeypatch.context() as patch:
-        patch.setattr(backend_module, "fits", lambda q, caches: False)
-        triton = step()
-    assert len(calls) == 3  # the second run never reached FlashMLA
-    reference = outputs[3]
-    err = (first.float() - reference.float()).abs()
-    close = (err <= OUT_ABS_TOL) | (err <= OUT_REL_TOL * reference.float().abs())
-    assert close.all(), f"layer 0: {int((~close).sum())} elements out, max err {err.max():.3e}"
-    assert _cos_diff(first, reference) < COS_DIFF_TOL
-    assert _cos_diff(ours, triton) < LOGITS_COS_DIFF_TOL
+    for layer, (outside, worst, cos_diff) in enumerate(gaps):
+        assert outside == 0, f"layer {layer}: {outside} elements out, max err {worst:.3e}"
+        assert cos_diff < COS_DIFF_TOL, f"layer {layer}: cosine difference {cos_diff:.2e}"
+    monkeypatch.setattr(backend_module.FlashMLAAttentionBackend, "sparse_attention", attend)
 
     batch, cache = bench.decode_inputs(args, setup, 4, 1024, seed=1, kv_dtype="fp8")
     bench.graph_plans(batch, cache)
@@ -116,4 +109,5 @@ def test_flashmla_serves_every_layer_as_triton_would(
             captured = model(batch, cache)
         graph.replay()
     torch.cuda.synchronize()
+    assert len(calls) == 3 + 3 * 3  # eager, warm-up and capture: FlashMLA in the graph
     assert torch.equal(captured, eager)

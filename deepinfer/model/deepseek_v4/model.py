@@ -147,7 +147,7 @@ class Attention(nn.Module):
         # attention: a dense ring's from the norm's launch; a packed ring's by their own store,
         # for a backend that reads a packed window from the ring alone (window_from_ring).
         dense_ring = isinstance(ring, torch.Tensor)
-        from_ring = meta.ring_first and not dense_ring and attention.window_from_ring
+        from_ring = meta.ring_first and not dense_ring and attention.window_from_ring(x.shape[0])
         ring_first = from_ring or (meta.ring_first and dense_ring)
         # q's and kv's norms in one launch, with one eps: both are args.rms_norm_eps.
         q, kv = norm.rms_norm_rope_pair(
