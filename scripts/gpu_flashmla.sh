@@ -5,9 +5,9 @@
 #   2. the GPU tests of its adapter, the backend in a V4-Flash-shaped model and the FP8 cache
 #      on the Triton kernels: $OUT/flashmla_suite.log;
 #   3. the decode step over an FP8 cache (fp4-fp8-kv8), attention=triton then attention=flashmla,
-#      a CSA and an HCA layer at batch 1, 32 and 128, 4K context, graphed:
-#      $OUT/flashmla_decode.{triton,flashmla}.log.
-# Time limits: SUITE_S (180), DECODE_S (130 a backend).
+#      a CSA and an HCA layer at batch 1, 64 and 128, 4K context, graphed, cache.block_size
+#      BLOCK_SIZE (256: FlashMLA takes HCA's entries too): $OUT/flashmla_decode.{triton,flashmla}.log.
+# Time limits: SUITE_S (180), DECODE_S (110 a backend).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_env.sh >/dev/null
@@ -27,10 +27,10 @@ export PYTHONPATH="/tmp/flashmla-site:${PYTHONPATH:-}"
 tail -20 "$OUT/flashmla_suite.log"
 for backend in triton flashmla; do
   echo "== attention=$backend"
-  timeout --signal=INT "${DECODE_S:-130}" python3 -P benchmarks/v4_flash_decode.py \
-    --layers csa,hca --experts fp4-fp8-kv8 --batch 1,32,128 --context 4096 --graph \
-    --backend "attention=$backend" 2>&1 | grep -v "Loading weights" \
-    >"$OUT/flashmla_decode.$backend.log"
+  timeout --signal=INT "${DECODE_S:-110}" python3 -P benchmarks/v4_flash_decode.py \
+    --layers csa,hca --experts fp4-fp8-kv8 --batch 1,64,128 --context 4096 --graph \
+    --block-size "${BLOCK_SIZE:-256}" --backend "attention=$backend" 2>&1 \
+    | grep -v "Loading weights" >"$OUT/flashmla_decode.$backend.log"
   grep -E "^\| (csa|hca|swa|outer|plans|fp4-fp8-kv8) \||attention=" \
     "$OUT/flashmla_decode.$backend.log" | tail -20
 done
