@@ -34,3 +34,13 @@ for backend in triton flashmla; do
   grep -E "^\| (csa|hca|swa|outer|plans|fp4-fp8-kv8) \||attention=" \
     "$OUT/flashmla_decode.$backend.log" | tail -20
 done
+# Then, while time is left (EXTRA_S, 0 to skip): the engine-level tests the model's attention
+# change reaches on Triton (MTP layers, V4.1, the parity run): $OUT/extra_suite.log.
+if (("${EXTRA_S:-150}" > 0)); then
+  (
+    cd tests/gpu && timeout --signal=INT "${EXTRA_S:-150}" \
+      python3 -P -m pytest -q -p no:cacheprovider -m gpu test_gpu_speculative.py \
+      test_gpu_v41.py test_gpu_parity.py --durations=5
+  ) >"$OUT/extra_suite.log" 2>&1
+  tail -12 "$OUT/extra_suite.log"
+fi
