@@ -421,8 +421,10 @@ def test_indexer_select_is_the_scores_then_the_topk(
     assert torch.equal(kernels.indexer_select(*args, k, 0.5, rope), picked[kernels])
 
 
-def test_triton_is_preferred_but_needs_cuda() -> None:
-    assert BACKENDS.names == ["triton", "torch_ref"]
+def test_flashmla_then_triton_are_preferred_but_need_cuda() -> None:
+    assert BACKENDS.names == ["flashmla", "triton", "torch_ref"]
     assert type(BACKENDS.select("auto", torch.device("cpu"))) is ref.TorchRefAttentionBackend
     with pytest.raises(ValueError, match="triton kernels run on CUDA devices, not cpu"):
         BACKENDS.select("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="FlashMLA runs on CUDA devices, not cpu"):
+        BACKENDS.select("flashmla", torch.device("cpu"))
