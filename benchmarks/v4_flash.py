@@ -172,6 +172,12 @@ def add_common_args(
             action="store_false",
             help="kernel.side_stream = false: every launch on one stream",
         )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        help="cache.block_size (default: config.toml's; attention=flashmla takes HCA layers "
+        "from 256)",
+    )
     ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--seed", type=int, default=0)
@@ -217,6 +223,12 @@ def make_setup(tiny: bool) -> Setup:
     if not tiny:
         raise SystemExit("no CUDA device: V4-Flash shapes need the GPU (--tiny runs on the CPU)")
     return Setup(torch.device("cpu"), torch.float32, tiny, block_size, cache.ring_margin)
+
+
+def setup_of(ns: argparse.Namespace) -> Setup:
+    """make_setup for the parsed ``add_common_args`` (--tiny, --block-size)."""
+    setup = make_setup(ns.tiny)
+    return dataclasses.replace(setup, block_size=ns.block_size) if ns.block_size else setup
 
 
 def release() -> None:

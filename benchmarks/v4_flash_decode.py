@@ -43,7 +43,6 @@ Prints a per-layer table, the full-depth table last, then a RESULTS: block for R
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import statistics
 import sys
@@ -60,10 +59,10 @@ from v4_flash import (
     experts_hit,
     graph_plans,
     kernel_switches,
-    make_setup,
     parse_ints,
     parse_layers,
     release,
+    setup_of,
     weight_flags,
 )
 from v4_flash_report import (
@@ -92,12 +91,6 @@ def main() -> None:
     ap.add_argument("--context", help="context lengths (default 4096,32768; --tiny: 64)")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
     ap.add_argument(
-        "--block-size",
-        type=int,
-        help="cache.block_size (default: config.toml's; attention=flashmla takes HCA layers "
-        "from 256)",
-    )
-    ap.add_argument(
         "--experts",
         default="bf16",
         help="weights: bf16 (dense), fp4 (routed experts packed MXFP4), fp4-fp8 (and the "
@@ -106,9 +99,7 @@ def main() -> None:
     )
     add_common_args(ap, warmup=2, repeats=5)
     ns = ap.parse_args()
-    setup = make_setup(ns.tiny)
-    if ns.block_size:
-        setup = dataclasses.replace(setup, block_size=ns.block_size)
+    setup = setup_of(ns)
     kinds = parse_layers(ns.layers)
     batches = parse_ints(ns.batch or ("1,4" if ns.tiny else "1,8,32,128,256"))
     contexts = parse_ints(ns.context or ("64" if ns.tiny else "4096,32768"))

@@ -43,11 +43,11 @@ from v4_flash import (
     add_common_args,
     each_layer_model,
     kernel_switches,
-    make_setup,
     parse_ints,
     parse_layers,
     prefill_inputs,
     release,
+    setup_of,
     weight_flags,
 )
 from v4_flash_report import (
@@ -88,7 +88,7 @@ def main() -> None:
     )
     add_common_args(ap, warmup=1, repeats=3)
     ns = ap.parse_args()
-    setup = make_setup(ns.tiny)
+    setup = setup_of(ns)
     if ns.unpack_min_tokens is not None:
         from deepinfer.ops.attention import triton as attention
 

@@ -110,3 +110,47 @@ def test_a_call_reaches_flashmla_as_its_two_caches(
     dense = [(kv.gather(torch.arange(kv.num_rows)).float(), idx) for kv, idx in sources]
     expected = ref.sparse_attention(q, dense, sinks, 0.04, back)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_chunk_reaches_flashmla_as_one_source(
+    backend_module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's three sources (its own keys dense, the ring and the entries packed) go to
+    FlashMLA's sparse prefill as one: the rows the lists name, renumbered."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads = 6, 64
+    step = torch.randn(tokens, flashmla.HEAD_DIM, generator=gen)
+    ring, _ = _packed_part(2, 144, gen)
+    pool, _ = _packed_part(5, 32, gen)
+    sources = [
+        (step, torch.randint(-1, tokens, (tokens, 8), generator=gen)),
+        (ring, torch.randint(-1, ring.num_rows, (tokens, 128), generator=gen)),
+        (pool, torch.randint(-1, pool.num_rows, (tokens, 512), generator=gen)),
+    ]
+    q = torch.randn(tokens, heads, flashmla.HEAD_DIM, generator=gen)
+    sinks = torch.randn(heads, generator=gen)
+    angles = torch.rand(tokens, 32, generator=gen) * 6
+    back = (torch.cos(angles), -torch.sin(angles))
+
+    calls = []
+
+    def sparse_prefill(q, kv, indices, sinks, scale):
+        calls.append(kv.shape[0])
+        return ref.sparse_attention(q, [(kv, indices)], sinks, scale)
+
+    monkeypatch.setattr(backend_module, "takes_queries", lambda q: True)
+    monkeypatch.setattr(backend_module, "UNPACK_MIN_TOKENS", 1)
+    monkeypatch.setattr(backend_module.flashmla, "sparse_prefill", sparse_prefill)
+    rope = lambda x, c, s, num_sms: norm_ref.apply_rope(x, c, s)  # noqa: E731
+    monkeypatch.setattr(backend_module, "apply_rope", rope)
+    backend = backend_module.FlashMLAAttentionBackend(torch.device("cpu"))
+    out = backend.sparse_attention(q, sources, sinks, 0.04, back)
+    named = sum(idx.unique().numel() for _, idx in sources[1:])  # -1 too: a row of its own
+    assert calls == [tokens + named]  # the chunk's rows, and each named packed row once
+    dense = [(step, sources[0][1])]
+    dense += [(kv.gather(torch.arange(kv.num_rows)).float(), idx) for kv, idx in sources[1:]]
+    expected = ref.sparse_attention(q, dense, sinks, 0.04, back)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # A bf16 cache's parts are not copied whole: such a chunk stays on Triton.
+    big = torch.randn(4 * tokens, flashmla.HEAD_DIM, generator=gen)
+    assert backend_module.prefill_sources(q, [sources[0], (big, sources[1][1])]) is None

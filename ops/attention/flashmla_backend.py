@@ -34,7 +34,7 @@ import torch
 
 from deepinfer.ops.attention import flashmla
 from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
-from deepinfer.ops.attention.triton import TritonAttentionBackend
+from deepinfer.ops.attention.triton import UNPACK_MIN_TOKENS, TritonAttentionBackend, unpacked
 from deepinfer.ops.norm.triton import apply_rope
 
 ALIGN = 16  # bytes: a group's base, for FlashMLA's 16-byte loads
@@ -65,17 +65,47 @@ def paged_view(kv: KVSource) -> torch.Tensor | None:
     return view.view(torch.float8_e4m3fn)
 
 
-def fits(q: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
-    """Whether FlashMLA's sparse decode takes q over these sources (``paged_view``'s)."""
+def takes_queries(q: torch.Tensor) -> bool:
+    """Whether q is what FlashMLA's sparse kernels take: [T, H, 512] bf16 on CUDA, H 64 or 128."""
     return (
         q.is_cuda
         and q.dtype == torch.bfloat16
         and q.dim() == 3
         and q.shape[1] in flashmla.SUPPORTED_HEADS
         and q.shape[2] == flashmla.HEAD_DIM
-        and 1 <= len(caches) <= 2
-        and all(cache is not None for cache in caches)
     )
+
+
+def fits(q: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
+    """Whether FlashMLA's sparse decode takes q over these sources (``paged_view``'s)."""
+    return takes_queries(q) and 1 <= len(caches) <= 2 and all(c is not None for c in caches)
+
+
+def prefill_sources(
+    q: torch.Tensor, sources: Sequence[tuple[KVSource, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A prefill chunk's sources as FlashMLA's sparse prefill takes them, one bf16 source: the
+    rows its lists name, each once (``unpacked``: what the Triton kernels read from
+    UNPACK_MIN_TOKENS tokens on), one after another, and the lists renumbered onto them. None
+    where it does not take the call: q of other shapes, fewer tokens, a CUDA graph being
+    captured (unpacking syncs), no packed source (a bf16 cache part is not copied whole)."""
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    step_rows = [kv for kv, _ in sources if not isinstance(kv, Fp8Rows)]
+    if (
+        not takes_queries(q)
+        or q.shape[0] < UNPACK_MIN_TOKENS
+        or capturing
+        or len(step_rows) == len(sources)
+        or any(kv.shape[0] > q.shape[0] for kv in step_rows)  # a dense part of the cache
+    ):
+        return None
+    rows, lists, first = [], [], 0
+    for kv, idx in sources:
+        dense, local = unpacked(kv, idx, q.dtype)
+        rows.append(dense)
+        lists.append(torch.where(local >= 0, local + first, -1))
+        first += dense.shape[0]
+    return torch.cat(rows), torch.cat(lists, dim=1)
 
 
 class FlashMLAAttentionBackend(TritonAttentionBackend):
@@ -96,7 +126,11 @@ class FlashMLAAttentionBackend(TritonAttentionBackend):
     ) -> torch.Tensor:
         caches = [paged_view(kv) for kv, _ in sources]
         if not fits(q, caches) or q.shape[0] < MIN_TOKENS:
-            return super().sparse_attention(q, sources, sinks, scale, out_rope)
+            prefill = prefill_sources(q, sources)
+            if prefill is None:
+                return super().sparse_attention(q, sources, sinks, scale, out_rope)
+            out = flashmla.sparse_prefill(q, *prefill, sinks, scale)
+            return out if out_rope is None else apply_rope(out, *out_rope, num_sms=self.num_sms)
         lists = [idx.unsqueeze(1) for _, idx in sources]  # [T, 1, L]: a query a batch row
         extra = {}
         if len(sources) == 2:

@@ -704,7 +704,7 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _unpacked(kv: KVSource, idx: torch.Tensor, dtype: torch.dtype) -> tuple[KVSource, torch.Tensor]:
+def unpacked(kv: KVSource, idx: torch.Tensor, dtype: torch.dtype) -> tuple[KVSource, torch.Tensor]:
     """A packed source as dense rows in ``dtype``: the distinct rows of ``idx``, exactly
     unpacked, and ``idx`` renumbered onto them (holes stay -1). A dense source as it is."""
     if not isinstance(kv, Fp8Rows):
@@ -763,7 +763,7 @@ def sparse_attention(
     assert len(layouts) <= 1, f"packed sources of several layouts: {layouts}"
     layout = next(iter(layouts), None)
     if layout is not None and num_q >= UNPACK_MIN_TOKENS and not _capturing(q.device):
-        sources = [_unpacked(kv, idx, q.dtype) for kv, idx in sources]
+        sources = [unpacked(kv, idx, q.dtype) for kv, idx in sources]
         layout = None
     # Absent sources repeat the first with length 0: never read, as NUM_SOURCES bounds the loop.
     padded = [*sources] + [sources[0]] * (3 - len(sources))
