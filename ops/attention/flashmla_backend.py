@@ -1,4 +1,4 @@
-"""FlashMLA's sparse decode as the engine's attention where a call fits it; Triton elsewhere.
+"""FlashMLA's sparse kernels as the engine's attention where a call fits them; Triton elsewhere.
 
 FlashMLA's SM90 sparse decode (``flashmla.sparse_decode``) reads packed FP8 rows
 (cache.kv_dtype = "fp8": the engine's ring and entry parts hold exactly its V4 layout,
@@ -21,6 +21,11 @@ with -1 to a multiple of 64 (a no-op for ``ring_window``'s). Each token is a bat
 (B = T, s_q = 1): every token has its own lists. The output's RoPE channels are rotated back
 (``out_rope``) by the norm family's ``apply_rope``, one launch.
 
+A prefill chunk over an FP8 cache (UNPACK_MIN_TOKENS tokens or more, not under CUDA-graph
+capture) goes to FlashMLA's sparse prefill instead (``prefill_sources``): it takes one bf16
+source, so the rows the lists name are unpacked once each (as the Triton path does from that
+size), put one after another and the lists renumbered onto them; any block size.
+
 FlashMLA's arithmetic: bf16 q . k on tensor cores with fp32 accumulation, probabilities rounded
 to bf16 for the value product, over the same dequantized values our kernels read
 (tests/gpu/test_gpu_flashmla.py holds it to torch_ref within FlashMLA's own tolerances).
@@ -33,8 +38,9 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.ops.attention import flashmla
+from deepinfer.ops.attention import triton as triton_attention
 from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
-from deepinfer.ops.attention.triton import UNPACK_MIN_TOKENS, TritonAttentionBackend, unpacked
+from deepinfer.ops.attention.triton import TritonAttentionBackend, unpacked
 from deepinfer.ops.norm.triton import apply_rope
 
 ALIGN = 16  # bytes: a group's base, for FlashMLA's 16-byte loads
@@ -93,7 +99,7 @@ def prefill_sources(
     step_rows = [kv for kv, _ in sources if not isinstance(kv, Fp8Rows)]
     if (
         not takes_queries(q)
-        or q.shape[0] < UNPACK_MIN_TOKENS
+        or q.shape[0] < triton_attention.UNPACK_MIN_TOKENS  # read now: benchmarks set it
         or capturing
         or len(step_rows) == len(sources)
         or any(kv.shape[0] > q.shape[0] for kv in step_rows)  # a dense part of the cache
@@ -109,8 +115,8 @@ def prefill_sources(
 
 
 class FlashMLAAttentionBackend(TritonAttentionBackend):
-    """FlashMLA's sparse decode for the calls that fit it (module docstring), this device's
-    Triton kernels for the rest and for every other op."""
+    """FlashMLA's sparse decode and prefill for the calls that fit them (module docstring),
+    this device's Triton kernels for the rest and for every other op."""
 
     @staticmethod
     def window_from_ring(num_tokens: int) -> bool:
