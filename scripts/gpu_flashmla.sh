@@ -38,12 +38,27 @@ bench() {
   grep -E "^\| (csa|hca|swa|outer|plans|fp4-fp8-kv8) \||^\|.*(csa|hca) .*\||MFU" \
     "$OUT/flashmla_$name.$backend.log" | tail -12
 }
-(("${BENCH_S:-60}" > 0)) || exit 0
-for backend in triton flashmla; do
-  bench prefill "$backend" --layers csa --experts fp4-fp8 --kv fp8 --prompt 8192 \
-    --block-size "${BLOCK_SIZE:-256}"
-done
-for backend in triton flashmla; do
-  bench decode "$backend" --layers csa,hca --experts fp4-fp8-kv8 \
-    --batch "${DECODE_BATCH:-64,128}" --context 4096 --graph --block-size "${BLOCK_SIZE:-256}"
-done
+if (("${BENCH_S:-60}" > 0)); then
+  for backend in triton flashmla; do
+    bench prefill "$backend" --layers csa --experts fp4-fp8 --kv fp8 --prompt 8192 \
+      --block-size "${BLOCK_SIZE:-256}"
+  done
+  for backend in triton flashmla; do
+    bench decode "$backend" --layers csa,hca --experts fp4-fp8-kv8 \
+      --batch "${DECODE_BATCH:-64,128}" --context 4096 --graph \
+      --block-size "${BLOCK_SIZE:-256}"
+  done
+fi
+# Then, with SERVE_S > 0 (seconds a server, default 0: the steps above fill a call), `deepinfer
+# serve` on a 4-layer V4-Flash-shaped model with packed weights and an FP8 cache under `deepinfer
+# bench serve` at concurrency 64 and 128, attention=triton then flashmla:
+# $OUT/flashmla_serve.BACKEND.log.
+if (("${SERVE_S:-0}" > 0)); then
+  for backend in triton flashmla; do
+    echo "== serve attention=$backend"
+    DEEPINFER_KERNEL_ATTENTION="$backend" timeout --signal=INT "$SERVE_S" python3 -P \
+      benchmarks/serve_graphs.py --weights fp4-fp8-kv8 --concurrency 64,128 \
+      --out "$OUT/serve_$backend" >"$OUT/flashmla_serve.$backend.log" 2>&1
+    grep -E "^\|" "$OUT/flashmla_serve.$backend.log" | tail -8
+  done
+fi
