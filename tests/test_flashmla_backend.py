@@ -64,6 +64,11 @@ def test_paged_view_refuses_what_flashmla_cannot_read(backend_module) -> None:
     assert not backend_module.fits(q, [backend_module.paged_view(even)])
 
 
+def dense_of(rows: Fp8Rows) -> torch.Tensor:
+    """Every row of a packed part, as the kernels read them (fp32)."""
+    return rows.gather(torch.arange(rows.num_rows)).float()
+
+
 def _flashmla_model(q, k_cache, indices, sinks, scale, *, extra_cache=None, extra_indices=None):
     """What ``flashmla.sparse_decode`` computes (its docstring), from FlashMLA's own inputs:
     every query token of batch row b attends to the rows its lists name in each cache."""
@@ -107,7 +112,16 @@ def test_a_call_reaches_flashmla_as_its_two_caches(
     assert backend.window_from_ring(1) and not backend.window_from_ring(0)
     out = backend.sparse_attention(q, sources, sinks, 0.04, back)
     assert len(calls) == 1 and ("extra_cache" in calls[0]) == (num_sources == 2)
-    dense = [(kv.gather(torch.arange(kv.num_rows)).float(), idx) for kv, idx in sources]
+    # An entry list of no columns (no entry closed yet) is left out of the call.
+    empty = [sources[0], (pool, entries[:, :0])]
+    torch.testing.assert_close(
+        backend.sparse_attention(q, empty, sinks, 0.04, back),
+        ref.sparse_attention(q, [(dense_of(ring), window)], sinks, 0.04, back),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert len(calls) == 2 and "extra_cache" not in calls[1]
+    dense = [(dense_of(kv), idx) for kv, idx in sources]
     expected = ref.sparse_attention(q, dense, sinks, 0.04, back)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

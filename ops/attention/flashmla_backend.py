@@ -130,16 +130,19 @@ class FlashMLAAttentionBackend(TritonAttentionBackend):
         scale: float,
         out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        caches = [paged_view(kv) for kv, _ in sources]
+        # A list of no columns (no entry closed yet in any request) names no key: left out,
+        # rather than handed to FlashMLA as a cache of no index blocks.
+        listed = [(kv, idx) for kv, idx in sources if idx.shape[1]] or sources
+        caches = [paged_view(kv) for kv, _ in listed]
         if not fits(q, caches) or q.shape[0] < MIN_TOKENS:
             prefill = prefill_sources(q, sources)
             if prefill is None:
                 return super().sparse_attention(q, sources, sinks, scale, out_rope)
             out = flashmla.sparse_prefill(q, *prefill, sinks, scale)
             return out if out_rope is None else apply_rope(out, *out_rope, num_sms=self.num_sms)
-        lists = [idx.unsqueeze(1) for _, idx in sources]  # [T, 1, L]: a query a batch row
+        lists = [idx.unsqueeze(1) for _, idx in listed]  # [T, 1, L]: a query a batch row
         extra = {}
-        if len(sources) == 2:
+        if len(listed) == 2:
             extra = {"extra_cache": caches[1], "extra_indices": lists[1]}
         out = flashmla.sparse_decode(q.unsqueeze(1), caches[0], lists[0], sinks, scale, **extra)
         out = out.squeeze(1)  # [T, H, 512]
