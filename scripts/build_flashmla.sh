@@ -34,6 +34,19 @@ fail() {
   exit 1
 }
 
+# A package an earlier call built (scripts/gpu_flashmla.sh sends it back as flashmla-site.tgz;
+# put it in .flashmla-built/ here and carry that instead of .flashmla): unpacked into $SITE and
+# used if it imports, no source needed.
+PREBUILT="${FLASHMLA_PREBUILT:-.flashmla-built/flashmla-site.tgz}"
+if [ "${FLASHMLA_REBUILD:-0}" != 1 ] && [ -f "$PREBUILT" ]; then
+  rm -rf "$SITE" && mkdir -p "$SITE" && tar -xzf "$PREBUILT" -C "$SITE" &&
+    (cd / && PYTHONPATH="$SITE" "$PYTHON" -c "import flash_mla") && {
+    echo "build_flashmla: $SITE from $PREBUILT: $(tr '\n' ' ' <"$SITE/flash_mla/VERSION")"
+    exit 0
+  }
+  echo "build_flashmla: $PREBUILT does not import here; building from .flashmla" >&2
+fi
+
 [ -f .flashmla/VERSION ] && [ -f .flashmla/FlashMLA/setup.py ] ||
   fail "no .flashmla/ here: run scripts/fetch_flashmla.sh where there is a network, carry .flashmla"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FlashMLA as the engine's attention, in one device call (carry .whl and .flashmla;
-# `bash scripts/fetch_flashmla.sh` here first):  bash scripts/gpu_flashmla.sh
+# `bash scripts/fetch_flashmla.sh` here first; or .flashmla-built/flashmla-site.tgz, which an
+# earlier call sent back, instead of .flashmla):  bash scripts/gpu_flashmla.sh
 #   1. build FlashMLA for sm_90a (scripts/build_flashmla.sh, ~130 s; resumes a stopped build);
 #   2. the GPU tests of its adapter and of the backend in a V4-Flash-shaped model (SUITE: the
 #      test files, default test_gpu_flashmla_backend.py test_gpu_flashmla.py):
@@ -20,6 +21,9 @@ bash scripts/build_flashmla.sh >"$OUT/flashmla_build.out" 2>&1 || {
   exit 1
 }
 echo "FlashMLA built in $((SECONDS - start)) s"
+# The built package comes back (if under the 16 MiB a file): in .flashmla-built/ here it spares
+# the next call the build (scripts/build_flashmla.sh uses it).
+[ -f .flashmla-built/flashmla-site.tgz ] || tar -czf "$OUT/flashmla-site.tgz" -C /tmp/flashmla-site .
 export PYTHONPATH="/tmp/flashmla-site:${PYTHONPATH:-}"
 # shellcheck disable=SC2086
 (
