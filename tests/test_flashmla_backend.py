@@ -153,7 +153,7 @@ def test_a_prefill_chunk_reaches_flashmla_as_one_source(
         return ref.sparse_attention(q, [(kv, indices)], sinks, scale)
 
     monkeypatch.setattr(backend_module, "takes_queries", lambda q: True)
-    monkeypatch.setattr(backend_module.triton_attention, "UNPACK_MIN_TOKENS", 1)
+    monkeypatch.setattr(backend_module, "unpacks", lambda q, sources: True)
     monkeypatch.setattr(backend_module.flashmla, "sparse_prefill", sparse_prefill)
     rope = lambda x, c, s, num_sms: norm_ref.apply_rope(x, c, s)  # noqa: E731
     monkeypatch.setattr(backend_module, "apply_rope", rope)

@@ -38,9 +38,8 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.ops.attention import flashmla
-from deepinfer.ops.attention import triton as triton_attention
 from deepinfer.ops.attention.kv_fp8 import Fp8Rows, KVSource
-from deepinfer.ops.attention.triton import TritonAttentionBackend, unpacked
+from deepinfer.ops.attention.triton import TritonAttentionBackend, unpacked, unpacks
 from deepinfer.ops.norm.triton import apply_rope
 
 ALIGN = 16  # bytes: a group's base, for FlashMLA's 16-byte loads
@@ -91,18 +90,15 @@ def prefill_sources(
     q: torch.Tensor, sources: Sequence[tuple[KVSource, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A prefill chunk's sources as FlashMLA's sparse prefill takes them, one bf16 source: the
-    rows its lists name, each once (``unpacked``: what the Triton kernels read from
-    UNPACK_MIN_TOKENS tokens on), one after another, and the lists renumbered onto them. None
-    where it does not take the call: q of other shapes, fewer tokens, a CUDA graph being
-    captured (unpacking syncs), no packed source (a bf16 cache part is not copied whole)."""
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    step_rows = [kv for kv, _ in sources if not isinstance(kv, Fp8Rows)]
+    rows its lists name, each once (``unpacked``), one after another, and the lists renumbered
+    onto them. Only for a call the Triton path unpacks too (``unpacks``: a packed source, enough
+    tokens, no graph capture) and whose dense sources are the chunk's own keys (a bf16 cache
+    part is not copied whole); None otherwise, or for q of other shapes."""
+    dense = [kv for kv, _ in sources if not isinstance(kv, Fp8Rows)]
     if (
         not takes_queries(q)
-        or q.shape[0] < triton_attention.UNPACK_MIN_TOKENS  # read now: benchmarks set it
-        or capturing
-        or len(step_rows) == len(sources)
-        or any(kv.shape[0] > q.shape[0] for kv in step_rows)  # a dense part of the cache
+        or not unpacks(q, sources)
+        or any(kv.shape[0] > q.shape[0] for kv in dense)
     ):
         return None
     rows, lists, first = [], [], 0
@@ -134,16 +130,15 @@ class FlashMLAAttentionBackend(TritonAttentionBackend):
         # rather than handed to FlashMLA as a cache of no index blocks.
         listed = [(kv, idx) for kv, idx in sources if idx.shape[1]] or sources
         caches = [paged_view(kv) for kv, _ in listed]
-        if not fits(q, caches) or q.shape[0] < MIN_TOKENS:
-            prefill = prefill_sources(q, sources)
-            if prefill is None:
-                return super().sparse_attention(q, sources, sinks, scale, out_rope)
-            out = flashmla.sparse_prefill(q, *prefill, sinks, scale)
-            return out if out_rope is None else apply_rope(out, *out_rope, num_sms=self.num_sms)
-        lists = [idx.unsqueeze(1) for _, idx in listed]  # [T, 1, L]: a query a batch row
-        extra = {}
-        if len(listed) == 2:
-            extra = {"extra_cache": caches[1], "extra_indices": lists[1]}
-        out = flashmla.sparse_decode(q.unsqueeze(1), caches[0], lists[0], sinks, scale, **extra)
-        out = out.squeeze(1)  # [T, H, 512]
+        if fits(q, caches) and q.shape[0] >= MIN_TOKENS:
+            lists = [idx.unsqueeze(1) for _, idx in listed]  # [T, 1, L]: a query a batch row
+            extra = {}
+            if len(listed) == 2:
+                extra = {"extra_cache": caches[1], "extra_indices": lists[1]}
+            out = flashmla.sparse_decode(q.unsqueeze(1), caches[0], lists[0], sinks, scale, **extra)
+            out = out.squeeze(1)  # [T, H, 512]
+        elif (prefill := prefill_sources(q, sources)) is not None:
+            out = flashmla.sparse_prefill(q, *prefill, sinks, scale)  # [T, H, 512]
+        else:
+            return super().sparse_attention(q, sources, sinks, scale, out_rope)
         return out if out_rope is None else apply_rope(out, *out_rope, num_sms=self.num_sms)

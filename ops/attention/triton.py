@@ -704,6 +704,13 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def unpacks(q: torch.Tensor, sources: Sequence[tuple[KVSource, torch.Tensor]]) -> bool:
+    """Whether a call of q over these sources reads its packed rows unpacked first (``unpacked``):
+    a packed source, UNPACK_MIN_TOKENS query tokens or more, no CUDA graph being captured."""
+    has_packed = any(isinstance(kv, Fp8Rows) for kv, _ in sources)
+    return has_packed and q.shape[0] >= UNPACK_MIN_TOKENS and not _capturing(q.device)
+
+
 def unpacked(kv: KVSource, idx: torch.Tensor, dtype: torch.dtype) -> tuple[KVSource, torch.Tensor]:
     """A packed source as dense rows in ``dtype``: the distinct rows of ``idx``, exactly
     unpacked, and ``idx`` renumbered onto them (holes stay -1). A dense source as it is."""
@@ -762,7 +769,7 @@ def sparse_attention(
     layouts = {kv.layout for kv, _ in sources if isinstance(kv, Fp8Rows)}
     assert len(layouts) <= 1, f"packed sources of several layouts: {layouts}"
     layout = next(iter(layouts), None)
-    if layout is not None and num_q >= UNPACK_MIN_TOKENS and not _capturing(q.device):
+    if unpacks(q, sources):
         sources = [unpacked(kv, idx, q.dtype) for kv, idx in sources]
         layout = None
     # Absent sources repeat the first with length 0: never read, as NUM_SOURCES bounds the loop.
